@@ -1,0 +1,156 @@
+//! `cargo xtask demo | test`: the project's own task runner. Each task installs what it needs
+//! (rustup targets, cargo tools, npm packages) when missing and skips what is present.
+
+use anyhow::{bail, Context, Result};
+use std::env;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// trunk 0.22 needs rustc 1.96; 0.21.14 builds with the pinned 1.95 toolchain.
+const TRUNK_VERSION: &str = "0.21.14";
+/// wasm-opt from npm; Debian's binaryen 108 produces a wasm that fails in Chromium.
+const BINARYEN_VERSION: &str = "132.0.0";
+
+fn main() -> Result<()> {
+    let task = env::args().nth(1).unwrap_or_default();
+    let root = workspace_root();
+    env::set_current_dir(&root)?;
+    // One target directory shared by every build and every clone on this machine.
+    if env::var_os("CARGO_TARGET_DIR").is_none() {
+        env::set_var("CARGO_TARGET_DIR", cache_dir().join("target"));
+    }
+    match task.as_str() {
+        "test" => test(),
+        "demo" => demo(&env::args().skip(2).collect::<Vec<_>>()),
+        _ => {
+            eprintln!("usage: cargo xtask <task>\n\n  test   fmt check, clippy (warnings denied), all tests, the engine's wasm32 build\n  demo   build the playground and serve it on http://127.0.0.1:8000/ (extra args go to `kvlens serve`)");
+            std::process::exit(2);
+        }
+    }
+}
+
+fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .map(Path::to_path_buf)
+        .unwrap_or_else(|| PathBuf::from("."))
+}
+
+/// `$HOME/.cache/kvlens`: build outputs and tools that survive fresh clones.
+fn cache_dir() -> PathBuf {
+    let home = env::var_os("HOME").map(PathBuf::from).unwrap_or_else(env::temp_dir);
+    home.join(".cache").join("kvlens")
+}
+
+fn run(cmd: &mut Command) -> Result<()> {
+    eprintln!("+ {cmd:?}");
+    let status = cmd.status().with_context(|| format!("cannot start {cmd:?}"))?;
+    if !status.success() {
+        bail!("{cmd:?} failed with {status}");
+    }
+    Ok(())
+}
+
+fn cargo() -> Command {
+    Command::new(env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
+}
+
+fn have(program: &str, version_arg: &str, expect: &str) -> bool {
+    Command::new(program)
+        .arg(version_arg)
+        .output()
+        .map(|o| o.status.success() && String::from_utf8_lossy(&o.stdout).contains(expect))
+        .unwrap_or(false)
+}
+
+fn ensure_wasm_target() -> Result<()> {
+    let out = Command::new("rustup").args(["target", "list", "--installed"]).output();
+    match out {
+        Ok(o) if String::from_utf8_lossy(&o.stdout).contains("wasm32-unknown-unknown") => Ok(()),
+        Ok(_) => run(Command::new("rustup").args(["target", "add", "wasm32-unknown-unknown"])),
+        Err(_) => {
+            eprintln!("rustup not found: assuming the wasm32-unknown-unknown target is installed");
+            Ok(())
+        }
+    }
+}
+
+fn test() -> Result<()> {
+    ensure_wasm_target()?;
+    run(cargo().args(["fmt", "--all", "--", "--check"]))?;
+    run(cargo().args(["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"]))?;
+    run(cargo().args(["test", "--workspace"]))?;
+    run(cargo().args(["build", "--target", "wasm32-unknown-unknown", "-p", "kvlens-engine"]))?;
+    eprintln!("xtask test: all steps passed");
+    Ok(())
+}
+
+/// The wasm-bindgen version Cargo.lock resolved; the CLI must match it exactly.
+fn locked_wasm_bindgen_version() -> Result<String> {
+    let lock = std::fs::read_to_string("Cargo.lock").context("reading Cargo.lock")?;
+    let mut lines = lock.lines();
+    while let Some(line) = lines.next() {
+        if line == "name = \"wasm-bindgen\"" {
+            if let Some(v) = lines.next().and_then(|l| l.strip_prefix("version = \"")) {
+                return Ok(v.trim_end_matches('"').to_string());
+            }
+        }
+    }
+    bail!("wasm-bindgen is not in Cargo.lock")
+}
+
+/// Installs trunk, wasm-bindgen-cli and wasm-opt under the cache when they are missing.
+fn ensure_web_tools() -> Result<PathBuf> {
+    let tools = cache_dir().join("tools");
+    let bin = tools.join("bin");
+    let path = format!(
+        "{}:{}:{}",
+        bin.display(),
+        tools.join("node_modules/.bin").display(),
+        env::var("PATH").unwrap_or_default()
+    );
+    env::set_var("PATH", &path);
+    if !have("trunk", "--version", TRUNK_VERSION) {
+        run(cargo()
+            .args(["install", "--locked", "--root"])
+            .arg(&tools)
+            .args(["trunk", "--version", TRUNK_VERSION]))?;
+    }
+    let wb = locked_wasm_bindgen_version()?;
+    if !have("wasm-bindgen", "--version", &wb) {
+        // Not --locked: the locked set names a webpki-roots release the registry lacks.
+        run(cargo()
+            .args(["install", "--force", "--root"])
+            .arg(&tools)
+            .args(["wasm-bindgen-cli", "--version", &wb]))?;
+    }
+    if !have("wasm-opt", "--version", "132") {
+        run(Command::new("npm")
+            .args(["install", "--no-save", "--prefix"])
+            .arg(&tools)
+            .arg(format!("binaryen@{BINARYEN_VERSION}")))?;
+    }
+    Ok(tools)
+}
+
+fn demo(serve_args: &[String]) -> Result<()> {
+    ensure_wasm_target()?;
+    ensure_web_tools()?;
+    let wb = locked_wasm_bindgen_version()?;
+    run(Command::new("trunk")
+        .args(["build", "--release", "--offline"])
+        .current_dir("app")
+        .env("TRUNK_TOOLS_WASM_BINDGEN", &wb))?;
+    run(cargo()
+        .args([
+            "run",
+            "--release",
+            "-p",
+            "kvlens",
+            "--",
+            "serve",
+            "--playground-dir",
+            "app/dist",
+        ])
+        .args(serve_args))
+}
