@@ -1,0 +1,763 @@
+//! Hugging Face `config.json` -> [`ModelConfig`] for Qwen2-VL, Qwen2.5-VL and Qwen3-VL (dense and MoE).
+//!
+//! Both spellings seen in the wild are accepted: the published layouts (Qwen2/2.5-VL flat with
+//! `rope_scaling`, Qwen3-VL nested `text_config`) and the transformers 5 layout (`rope_parameters`).
+//! Fields that newer transformers omit because they equal the class defaults get the family's defaults.
+//! The configs of every published size are bundled ([`bundled_config`]) so the planner works offline.
+
+use serde_json::Value;
+
+/// A model family: what the forward pass and the preprocessing look like.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Family {
+    /// `qwen2_vl`
+    Qwen2Vl,
+    /// `qwen2_5_vl`
+    Qwen25Vl,
+    /// `qwen3_vl`
+    Qwen3Vl,
+    /// `qwen3_vl_moe` (planner only for now)
+    Qwen3VlMoe,
+}
+
+impl Family {
+    /// The `model_type` string Hugging Face uses.
+    pub fn model_type(self) -> &'static str {
+        match self {
+            Family::Qwen2Vl => "qwen2_vl",
+            Family::Qwen25Vl => "qwen2_5_vl",
+            Family::Qwen3Vl => "qwen3_vl",
+            Family::Qwen3VlMoe => "qwen3_vl_moe",
+        }
+    }
+
+    fn from_model_type(s: &str) -> Option<Self> {
+        Some(match s {
+            "qwen2_vl" => Family::Qwen2Vl,
+            "qwen2_5_vl" => Family::Qwen25Vl,
+            "qwen3_vl" => Family::Qwen3Vl,
+            "qwen3_vl_moe" => Family::Qwen3VlMoe,
+            _ => return None,
+        })
+    }
+
+    /// Qwen3-VL and Qwen3-VL-MoE share the vision tower and the Qwen3 decoder attention.
+    pub fn is_qwen3(self) -> bool {
+        matches!(self, Family::Qwen3Vl | Family::Qwen3VlMoe)
+    }
+}
+
+/// Element type of weights, activations or the KV cache.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DType {
+    /// 32-bit float.
+    F32,
+    /// 16-bit float.
+    F16,
+    /// bfloat16.
+    Bf16,
+    /// 8-bit float (KV cache only).
+    Fp8,
+}
+
+impl DType {
+    /// Bytes per element.
+    pub fn size_bytes(self) -> u64 {
+        match self {
+            DType::F32 => 4,
+            DType::F16 | DType::Bf16 => 2,
+            DType::Fp8 => 1,
+        }
+    }
+
+    /// Parses the names Hugging Face configs and vLLM's `--dtype` use.
+    pub fn parse(s: &str) -> Option<Self> {
+        Some(match s.to_ascii_lowercase().as_str() {
+            "float32" | "float" | "f32" | "fp32" => DType::F32,
+            "float16" | "half" | "f16" | "fp16" => DType::F16,
+            "bfloat16" | "bf16" => DType::Bf16,
+            "fp8" | "fp8_e4m3" | "fp8_e5m2" | "fp8_inc" => DType::Fp8,
+            _ => return None,
+        })
+    }
+}
+
+/// Mixture-of-experts settings of the decoder (Qwen3-VL-MoE).
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct MoeConfig {
+    /// Experts per layer.
+    pub num_experts: usize,
+    /// Experts used per token.
+    pub num_experts_per_tok: usize,
+    /// Intermediate width of one expert.
+    pub moe_intermediate_size: usize,
+}
+
+/// The language model half.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct TextConfig {
+    /// Hidden width `H`.
+    pub hidden_size: usize,
+    /// Dense MLP width `I`.
+    pub intermediate_size: usize,
+    /// Decoder layers `L`.
+    pub num_hidden_layers: usize,
+    /// Query heads.
+    pub num_attention_heads: usize,
+    /// KV heads `Hkv`.
+    pub num_key_value_heads: usize,
+    /// Per-head width.
+    pub head_dim: usize,
+    /// Vocabulary size `V`.
+    pub vocab_size: usize,
+    /// Longest position the model was trained for (vLLM's default `max_model_len`).
+    pub max_position_embeddings: usize,
+    /// RMSNorm epsilon.
+    pub rms_norm_eps: f64,
+    /// RoPE base.
+    pub rope_theta: f64,
+    /// M-RoPE sections over `head_dim / 2` frequencies (t, h, w).
+    pub mrope_section: Vec<usize>,
+    /// Qwen3-VL interleaves the sections instead of chunking them.
+    pub mrope_interleaved: bool,
+    /// q/k/v projections carry biases (Qwen2 decoder).
+    pub attention_bias: bool,
+    /// Per-head RMSNorm on q and k (Qwen3 decoder).
+    pub qk_norm: bool,
+    /// Set for Qwen3-VL-MoE.
+    pub moe: Option<MoeConfig>,
+}
+
+/// The vision tower half.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct VisionConfig {
+    /// Blocks.
+    pub depth: usize,
+    /// Width `E`.
+    pub hidden_size: usize,
+    /// MLP width.
+    pub intermediate_size: usize,
+    /// Attention heads.
+    pub num_heads: usize,
+    /// Merger output width (= text hidden size).
+    pub out_hidden_size: usize,
+    /// Patch side `P` in pixels.
+    pub patch_size: usize,
+    /// Frames per temporal patch (2).
+    pub temporal_patch_size: usize,
+    /// Merge window side `m` (2).
+    pub spatial_merge_size: usize,
+    /// Input channels (3).
+    pub in_channels: usize,
+    /// Qwen2.5-VL attention window in pixels (112), 0 otherwise.
+    pub window_size: usize,
+    /// Qwen2.5-VL blocks with full attention.
+    pub fullatt_block_indexes: Vec<usize>,
+    /// Qwen3-VL blocks whose outputs feed the deepstack mergers.
+    pub deepstack_visual_indexes: Vec<usize>,
+    /// Qwen3-VL learned position table size (2304 = 48²), 0 otherwise.
+    pub num_position_embeddings: usize,
+    /// Qwen2.5-VL video time scale.
+    pub tokens_per_second: usize,
+}
+
+/// Special token ids the model needs.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct TokenIds {
+    /// `<|image_pad|>`
+    pub image: u32,
+    /// `<|video_pad|>`
+    pub video: u32,
+    /// `<|vision_start|>`
+    pub vision_start: u32,
+    /// `<|vision_end|>`
+    pub vision_end: u32,
+    /// End-of-sequence ids from the config.
+    pub eos: Vec<u32>,
+}
+
+/// A parsed Qwen-VL `config.json`.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct ModelConfig {
+    /// Which family.
+    pub family: Family,
+    /// Language model settings.
+    pub text: TextConfig,
+    /// Vision tower settings.
+    pub vision: VisionConfig,
+    /// `lm_head` shares the embedding matrix.
+    pub tie_word_embeddings: bool,
+    /// Checkpoint dtype (`torch_dtype` / `dtype`).
+    pub dtype: DType,
+    /// Special tokens.
+    pub tokens: TokenIds,
+}
+
+/// Why a config could not be read.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// Not JSON.
+    #[error("config.json is not valid JSON: {0}")]
+    Json(#[from] serde_json::Error),
+    /// A model type kvlens does not know.
+    #[error("model_type {0:?} is not a Qwen-VL model (expected qwen2_vl, qwen2_5_vl, qwen3_vl or qwen3_vl_moe)")]
+    UnknownModelType(String),
+    /// A required field is missing or has the wrong type.
+    #[error("config.json: field {0} is missing or not a {1}")]
+    Field(String, &'static str),
+    /// Values that cannot describe a working model.
+    #[error("config.json: {0}")]
+    Invalid(String),
+    /// An unknown bundled model name.
+    #[error("unknown model {name:?}; known models: {known}")]
+    UnknownModel {
+        /// What was asked for.
+        name: String,
+        /// Comma-separated bundled names.
+        known: String,
+    },
+}
+
+/// Bundled `config.json` of every published Qwen-VL size: (name, JSON text).
+pub const BUNDLED_CONFIGS: &[(&str, &str)] = &[
+    (
+        "Qwen2-VL-2B-Instruct",
+        include_str!("../configs/Qwen2-VL-2B-Instruct.json"),
+    ),
+    (
+        "Qwen2-VL-7B-Instruct",
+        include_str!("../configs/Qwen2-VL-7B-Instruct.json"),
+    ),
+    (
+        "Qwen2-VL-72B-Instruct",
+        include_str!("../configs/Qwen2-VL-72B-Instruct.json"),
+    ),
+    (
+        "Qwen2.5-VL-3B-Instruct",
+        include_str!("../configs/Qwen2.5-VL-3B-Instruct.json"),
+    ),
+    (
+        "Qwen2.5-VL-7B-Instruct",
+        include_str!("../configs/Qwen2.5-VL-7B-Instruct.json"),
+    ),
+    (
+        "Qwen2.5-VL-32B-Instruct",
+        include_str!("../configs/Qwen2.5-VL-32B-Instruct.json"),
+    ),
+    (
+        "Qwen2.5-VL-72B-Instruct",
+        include_str!("../configs/Qwen2.5-VL-72B-Instruct.json"),
+    ),
+    (
+        "Qwen3-VL-2B-Instruct",
+        include_str!("../configs/Qwen3-VL-2B-Instruct.json"),
+    ),
+    (
+        "Qwen3-VL-4B-Instruct",
+        include_str!("../configs/Qwen3-VL-4B-Instruct.json"),
+    ),
+    (
+        "Qwen3-VL-8B-Instruct",
+        include_str!("../configs/Qwen3-VL-8B-Instruct.json"),
+    ),
+    (
+        "Qwen3-VL-32B-Instruct",
+        include_str!("../configs/Qwen3-VL-32B-Instruct.json"),
+    ),
+    (
+        "Qwen3-VL-30B-A3B-Instruct",
+        include_str!("../configs/Qwen3-VL-30B-A3B-Instruct.json"),
+    ),
+    (
+        "Qwen3-VL-235B-A22B-Instruct",
+        include_str!("../configs/Qwen3-VL-235B-A22B-Instruct.json"),
+    ),
+];
+
+/// Looks up a bundled config by name, case-insensitively, with or without the `Qwen/` prefix.
+pub fn bundled_config(name: &str) -> Result<ModelConfig, ConfigError> {
+    let wanted = name.rsplit('/').next().unwrap_or(name);
+    match BUNDLED_CONFIGS.iter().find(|(n, _)| n.eq_ignore_ascii_case(wanted)) {
+        Some((_, json)) => ModelConfig::from_json(json),
+        None => Err(ConfigError::UnknownModel {
+            name: name.to_string(),
+            known: BUNDLED_CONFIGS.iter().map(|(n, _)| *n).collect::<Vec<_>>().join(", "),
+        }),
+    }
+}
+
+/// Reads fields from one JSON object, falling back to a second one (the top level).
+struct Fields<'a> {
+    primary: &'a Value,
+    fallback: &'a Value,
+    prefix: &'static str,
+}
+
+impl Fields<'_> {
+    fn get(&self, key: &str) -> Option<&Value> {
+        self.primary
+            .get(key)
+            .filter(|v| !v.is_null())
+            .or_else(|| self.fallback.get(key).filter(|v| !v.is_null()))
+    }
+
+    fn opt_usize(&self, key: &str) -> Result<Option<usize>, ConfigError> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(v) => v
+                .as_u64()
+                .and_then(|n| usize::try_from(n).ok())
+                .map(Some)
+                .ok_or_else(|| ConfigError::Field(format!("{}{key}", self.prefix), "non-negative integer")),
+        }
+    }
+
+    fn usize(&self, key: &str) -> Result<usize, ConfigError> {
+        self.opt_usize(key)?
+            .ok_or_else(|| ConfigError::Field(format!("{}{key}", self.prefix), "non-negative integer"))
+    }
+
+    fn usize_or(&self, key: &str, default: usize) -> Result<usize, ConfigError> {
+        Ok(self.opt_usize(key)?.unwrap_or(default))
+    }
+
+    fn f64_or(&self, key: &str, default: f64) -> Result<f64, ConfigError> {
+        match self.get(key) {
+            None => Ok(default),
+            Some(v) => v
+                .as_f64()
+                .ok_or_else(|| ConfigError::Field(format!("{}{key}", self.prefix), "number")),
+        }
+    }
+
+    fn bool_or(&self, key: &str, default: bool) -> Result<bool, ConfigError> {
+        match self.get(key) {
+            None => Ok(default),
+            Some(v) => v
+                .as_bool()
+                .ok_or_else(|| ConfigError::Field(format!("{}{key}", self.prefix), "boolean")),
+        }
+    }
+
+    fn usize_list_or(&self, key: &str, default: &[usize]) -> Result<Vec<usize>, ConfigError> {
+        match self.get(key) {
+            None => Ok(default.to_vec()),
+            Some(v) => {
+                usize_list(v).ok_or_else(|| ConfigError::Field(format!("{}{key}", self.prefix), "list of integers"))
+            }
+        }
+    }
+}
+
+fn usize_list(v: &Value) -> Option<Vec<usize>> {
+    v.as_array()?
+        .iter()
+        .map(|x| x.as_u64().and_then(|n| usize::try_from(n).ok()))
+        .collect()
+}
+
+fn token_ids(v: Option<&Value>) -> Vec<u32> {
+    match v {
+        Some(Value::Number(n)) => n.as_u64().and_then(|n| u32::try_from(n).ok()).into_iter().collect(),
+        Some(Value::Array(a)) => a
+            .iter()
+            .filter_map(|x| x.as_u64().and_then(|n| u32::try_from(n).ok()))
+            .collect(),
+        _ => Vec::new(),
+    }
+}
+
+impl ModelConfig {
+    /// Parses the text of a `config.json`.
+    pub fn from_json(text: &str) -> Result<Self, ConfigError> {
+        let root: Value = serde_json::from_str(text)?;
+        Self::from_value(&root)
+    }
+
+    /// Parses an already decoded `config.json`.
+    pub fn from_value(root: &Value) -> Result<Self, ConfigError> {
+        let model_type = root
+            .get("model_type")
+            .and_then(Value::as_str)
+            .ok_or_else(|| ConfigError::Field("model_type".into(), "string"))?;
+        let family =
+            Family::from_model_type(model_type).ok_or_else(|| ConfigError::UnknownModelType(model_type.to_string()))?;
+        let empty = Value::Object(Default::default());
+        let text_obj = root.get("text_config").unwrap_or(&empty);
+        let vision_obj = root.get("vision_config").unwrap_or(&empty);
+        let t = Fields {
+            primary: text_obj,
+            fallback: root,
+            prefix: "text_config.",
+        };
+        let text = parse_text(family, &t)?;
+        let v = Fields {
+            primary: vision_obj,
+            fallback: &empty,
+            prefix: "vision_config.",
+        };
+        let vision = parse_vision(family, &v, text.hidden_size)?;
+        let tie_word_embeddings = match root.get("tie_word_embeddings").and_then(Value::as_bool) {
+            Some(b) => b,
+            None => t.bool_or("tie_word_embeddings", false)?,
+        };
+        let dtype_name = ["torch_dtype", "dtype"]
+            .iter()
+            .find_map(|k| t.get(k).and_then(Value::as_str))
+            .unwrap_or("bfloat16");
+        let dtype = DType::parse(dtype_name)
+            .filter(|d| *d != DType::Fp8)
+            .ok_or_else(|| ConfigError::Invalid(format!("unsupported dtype {dtype_name:?}")))?;
+        let id = |key: &str, default: u32| -> u32 {
+            t.get(key)
+                .and_then(Value::as_u64)
+                .and_then(|n| u32::try_from(n).ok())
+                .unwrap_or(default)
+        };
+        let mut eos = token_ids(t.get("eos_token_id"));
+        if eos.is_empty() {
+            eos.push(151645);
+        }
+        let tokens = TokenIds {
+            image: id("image_token_id", 151655),
+            video: id("video_token_id", 151656),
+            vision_start: id("vision_start_token_id", 151652),
+            vision_end: id("vision_end_token_id", 151653),
+            eos,
+        };
+        let cfg = ModelConfig {
+            family,
+            text,
+            vision,
+            tie_word_embeddings,
+            dtype,
+            tokens,
+        };
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    fn validate(&self) -> Result<(), ConfigError> {
+        let t = &self.text;
+        let v = &self.vision;
+        let positive = [
+            ("text hidden_size", t.hidden_size),
+            ("num_hidden_layers", t.num_hidden_layers),
+            ("num_attention_heads", t.num_attention_heads),
+            ("num_key_value_heads", t.num_key_value_heads),
+            ("head_dim", t.head_dim),
+            ("vocab_size", t.vocab_size),
+            ("max_position_embeddings", t.max_position_embeddings),
+            ("vision depth", v.depth),
+            ("vision hidden_size", v.hidden_size),
+            ("vision num_heads", v.num_heads),
+            ("patch_size", v.patch_size),
+            ("spatial_merge_size", v.spatial_merge_size),
+            ("temporal_patch_size", v.temporal_patch_size),
+        ];
+        if let Some((name, _)) = positive.iter().find(|(_, n)| *n == 0) {
+            return Err(ConfigError::Invalid(format!("{name} must be positive")));
+        }
+        if !t.num_attention_heads.is_multiple_of(t.num_key_value_heads) {
+            return Err(ConfigError::Invalid(format!(
+                "num_attention_heads ({}) is not a multiple of num_key_value_heads ({})",
+                t.num_attention_heads, t.num_key_value_heads
+            )));
+        }
+        if !v.hidden_size.is_multiple_of(v.num_heads) {
+            return Err(ConfigError::Invalid(format!(
+                "vision hidden_size ({}) is not a multiple of num_heads ({})",
+                v.hidden_size, v.num_heads
+            )));
+        }
+        let half = t.head_dim / 2;
+        if t.mrope_section.iter().sum::<usize>() != half && !t.mrope_interleaved {
+            return Err(ConfigError::Invalid(format!(
+                "mrope_section {:?} does not sum to head_dim/2 = {half}",
+                t.mrope_section
+            )));
+        }
+        Ok(())
+    }
+
+    /// Output width of the vision tower as stored per image token in the encoder cache
+    /// (Qwen3-VL concatenates the main merger with its deepstack mergers).
+    pub fn encoder_output_dim(&self) -> usize {
+        self.vision.out_hidden_size * (1 + self.vision.deepstack_visual_indexes.len())
+    }
+
+    /// Pixels per LLM token side: `patch_size × spatial_merge_size` (28 or 32).
+    pub fn image_factor(&self) -> usize {
+        self.vision.patch_size * self.vision.spatial_merge_size
+    }
+}
+
+/// Reads the M-RoPE settings from `rope_scaling` (published) or `rope_parameters` (transformers 5).
+fn rope_settings(t: &Fields<'_>, family: Family) -> Result<(f64, Vec<usize>, bool), ConfigError> {
+    let rope = t.get("rope_parameters").or_else(|| t.get("rope_scaling"));
+    let default_section: &[usize] = if family.is_qwen3() {
+        &[24, 20, 20]
+    } else {
+        &[16, 24, 24]
+    };
+    let mut theta = t.f64_or("rope_theta", if family.is_qwen3() { 5_000_000.0 } else { 1_000_000.0 })?;
+    let mut section = default_section.to_vec();
+    let mut interleaved = family.is_qwen3();
+    if let Some(r) = rope {
+        if let Some(th) = r.get("rope_theta").and_then(Value::as_f64) {
+            theta = th;
+        }
+        if let Some(s) = r.get("mrope_section") {
+            section =
+                usize_list(s).ok_or_else(|| ConfigError::Field("rope mrope_section".into(), "list of integers"))?;
+        }
+        if let Some(b) = r.get("mrope_interleaved").and_then(Value::as_bool) {
+            interleaved = b;
+        }
+    }
+    Ok((theta, section, interleaved))
+}
+
+fn parse_text(family: Family, t: &Fields<'_>) -> Result<TextConfig, ConfigError> {
+    let hidden_size = t.usize("hidden_size")?;
+    let num_attention_heads = t.usize("num_attention_heads")?;
+    let num_key_value_heads = t.usize_or("num_key_value_heads", num_attention_heads)?;
+    let head_dim = match t.opt_usize("head_dim")? {
+        Some(d) => d,
+        None if num_attention_heads > 0 => hidden_size / num_attention_heads,
+        None => 0,
+    };
+    let (rope_theta, mrope_section, mrope_interleaved) = rope_settings(t, family)?;
+    let moe = if family == Family::Qwen3VlMoe {
+        Some(MoeConfig {
+            num_experts: t.usize("num_experts")?,
+            num_experts_per_tok: t.usize("num_experts_per_tok")?,
+            moe_intermediate_size: t.usize("moe_intermediate_size")?,
+        })
+    } else {
+        None
+    };
+    Ok(TextConfig {
+        hidden_size,
+        intermediate_size: t.usize("intermediate_size")?,
+        num_hidden_layers: t.usize("num_hidden_layers")?,
+        num_attention_heads,
+        num_key_value_heads,
+        head_dim,
+        vocab_size: t.usize("vocab_size")?,
+        max_position_embeddings: t.usize("max_position_embeddings")?,
+        rms_norm_eps: t.f64_or("rms_norm_eps", 1e-6)?,
+        rope_theta,
+        mrope_section,
+        mrope_interleaved,
+        attention_bias: t.bool_or("attention_bias", !family.is_qwen3())?,
+        qk_norm: family.is_qwen3(),
+        moe,
+    })
+}
+
+fn parse_vision(family: Family, v: &Fields<'_>, text_hidden: usize) -> Result<VisionConfig, ConfigError> {
+    Ok(match family {
+        Family::Qwen2Vl => {
+            let embed_dim = v.usize_or("embed_dim", 1280)?;
+            VisionConfig {
+                depth: v.usize_or("depth", 32)?,
+                hidden_size: embed_dim,
+                intermediate_size: embed_dim * v.usize_or("mlp_ratio", 4)?,
+                num_heads: v.usize_or("num_heads", 16)?,
+                // Qwen2-VL stores the merger output width as vision_config.hidden_size.
+                out_hidden_size: v.usize_or("hidden_size", text_hidden)?,
+                patch_size: v.usize_or("patch_size", 14)?,
+                temporal_patch_size: v.usize_or("temporal_patch_size", 2)?,
+                spatial_merge_size: v.usize_or("spatial_merge_size", 2)?,
+                in_channels: v.usize_or("in_chans", 3)?,
+                window_size: 0,
+                fullatt_block_indexes: Vec::new(),
+                deepstack_visual_indexes: Vec::new(),
+                num_position_embeddings: 0,
+                tokens_per_second: 0,
+            }
+        }
+        Family::Qwen25Vl => VisionConfig {
+            depth: v.usize_or("depth", 32)?,
+            hidden_size: v.usize_or("hidden_size", 1280)?,
+            intermediate_size: v.usize_or("intermediate_size", 3420)?,
+            num_heads: v.usize_or("num_heads", 16)?,
+            out_hidden_size: v.usize_or("out_hidden_size", text_hidden)?,
+            patch_size: v.usize_or("patch_size", 14)?,
+            temporal_patch_size: v.usize_or("temporal_patch_size", 2)?,
+            spatial_merge_size: v.usize_or("spatial_merge_size", 2)?,
+            in_channels: v.usize_or("in_chans", v.usize_or("in_channels", 3)?)?,
+            window_size: v.usize_or("window_size", 112)?,
+            fullatt_block_indexes: v.usize_list_or("fullatt_block_indexes", &[7, 15, 23, 31])?,
+            deepstack_visual_indexes: Vec::new(),
+            num_position_embeddings: 0,
+            tokens_per_second: v.usize_or("tokens_per_second", 2)?,
+        },
+        Family::Qwen3Vl | Family::Qwen3VlMoe => VisionConfig {
+            depth: v.usize_or("depth", 27)?,
+            hidden_size: v.usize_or("hidden_size", 1152)?,
+            intermediate_size: v.usize_or("intermediate_size", 4304)?,
+            num_heads: v.usize_or("num_heads", 16)?,
+            out_hidden_size: v.usize_or("out_hidden_size", text_hidden)?,
+            patch_size: v.usize_or("patch_size", 16)?,
+            temporal_patch_size: v.usize_or("temporal_patch_size", 2)?,
+            spatial_merge_size: v.usize_or("spatial_merge_size", 2)?,
+            in_channels: v.usize_or("in_channels", 3)?,
+            window_size: 0,
+            fullatt_block_indexes: Vec::new(),
+            deepstack_visual_indexes: v.usize_list_or("deepstack_visual_indexes", &[8, 16, 24])?,
+            num_position_embeddings: v.usize_or("num_position_embeddings", 2304)?,
+            tokens_per_second: 0,
+        },
+    })
+}
+
+/// Image preprocessing limits from `preprocessor_config.json`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct ImageLimits {
+    /// Smallest resized area in pixels (`min_pixels` / `size.shortest_edge`).
+    pub min_pixels: u64,
+    /// Largest resized area in pixels (`max_pixels` / `size.longest_edge`).
+    pub max_pixels: u64,
+}
+
+impl ImageLimits {
+    /// The shipped `preprocessor_config.json` values of each family.
+    pub fn shipped(family: Family) -> Self {
+        if family.is_qwen3() {
+            ImageLimits {
+                min_pixels: 65_536,
+                max_pixels: 16_777_216,
+            }
+        } else {
+            ImageLimits {
+                min_pixels: 3_136,
+                max_pixels: 12_845_056,
+            }
+        }
+    }
+
+    /// Reads `preprocessor_config.json` (old `min_pixels`/`max_pixels` or new `size.shortest_edge`/`longest_edge`);
+    /// missing values keep the family's shipped defaults.
+    pub fn from_preprocessor_json(text: &str, family: Family) -> Result<Self, ConfigError> {
+        let root: Value = serde_json::from_str(text)?;
+        let mut limits = Self::shipped(family);
+        let size = root.get("size");
+        let pick = |old: &str, new: &str| -> Option<u64> {
+            root.get(old)
+                .and_then(Value::as_u64)
+                .or_else(|| size.and_then(|s| s.get(new)).and_then(Value::as_u64))
+        };
+        if let Some(v) = pick("min_pixels", "shortest_edge") {
+            limits.min_pixels = v;
+        }
+        if let Some(v) = pick("max_pixels", "longest_edge") {
+            limits.max_pixels = v;
+        }
+        if limits.min_pixels > limits.max_pixels || limits.max_pixels == 0 {
+            return Err(ConfigError::Invalid(format!(
+                "preprocessor_config.json: min_pixels {} must not exceed max_pixels {}",
+                limits.min_pixels, limits.max_pixels
+            )));
+        }
+        Ok(limits)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_bundled_config_parses() {
+        for (name, _) in BUNDLED_CONFIGS {
+            let cfg = bundled_config(name).unwrap_or_else(|e| panic!("{name}: {e}"));
+            assert_eq!(cfg.text.head_dim, 128, "{name}");
+            assert_eq!(cfg.dtype, DType::Bf16, "{name}");
+        }
+    }
+
+    #[test]
+    fn family_specific_fields() {
+        let q2 = bundled_config("Qwen2-VL-2B-Instruct").unwrap();
+        assert_eq!(q2.vision.hidden_size, 1280);
+        assert_eq!(q2.vision.out_hidden_size, 1536);
+        assert_eq!(q2.vision.intermediate_size, 5120);
+        assert!(q2.tie_word_embeddings && q2.text.attention_bias);
+        let q3 = bundled_config("qwen/qwen3-vl-8b-instruct").unwrap();
+        assert_eq!(q3.family, Family::Qwen3Vl);
+        assert_eq!(q3.vision.deepstack_visual_indexes, vec![8, 16, 24]);
+        assert_eq!(q3.encoder_output_dim(), 4096 * 4);
+        assert_eq!(q3.text.rope_theta, 5_000_000.0);
+        assert!(q3.text.mrope_interleaved && q3.text.qk_norm && !q3.text.attention_bias);
+        let moe = bundled_config("Qwen3-VL-30B-A3B-Instruct").unwrap();
+        assert_eq!(moe.text.moe.as_ref().map(|m| m.num_experts), Some(128));
+    }
+
+    #[test]
+    fn transformers5_layout_with_rope_parameters() {
+        let json = r#"{"model_type":"qwen2_5_vl","text_config":{"hidden_size":32,"intermediate_size":37,
+            "num_hidden_layers":2,"num_attention_heads":4,"num_key_value_heads":2,"vocab_size":152064,
+            "max_position_embeddings":512,"dtype":"float32",
+            "rope_parameters":{"rope_type":"default","rope_theta":10000.0,"mrope_section":[2,1,1]}},
+            "vision_config":{"depth":2,"hidden_size":32,"intermediate_size":24,"num_heads":4,"out_hidden_size":32},
+            "tie_word_embeddings":false}"#;
+        let cfg = ModelConfig::from_json(json).unwrap();
+        assert_eq!(cfg.text.head_dim, 8);
+        assert_eq!(cfg.text.rope_theta, 10000.0);
+        assert_eq!(cfg.text.mrope_section, vec![2, 1, 1]);
+        assert_eq!(cfg.dtype, DType::F32);
+        // Omitted vision fields take the Qwen2.5-VL family defaults.
+        assert_eq!(cfg.vision.fullatt_block_indexes, vec![7, 15, 23, 31]);
+        assert_eq!(cfg.vision.window_size, 112);
+    }
+
+    #[test]
+    fn bad_configs_are_clear_errors() {
+        let unknown = ModelConfig::from_json(r#"{"model_type":"llama"}"#)
+            .unwrap_err()
+            .to_string();
+        assert!(unknown.contains("llama") && unknown.contains("qwen2_vl"), "{unknown}");
+        let missing = ModelConfig::from_json(r#"{"model_type":"qwen2_vl","hidden_size":32}"#)
+            .unwrap_err()
+            .to_string();
+        assert!(missing.contains("num_attention_heads"), "{missing}");
+        assert!(ModelConfig::from_json("{not json").is_err());
+        let err = bundled_config("Qwen9-VL").unwrap_err().to_string();
+        assert!(
+            err.contains("Qwen3-VL-32B-Instruct") && err.contains("Qwen9-VL"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn preprocessor_both_spellings() {
+        let old =
+            ImageLimits::from_preprocessor_json(r#"{"min_pixels":1000,"max_pixels":20000}"#, Family::Qwen2Vl).unwrap();
+        assert_eq!(
+            old,
+            ImageLimits {
+                min_pixels: 1000,
+                max_pixels: 20000
+            }
+        );
+        let new = ImageLimits::from_preprocessor_json(
+            r#"{"size":{"shortest_edge":1024,"longest_edge":4096}}"#,
+            Family::Qwen3Vl,
+        )
+        .unwrap();
+        assert_eq!(
+            new,
+            ImageLimits {
+                min_pixels: 1024,
+                max_pixels: 4096
+            }
+        );
+        let default = ImageLimits::from_preprocessor_json("{}", Family::Qwen3Vl).unwrap();
+        assert_eq!(default, ImageLimits::shipped(Family::Qwen3Vl));
+        assert!(ImageLimits::from_preprocessor_json(r#"{"min_pixels":9,"max_pixels":1}"#, Family::Qwen2Vl).is_err());
+    }
+}

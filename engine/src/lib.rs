@@ -1,0 +1,9 @@
+//! kvlens-engine: everything the browser playground, the native server and the planner share.
+//!
+//! The crate has no networking, spawns no threads and touches no files: callers hand it bytes.
+//! It compiles for native targets and for `wasm32-unknown-unknown`.
+
+pub mod cache;
+pub mod config;
+pub mod input;
+pub mod memory;
