@@ -1,0 +1,366 @@
+//! Parameter inventory of a Qwen-VL checkpoint: how many parameters each part has and how vLLM
+//! splits them across tensor-parallel ranks (column/row-parallel layers split, norms, patch embedding
+//! and row-parallel biases replicated, KV heads replicated when there are fewer than ranks).
+
+use crate::config::{Family, ModelConfig};
+
+/// Which part of the model a parameter group belongs to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Part {
+    /// The vision tower, its merger and deepstack mergers.
+    Vision,
+    /// Decoder layers and the final norm.
+    Text,
+    /// Token embedding matrix.
+    Embedding,
+    /// Output head (only when untied).
+    LmHead,
+}
+
+/// How a parameter group is laid out across tensor-parallel ranks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Shard {
+    /// Every rank holds all of it.
+    Replicated,
+    /// Split evenly; each rank holds `ceil(numel / tp)`.
+    Split,
+    /// KV projections: each rank holds `max(1, kv_heads / tp)` of the `kv_heads` heads.
+    KvHeads(usize),
+}
+
+/// A group of parameters with one sharding rule.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ParamGroup {
+    /// Part of the model.
+    pub part: Part,
+    /// What it is, for display.
+    pub name: &'static str,
+    /// Parameters in the whole model.
+    pub numel: u64,
+    /// How ranks share it.
+    pub shard: Shard,
+}
+
+impl ParamGroup {
+    /// Parameters one of `tp` ranks holds.
+    pub fn numel_per_rank(&self, tp: usize) -> u64 {
+        let tp = tp.max(1) as u64;
+        match self.shard {
+            Shard::Replicated => self.numel,
+            Shard::Split => self.numel.div_ceil(tp),
+            Shard::KvHeads(heads) => {
+                let heads = heads.max(1) as u64;
+                self.numel / heads * (heads / tp).max(1)
+            }
+        }
+    }
+}
+
+/// Parameter totals by part.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct ParamCounts {
+    /// Vision tower with mergers.
+    pub vision: u64,
+    /// Language model including embedding and head.
+    pub text: u64,
+    /// Embedding matrix.
+    pub embedding: u64,
+    /// Untied output head (0 when tied).
+    pub lm_head: u64,
+    /// Everything.
+    pub total: u64,
+}
+
+/// Lists every parameter group of the model.
+pub fn param_groups(cfg: &ModelConfig) -> Vec<ParamGroup> {
+    let mut g = Vec::new();
+    vision_groups(cfg, &mut g);
+    text_groups(cfg, &mut g);
+    g
+}
+
+/// Parameter counts by part (the totals of docs/qwen-vl.md §5).
+pub fn param_counts(cfg: &ModelConfig) -> ParamCounts {
+    let mut c = ParamCounts::default();
+    for grp in param_groups(cfg) {
+        match grp.part {
+            Part::Vision => c.vision += grp.numel,
+            Part::Text => c.text += grp.numel,
+            Part::Embedding => {
+                c.embedding += grp.numel;
+                c.text += grp.numel;
+            }
+            Part::LmHead => {
+                c.lm_head += grp.numel;
+                c.text += grp.numel;
+            }
+        }
+    }
+    c.total = c.vision + c.text;
+    c
+}
+
+/// Bytes of weights one tensor-parallel rank holds, per part, for element size `dtype_bytes`.
+pub fn weight_bytes_per_rank(cfg: &ModelConfig, tp: usize, dtype_bytes: u64) -> Vec<(Part, u64)> {
+    let mut out: Vec<(Part, u64)> = Vec::new();
+    for grp in param_groups(cfg) {
+        let bytes = grp.numel_per_rank(tp) * dtype_bytes;
+        match out.iter_mut().find(|(p, _)| *p == grp.part) {
+            Some((_, b)) => *b += bytes,
+            None => out.push((grp.part, bytes)),
+        }
+    }
+    out
+}
+
+fn push(g: &mut Vec<ParamGroup>, part: Part, name: &'static str, numel: usize, shard: Shard) {
+    g.push(ParamGroup {
+        part,
+        name,
+        numel: numel as u64,
+        shard,
+    });
+}
+
+fn vision_groups(cfg: &ModelConfig, g: &mut Vec<ParamGroup>) {
+    use Shard::{Replicated, Split};
+    let v = &cfg.vision;
+    let (e, i, out) = (v.hidden_size, v.intermediate_size, v.out_hidden_size);
+    let patch_in = v.in_channels * v.temporal_patch_size * v.patch_size * v.patch_size;
+    let qwen3 = cfg.family.is_qwen3();
+    let rms = cfg.family == Family::Qwen25Vl;
+    let norm = if rms { e } else { 2 * e };
+    let merged = e * v.spatial_merge_size * v.spatial_merge_size;
+    let p = Part::Vision;
+
+    push(
+        g,
+        p,
+        "patch_embed",
+        e * patch_in + if qwen3 { e } else { 0 },
+        Replicated,
+    );
+    if qwen3 {
+        push(g, p, "pos_embed", v.num_position_embeddings * e, Replicated);
+    }
+    let d = v.depth;
+    push(g, p, "blocks.norm", d * 2 * norm, Replicated);
+    push(g, p, "blocks.attn.qkv", d * (3 * e * e + 3 * e), Split);
+    push(g, p, "blocks.attn.proj", d * e * e, Split);
+    push(g, p, "blocks.attn.proj.bias", d * e, Replicated);
+    let up_projections = if cfg.family == Family::Qwen25Vl { 2 } else { 1 };
+    push(g, p, "blocks.mlp.up", d * up_projections * (i * e + i), Split);
+    push(g, p, "blocks.mlp.down", d * e * i, Split);
+    push(g, p, "blocks.mlp.down.bias", d * e, Replicated);
+
+    let mergers = 1 + v.deepstack_visual_indexes.len();
+    // The main merger normalises before merging (width E); deepstack mergers after (width 4E).
+    let merger_norm = if rms { e } else { 2 * e };
+    push(
+        g,
+        p,
+        "merger.norm",
+        merger_norm + v.deepstack_visual_indexes.len() * 2 * merged,
+        Replicated,
+    );
+    push(g, p, "merger.fc1", mergers * (merged * merged + merged), Split);
+    push(g, p, "merger.fc2", mergers * merged * out, Split);
+    push(g, p, "merger.fc2.bias", mergers * out, Replicated);
+}
+
+fn text_groups(cfg: &ModelConfig, g: &mut Vec<ParamGroup>) {
+    use Shard::{KvHeads, Replicated, Split};
+    let t = &cfg.text;
+    let (h, hd, nq, nkv, l) = (
+        t.hidden_size,
+        t.head_dim,
+        t.num_attention_heads,
+        t.num_key_value_heads,
+        t.num_hidden_layers,
+    );
+    let bias = usize::from(t.attention_bias);
+    let p = Part::Text;
+    push(g, p, "layers.norm", l * 2 * h, Replicated);
+    push(g, p, "layers.q_proj", l * (h * nq * hd + bias * nq * hd), Split);
+    push(
+        g,
+        p,
+        "layers.kv_proj",
+        l * 2 * (h * nkv * hd + bias * nkv * hd),
+        KvHeads(nkv),
+    );
+    push(g, p, "layers.o_proj", l * nq * hd * h, Split);
+    if t.qk_norm {
+        push(g, p, "layers.qk_norm", l * 2 * hd, Replicated);
+    }
+    match &t.moe {
+        Some(m) => {
+            push(g, p, "layers.router", l * m.num_experts * h, Replicated);
+            push(
+                g,
+                p,
+                "layers.experts",
+                l * m.num_experts * 3 * h * m.moe_intermediate_size,
+                Split,
+            );
+        }
+        None => push(g, p, "layers.mlp", l * 3 * h * t.intermediate_size, Split),
+    }
+    push(g, p, "norm", h, Replicated);
+    push(g, Part::Embedding, "embed_tokens", t.vocab_size * h, Split);
+    if !cfg.tie_word_embeddings {
+        push(g, Part::LmHead, "lm_head", t.vocab_size * h, Split);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::bundled_config;
+
+    /// docs/qwen-vl.md §5.1: (name, vision, text, embed, lm_head, total), validated there against
+    /// safetensors indexes and meta-device instantiation in transformers.
+    const TABLE: &[(&str, u64, u64, u64, u64, u64)] = &[
+        (
+            "Qwen2-VL-2B-Instruct",
+            665_271_296,
+            1_543_714_304,
+            233_373_696,
+            0,
+            2_208_985_600,
+        ),
+        (
+            "Qwen2-VL-7B-Instruct",
+            675_759_104,
+            7_615_616_512,
+            544_997_376,
+            544_997_376,
+            8_291_375_616,
+        ),
+        (
+            "Qwen2-VL-72B-Instruct",
+            699_356_672,
+            72_706_203_648,
+            1_245_708_288,
+            1_245_708_288,
+            73_405_560_320,
+        ),
+        (
+            "Qwen2.5-VL-3B-Instruct",
+            668_684_288,
+            3_085_938_688,
+            311_164_928,
+            0,
+            3_754_622_976,
+        ),
+        (
+            "Qwen2.5-VL-7B-Instruct",
+            676_550_144,
+            7_615_616_512,
+            544_997_376,
+            544_997_376,
+            8_292_166_656,
+        ),
+        (
+            "Qwen2.5-VL-32B-Instruct",
+            688_841_984,
+            32_763_876_352,
+            778_567_680,
+            778_567_680,
+            33_452_718_336,
+        ),
+        (
+            "Qwen2.5-VL-72B-Instruct",
+            704_573_696,
+            72_706_203_648,
+            1_245_708_288,
+            1_245_708_288,
+            73_410_777_344,
+        ),
+        (
+            "Qwen3-VL-2B-Instruct",
+            406_957_056,
+            1_720_574_976,
+            311_164_928,
+            0,
+            2_127_532_032,
+        ),
+        (
+            "Qwen3-VL-4B-Instruct",
+            415_347_712,
+            4_022_468_096,
+            388_956_160,
+            0,
+            4_437_815_808,
+        ),
+        (
+            "Qwen3-VL-8B-Instruct",
+            576_388_336,
+            8_190_735_360,
+            622_329_856,
+            622_329_856,
+            8_767_123_696,
+        ),
+        (
+            "Qwen3-VL-32B-Instruct",
+            595_266_800,
+            32_762_123_264,
+            777_912_320,
+            777_912_320,
+            33_357_390_064,
+        ),
+        (
+            "Qwen3-VL-30B-A3B-Instruct",
+            538_631_408,
+            30_532_122_624,
+            311_164_928,
+            311_164_928,
+            31_070_754_032,
+        ),
+        (
+            "Qwen3-VL-235B-A22B-Instruct",
+            576_388_336,
+            235_093_634_560,
+            622_329_856,
+            622_329_856,
+            235_670_022_896,
+        ),
+    ];
+
+    #[test]
+    fn every_bundled_config_matches_the_published_parameter_counts() {
+        for &(name, vision, text, embedding, lm_head, total) in TABLE {
+            let c = param_counts(&bundled_config(name).unwrap());
+            assert_eq!(
+                c,
+                ParamCounts {
+                    vision,
+                    text,
+                    embedding,
+                    lm_head,
+                    total
+                },
+                "{name}"
+            );
+        }
+        assert_eq!(TABLE.len(), crate::config::BUNDLED_CONFIGS.len());
+    }
+
+    #[test]
+    fn tensor_parallel_split_keeps_replicated_parts_whole() {
+        let cfg = bundled_config("Qwen3-VL-8B-Instruct").unwrap();
+        let one: u64 = weight_bytes_per_rank(&cfg, 1, 2).iter().map(|(_, b)| b).sum();
+        let two: u64 = weight_bytes_per_rank(&cfg, 2, 2).iter().map(|(_, b)| b).sum();
+        assert_eq!(one, 2 * 8_767_123_696);
+        // Each rank holds a bit more than half: norms, patch embedding and biases are replicated.
+        assert!(two > one / 2 && two < one / 2 + one / 50, "{two} vs {one}");
+        // Eight KV heads over 16 ranks: each rank keeps one whole head.
+        let kv = param_groups(&cfg)
+            .into_iter()
+            .find(|g| g.name == "layers.kv_proj")
+            .unwrap();
+        assert_eq!(kv.numel_per_rank(16), kv.numel / 8);
+        assert_eq!(kv.numel_per_rank(4), kv.numel / 4);
+    }
+}
