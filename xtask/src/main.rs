@@ -3,8 +3,9 @@
 
 use anyhow::{bail, Context, Result};
 use std::env;
+use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::process::{Command, Stdio};
 
 /// trunk 0.22 needs rustc 1.96; 0.21.14 builds with the pinned 1.95 toolchain.
 const TRUNK_VERSION: &str = "0.21.14";
@@ -79,10 +80,49 @@ fn test() -> Result<()> {
     ensure_wasm_target()?;
     run(cargo().args(["fmt", "--all", "--", "--check"]))?;
     run(cargo().args(["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"]))?;
-    run(cargo().args(["test", "--workspace"]))?;
+    let (passed, failed) = cargo_test(&["--workspace"])?;
     run(cargo().args(["build", "--target", "wasm32-unknown-unknown", "-p", "kvlens-engine"]))?;
-    eprintln!("xtask test: all steps passed");
+    // One closing line for the whole run: cargo's last "test result" line is often the doc tests'.
+    println!("{passed} passed, {failed} failed");
     Ok(())
+}
+
+/// Runs `cargo test`, echoing its output, and adds up the "test result" lines.
+fn cargo_test(args: &[&str]) -> Result<(u64, u64)> {
+    let mut cmd = cargo();
+    cmd.arg("test").args(args).stdout(Stdio::piped());
+    eprintln!("+ {cmd:?}");
+    let mut child = cmd.spawn().context("cannot start cargo test")?;
+    let (mut passed, mut failed) = (0, 0);
+    if let Some(out) = child.stdout.take() {
+        for line in BufReader::new(out).lines() {
+            let line = line?;
+            println!("{line}");
+            if let Some(rest) = line.strip_prefix("test result: ") {
+                passed += count_before(rest, " passed");
+                failed += count_before(rest, " failed");
+            }
+        }
+    }
+    let status = child.wait()?;
+    if !status.success() {
+        println!("{passed} passed, {} failed", failed.max(1));
+        bail!("cargo test failed with {status}");
+    }
+    Ok((passed, failed))
+}
+
+/// The number right before `label` in a line such as "ok. 12 passed; 0 failed; …".
+fn count_before(text: &str, label: &str) -> u64 {
+    text.split(';')
+        .find_map(|part| {
+            part.trim()
+                .trim_start_matches("ok. ")
+                .trim_start_matches("FAILED. ")
+                .strip_suffix(label.trim_start())
+        })
+        .and_then(|n| n.trim().parse().ok())
+        .unwrap_or(0)
 }
 
 /// The wasm-bindgen version Cargo.lock resolved; the CLI must match it exactly.

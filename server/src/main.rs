@@ -1,0 +1,51 @@
+//! `kvlens`: the command line of the kvlens engine.
+
+mod plan_cmd;
+mod serve_cmd;
+
+use clap::{Parser, Subcommand};
+use std::process::ExitCode;
+
+/// kvlens: Qwen-VL inference that makes memory visible.
+#[derive(Debug, Parser)]
+#[command(name = "kvlens", version, about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Reproduce vLLM's start-up memory budget for a Qwen-VL model on a device, before a job runs.
+    Plan(Box<plan_cmd::PlanArgs>),
+    /// Serve the playground (static files built by `cargo xtask demo`) over HTTP.
+    Serve(serve_cmd::ServeArgs),
+}
+
+/// A user mistake: printed on one line, exit code 2 (as clap does for bad flags).
+#[derive(Debug)]
+pub struct UsageError(pub String);
+
+impl std::fmt::Display for UsageError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for UsageError {}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Plan(args) => plan_cmd::run(&args),
+        Command::Serve(args) => serve_cmd::run(&args),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            let usage = e.downcast_ref::<UsageError>().is_some();
+            eprintln!("error: {}", format!("{e:#}").replace('\n', " "));
+            ExitCode::from(if usage { 2 } else { 1 })
+        }
+    }
+}

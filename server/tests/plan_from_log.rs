@@ -1,0 +1,165 @@
+//! `kvlens plan --from-log` on the three sample vLLM / vllm-ascend logs.
+
+use serde_json::Value;
+use std::process::Command;
+
+const GIB: f64 = (1u64 << 30) as f64;
+
+fn fixture(name: &str) -> String {
+    format!(
+        "{}/../engine/tests/fixtures/vllm-logs/{name}",
+        env!("CARGO_MANIFEST_DIR")
+    )
+}
+
+fn from_log(name: &str, extra: &[&str]) -> Value {
+    let path = fixture(name);
+    let out = Command::new(env!("CARGO_BIN_EXE_kvlens"))
+        .args(["plan", "--json", "--from-log", &path])
+        .args(extra)
+        .output()
+        .expect("kvlens runs");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    serde_json::from_slice(&out.stdout).expect("one JSON object")
+}
+
+/// Lines of the fixture that carry a number (every one must be recognised).
+fn numeric_lines(name: &str) -> usize {
+    std::fs::read_to_string(fixture(name))
+        .unwrap()
+        .lines()
+        .filter(|l| !l.starts_with('#') && l.chars().any(|c| c.is_ascii_digit()))
+        .count()
+}
+
+fn recognised_non_header(v: &Value) -> usize {
+    v["recognised"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|r| r["kind"] != "header")
+        .count()
+}
+
+fn gib2(v: &Value) -> String {
+    format!("{:.2}", v.as_f64().unwrap() / GIB)
+}
+
+fn all_checks_ok(v: &Value) -> bool {
+    v["checks"].as_array().unwrap().iter().all(|c| c["ok"] == true)
+}
+
+#[test]
+fn new_format_8b_log_rebuilds_44_30_gib_and_645120_tokens() {
+    let name = "qwen3-vl-8b-tp2-new-profiling.log";
+    let v = from_log(name, &[]);
+    assert_eq!(recognised_non_header(&v), numeric_lines(name));
+    assert_eq!(v["format"], "new");
+    let p = &v["plan"];
+    assert_eq!(gib2(&p["available_kv_bytes"]), "44.30");
+    assert_eq!(gib2(&p["requested_bytes"]), "57.91");
+    assert_eq!(p["kv_cache_tokens"], 645_120);
+    assert_eq!(p["tensor_parallel_size"], 2);
+    assert_eq!(p["block_size"], 128);
+    assert_eq!(p["available_kv_source"], "from_log");
+    assert_eq!(
+        (p["encoder_budget_tokens"].as_u64(), p["encoder_profile_items"].as_u64()),
+        (Some(32_768), Some(2))
+    );
+    assert!(all_checks_ok(&v), "{:#}", v["checks"]);
+    assert!(v["checks"].as_array().unwrap().len() >= 5);
+}
+
+#[test]
+fn old_format_8b_log_is_identified_and_reconciled() {
+    let name = "qwen3-vl-8b-tp2-old-profiling.log";
+    let v = from_log(name, &[]);
+    assert_eq!(
+        recognised_non_header(&v),
+        numeric_lines(name) + 1,
+        "plus the 'results of real profiling:' marker"
+    );
+    assert_eq!(v["format"], "old");
+    let p = &v["plan"];
+    // 57.91 GiB requested = 0.95 × 60.96 GiB, and the smaller of the two ranks' figures is used.
+    assert_eq!(gib2(&p["requested_bytes"]), "57.91");
+    assert_eq!(gib2(&p["available_kv_bytes"]), "43.33");
+    let checks = v["checks"].as_array().unwrap();
+    let requested = checks
+        .iter()
+        .find(|c| c["formula"].as_str().unwrap().starts_with("requested"))
+        .unwrap();
+    assert_eq!(requested["ok"], true);
+    // The old formula with the printed peak and non-torch gives 43.54 GiB; the printed 43.40 and
+    // 43.33 imply 1.40 and 1.47 GiB of non-torch memory: flagged, with the implied figure.
+    let old: Vec<&Value> = checks
+        .iter()
+        .filter(|c| c["formula"].as_str().unwrap().contains("old formula"))
+        .collect();
+    assert_eq!(old.len(), 2);
+    assert!(old.iter().all(|c| c["ok"] == false));
+    assert!(
+        old[0]["detail"].as_str().unwrap().contains("43.54") && old[0]["detail"].as_str().unwrap().contains("1.40")
+    );
+    assert!(old[1]["detail"].as_str().unwrap().contains("1.47"));
+}
+
+#[test]
+fn qwen3_vl_32b_log_and_what_would_fit_262144() {
+    let name = "qwen3-vl-32b-tp2-maxlen262144.log";
+    let v = from_log(name, &["--target-max-model-len", "262144"]);
+    assert_eq!(recognised_non_header(&v), numeric_lines(name));
+    assert_eq!(v["format"], "old");
+    let p = &v["plan"];
+    assert_eq!(p["model"], "Qwen3-VL-32B-Instruct");
+    assert_eq!(p["fits"], false);
+    assert_eq!(p["estimated_max_model_len"], 164_224);
+    assert_eq!(p["total_bytes"], 65_452_113_920u64);
+    assert!(all_checks_ok(&v), "{:#}", v["checks"]);
+
+    // By hand: requested = ceil(0.9 × 65,452,113,920) = 58,906,902,528; non-KV = requested −
+    // 21,540,531,712 available = 37,366,370,816; needed at 262,144 = 64 layers × 2,048 blocks ×
+    // 262,144 B = 34,359,738,368. Utilization needed = (needed + non-KV) / total = 1.0959 > 1.
+    let requested = (0.9f64 * 65_452_113_920.0).ceil() as u64;
+    assert_eq!(requested, 58_906_902_528);
+    let non_kv = requested - 21_540_531_712;
+    let needed = 64u64 * 2_048 * 262_144;
+    let util = (needed + non_kv) as f64 / 65_452_113_920.0;
+    assert!((util - 1.0959).abs() < 1e-4, "{util}");
+    let answers = v["what_if"].as_array().unwrap();
+    let knob = |k: &str| {
+        answers
+            .iter()
+            .find(|w| w["knob"] == k)
+            .unwrap_or_else(|| panic!("no {k}"))
+    };
+    let u = knob("gpu-memory-utilization");
+    assert!(u["change"].is_null(), "utilization above 1 cannot fit");
+    assert!(u["detail"].as_str().unwrap().contains(&format!("{util:.4}")), "{u}");
+    // TP 4: 2 KV heads per rank halve the need to 16 GiB; weights per rank halve to ~15.7 GiB.
+    let tp = knob("tensor-parallel-size");
+    assert_eq!(tp["change"], "--tensor-parallel-size 4");
+    assert!(tp["detail"].as_str().unwrap().contains("16.00 GiB needed"), "{tp}");
+    // fp8 KV halves the need to 16 GiB < 20.06 GiB.
+    assert_eq!(knob("kv-cache-dtype")["change"], "--kv-cache-dtype fp8");
+}
+
+#[test]
+fn arbitrary_text_is_not_an_error() {
+    let dir = std::env::temp_dir().join(format!("kvlens-log-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("noise.log");
+    std::fs::write(&path, b"\xff\xfe garbage 12.5 GiB\nAvailable KV cache memory: lots\n\n").unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_kvlens"))
+        .args(["plan", "--from-log", path.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("Recognised 0 lines"));
+    let missing = Command::new(env!("CARGO_BIN_EXE_kvlens"))
+        .args(["plan", "--from-log", dir.join("absent.log").to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert_eq!(missing.status.code(), Some(2));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
