@@ -483,64 +483,60 @@ fn replan(p: &Plan, req: &PlanRequest, change: impl Fn(&mut PlanRequest)) -> Opt
     plan(&base).ok()
 }
 
-fn tp_what_if(p: &Plan, req: &PlanRequest, target: usize) -> WhatIf {
-    for tp in [2, 4, 8, 16].into_iter().filter(|&t| t > p.tensor_parallel_size) {
-        let Some(q) = replan(p, req, |r| {
-            r.tensor_parallel_size = tp;
+/// The first candidate value of a knob whose plan fits `target`, with that plan.
+fn first_that_fits(
+    p: &Plan,
+    req: &PlanRequest,
+    target: usize,
+    candidates: impl IntoIterator<Item = usize>,
+    apply: impl Fn(&mut PlanRequest, usize),
+) -> Option<(usize, Plan)> {
+    candidates.into_iter().find_map(|c| {
+        let q = replan(p, req, |r| {
+            apply(r, c);
             r.max_model_len = Some(target);
-        }) else {
-            continue;
-        };
-        if q.fits {
-            return WhatIf {
-                knob: "tensor-parallel-size".into(),
-                change: Some(format!("--tensor-parallel-size {tp}")),
-                detail: format!(
-                    "per rank: weights {:.2} GiB, {:.2} GiB KV available, {:.2} GiB needed ({} KV heads per rank)",
-                    q.weights_bytes as f64 / GIB,
-                    q.available_kv_bytes as f64 / GIB,
-                    q.needed_kv_bytes as f64 / GIB,
-                    q.kv_heads_per_rank
-                ),
-            };
-        }
-    }
+        })?;
+        q.fits.then_some((c, q))
+    })
+}
+
+fn tp_what_if(p: &Plan, req: &PlanRequest, target: usize) -> WhatIf {
+    let candidates = [2, 4, 8, 16].into_iter().filter(|&t| t > p.tensor_parallel_size);
+    let found = first_that_fits(p, req, target, candidates, |r, tp| r.tensor_parallel_size = tp);
     WhatIf {
         knob: "tensor-parallel-size".into(),
-        change: None,
-        detail: "no tensor-parallel degree up to 16 that divides the heads makes it fit".into(),
+        change: found.as_ref().map(|(tp, _)| format!("--tensor-parallel-size {tp}")),
+        detail: match found {
+            Some((_, q)) => format!(
+                "per rank: weights {:.2} GiB, {:.2} GiB KV available, {:.2} GiB needed ({} KV heads per rank)",
+                q.weights_bytes as f64 / GIB,
+                q.available_kv_bytes as f64 / GIB,
+                q.needed_kv_bytes as f64 / GIB,
+                q.kv_heads_per_rank
+            ),
+            None => "no tensor-parallel degree up to 16 that divides the heads makes it fit".into(),
+        },
     }
 }
 
 fn mnbt_what_if(p: &Plan, req: &PlanRequest, target: usize) -> WhatIf {
-    let mut mnbt = p.max_num_batched_tokens / 2;
-    while mnbt >= 256 {
-        if let Some(q) = replan(p, req, |r| {
-            r.max_num_batched_tokens = Some(mnbt);
-            r.max_model_len = Some(target);
-        }) {
-            if q.fits {
-                return WhatIf {
-                    knob: "max-num-batched-tokens".into(),
-                    change: Some(format!("--max-num-batched-tokens {mnbt}")),
-                    detail: format!(
-                        "activation peak {:.2} GiB, encoder budget {} tokens, {:.2} GiB KV available",
-                        q.activation_peak_bytes as f64 / GIB,
-                        q.encoder_budget_tokens,
-                        q.available_kv_bytes as f64 / GIB
-                    ),
-                };
-            }
-        }
-        mnbt /= 2;
-    }
+    let halvings = std::iter::successors(Some(p.max_num_batched_tokens / 2), |m| Some(m / 2)).take_while(|&m| m >= 256);
+    let found = first_that_fits(p, req, target, halvings, |r, m| r.max_num_batched_tokens = Some(m));
     WhatIf {
         knob: "max-num-batched-tokens".into(),
-        change: None,
-        detail: format!(
-            "even 256 tokens per step frees too little (from {})",
-            p.max_num_batched_tokens
-        ),
+        change: found.as_ref().map(|(m, _)| format!("--max-num-batched-tokens {m}")),
+        detail: match found {
+            Some((_, q)) => format!(
+                "activation peak {:.2} GiB, encoder budget {} tokens, {:.2} GiB KV available",
+                q.activation_peak_bytes as f64 / GIB,
+                q.encoder_budget_tokens,
+                q.available_kv_bytes as f64 / GIB
+            ),
+            None => format!(
+                "even 256 tokens per step frees too little (from {})",
+                p.max_num_batched_tokens
+            ),
+        },
     }
 }
 
