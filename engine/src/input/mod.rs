@@ -1,4 +1,17 @@
-//! Turning user input into model input: image sizing now; chat templates, tokenization and
-//! patchification arrive with the CPU model.
+//! Turning user input into model input: chat messages and templates, tokenization, image
+//! preprocessing (sizing, Pillow-exact resampling, patchify) and prompt expansion.
 
+pub mod chat;
+mod error;
+pub mod image;
+pub mod prompt;
 pub mod resize;
+pub mod tokenizer;
+
+pub use chat::{
+    default_template, image_sources, select_chat_template, ChatMessage, ChatTemplate, Content, ImageSource,
+};
+pub use error::InputError;
+pub use image::{process_image, ProcessedImage, ProcessorSettings};
+pub use prompt::{expand_image_pads, ExpandedPrompt, ImagePlaceholder};
+pub use tokenizer::{IncrementalDecoder, Tokenizer};

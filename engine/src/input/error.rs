@@ -1,0 +1,74 @@
+//! [`InputError`]: every way user input (messages, templates, tokenizers, images) can be refused.
+
+use super::resize::ResizeError;
+
+/// Why a request's input cannot be turned into model input. Each message is one line.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum InputError {
+    /// The messages JSON does not have the OpenAI chat shape.
+    #[error("invalid chat messages: {0}")]
+    Messages(String),
+    /// A `data:` URL whose payload is not valid base64.
+    #[error("image data URL is not valid base64: {0}")]
+    Base64(String),
+    /// A `data:` URL kvlens cannot read (no `;base64`, no comma).
+    #[error("unsupported image data URL: {0}")]
+    DataUrl(String),
+    /// The bytes are not a PNG or JPEG image.
+    #[error("image is not a PNG or JPEG file (first bytes: {0})")]
+    NotAnImage(String),
+    /// The image header was read but decoding failed.
+    #[error("cannot decode image: {0}")]
+    Decode(String),
+    /// The header announces more pixels than allowed; nothing was decoded.
+    #[error(
+        "image is {width}x{height} = {pixels} pixels, more than the limit of {max_megapixels} megapixels \
+         ({max_pixels} pixels)"
+    )]
+    TooLarge {
+        /// Width from the header.
+        width: u32,
+        /// Height from the header.
+        height: u32,
+        /// `width × height`.
+        pixels: u64,
+        /// The limit in pixels.
+        max_pixels: u64,
+        /// The limit in megapixels (2^20 pixels), for the message.
+        max_megapixels: u64,
+    },
+    /// An image with a zero side.
+    #[error("image is empty ({width}x{height})")]
+    EmptyImage {
+        /// Width in pixels.
+        width: u32,
+        /// Height in pixels.
+        height: u32,
+    },
+    /// `smart_resize` refused the size (aspect ratio above 200).
+    #[error("{0}")]
+    Resize(#[from] ResizeError),
+    /// `preprocessor_config.json` is invalid or disagrees with `config.json`.
+    #[error("preprocessor settings: {0}")]
+    Preprocessor(String),
+    /// The chat template does not compile, fails while rendering or calls `raise_exception`.
+    #[error("chat template error: {0}")]
+    Template(String),
+    /// None of the checkpoint's files carries a chat template, or a file holding one is malformed.
+    #[error("chat template not found: {0}")]
+    TemplateSource(String),
+    /// `tokenizer.json` cannot be loaded.
+    #[error("tokenizer.json is invalid: {0}")]
+    TokenizerJson(String),
+    /// Encoding or decoding failed.
+    #[error("tokenizer error: {0}")]
+    Tokenize(String),
+    /// The prompt's `<|image_pad|>` placeholders and the images do not pair up.
+    #[error("the prompt has {pads} image placeholders but {images} images were given")]
+    PadMismatch {
+        /// Placeholders found in the token ids.
+        pads: usize,
+        /// Images passed in.
+        images: usize,
+    },
+}

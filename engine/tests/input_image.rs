@@ -1,0 +1,250 @@
+//! Image preprocessing against transformers' PIL image processor (`Qwen2VLImageProcessorPil`,
+//! transformers 5.23 / Pillow 13): the fixtures under tests/fixtures/input were written by
+//! tools/golden/input_reference.py. Also the refusals of bad input.
+
+/// Inside a module named `input` so that `cargo test -p kvlens-engine input` selects these tests.
+mod input {
+    use std::io::Cursor;
+
+    use kvlens_engine::config::{bundled_config, Family, ImageLimits};
+    use kvlens_engine::input::image::{ProcessorSettings, CLIP_MEAN, CLIP_STD};
+    use kvlens_engine::input::{process_image, ImageSource, InputError};
+
+    const FIXTURES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/input");
+
+    fn fixture(name: &str) -> Vec<u8> {
+        std::fs::read(format!("{FIXTURES}/{name}")).unwrap_or_else(|e| panic!("{name}: {e}"))
+    }
+
+    fn triple(v: &serde_json::Value) -> [f32; 3] {
+        let list = v.as_array().unwrap();
+        [0, 1, 2].map(|i| list[i].as_f64().unwrap() as f32)
+    }
+
+    /// Every reference case: grid, token count and max |Rust − PIL| over all values. PNG cases must
+    /// match to float rounding (the resampler is exact); the JPEG case differs only by the decoders
+    /// (libjpeg-turbo's fancy chroma upsampling and IDCT vs zune-jpeg's), which is bounded here.
+    #[test]
+    fn matches_pil_processor() {
+        let meta: serde_json::Value = serde_json::from_slice(&fixture("reference.json")).unwrap();
+        let cases = meta["cases"].as_array().unwrap();
+        assert_eq!(cases.len(), 5);
+        for case in cases {
+            let name = case["name"].as_str().unwrap();
+            let patch = case["patch_size"].as_u64().unwrap() as usize;
+            let family = if patch == 16 { Family::Qwen3Vl } else { Family::Qwen2Vl };
+            let limits = ImageLimits {
+                min_pixels: case["min_pixels"].as_u64().unwrap(),
+                max_pixels: case["max_pixels"].as_u64().unwrap(),
+            };
+            let settings = ProcessorSettings::for_family(family, limits);
+            assert_eq!(settings.patch_size, patch);
+            assert_eq!(settings.image_mean, triple(&case["image_mean"]), "{name}");
+            assert_eq!(settings.image_std, triple(&case["image_std"]), "{name}");
+
+            let file = case["image"].as_str().unwrap();
+            let out = process_image(&fixture(file), &settings).unwrap();
+            let grid: Vec<u32> = case["grid_thw"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|v| v.as_u64().unwrap() as u32)
+                .collect();
+            assert_eq!(out.grid_thw.to_vec(), grid, "{name}");
+            assert_eq!(out.num_tokens, (grid[1] * grid[2] / 4) as usize, "{name}");
+            let reference: Vec<f32> = fixture(case["pixel_values"].as_str().unwrap())
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect();
+            let shape = case["shape"].as_array().unwrap();
+            assert_eq!(
+                reference.len() as u64,
+                shape[0].as_u64().unwrap() * shape[1].as_u64().unwrap()
+            );
+            assert_eq!(out.pixel_values.len(), reference.len(), "{name}");
+            assert_eq!(shape[1].as_u64().unwrap() as usize, settings.row_len());
+            let max_diff = out
+                .pixel_values
+                .iter()
+                .zip(&reference)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0.0f32, f32::max);
+            let mean_diff = out
+                .pixel_values
+                .iter()
+                .zip(&reference)
+                .map(|(a, b)| (a - b).abs())
+                .sum::<f32>()
+                / reference.len() as f32;
+            println!("{name}: grid {grid:?}, max |rust - pil| = {max_diff:e}, mean {mean_diff:e}");
+            if file.ends_with(".png") {
+                // Pillow's resampling is reproduced bit for bit, so even resized images match to float rounding.
+                assert!(max_diff <= 1e-6, "{name}: max difference {max_diff}");
+            } else {
+                assert!(
+                    max_diff <= 0.2 && mean_diff <= 0.01,
+                    "{name}: max {max_diff}, mean {mean_diff}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn settings_from_checkpoint_files() {
+        let q2 = bundled_config("Qwen2-VL-2B-Instruct").unwrap();
+        let shipped = r#"{"min_pixels": 3136, "max_pixels": 12845056, "patch_size": 14, "temporal_patch_size": 2,
+        "merge_size": 2, "image_mean": [0.48145466, 0.4578275, 0.40821073],
+        "image_std": [0.26862954, 0.26130258, 0.27577711], "rescale_factor": 0.00392156862745098,
+        "image_processor_type": "Qwen2VLImageProcessor"}"#;
+        let s = ProcessorSettings::new(&q2, Some(shipped)).unwrap();
+        assert_eq!(s, ProcessorSettings::new(&q2, None).unwrap());
+        assert_eq!((s.image_mean, s.image_std), (CLIP_MEAN, CLIP_STD));
+        assert_eq!(s.limits, ImageLimits::shipped(Family::Qwen2Vl));
+        assert_eq!((s.factor(), s.row_len()), (28, 1176));
+
+        let q3 = bundled_config("Qwen3-VL-2B-Instruct").unwrap();
+        let s3 =
+            ProcessorSettings::new(&q3, Some(r#"{"size": {"shortest_edge": 1024, "longest_edge": 8192}}"#)).unwrap();
+        assert_eq!((s3.image_mean, s3.image_std), ([0.5; 3], [0.5; 3]));
+        assert_eq!((s3.limits.min_pixels, s3.limits.max_pixels), (1024, 8192));
+        assert_eq!((s3.factor(), s3.row_len()), (32, 1536));
+
+        let err = ProcessorSettings::new(&q3, Some(r#"{"patch_size": 14}"#)).unwrap_err();
+        assert!(matches!(err, InputError::Preprocessor(_)), "{err}");
+        assert!(ProcessorSettings::new(&q3, Some(r#"{"image_mean": [1, 2]}"#)).is_err());
+        assert!(ProcessorSettings::new(&q3, Some("{bad")).is_err());
+    }
+
+    #[test]
+    fn mm_hash_covers_pixels_and_settings() {
+        let png = fixture("rgb_84x56.png");
+        let limits = ImageLimits {
+            min_pixels: 3136,
+            max_pixels: 28 * 28 * 16,
+        };
+        let base = ProcessorSettings::for_family(Family::Qwen2Vl, limits);
+        let a = process_image(&png, &base).unwrap();
+        assert_eq!(a.mm_hash.len(), 64);
+        assert_eq!(process_image(&png, &base).unwrap().mm_hash, a.mm_hash);
+        let bigger = ProcessorSettings::for_family(
+            Family::Qwen2Vl,
+            ImageLimits {
+                max_pixels: 28 * 28 * 64,
+                ..limits
+            },
+        );
+        let b = process_image(&png, &bigger).unwrap();
+        assert_eq!(b.pixel_values, a.pixel_values, "same output, since 84x56 fits both");
+        assert_ne!(b.mm_hash, a.mm_hash, "different settings hash differently");
+        let other = process_image(&fixture("rgb_93x67.png"), &base).unwrap();
+        assert_ne!(other.mm_hash, a.mm_hash);
+    }
+
+    /// A PNG made of the given chunks (type, data) after the signature; CRCs are computed.
+    fn png_from_chunks(chunks: &[(&[u8; 4], Vec<u8>)]) -> Vec<u8> {
+        fn crc32(bytes: &[u8]) -> u32 {
+            let mut crc = 0xffff_ffffu32;
+            for &b in bytes {
+                crc ^= u32::from(b);
+                for _ in 0..8 {
+                    crc = if crc & 1 != 0 {
+                        (crc >> 1) ^ 0xedb8_8320
+                    } else {
+                        crc >> 1
+                    };
+                }
+            }
+            !crc
+        }
+        let mut out = b"\x89PNG\r\n\x1a\n".to_vec();
+        for (kind, data) in chunks {
+            out.extend((data.len() as u32).to_be_bytes());
+            let mut body = kind.to_vec();
+            body.extend(data);
+            out.extend(&body);
+            out.extend(crc32(&body).to_be_bytes());
+        }
+        out
+    }
+
+    /// An 8-bit RGB PNG header announcing `width × height`, followed by a short IDAT and IEND.
+    fn png_header_only(width: u32, height: u32) -> Vec<u8> {
+        let mut ihdr = Vec::new();
+        ihdr.extend(width.to_be_bytes());
+        ihdr.extend(height.to_be_bytes());
+        ihdr.extend([8, 2, 0, 0, 0]);
+        png_from_chunks(&[
+            (b"IHDR", ihdr),
+            (b"IDAT", vec![0x78, 0x9c, 0x03, 0x00]),
+            (b"IEND", Vec::new()),
+        ])
+    }
+
+    fn encode_png(width: u32, height: u32) -> Vec<u8> {
+        let img = image::DynamicImage::ImageRgb8(image::RgbImage::new(width, height));
+        let mut out = Cursor::new(Vec::new());
+        img.write_to(&mut out, image::ImageFormat::Png).unwrap();
+        out.into_inner()
+    }
+
+    fn settings() -> ProcessorSettings {
+        ProcessorSettings::for_family(Family::Qwen2Vl, ImageLimits::shipped(Family::Qwen2Vl))
+    }
+
+    #[test]
+    fn refuses_bad_input_with_clear_errors() {
+        let s = settings();
+
+        let err = ImageSource::parse("data:image/png;base64,!!not base64!!").unwrap_err();
+        assert!(matches!(err, InputError::Base64(_)), "{err}");
+
+        let err = process_image(b"hello, I am a text file\n", &s).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "image is not a PNG or JPEG file (first bytes: 68 65 6c 6c 6f 2c 20 49)"
+        );
+        let err = process_image(b"", &s).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "image is not a PNG or JPEG file (first bytes: none, the data is empty)"
+        );
+
+        let err = process_image(&png_header_only(0, 5), &s).unwrap_err();
+        assert!(
+            matches!(err, InputError::EmptyImage { .. } | InputError::Decode(_)),
+            "{err}"
+        );
+        println!("zero-width PNG: {err}");
+
+        let err = process_image(&png_header_only(30000, 30000), &s).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "image is 30000x30000 = 900000000 pixels, more than the limit of 64 megapixels (67108864 pixels)"
+        );
+
+        let err = process_image(&encode_png(300, 1), &s).unwrap_err();
+        assert!(matches!(err, InputError::Resize(_)), "{err}");
+        assert_eq!(
+            err.to_string(),
+            "absolute aspect ratio must be smaller than 200, got 1x300"
+        );
+
+        // A truncated PNG: the header is fine, the pixel data is cut.
+        let mut cut = encode_png(64, 64);
+        cut.truncate(cut.len() / 2);
+        let err = process_image(&cut, &s).unwrap_err();
+        assert!(matches!(err, InputError::Decode(_)), "{err}");
+
+        // A JPEG signature followed by garbage.
+        let err = process_image(&[0xff, 0xd8, 0xff, 0xe0, 1, 2, 3], &s).unwrap_err();
+        assert!(matches!(err, InputError::Decode(_)), "{err}");
+
+        // A small limit is honoured before decoding.
+        let tight = ProcessorSettings {
+            max_decoded_pixels: 1 << 20,
+            ..settings()
+        };
+        let err = process_image(&png_header_only(2000, 1000), &tight).unwrap_err();
+        assert!(err.to_string().contains("limit of 1 megapixels"), "{err}");
+    }
+}
