@@ -3,7 +3,11 @@
 //! The crate has no networking, spawns no threads and touches no files: callers hand it bytes.
 //! It compiles for native targets and for `wasm32-unknown-unknown`.
 
+pub mod backend;
 pub mod cache;
 pub mod config;
+pub mod engine;
 pub mod input;
 pub mod memory;
+pub mod model;
+pub mod sample;

@@ -1,6 +1,10 @@
 //! `kvlens`: the command line of the kvlens engine.
 
+mod checkpoint;
+mod generate_cmd;
 mod plan_cmd;
+mod random_checkpoint_cmd;
+mod runtime;
 mod serve_cmd;
 
 use clap::{Parser, Subcommand};
@@ -16,8 +20,12 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// Generate a reply to one conversation (text and images) on the CPU.
+    Generate(Box<generate_cmd::GenerateArgs>),
     /// Reproduce vLLM's start-up memory budget for a Qwen-VL model on a device, before a job runs.
     Plan(Box<plan_cmd::PlanArgs>),
+    /// Write a Hugging Face-layout checkpoint with random weights of a config's real shapes.
+    RandomCheckpoint(random_checkpoint_cmd::RandomCheckpointArgs),
     /// Serve the playground (static files built by `cargo xtask demo`) over HTTP.
     Serve(serve_cmd::ServeArgs),
 }
@@ -37,7 +45,9 @@ impl std::error::Error for UsageError {}
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
+        Command::Generate(args) => generate_cmd::run(&args),
         Command::Plan(args) => plan_cmd::run(&args),
+        Command::RandomCheckpoint(args) => random_checkpoint_cmd::run(&args),
         Command::Serve(args) => serve_cmd::run(&args),
     };
     match result {

@@ -13,7 +13,7 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 8000)]
     pub port: u16,
     /// Directory with the built playground (index.html, wasm, styles).
-    #[arg(long, default_value = "app/dist")]
+    #[arg(long, default_value = "dist")]
     pub playground_dir: PathBuf,
 }
 

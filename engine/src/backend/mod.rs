@@ -1,0 +1,172 @@
+//! The narrow set of fused operations the Qwen-VL forward pass needs. The model is written once
+//! against [`Backend`]; each backend owns its tensor type and its memory and records every
+//! allocation in the [`MemoryLedger`](crate::memory::ledger::MemoryLedger).
+
+pub mod cpu;
+
+use crate::memory::ledger::MemoryLedger;
+
+/// Why a backend operation failed.
+#[derive(Debug, thiserror::Error)]
+pub enum BackendError {
+    /// Shapes that do not fit the operation.
+    #[error("shape error: {0}")]
+    Shape(String),
+    /// A failure inside the backend's library.
+    #[error("backend error: {0}")]
+    Library(String),
+}
+
+/// Result of a backend operation.
+pub type BResult<T> = Result<T, BackendError>;
+
+/// Element type of a stored checkpoint tensor.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RawDType {
+    /// 32-bit float.
+    F32,
+    /// 16-bit float.
+    F16,
+    /// bfloat16.
+    Bf16,
+}
+
+/// A checkpoint tensor as stored: dtype, shape and little-endian bytes (usually memory-mapped).
+#[derive(Debug, Clone)]
+pub struct RawTensor<'a> {
+    /// Element type.
+    pub dtype: RawDType,
+    /// Shape.
+    pub shape: Vec<usize>,
+    /// Bytes, `numel × dtype size`.
+    pub data: &'a [u8],
+}
+
+/// Element-wise activations.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Activation {
+    /// `x·σ(x)`.
+    Silu,
+    /// GELU with the tanh approximation.
+    GeluTanh,
+    /// Exact GELU (erf).
+    GeluErf,
+    /// `x·σ(1.702x)`.
+    QuickGelu,
+}
+
+/// One sequence's part of a paged-attention call.
+#[derive(Debug, Clone)]
+pub struct PagedSeq<'a> {
+    /// First row of this sequence in the query tensor.
+    pub query_start: usize,
+    /// Number of query rows (new tokens this step).
+    pub query_len: usize,
+    /// Tokens in the KV cache for this sequence after this step's writes (context length).
+    pub context_len: usize,
+    /// The sequence's block table.
+    pub block_table: &'a [usize],
+}
+
+/// Geometry of a paged KV cache.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KvLayout {
+    /// Decoder layers.
+    pub layers: usize,
+    /// Blocks per layer (block 0 is the null block).
+    pub num_blocks: usize,
+    /// Tokens per block.
+    pub block_size: usize,
+    /// KV heads.
+    pub kv_heads: usize,
+    /// Per-head width.
+    pub head_dim: usize,
+}
+
+impl KvLayout {
+    /// Bytes of K and V for all layers at `elem_bytes` per element.
+    pub fn bytes(&self, elem_bytes: u64) -> u64 {
+        2 * (self.layers * self.num_blocks * self.block_size * self.kv_heads * self.head_dim) as u64 * elem_bytes
+    }
+}
+
+/// The operations of a Qwen-VL forward pass. Row-major 2-D tensors `[rows, cols]` unless stated.
+pub trait Backend {
+    /// A tensor on this backend.
+    type Tensor: Clone + std::fmt::Debug;
+    /// The paged KV cache on this backend.
+    type KvCache: std::fmt::Debug;
+
+    /// Short name (`cpu`, `wgpu`, `cuda`).
+    fn name(&self) -> &'static str;
+    /// The ledger every allocation is recorded in.
+    fn ledger(&self) -> &MemoryLedger;
+
+    /// Converts a checkpoint tensor to the compute dtype (recorded as weights).
+    fn load_weight(&self, raw: RawTensor<'_>) -> BResult<Self::Tensor>;
+    /// Uploads host floats as an activation.
+    fn upload(&self, data: Vec<f32>, shape: &[usize]) -> BResult<Self::Tensor>;
+    /// The same storage, recorded under `category` from now on (e.g. an encoder output that is kept).
+    fn keep(&self, t: &Self::Tensor, category: crate::memory::ledger::Category) -> Self::Tensor;
+    /// Copies a tensor to host floats (row-major).
+    fn download(&self, t: &Self::Tensor) -> BResult<Vec<f32>>;
+    /// The tensor's shape.
+    fn shape(&self, t: &Self::Tensor) -> Vec<usize>;
+
+    /// `x · wᵀ (+ b)` for `x [n, in]`, `w [out, in]`.
+    fn linear(&self, x: &Self::Tensor, w: &Self::Tensor, b: Option<&Self::Tensor>) -> BResult<Self::Tensor>;
+    /// Rows `ids` of `table [vocab, dim]`.
+    fn embedding(&self, table: &Self::Tensor, ids: &[u32]) -> BResult<Self::Tensor>;
+    /// RMSNorm over the last axis.
+    fn rms_norm(&self, x: &Self::Tensor, w: &Self::Tensor, eps: f64) -> BResult<Self::Tensor>;
+    /// LayerNorm over the last axis.
+    fn layer_norm(&self, x: &Self::Tensor, w: &Self::Tensor, b: &Self::Tensor, eps: f64) -> BResult<Self::Tensor>;
+    /// Element-wise activation.
+    fn activate(&self, x: &Self::Tensor, act: Activation) -> BResult<Self::Tensor>;
+    /// `silu(gate) ⊙ up`.
+    fn silu_mul(&self, gate: &Self::Tensor, up: &Self::Tensor) -> BResult<Self::Tensor>;
+    /// `a + b` (same shape).
+    fn add(&self, a: &Self::Tensor, b: &Self::Tensor) -> BResult<Self::Tensor>;
+    /// Rotary embedding, rotate-half convention: `x [n, heads·d]`, `cos`/`sin [n, d]`.
+    fn rope(&self, x: &Self::Tensor, cos: &Self::Tensor, sin: &Self::Tensor) -> BResult<Self::Tensor>;
+    /// Columns `[start, start+len)`.
+    fn narrow_cols(&self, x: &Self::Tensor, start: usize, len: usize) -> BResult<Self::Tensor>;
+    /// Reinterprets the row-major data with a new 2-D shape.
+    fn reshape(&self, x: &Self::Tensor, rows: usize, cols: usize) -> BResult<Self::Tensor>;
+    /// Rows `idx` of `x`, in that order.
+    fn gather_rows(&self, x: &Self::Tensor, idx: &[usize]) -> BResult<Self::Tensor>;
+    /// `x` with rows `idx[i]` replaced by row `i` of `src` (`add`: added instead).
+    fn scatter_rows(&self, x: &Self::Tensor, idx: &[usize], src: &Self::Tensor, add: bool) -> BResult<Self::Tensor>;
+    /// Stacks tensors with equal column counts.
+    fn concat_rows(&self, parts: &[Self::Tensor]) -> BResult<Self::Tensor>;
+    /// Bidirectional attention within segments (`(start, len)` in rows): `q,k,v [n, heads·d]`.
+    fn segment_attention(
+        &self,
+        q: &Self::Tensor,
+        k: &Self::Tensor,
+        v: &Self::Tensor,
+        heads: usize,
+        segments: &[(usize, usize)],
+    ) -> BResult<Self::Tensor>;
+
+    /// Allocates a zeroed paged KV cache (recorded as kv_cache).
+    fn alloc_kv(&self, layout: KvLayout) -> BResult<Self::KvCache>;
+    /// Writes rows of `k`, `v [n, kv_heads·d]` into slots (`block · block_size + offset`) of one layer.
+    fn write_kv(
+        &self,
+        cache: &mut Self::KvCache,
+        layer: usize,
+        k: &Self::Tensor,
+        v: &Self::Tensor,
+        slots: &[usize],
+    ) -> BResult<()>;
+    /// Causal attention of `q [n, heads·d]` over each sequence's cached keys and values.
+    fn paged_attention(
+        &self,
+        cache: &Self::KvCache,
+        layer: usize,
+        q: &Self::Tensor,
+        heads: usize,
+        seqs: &[PagedSeq<'_>],
+    ) -> BResult<Self::Tensor>;
+}

@@ -1,0 +1,65 @@
+//! The Qwen-VL forward pass, written once against [`Backend`](crate::backend::Backend).
+
+pub mod rope;
+pub mod text;
+pub mod vision;
+pub mod weights;
+
+use crate::backend::{Backend, BackendError};
+use crate::config::{Family, ModelConfig};
+use text::TextModel;
+use vision::VisionTower;
+use weights::{Loader, TensorSource};
+
+/// Why loading or running the model failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ModelError {
+    /// The checkpoint is missing tensors, has wrong shapes or is not readable.
+    #[error("checkpoint: {0}")]
+    Checkpoint(String),
+    /// A model the engine cannot run yet.
+    #[error("{0}")]
+    Unsupported(String),
+    /// Inputs that do not fit the model.
+    #[error("input: {0}")]
+    Input(String),
+    /// The backend failed.
+    #[error(transparent)]
+    Backend(#[from] BackendError),
+}
+
+/// A loaded Qwen-VL model.
+#[derive(Debug)]
+pub struct QwenVl<B: Backend> {
+    /// The parsed config.
+    pub cfg: ModelConfig,
+    /// The vision tower.
+    pub vision: VisionTower<B>,
+    /// The language model.
+    pub text: TextModel<B>,
+}
+
+impl<B: Backend> QwenVl<B> {
+    /// Loads every weight from `source`; `progress` is called after the vision tower and the decoder
+    /// with (tensors, bytes) loaded so far.
+    pub fn load<S: TensorSource>(
+        cfg: ModelConfig,
+        source: &S,
+        be: &B,
+        mut progress: impl FnMut(usize, u64),
+    ) -> Result<Self, ModelError> {
+        if cfg.family == Family::Qwen3VlMoe {
+            return Err(ModelError::Unsupported(
+                "Qwen3-VL-MoE (qwen3_vl_moe) inference is not supported yet; `kvlens plan` supports it".into(),
+            ));
+        }
+        let loader = Loader::new(source, be);
+        let vision = VisionTower::load(&cfg, &loader, be)?;
+        let (n, bytes) = loader.progress();
+        progress(n, bytes);
+        let text = TextModel::load(&cfg, &loader)?;
+        let (n, bytes) = loader.progress();
+        progress(n, bytes);
+        Ok(QwenVl { cfg, vision, text })
+    }
+}

@@ -1,0 +1,150 @@
+//! The Qwen2 and Qwen3 decoders (qwen-vl.md §2.1, §2.5–§2.7) with paged attention over the KV
+//! cache's block tables.
+
+use super::weights::{Loader, TensorSource};
+use super::ModelError;
+use crate::backend::{Backend, PagedSeq};
+use crate::config::{ModelConfig, TextConfig};
+
+#[derive(Debug)]
+struct Layer<B: Backend> {
+    input_norm: B::Tensor,
+    post_norm: B::Tensor,
+    q: (B::Tensor, Option<B::Tensor>),
+    k: (B::Tensor, Option<B::Tensor>),
+    v: (B::Tensor, Option<B::Tensor>),
+    o: B::Tensor,
+    qk_norm: Option<(B::Tensor, B::Tensor)>,
+    gate: B::Tensor,
+    up: B::Tensor,
+    down: B::Tensor,
+}
+
+/// What one forward pass over the decoder needs besides the weights.
+#[derive(Debug)]
+pub struct DecoderInput<'a, B: Backend> {
+    /// Input embeddings `[tokens, H]` (token embeddings with image rows merged in).
+    pub embeds: B::Tensor,
+    /// cos/sin `[tokens, head_dim]` from the M-RoPE positions.
+    pub cos: B::Tensor,
+    /// See `cos`.
+    pub sin: B::Tensor,
+    /// KV slot of every token.
+    pub slots: &'a [usize],
+    /// The sequences in this batch.
+    pub seqs: &'a [PagedSeq<'a>],
+    /// Qwen3-VL deepstack features with the rows they are added to (prefill only).
+    pub deepstack: Option<(&'a [B::Tensor], &'a [usize])>,
+}
+
+/// The language model.
+#[derive(Debug)]
+pub struct TextModel<B: Backend> {
+    cfg: TextConfig,
+    embed: B::Tensor,
+    layers: Vec<Layer<B>>,
+    norm: B::Tensor,
+    lm_head: Option<B::Tensor>,
+}
+
+impl<B: Backend> TextModel<B> {
+    /// Loads the decoder's weights.
+    pub fn load<S: TensorSource>(cfg: &ModelConfig, l: &Loader<'_, '_, S, B>) -> Result<Self, ModelError> {
+        let t = &cfg.text;
+        let p = if cfg.family.is_qwen3() {
+            "model.language_model"
+        } else {
+            "model"
+        };
+        let (h, hd, nq, nkv) = (t.hidden_size, t.head_dim, t.num_attention_heads, t.num_key_value_heads);
+        let proj = |name: &str, out: usize| -> Result<(B::Tensor, Option<B::Tensor>), ModelError> {
+            let w = l.matrix(&format!("{name}.weight"), out, h)?;
+            let b = if t.attention_bias {
+                Some(l.vector(&format!("{name}.bias"), out)?)
+            } else {
+                None
+            };
+            Ok((w, b))
+        };
+        let mut layers = Vec::with_capacity(t.num_hidden_layers);
+        for i in 0..t.num_hidden_layers {
+            let b = format!("{p}.layers.{i}");
+            let qk_norm = if t.qk_norm {
+                Some((
+                    l.vector(&format!("{b}.self_attn.q_norm.weight"), hd)?,
+                    l.vector(&format!("{b}.self_attn.k_norm.weight"), hd)?,
+                ))
+            } else {
+                None
+            };
+            layers.push(Layer {
+                input_norm: l.vector(&format!("{b}.input_layernorm.weight"), h)?,
+                post_norm: l.vector(&format!("{b}.post_attention_layernorm.weight"), h)?,
+                q: proj(&format!("{b}.self_attn.q_proj"), nq * hd)?,
+                k: proj(&format!("{b}.self_attn.k_proj"), nkv * hd)?,
+                v: proj(&format!("{b}.self_attn.v_proj"), nkv * hd)?,
+                o: l.matrix(&format!("{b}.self_attn.o_proj.weight"), h, nq * hd)?,
+                qk_norm,
+                gate: l.matrix(&format!("{b}.mlp.gate_proj.weight"), t.intermediate_size, h)?,
+                up: l.matrix(&format!("{b}.mlp.up_proj.weight"), t.intermediate_size, h)?,
+                down: l.matrix(&format!("{b}.mlp.down_proj.weight"), h, t.intermediate_size)?,
+            });
+        }
+        // Tied models ship no lm_head; a missing lm_head is treated as tied too.
+        let lm_head = if !cfg.tie_word_embeddings && l.has("lm_head.weight")? {
+            Some(l.matrix("lm_head.weight", t.vocab_size, h)?)
+        } else {
+            None
+        };
+        Ok(TextModel {
+            cfg: t.clone(),
+            embed: l.matrix(&format!("{p}.embed_tokens.weight"), t.vocab_size, h)?,
+            layers,
+            norm: l.vector(&format!("{p}.norm.weight"), h)?,
+            lm_head,
+        })
+    }
+
+    /// Token embeddings `[ids, H]`.
+    pub fn embed(&self, be: &B, ids: &[u32]) -> Result<B::Tensor, ModelError> {
+        Ok(be.embedding(&self.embed, ids)?)
+    }
+
+    /// Runs every layer, writing K/V into `cache`; returns the final hidden states `[tokens, H]`.
+    pub fn forward(&self, be: &B, cache: &mut B::KvCache, inp: DecoderInput<'_, B>) -> Result<B::Tensor, ModelError> {
+        let t = &self.cfg;
+        let (hd, nq, nkv) = (t.head_dim, t.num_attention_heads, t.num_key_value_heads);
+        let eps = t.rms_norm_eps;
+        let mut x = inp.embeds;
+        let rows = be.shape(&x).first().copied().unwrap_or(0);
+        for (i, layer) in self.layers.iter().enumerate() {
+            let h = be.rms_norm(&x, &layer.input_norm, eps)?;
+            let mut q = be.linear(&h, &layer.q.0, layer.q.1.as_ref())?;
+            let mut k = be.linear(&h, &layer.k.0, layer.k.1.as_ref())?;
+            let v = be.linear(&h, &layer.v.0, layer.v.1.as_ref())?;
+            if let Some((qn, kn)) = &layer.qk_norm {
+                q = be.reshape(&be.rms_norm(&be.reshape(&q, rows * nq, hd)?, qn, eps)?, rows, nq * hd)?;
+                k = be.reshape(&be.rms_norm(&be.reshape(&k, rows * nkv, hd)?, kn, eps)?, rows, nkv * hd)?;
+            }
+            let q = be.rope(&q, &inp.cos, &inp.sin)?;
+            let k = be.rope(&k, &inp.cos, &inp.sin)?;
+            be.write_kv(cache, i, &k, &v, inp.slots)?;
+            let a = be.paged_attention(cache, i, &q, nq, inp.seqs)?;
+            x = be.add(&x, &be.linear(&a, &layer.o, None)?)?;
+            let h = be.rms_norm(&x, &layer.post_norm, eps)?;
+            let m = be.silu_mul(&be.linear(&h, &layer.gate, None)?, &be.linear(&h, &layer.up, None)?)?;
+            x = be.add(&x, &be.linear(&m, &layer.down, None)?)?;
+            if let Some((features, rows_at)) = inp.deepstack {
+                if let Some(f) = features.get(i) {
+                    x = be.scatter_rows(&x, rows_at, f, true)?;
+                }
+            }
+        }
+        Ok(be.rms_norm(&x, &self.norm, eps)?)
+    }
+
+    /// Logits `[rows, vocab]` of the given hidden rows.
+    pub fn logits(&self, be: &B, hidden: &B::Tensor) -> Result<B::Tensor, ModelError> {
+        Ok(be.linear(hidden, self.lm_head.as_ref().unwrap_or(&self.embed), None)?)
+    }
+}

@@ -1,0 +1,328 @@
+//! Sampling: penalties, temperature, top-k, top-p, min-p, a seeded generator per request, and the
+//! log-probabilities of the top tokens (of the model's distribution, before any processing, as vLLM
+//! reports them by default).
+
+use std::collections::HashMap;
+
+/// How to pick the next token.
+#[derive(Debug, Clone, PartialEq, serde::Deserialize, serde::Serialize)]
+#[serde(default)]
+pub struct SamplingParams {
+    /// 0 means greedy.
+    pub temperature: f32,
+    /// Nucleus mass (1 = off).
+    pub top_p: f32,
+    /// Keep the k most likely (0 or -1 = off).
+    pub top_k: i32,
+    /// Drop tokens below `min_p × p_max` (0 = off).
+    pub min_p: f32,
+    /// Seed of this request's generator (None: derived from the request order).
+    pub seed: Option<u64>,
+    /// Divides positive logits (multiplies negative ones) of tokens already seen (1 = off).
+    pub repetition_penalty: f32,
+    /// Subtracted once from the logits of generated tokens.
+    pub presence_penalty: f32,
+    /// Subtracted per occurrence from the logits of generated tokens.
+    pub frequency_penalty: f32,
+    /// Most tokens to generate.
+    pub max_tokens: usize,
+    /// Extra token ids that end generation.
+    pub stop_token_ids: Vec<u32>,
+    /// Keep going past end-of-sequence tokens.
+    pub ignore_eos: bool,
+    /// Report this many top log-probabilities per generated token.
+    pub logprobs: Option<usize>,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        SamplingParams {
+            temperature: 1.0,
+            top_p: 1.0,
+            top_k: 0,
+            min_p: 0.0,
+            seed: None,
+            repetition_penalty: 1.0,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            max_tokens: 16,
+            stop_token_ids: Vec::new(),
+            ignore_eos: false,
+            logprobs: None,
+        }
+    }
+}
+
+impl SamplingParams {
+    /// Checks the ranges the OpenAI API allows.
+    pub fn validate(&self) -> Result<(), String> {
+        if !(self.temperature >= 0.0 && self.temperature.is_finite()) {
+            return Err(format!(
+                "temperature must be a non-negative number, got {}",
+                self.temperature
+            ));
+        }
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            return Err(format!("top_p must be in (0, 1], got {}", self.top_p));
+        }
+        if !(0.0..=1.0).contains(&self.min_p) {
+            return Err(format!("min_p must be in [0, 1], got {}", self.min_p));
+        }
+        if !(self.repetition_penalty > 0.0 && self.repetition_penalty.is_finite()) {
+            return Err(format!(
+                "repetition_penalty must be positive, got {}",
+                self.repetition_penalty
+            ));
+        }
+        if self.max_tokens == 0 {
+            return Err("max_tokens must be at least 1".into());
+        }
+        Ok(())
+    }
+}
+
+/// SplitMix64: small, seedable, the same on every platform.
+#[derive(Debug, Clone)]
+pub struct Rng(u64);
+
+impl Rng {
+    /// A generator from a seed.
+    pub fn new(seed: u64) -> Self {
+        Rng(seed)
+    }
+
+    /// Next 64 random bits.
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in [0, 1).
+    pub fn uniform(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
+    }
+}
+
+/// The chosen token and, when asked, the top log-probabilities `(token, logprob)`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Sampled {
+    /// The next token.
+    pub token: u32,
+    /// Its log-probability under the model.
+    pub logprob: f32,
+    /// The most likely tokens with their log-probabilities, best first.
+    pub top: Vec<(u32, f32)>,
+}
+
+/// `log_softmax` of logits, in f64 for the normaliser.
+fn log_softmax(logits: &[f32]) -> Vec<f32> {
+    let max = logits.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+    let z: f64 = logits.iter().map(|&l| ((l - max) as f64).exp()).sum();
+    let lz = z.ln() as f32 + max;
+    logits.iter().map(|&l| l - lz).collect()
+}
+
+/// Picks the next token from `logits` given the tokens so far (`prompt` and `output`).
+pub fn sample(logits: &[f32], prompt: &[u32], output: &[u32], p: &SamplingParams, rng: &mut Rng) -> Sampled {
+    let logp = log_softmax(logits);
+    let mut top: Vec<(u32, f32)> = Vec::new();
+    if let Some(k) = p.logprobs.filter(|&k| k > 0) {
+        let mut idx: Vec<usize> = (0..logp.len()).collect();
+        let k = k.min(idx.len());
+        idx.select_nth_unstable_by(k.saturating_sub(1), |&a, &b| logp[b].total_cmp(&logp[a]));
+        idx.truncate(k);
+        idx.sort_by(|&a, &b| logp[b].total_cmp(&logp[a]).then(a.cmp(&b)));
+        top = idx.into_iter().map(|i| (i as u32, logp[i])).collect();
+    }
+    let mut l = logits.to_vec();
+    apply_penalties(&mut l, prompt, output, p);
+    let token = if p.temperature <= 1e-5 {
+        argmax(&l)
+    } else {
+        draw(&mut l, p, rng)
+    };
+    Sampled {
+        token: token as u32,
+        logprob: logp[token],
+        top,
+    }
+}
+
+fn argmax(l: &[f32]) -> usize {
+    let mut best = 0;
+    for (i, &v) in l.iter().enumerate() {
+        if v > l[best] {
+            best = i;
+        }
+    }
+    best
+}
+
+fn apply_penalties(l: &mut [f32], prompt: &[u32], output: &[u32], p: &SamplingParams) {
+    if p.repetition_penalty != 1.0 {
+        for &t in prompt.iter().chain(output) {
+            if let Some(v) = l.get_mut(t as usize) {
+                *v = if *v > 0.0 {
+                    *v / p.repetition_penalty
+                } else {
+                    *v * p.repetition_penalty
+                };
+            }
+        }
+    }
+    if p.presence_penalty != 0.0 || p.frequency_penalty != 0.0 {
+        let mut counts: HashMap<u32, u32> = HashMap::new();
+        for &t in output {
+            *counts.entry(t).or_default() += 1;
+        }
+        for (t, c) in counts {
+            if let Some(v) = l.get_mut(t as usize) {
+                *v -= p.presence_penalty + p.frequency_penalty * c as f32;
+            }
+        }
+    }
+}
+
+/// Temperature, top-k, top-p and min-p, then a draw.
+fn draw(l: &mut [f32], p: &SamplingParams, rng: &mut Rng) -> usize {
+    let mut idx: Vec<usize> = (0..l.len()).collect();
+    idx.sort_by(|&a, &b| l[b].total_cmp(&l[a]).then(a.cmp(&b)));
+    if p.top_k > 0 {
+        idx.truncate(p.top_k as usize);
+    }
+    let max = l[idx[0]];
+    let mut probs: Vec<f64> = idx
+        .iter()
+        .map(|&i| (((l[i] - max) / p.temperature) as f64).exp())
+        .collect();
+    let z: f64 = probs.iter().sum();
+    probs.iter_mut().for_each(|q| *q /= z);
+    if p.min_p > 0.0 {
+        let cut = probs[0] * p.min_p as f64;
+        let keep = probs.iter().take_while(|&&q| q >= cut).count().max(1);
+        idx.truncate(keep);
+        probs.truncate(keep);
+    }
+    if p.top_p < 1.0 {
+        let mut acc = 0.0;
+        let mut keep = 0;
+        for q in &probs {
+            keep += 1;
+            acc += q;
+            if acc >= p.top_p as f64 {
+                break;
+            }
+        }
+        idx.truncate(keep);
+        probs.truncate(keep);
+    }
+    let z: f64 = probs.iter().sum();
+    let mut u = rng.uniform() * z;
+    for (i, q) in idx.iter().zip(&probs) {
+        if u < *q {
+            return *i;
+        }
+        u -= q;
+    }
+    idx[idx.len() - 1]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn params() -> SamplingParams {
+        SamplingParams {
+            temperature: 0.0,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn greedy_and_logprobs() {
+        let logits = [1.0, 3.0, 2.0, -1.0];
+        let s = sample(
+            &logits,
+            &[],
+            &[],
+            &SamplingParams {
+                logprobs: Some(2),
+                ..params()
+            },
+            &mut Rng::new(0),
+        );
+        assert_eq!(s.token, 1);
+        let z: f32 = logits.iter().map(|l: &f32| l.exp()).sum();
+        assert!((s.logprob - (3.0 - z.ln())).abs() < 1e-6);
+        assert_eq!(s.top.iter().map(|t| t.0).collect::<Vec<_>>(), vec![1, 2]);
+    }
+
+    #[test]
+    fn penalties_change_the_choice() {
+        let logits = [2.0, 1.9];
+        let p = SamplingParams {
+            repetition_penalty: 1.2,
+            ..params()
+        };
+        assert_eq!(sample(&logits, &[0], &[], &p, &mut Rng::new(0)).token, 1);
+        let p = SamplingParams {
+            frequency_penalty: 0.05,
+            ..params()
+        };
+        assert_eq!(sample(&logits, &[], &[0, 0, 0], &p, &mut Rng::new(0)).token, 1);
+    }
+
+    #[test]
+    fn seeded_draws_repeat_and_filters_bound_them() {
+        let logits: Vec<f32> = (0..50).map(|i| (i as f32 * 0.37).sin()).collect();
+        let p = SamplingParams {
+            temperature: 0.8,
+            seed: Some(7),
+            ..Default::default()
+        };
+        let a: Vec<u32> = (0..20)
+            .scan(Rng::new(7), |r, _| Some(sample(&logits, &[], &[], &p, r).token))
+            .collect();
+        let b: Vec<u32> = (0..20)
+            .scan(Rng::new(7), |r, _| Some(sample(&logits, &[], &[], &p, r).token))
+            .collect();
+        assert_eq!(a, b);
+        assert!(a.iter().collect::<std::collections::HashSet<_>>().len() > 1);
+        let top2 = SamplingParams { top_k: 2, ..p.clone() };
+        let mut sorted: Vec<usize> = (0..50).collect();
+        sorted.sort_by(|&x, &y| logits[y].total_cmp(&logits[x]));
+        let mut r = Rng::new(1);
+        for _ in 0..50 {
+            let t = sample(&logits, &[], &[], &top2, &mut r).token as usize;
+            assert!(t == sorted[0] || t == sorted[1]);
+        }
+        let tiny_p = SamplingParams { top_p: 1e-6, ..p };
+        assert_eq!(sample(&logits, &[], &[], &tiny_p, &mut r).token as usize, sorted[0]);
+    }
+
+    #[test]
+    fn validation() {
+        assert!(SamplingParams {
+            temperature: -1.0,
+            ..Default::default()
+        }
+        .validate()
+        .is_err());
+        assert!(SamplingParams {
+            top_p: 0.0,
+            ..Default::default()
+        }
+        .validate()
+        .is_err());
+        assert!(SamplingParams {
+            max_tokens: 0,
+            ..Default::default()
+        }
+        .validate()
+        .is_err());
+        assert!(SamplingParams::default().validate().is_ok());
+    }
+}

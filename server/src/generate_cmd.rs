@@ -1,0 +1,201 @@
+//! `kvlens generate`: one conversation through the engine on the CPU, streamed or as JSON.
+
+use crate::runtime::{load_cpu, Frontend};
+use crate::UsageError;
+use anyhow::Result;
+use kvlens_engine::engine::{Engine, EngineConfig, FinishReason};
+use kvlens_engine::input::chat::{ChatMessage, Content, ContentPart, ImageUrl};
+use kvlens_engine::input::tokenizer::IncrementalDecoder;
+use kvlens_engine::sample::SamplingParams;
+use std::io::Write;
+use std::path::PathBuf;
+use std::time::Instant;
+
+/// Flags of `kvlens generate`.
+#[derive(Debug, clap::Args)]
+pub struct GenerateArgs {
+    /// Checkpoint directory (Hugging Face layout).
+    #[arg(long)]
+    pub model: PathBuf,
+    /// The user message.
+    #[arg(long, conflicts_with = "messages", required_unless_present = "messages")]
+    pub prompt: Option<String>,
+    /// An image for the user message (repeatable).
+    #[arg(long)]
+    pub image: Vec<PathBuf>,
+    /// A JSON file with an OpenAI `messages` array.
+    #[arg(long)]
+    pub messages: Option<PathBuf>,
+    #[arg(long, default_value_t = 64)]
+    pub max_tokens: usize,
+    /// 0 is greedy.
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f32,
+    #[arg(long, default_value_t = 1.0)]
+    pub top_p: f32,
+    #[arg(long, default_value_t = 0)]
+    pub top_k: i32,
+    #[arg(long)]
+    pub seed: Option<u64>,
+    #[arg(long)]
+    pub ignore_eos: bool,
+    /// Report the top-K log-probabilities of each generated token.
+    #[arg(long)]
+    pub logprobs: Option<usize>,
+    /// Compute backend.
+    #[arg(long, default_value = "cpu", value_parser = ["cpu"])]
+    pub backend: String,
+    /// Print one JSON object (per run).
+    #[arg(long)]
+    pub json: bool,
+    /// Run the conversation this many times on one engine: later runs reuse the prefix cache and the
+    /// encoder cache, and `--json` adds each run's work counters.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=100))]
+    pub repeat: u32,
+    /// Turn off prefix caching (as vLLM's flag), so repeats show encoder-cache hits alone.
+    #[arg(long)]
+    pub no_enable_prefix_caching: bool,
+}
+
+/// What one run produced.
+#[derive(Debug, Default)]
+struct Run {
+    tokens: Vec<u32>,
+    top: Vec<Vec<serde_json::Value>>,
+    finish: Option<FinishReason>,
+    first_token_s: Option<f64>,
+    total_s: f64,
+}
+
+fn messages(a: &GenerateArgs) -> Result<Vec<ChatMessage>> {
+    if let Some(path) = &a.messages {
+        let text =
+            std::fs::read_to_string(path).map_err(|e| UsageError(format!("cannot read {}: {e}", path.display())))?;
+        return ChatMessage::parse_list(&text).map_err(|e| UsageError(format!("{}: {e}", path.display())).into());
+    }
+    let mut parts: Vec<ContentPart> = a
+        .image
+        .iter()
+        .map(|p| ContentPart::ImageUrl {
+            image_url: ImageUrl {
+                url: p.display().to_string(),
+            },
+        })
+        .collect();
+    parts.push(ContentPart::Text {
+        text: a.prompt.clone().unwrap_or_default(),
+    });
+    Ok(vec![ChatMessage {
+        role: "user".into(),
+        content: Content::Parts(parts),
+    }])
+}
+
+/// Runs `kvlens generate`.
+pub fn run(a: &GenerateArgs) -> Result<()> {
+    let msgs = messages(a)?;
+    let (model, backend, front) = load_cpu(&a.model)?;
+    let params = SamplingParams {
+        temperature: a.temperature,
+        top_p: a.top_p,
+        top_k: a.top_k,
+        seed: a.seed,
+        max_tokens: a.max_tokens,
+        ignore_eos: a.ignore_eos,
+        logprobs: a.logprobs,
+        ..SamplingParams::default()
+    };
+    params.validate().map_err(UsageError)?;
+    let (req, grids) = front.request("generate-0", &msgs, params, true)?;
+    let template = req.clone();
+    let max_len = model.cfg.text.max_position_embeddings;
+    let block_size = 16;
+    let prompt_ids = req.prompt.clone();
+    let need = (req.prompt.len() + a.max_tokens).min(max_len);
+    let cfg = EngineConfig {
+        num_blocks: need.div_ceil(block_size) + 2,
+        block_size,
+        max_model_len: max_len,
+        enable_prefix_caching: !a.no_enable_prefix_caching,
+        encoder_cache_tokens: req.images.iter().map(|i| i.num_tokens).sum::<usize>().max(1),
+        max_num_seqs: 1,
+        max_num_batched_tokens: req.prompt.len().max(1),
+    };
+    let mut engine = Engine::new(backend, model, cfg).map_err(|e| UsageError(e.to_string()))?;
+    drop(req);
+    for k in 0..a.repeat {
+        let before = engine.counters();
+        let mut req = template.clone();
+        req.id = format!("generate-{k}").into();
+        engine.add_request(req).map_err(|e| UsageError(e.to_string()))?;
+        let run = run_once(&mut engine, &front, a.json)?;
+        let after = engine.counters();
+        if a.json {
+            let text = front.tokenizer.decode(&run.tokens, true)?;
+            let mut obj = serde_json::json!({
+                "prompt_token_ids": prompt_ids,
+                "token_ids": run.tokens,
+                "text": text,
+                "image_grid_thw": grids,
+                "finish_reason": run.finish.unwrap_or(FinishReason::Length),
+            });
+            if a.logprobs.is_some() {
+                obj["top_logprobs"] = serde_json::json!(run.top);
+            }
+            if a.repeat > 1 {
+                obj["counters"] = serde_json::json!({
+                    "vision_runs": after.vision_runs - before.vision_runs,
+                    "encoder_hits": after.encoder_hits - before.encoder_hits,
+                    "prompt_tokens_computed": after.prompt_tokens_computed - before.prompt_tokens_computed,
+                    "prompt_tokens_cached": after.prompt_tokens_cached - before.prompt_tokens_cached,
+                });
+            }
+            println!("{obj}");
+        } else {
+            let prefill = run.first_token_s.unwrap_or(run.total_s);
+            let decode_tokens = run.tokens.len().saturating_sub(1);
+            eprintln!(
+                "prefill: {} tokens in {:.3} s ({:.1} tokens/s); decode: {decode_tokens} tokens in {:.3} s ({:.1} tokens/s)",
+                prompt_ids.len(),
+                prefill,
+                prompt_ids.len() as f64 / prefill.max(1e-9),
+                run.total_s - prefill,
+                decode_tokens as f64 / (run.total_s - prefill).max(1e-9)
+            );
+        }
+    }
+    Ok(())
+}
+
+/// Steps the engine until its one request finishes, streaming text unless `quiet`.
+fn run_once<B: kvlens_engine::backend::Backend>(engine: &mut Engine<B>, front: &Frontend, quiet: bool) -> Result<Run> {
+    let started = Instant::now();
+    let mut run = Run::default();
+    let mut decoder = IncrementalDecoder::new(true);
+    let mut out = std::io::stdout();
+    while engine.has_unfinished() {
+        for e in engine.step()? {
+            run.first_token_s.get_or_insert_with(|| started.elapsed().as_secs_f64());
+            run.tokens.push(e.token);
+            run.top
+                .push(e.top_logprobs.iter().map(|&(t, l)| serde_json::json!([t, l])).collect());
+            if !quiet {
+                if let Some(piece) = decoder.step(&front.tokenizer, e.token)? {
+                    print!("{piece}");
+                    out.flush()?;
+                }
+            }
+            if e.finish.is_some() {
+                run.finish = e.finish;
+            }
+        }
+    }
+    if !quiet {
+        if let Some(rest) = decoder.finish(&front.tokenizer)? {
+            print!("{rest}");
+        }
+        println!();
+    }
+    run.total_s = started.elapsed().as_secs_f64();
+    Ok(run)
+}

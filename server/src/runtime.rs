@@ -1,0 +1,142 @@
+//! A model ready to run: the checkpoint loaded onto a backend, its tokenizer, chat template and
+//! image processor, and the step from OpenAI messages to an engine request.
+
+use crate::checkpoint::Checkpoint;
+use crate::UsageError;
+use anyhow::Result;
+use kvlens_engine::backend::cpu::CpuBackend;
+use kvlens_engine::backend::Backend;
+use kvlens_engine::cache::{MmHash, RequestId};
+use kvlens_engine::engine::{ImageInput, Request};
+use kvlens_engine::input::chat::{image_sources, select_chat_template, ChatMessage, ChatTemplate, ImageSource};
+use kvlens_engine::input::image::{process_image, ProcessorSettings};
+use kvlens_engine::input::prompt::expand_image_pads;
+use kvlens_engine::input::tokenizer::Tokenizer;
+use kvlens_engine::memory::ledger::MemoryLedger;
+use kvlens_engine::model::weights::SafetensorsFiles;
+use kvlens_engine::model::QwenVl;
+use kvlens_engine::sample::SamplingParams;
+use std::path::Path;
+use std::time::Instant;
+
+/// Everything that turns messages into engine requests and tokens into text.
+#[derive(Debug)]
+pub struct Frontend {
+    /// The tokenizer.
+    pub tokenizer: Tokenizer,
+    /// The chat template.
+    pub template: ChatTemplate,
+    /// Image preprocessing settings.
+    pub settings: ProcessorSettings,
+    /// `<|image_pad|>`.
+    pub image_pad: u32,
+    /// End-of-sequence ids (generation_config.json).
+    pub eos: Vec<u32>,
+}
+
+fn usage(msg: impl Into<String>) -> anyhow::Error {
+    UsageError(msg.into()).into()
+}
+
+/// Loads the weights onto the CPU backend and builds the frontend.
+pub fn load_cpu(dir: &Path) -> Result<(QwenVl<CpuBackend>, CpuBackend, Frontend)> {
+    let ckpt = Checkpoint::open(dir)?;
+    let backend = CpuBackend::new(MemoryLedger::new());
+    let started = Instant::now();
+    let shards: Vec<(String, &[u8])> = ckpt.shards.iter().map(|(n, m)| (n.clone(), &m[..])).collect();
+    let source = SafetensorsFiles::parse(&shards).map_err(|e| usage(e.to_string()))?;
+    let bar = indicatif::ProgressBar::new(ckpt.weight_bytes());
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("loading weights {bar:30} {bytes}/{total_bytes}")
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
+    let model = QwenVl::load(ckpt.config.clone(), &source, &backend, |_, bytes| {
+        bar.set_position(bytes)
+    })
+    .map_err(|e| usage(e.to_string()))?;
+    bar.finish_and_clear();
+    let weights = backend.ledger().bytes(kvlens_engine::memory::ledger::Category::Weights);
+    eprintln!(
+        "Loading model weights took {:.4} GiB and {:.2} seconds",
+        weights as f64 / (1u64 << 30) as f64,
+        started.elapsed().as_secs_f64()
+    );
+    let frontend = Frontend::new(&ckpt)?;
+    Ok((model, backend, frontend))
+}
+
+impl Frontend {
+    /// Builds the tokenizer, template and processor settings of a checkpoint.
+    pub fn new(ckpt: &Checkpoint) -> Result<Self> {
+        let tokenizer =
+            Tokenizer::from_bytes(&ckpt.tokenizer_json).map_err(|e| usage(format!("tokenizer.json: {e}")))?;
+        let t = &ckpt.template_files;
+        let source = select_chat_template(t.jinja.as_deref(), t.json.as_deref(), t.tokenizer_config.as_deref())
+            .map_err(|e| usage(e.to_string()))?
+            .ok_or_else(|| usage(format!("{} has no chat template", ckpt.dir.display())))?;
+        let template = ChatTemplate::new(&source).map_err(|e| usage(format!("chat template: {e}")))?;
+        let settings = ProcessorSettings::new(&ckpt.config, ckpt.preprocessor_json.as_deref())
+            .map_err(|e| usage(format!("preprocessor_config.json: {e}")))?;
+        Ok(Frontend {
+            tokenizer,
+            template,
+            settings,
+            image_pad: ckpt.config.tokens.image,
+            eos: ckpt.eos_token_ids.clone(),
+        })
+    }
+
+    /// Renders, tokenizes and preprocesses a conversation into an engine request. Local image paths
+    /// are read only when `allow_files`; remote URLs are refused.
+    pub fn request(
+        &self,
+        id: &str,
+        messages: &[ChatMessage],
+        params: SamplingParams,
+        allow_files: bool,
+    ) -> Result<(Request, Vec<[u32; 3]>)> {
+        let text = self.template.render(messages, true).map_err(|e| usage(e.to_string()))?;
+        let ids = self.tokenizer.encode(&text).map_err(|e| usage(e.to_string()))?;
+        let mut processed = Vec::new();
+        for src in image_sources(messages).map_err(|e| usage(e.to_string()))? {
+            let bytes = match src {
+                ImageSource::Bytes(b) => b,
+                ImageSource::Path(p) if allow_files => {
+                    std::fs::read(&p).map_err(|e| usage(format!("cannot read image {p}: {e}")))?
+                }
+                ImageSource::Path(p) => return Err(usage(format!("local image paths are not allowed here: {p}"))),
+                ImageSource::Remote(u) => return Err(usage(format!("fetching remote images is not enabled: {u}"))),
+            };
+            processed.push(process_image(&bytes, &self.settings).map_err(|e| usage(e.to_string()))?);
+        }
+        let counts: Vec<usize> = processed.iter().map(|p| p.num_tokens).collect();
+        let expanded = expand_image_pads(&ids, self.image_pad, &counts).map_err(|e| usage(e.to_string()))?;
+        let grids: Vec<[u32; 3]> = processed.iter().map(|p| p.grid_thw).collect();
+        let images = processed
+            .into_iter()
+            .zip(&expanded.images)
+            .map(|(p, place)| ImageInput {
+                grid_thw: [p.grid_thw[0] as usize, p.grid_thw[1] as usize, p.grid_thw[2] as usize],
+                pixel_values: p.pixel_values,
+                mm_hash: MmHash::from(p.mm_hash),
+                offset: place.offset,
+                num_tokens: place.length,
+            })
+            .collect();
+        let mut params = params;
+        for &e in &self.eos {
+            if !params.stop_token_ids.contains(&e) && !params.ignore_eos {
+                params.stop_token_ids.push(e);
+            }
+        }
+        Ok((
+            Request {
+                id: RequestId::from(id),
+                prompt: expanded.ids,
+                images,
+                params,
+            },
+            grids,
+        ))
+    }
+}

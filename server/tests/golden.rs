@@ -1,0 +1,163 @@
+//! `kvlens generate` against Hugging Face transformers (float32, eager) on the same tiny random
+//! checkpoints: the fixtures in engine/tests/fixtures/golden/ were written by tools/golden/golden.py
+//! (`cargo xtask golden`); here the checkpoint is regenerated with `kvlens random-checkpoint` from
+//! the recorded command (same seed → same bytes) and every case is replayed without Python.
+
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../engine/tests/fixtures/golden")
+}
+
+fn kvlens() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_kvlens"))
+}
+
+/// Regenerates the fixture's checkpoint and checks it is byte-identical to the reference's.
+fn checkpoint(fixture: &Value, dir: &Path) {
+    let cmd = fixture["checkpoint"]["command"].as_str().expect("recorded command");
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let args: Vec<String> = cmd
+        .split_whitespace()
+        .skip(1)
+        .map(|a| {
+            if a == "DIR" {
+                dir.display().to_string()
+            } else {
+                a.to_string()
+            }
+        })
+        .collect();
+    let out = kvlens()
+        .args(&args)
+        .current_dir(&root)
+        .output()
+        .expect("random-checkpoint runs");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let bytes = std::fs::read(dir.join("model.safetensors")).unwrap();
+    let sha = sha256_hex(&bytes);
+    assert_eq!(
+        sha,
+        fixture["checkpoint"]["model_safetensors_sha256"].as_str().unwrap(),
+        "checkpoint bytes differ"
+    );
+}
+
+fn sha256_hex(bytes: &[u8]) -> String {
+    use sha2::Digest;
+    sha2::Sha256::digest(bytes).iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn run_family(name: &str) {
+    let text = std::fs::read_to_string(fixtures().join(format!("{name}.json"))).unwrap();
+    let fixture: Value = serde_json::from_str(&text).unwrap();
+    let tmp = std::env::temp_dir().join(format!("kvlens-golden-{name}-{}", std::process::id()));
+    std::fs::create_dir_all(&tmp).unwrap();
+    let ckpt = tmp.join("ckpt");
+    checkpoint(&fixture, &ckpt);
+    let mut compared_tokens = 0;
+    for case in fixture["cases"].as_array().unwrap() {
+        let case_name = case["name"].as_str().unwrap();
+        // Image paths in the fixture are relative to the fixtures directory.
+        let mut messages = case["messages"].clone();
+        for m in messages.as_array_mut().unwrap() {
+            if let Some(parts) = m["content"].as_array_mut() {
+                for p in parts {
+                    if let Some(url) = p.pointer_mut("/image_url/url") {
+                        *url = Value::from(fixtures().join(url.as_str().unwrap()).display().to_string());
+                    }
+                }
+            }
+        }
+        let mpath = tmp.join(format!("{case_name}.json"));
+        std::fs::write(&mpath, messages.to_string()).unwrap();
+        let want_tokens = case["token_ids"].as_array().unwrap();
+        let out = kvlens()
+            .args([
+                "generate",
+                "--model",
+                ckpt.to_str().unwrap(),
+                "--messages",
+                mpath.to_str().unwrap(),
+            ])
+            .args([
+                "--max-tokens",
+                &want_tokens.len().to_string(),
+                "--ignore-eos",
+                "--logprobs",
+                "5",
+                "--json",
+            ])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{name}/{case_name}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let got: Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(
+            got["prompt_token_ids"], case["prompt_token_ids"],
+            "{name}/{case_name}: prompt ids"
+        );
+        assert_eq!(
+            got["image_grid_thw"], case["image_grid_thw"],
+            "{name}/{case_name}: grids"
+        );
+        let steps = case["steps"].as_array().unwrap();
+        let got_tokens = got["token_ids"].as_array().unwrap();
+        let got_top = got["top_logprobs"].as_array().unwrap();
+        for (i, step) in steps.iter().enumerate() {
+            // Compare the reference's top log-probabilities while the sequences agree.
+            let want_top = step["top"].as_array().unwrap();
+            let got_step: Vec<(u64, f64)> = got_top[i]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|p| (p[0].as_u64().unwrap(), p[1].as_f64().unwrap()))
+                .collect();
+            for w in want_top {
+                let (id, lp) = (w[0].as_u64().unwrap(), w[1].as_f64().unwrap());
+                if let Some((_, g)) = got_step.iter().find(|(gid, _)| *gid == id) {
+                    assert!(
+                        (g - lp).abs() < 1e-3,
+                        "{name}/{case_name} step {i}: token {id} logprob {g} vs {lp}"
+                    );
+                }
+            }
+            let margin = step["margin"].as_f64().unwrap();
+            if margin > 1e-3 {
+                assert_eq!(
+                    got_tokens[i], want_tokens[i],
+                    "{name}/{case_name}: token {i} (margin {margin})"
+                );
+                compared_tokens += 1;
+            }
+            if got_tokens[i] != want_tokens[i] {
+                break;
+            }
+        }
+    }
+    assert!(
+        compared_tokens >= 10,
+        "{name}: only {compared_tokens} tokens had a clear reference margin"
+    );
+    std::fs::remove_dir_all(&tmp).unwrap();
+}
+
+#[test]
+fn qwen2_vl_matches_transformers() {
+    run_family("qwen2_vl");
+}
+
+#[test]
+fn qwen2_5_vl_matches_transformers() {
+    run_family("qwen2_5_vl");
+}
+
+#[test]
+fn qwen3_vl_matches_transformers() {
+    run_family("qwen3_vl");
+}
