@@ -13,6 +13,7 @@ use std::time::Instant;
 
 /// Flags of `kvlens generate`.
 #[derive(Debug, clap::Args)]
+#[command(allow_negative_numbers = true)]
 pub struct GenerateArgs {
     /// Checkpoint directory (Hugging Face layout).
     #[arg(long)]

@@ -1,0 +1,185 @@
+//! `kvlens generate` end to end on a tiny random checkpoint: cache reuse on a warm engine and every
+//! kind of bad input (one-line error, exit code 2, no panic).
+
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::sync::OnceLock;
+
+fn kvlens(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_kvlens"))
+        .args(args)
+        .output()
+        .expect("kvlens runs")
+}
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+fn fixture(path: &str) -> String {
+    root().join("engine/tests/fixtures").join(path).display().to_string()
+}
+
+/// A tiny Qwen3-VL checkpoint shared by the tests of this file.
+fn checkpoint() -> &'static Path {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        // Cargo's per-target scratch directory: reused (overwritten) by every run.
+        let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("generate-cli");
+        let config = root().join("tools/golden/configs/qwen3_vl_tiny.json");
+        let out = kvlens(&[
+            "random-checkpoint",
+            "--config",
+            config.to_str().unwrap(),
+            "--out",
+            dir.to_str().unwrap(),
+            "--dtype",
+            "f32",
+            "--image-limits",
+            "1024,65536",
+            "--force",
+        ]);
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        dir
+    })
+}
+
+/// A copy of the checkpoint with one file replaced (or removed with `None`).
+fn altered(name: &str, file: &str, contents: Option<Vec<u8>>) -> PathBuf {
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("generate-cli-{name}"));
+    std::fs::create_dir_all(&dir).unwrap();
+    for entry in std::fs::read_dir(checkpoint()).unwrap() {
+        let entry = entry.unwrap();
+        std::fs::copy(entry.path(), dir.join(entry.file_name())).unwrap();
+    }
+    match contents {
+        Some(c) => std::fs::write(dir.join(file), c).unwrap(),
+        None => std::fs::remove_file(dir.join(file)).unwrap(),
+    }
+    dir
+}
+
+fn generate(model: &Path, extra: &[&str]) -> Output {
+    let mut args = vec![
+        "generate",
+        "--model",
+        model.to_str().unwrap(),
+        "--max-tokens",
+        "4",
+        "--json",
+    ];
+    args.extend_from_slice(extra);
+    kvlens(&args)
+}
+
+fn assert_usage_error(out: &Output, needle: &str) {
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+    let last = err.trim_end().lines().last().unwrap_or_default();
+    assert!(
+        last.starts_with("error: ") && last.contains(needle),
+        "expected {needle:?} in: {err}"
+    );
+}
+
+#[test]
+fn a_warm_engine_reuses_prefix_and_encoder_caches() {
+    let image = fixture("golden/images/c_150x150.png");
+    let args = [
+        "--prompt",
+        "What is in this picture?",
+        "--image",
+        &image,
+        "--ignore-eos",
+        "--repeat",
+        "2",
+    ];
+    let parse = |out: &Output| -> Vec<Value> {
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect()
+    };
+    // Prefix caching on: the second run computes only the tail of the prompt and no image.
+    let runs = parse(&generate(checkpoint(), &args));
+    assert_eq!(runs.len(), 2);
+    assert_eq!(runs[0]["token_ids"], runs[1]["token_ids"]);
+    let prompt_len = runs[0]["prompt_token_ids"].as_array().unwrap().len() as u64;
+    let (first, second) = (&runs[0]["counters"], &runs[1]["counters"]);
+    assert_eq!(first["vision_runs"], 1);
+    assert_eq!(first["prompt_tokens_computed"].as_u64(), Some(prompt_len));
+    assert_eq!(second["vision_runs"], 0);
+    assert!(second["prompt_tokens_cached"].as_u64().unwrap() > 0);
+    assert!(second["prompt_tokens_computed"].as_u64().unwrap() < prompt_len);
+    // Prefix caching off: the whole prompt is recomputed, but the image comes from the encoder cache.
+    let mut no_prefix = args.to_vec();
+    no_prefix.push("--no-enable-prefix-caching");
+    let runs = parse(&generate(checkpoint(), &no_prefix));
+    assert_eq!(runs[0]["token_ids"], runs[1]["token_ids"]);
+    assert_eq!(runs[1]["counters"]["prompt_tokens_computed"].as_u64(), Some(prompt_len));
+    assert_eq!(runs[1]["counters"]["vision_runs"], 0);
+    assert_eq!(runs[1]["counters"]["encoder_hits"], 1);
+}
+
+#[test]
+fn bad_checkpoints_are_one_line_errors() {
+    let empty = Path::new(env!("CARGO_TARGET_TMPDIR")).join("generate-cli-empty");
+    std::fs::create_dir_all(&empty).unwrap();
+    assert_usage_error(&generate(&empty, &["--prompt", "hi"]), "no config.json");
+
+    let config = std::fs::read_to_string(checkpoint().join("config.json")).unwrap();
+    let llama = altered(
+        "llama",
+        "config.json",
+        Some(config.replace("\"qwen3_vl\"", "\"llama\"").into_bytes()),
+    );
+    assert_usage_error(&generate(&llama, &["--prompt", "hi"]), "is not a Qwen-VL model");
+
+    let weights = std::fs::read(checkpoint().join("model.safetensors")).unwrap();
+    let cut = altered(
+        "truncated",
+        "model.safetensors",
+        Some(weights[..weights.len() / 2].to_vec()),
+    );
+    assert_usage_error(&generate(&cut, &["--prompt", "hi"]), "not a valid safetensors file");
+
+    let wider = config.replacen("\"intermediate_size\": 37", "\"intermediate_size\": 38", 1);
+    assert_ne!(wider, config, "the tiny config names intermediate_size 37");
+    let shape = altered("shape", "config.json", Some(wider.into_bytes()));
+    assert_usage_error(&generate(&shape, &["--prompt", "hi"]), "the config implies");
+}
+
+#[test]
+fn bad_images_and_prompts_are_one_line_errors() {
+    let ckpt = checkpoint();
+    let text_file = root().join("README.md");
+    let text_file = text_file.to_str().unwrap();
+    assert_usage_error(
+        &generate(ckpt, &["--prompt", "hi", "--image", text_file]),
+        "not a PNG or JPEG",
+    );
+    let empty = Path::new(env!("CARGO_TARGET_TMPDIR")).join("generate-cli-empty.png");
+    std::fs::write(&empty, b"").unwrap();
+    assert_usage_error(
+        &generate(ckpt, &["--prompt", "hi", "--image", empty.to_str().unwrap()]),
+        "empty",
+    );
+    let huge = fixture("input/header_30000x30000.png");
+    assert_usage_error(&generate(ckpt, &["--prompt", "hi", "--image", &huge]), "30000x30000");
+    let thin = fixture("input/aspect_300x1.png");
+    assert_usage_error(&generate(ckpt, &["--prompt", "hi", "--image", &thin]), "aspect ratio");
+    assert_usage_error(
+        &generate(ckpt, &["--prompt", "hi", "--image", "/nonexistent.png"]),
+        "cannot read image",
+    );
+    // The tiny config allows 4096 positions.
+    let long = "word ".repeat(5000);
+    assert_usage_error(&generate(ckpt, &["--prompt", &long]), "maximum context length");
+    assert_usage_error(
+        &generate(ckpt, &["--prompt", "hi", "--temperature", "-1"]),
+        "temperature",
+    );
+}
