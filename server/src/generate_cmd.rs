@@ -143,6 +143,13 @@ pub fn run(a: &GenerateArgs) -> Result<()> {
             if a.logprobs.is_some() {
                 obj["top_logprobs"] = serde_json::json!(run.top);
             }
+            let (prefill, decode, decode_tokens) = run.phases();
+            obj["timing"] = serde_json::json!({
+                "prefill_s": prefill,
+                "decode_s": decode,
+                "prefill_tokens_per_s": prompt_ids.len() as f64 / prefill.max(1e-9),
+                "decode_tokens_per_s": decode_tokens as f64 / decode.max(1e-9),
+            });
             if a.repeat > 1 {
                 obj["counters"] = serde_json::json!({
                     "vision_runs": after.vision_runs - before.vision_runs,
@@ -153,19 +160,24 @@ pub fn run(a: &GenerateArgs) -> Result<()> {
             }
             println!("{obj}");
         } else {
-            let prefill = run.first_token_s.unwrap_or(run.total_s);
-            let decode_tokens = run.tokens.len().saturating_sub(1);
+            let (prefill, decode, decode_tokens) = run.phases();
             eprintln!(
-                "prefill: {} tokens in {:.3} s ({:.1} tokens/s); decode: {decode_tokens} tokens in {:.3} s ({:.1} tokens/s)",
+                "prefill: {} tokens in {prefill:.3} s ({:.1} tokens/s); decode: {decode_tokens} tokens in {decode:.3} s ({:.1} tokens/s)",
                 prompt_ids.len(),
-                prefill,
                 prompt_ids.len() as f64 / prefill.max(1e-9),
-                run.total_s - prefill,
-                decode_tokens as f64 / (run.total_s - prefill).max(1e-9)
+                decode_tokens as f64 / decode.max(1e-9)
             );
         }
     }
     Ok(())
+}
+
+impl Run {
+    /// (prefill seconds up to the first token, decode seconds after it, decoded tokens).
+    fn phases(&self) -> (f64, f64, usize) {
+        let prefill = self.first_token_s.unwrap_or(self.total_s);
+        (prefill, self.total_s - prefill, self.tokens.len().saturating_sub(1))
+    }
 }
 
 /// Steps the engine until its one request finishes, streaming text unless `quiet`.

@@ -24,8 +24,9 @@ fn main() -> Result<()> {
         "test" => test(),
         "demo" => demo(&env::args().skip(2).collect::<Vec<_>>()),
         "golden" => golden(&env::args().skip(2).collect::<Vec<_>>()),
+        "bench" => bench(&env::args().skip(2).collect::<Vec<_>>()),
         _ => {
-            eprintln!("usage: cargo xtask <task>\n\n  test   fmt check, clippy (warnings denied), all tests, the engine's wasm32 build\n  demo   build the playground and serve it on http://127.0.0.1:8000/ (extra args go to `kvlens serve`)\n  golden regenerate engine/tests/fixtures/golden/ with Hugging Face transformers (extra args go to golden.py)");
+            eprintln!("usage: cargo xtask <task>\n\n  test   fmt check, clippy (warnings denied), all tests, the engine's wasm32 build\n  demo   build the playground and serve it on http://127.0.0.1:8000/ (extra args go to `kvlens serve`)\n  golden regenerate engine/tests/fixtures/golden/ with Hugging Face transformers (extra args go to golden.py)\n  bench  kvlens generate vs transformers on a full-size random Qwen3-VL-2B (extra args go to the script)");
             std::process::exit(2);
         }
     }
@@ -220,9 +221,9 @@ fn demo(serve_args: &[String]) -> Result<()> {
 /// Python packages the golden reference needs (torchvision: the processors' default image backend).
 const GOLDEN_PACKAGES: &[&str] = &["torch", "transformers", "safetensors", "pillow", "numpy", "torchvision"];
 
-/// Regenerates the transformers reference fixtures: builds kvlens, makes the Python venv when missing
-/// (`~/.cache/kvlens/golden-venv`), then runs tools/golden/golden.py with the built binary.
-fn golden(script_args: &[String]) -> Result<()> {
+/// The Python of the reference venv (`~/.cache/kvlens/golden-venv`: torch, transformers, …),
+/// created and filled when missing.
+fn reference_python() -> Result<PathBuf> {
     let venv = cache_dir().join("golden-venv");
     let python = venv.join("bin").join("python");
     let ready = Command::new(&python)
@@ -238,11 +239,33 @@ fn golden(script_args: &[String]) -> Result<()> {
             .args(["-m", "pip", "install", "--upgrade"])
             .args(GOLDEN_PACKAGES))?;
     }
-    run(cargo().args(["build", "-p", "kvlens"]))?;
-    let target = env::var_os("CARGO_TARGET_DIR")
+    Ok(python)
+}
+
+fn target_dir() -> PathBuf {
+    env::var_os("CARGO_TARGET_DIR")
         .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from("target"));
-    let kvlens = target.join("debug").join("kvlens");
+        .unwrap_or_else(|| PathBuf::from("target"))
+}
+
+/// `cargo xtask bench`: kvlens generate against transformers on a full-size random checkpoint.
+fn bench(script_args: &[String]) -> Result<()> {
+    let python = reference_python()?;
+    run(cargo().args(["build", "--release", "-p", "kvlens"]))?;
+    run(Command::new(&python)
+        .arg("tools/bench/generate_vs_transformers.py")
+        .arg("--kvlens")
+        .arg(target_dir().join("release").join("kvlens"))
+        .arg("--work")
+        .arg(cache_dir().join("bench"))
+        .args(script_args))
+}
+
+/// Regenerates the transformers reference fixtures with tools/golden/golden.py and the built binary.
+fn golden(script_args: &[String]) -> Result<()> {
+    let python = reference_python()?;
+    run(cargo().args(["build", "-p", "kvlens"]))?;
+    let kvlens = target_dir().join("debug").join("kvlens");
     run(Command::new(&python)
         .arg("tools/golden/golden.py")
         .arg("--kvlens")

@@ -1,0 +1,125 @@
+"""Benchmark: `kvlens generate` on the CPU against Hugging Face transformers (the anchor), same
+checkpoint, same prompt and image, measured in the same run. Prints prefill and decode tokens/s,
+the ratios, and the decode memory-bandwidth roofline. Run through `cargo xtask bench`."""
+
+import argparse
+import json
+import os
+import subprocess
+import time
+
+import numpy as np
+import torch
+from PIL import Image
+from transformers import AutoModelForImageTextToText, AutoProcessor
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+PROMPT = "Describe this image in detail."
+
+
+def make_image(path, width, height):
+    """A deterministic photo-like test image (smooth gradients plus noise)."""
+    rng = np.random.default_rng(0)
+    y, x = np.mgrid[0:height, 0:width].astype(np.float32)
+    base = np.stack([x / width * 255, y / height * 255, (x + y) / (width + height) * 255], axis=-1)
+    img = np.clip(base + rng.normal(0, 12, base.shape), 0, 255).astype(np.uint8)
+    Image.fromarray(img).save(path)
+
+
+def memory_bandwidth_gb_s():
+    """Sustained copy bandwidth (read + write) of a 1 GiB array, best of three."""
+    a = np.ones(1 << 28, dtype=np.float32)
+    b = np.empty_like(a)
+    best = 0.0
+    for _ in range(3):
+        t = time.perf_counter()
+        np.copyto(b, a)
+        best = max(best, 2 * a.nbytes / (time.perf_counter() - t) / 1e9)
+    return best
+
+
+def run_kvlens(kvlens, ckpt, image, max_tokens):
+    out = subprocess.run(
+        [kvlens, "generate", "--model", ckpt, "--prompt", PROMPT, "--image", image,
+         "--max-tokens", str(max_tokens), "--ignore-eos", "--json"],
+        check=True, capture_output=True, text=True)
+    return json.loads(out.stdout)
+
+
+def run_transformers(ckpt, image, max_tokens, dtype):
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_pretrained(ckpt, dtype=dtype, attn_implementation="sdpa")
+    proc = AutoProcessor.from_pretrained(ckpt)
+    proc.image_processor = Qwen2VLImageProcessorPil.from_pretrained(ckpt)
+    msgs = [{"role": "user", "content": [{"type": "image", "url": image}, {"type": "text", "text": PROMPT}]}]
+    inputs = proc.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=True,
+                                      return_tensors="pt")
+    prompt_len = inputs["input_ids"].shape[1]
+    with torch.inference_mode():
+        t = time.perf_counter()
+        model.generate(**inputs, max_new_tokens=1, min_new_tokens=1, do_sample=False)
+        prefill = time.perf_counter() - t
+        t = time.perf_counter()
+        out = model.generate(**inputs, max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False)
+        total = time.perf_counter() - t
+    generated = out.shape[1] - prompt_len
+    decode = max(total - prefill, 1e-9)
+    return {
+        "prompt_tokens": prompt_len,
+        "prefill_s": prefill,
+        "prefill_tokens_per_s": prompt_len / prefill,
+        "decode_tokens": generated - 1,
+        "decode_s": decode,
+        "decode_tokens_per_s": (generated - 1) / decode,
+        "token_ids": out[0, prompt_len:].tolist(),
+    }
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--kvlens", required=True)
+    ap.add_argument("--work", required=True)
+    ap.add_argument("--config", default="Qwen3-VL-2B-Instruct")
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    os.makedirs(a.work, exist_ok=True)
+    ckpt = os.path.join(a.work, a.config + "-random-bf16")
+    if not os.path.exists(os.path.join(ckpt, "model.safetensors.index.json")) and \
+            not os.path.exists(os.path.join(ckpt, "model.safetensors")):
+        subprocess.run([a.kvlens, "random-checkpoint", "--config", a.config, "--out", ckpt, "--dtype", "bf16",
+                        "--seed", "0", "--force"], check=True)
+    image = os.path.join(a.work, "photo_1024x768.png")
+    make_image(image, 1024, 768)
+
+    results = {"machine": {"cpus": os.cpu_count(), "torch": torch.__version__, "torch_threads": torch.get_num_threads()}}
+    results["memory_bandwidth_gb_s"] = memory_bandwidth_gb_s()
+    results["kvlens"] = run_kvlens(a.kvlens, ckpt, image, a.max_tokens)
+    results["transformers_f32"] = run_transformers(ckpt, image, a.max_tokens, torch.float32)
+    results["transformers_bf16"] = run_transformers(ckpt, image, a.max_tokens, torch.bfloat16)
+    k = results["kvlens"]["timing"]
+    weights = sum(os.path.getsize(os.path.join(ckpt, f)) for f in os.listdir(ckpt) if f.endswith(".safetensors"))
+    f32_bytes = weights * 2  # kvlens computes in f32: bf16 weights are widened at load
+    results["roofline_decode_tokens_per_s_f32"] = results["memory_bandwidth_gb_s"] * 1e9 / f32_bytes
+    results["roofline_decode_tokens_per_s_bf16"] = results["memory_bandwidth_gb_s"] * 1e9 / weights
+
+    print(f"{a.config} random checkpoint, one 1024x768 image, {a.max_tokens} new tokens, {os.cpu_count()} CPUs")
+    print(f"{'engine':<22}{'prompt':>8}{'prefill tok/s':>15}{'decode tok/s':>14}")
+    for name, r in [("kvlens (f32)", dict(k, prompt_tokens=len(results['kvlens']['prompt_token_ids']))),
+                    ("transformers f32", results["transformers_f32"]),
+                    ("transformers bf16", results["transformers_bf16"])]:
+        print(f"{name:<22}{r['prompt_tokens']:>8}{r['prefill_tokens_per_s']:>15.1f}{r['decode_tokens_per_s']:>14.2f}")
+    for ref in ("transformers_f32", "transformers_bf16"):
+        r = results[ref]
+        print(f"kvlens / {ref}: prefill {k['prefill_tokens_per_s'] / r['prefill_tokens_per_s']:.2f}x, "
+              f"decode {k['decode_tokens_per_s'] / r['decode_tokens_per_s']:.2f}x")
+    print(f"memory bandwidth {results['memory_bandwidth_gb_s']:.1f} GB/s; decode roofline "
+          f"{results['roofline_decode_tokens_per_s_f32']:.2f} tok/s at f32 weights, "
+          f"{results['roofline_decode_tokens_per_s_bf16']:.2f} at bf16")
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
