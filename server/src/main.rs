@@ -8,6 +8,11 @@ mod runtime;
 mod serve_cmd;
 
 use clap::{Parser, Subcommand};
+
+/// mimalloc keeps large tensor buffers for reuse instead of mapping and zeroing fresh pages for
+/// every operation (glibc hands allocations over 32 MiB straight back to the kernel).
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 use std::process::ExitCode;
 
 /// kvlens: Qwen-VL inference that makes memory visible.

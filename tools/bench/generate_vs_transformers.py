@@ -12,6 +12,7 @@ import numpy as np
 import torch
 from PIL import Image
 from transformers import AutoModelForImageTextToText, AutoProcessor
+from transformers.generation.streamers import BaseStreamer
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 PROMPT = "Describe this image in detail."
@@ -46,6 +47,20 @@ def run_kvlens(kvlens, ckpt, image, max_tokens):
     return json.loads(out.stdout)
 
 
+class TokenTimes(BaseStreamer):
+    """Records when generate hands over the prompt and each new token (one generate call)."""
+
+    def __init__(self):
+        self.start = 0.0
+        self.times = []
+
+    def put(self, value):
+        self.times.append(time.perf_counter())
+
+    def end(self):
+        pass
+
+
 def run_transformers(ckpt, image, max_tokens, dtype):
     torch.manual_seed(0)
     model = AutoModelForImageTextToText.from_pretrained(ckpt, dtype=dtype, attn_implementation="sdpa")
@@ -55,15 +70,16 @@ def run_transformers(ckpt, image, max_tokens, dtype):
     inputs = proc.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=True,
                                       return_tensors="pt")
     prompt_len = inputs["input_ids"].shape[1]
+    stamps = TokenTimes()
     with torch.inference_mode():
-        t = time.perf_counter()
-        model.generate(**inputs, max_new_tokens=1, min_new_tokens=1, do_sample=False)
-        prefill = time.perf_counter() - t
-        t = time.perf_counter()
-        out = model.generate(**inputs, max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False)
-        total = time.perf_counter() - t
+        stamps.start = time.perf_counter()
+        out = model.generate(**inputs, max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False,
+                             streamer=stamps)
+        total = time.perf_counter() - stamps.start
     generated = out.shape[1] - prompt_len
-    decode = max(total - prefill, 1e-9)
+    # The streamer sees the prompt first, then each new token: prefill ends at the first new token.
+    prefill = stamps.times[1] - stamps.start
+    decode = total - prefill
     return {
         "prompt_tokens": prompt_len,
         "prefill_s": prefill,

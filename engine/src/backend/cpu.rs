@@ -59,6 +59,9 @@ impl CpuBackend {
     }
 }
 
+/// Query rows per block of the vision tower's attention.
+const ATTENTION_CHUNK: usize = 512;
+
 fn softmax_last(x: &Tensor) -> candle_core::Result<Tensor> {
     let max = x.max_keepdim(D::Minus1)?;
     let e = x.broadcast_sub(&max)?.exp()?;
@@ -246,16 +249,21 @@ impl Backend for CpuBackend {
         let f = || -> candle_core::Result<Tensor> {
             let mut outs = Vec::with_capacity(segments.len());
             for &(start, len) in segments {
-                let split = |t: &Tensor| {
-                    t.narrow(0, start, len)?
-                        .reshape((len, heads, d))?
+                let split = |t: &Tensor, from: usize, n: usize| {
+                    t.narrow(0, from, n)?
+                        .reshape((n, heads, d))?
                         .transpose(0, 1)?
                         .contiguous()
                 };
-                let (qs, ks, vs) = (split(&q.t)?, split(&k.t)?, split(&v.t)?);
-                let scores = (qs.matmul(&ks.t()?)? * scale)?;
-                let out = softmax_last(&scores)?.matmul(&vs)?;
-                outs.push(out.transpose(0, 1)?.reshape((len, cols))?);
+                let kt = split(&k.t, start, len)?.t()?.contiguous()?;
+                let vs = split(&v.t, start, len)?;
+                // Queries in chunks bound the score matrix to heads × chunk × len.
+                for from in (start..start + len).step_by(ATTENTION_CHUNK) {
+                    let n = ATTENTION_CHUNK.min(start + len - from);
+                    let scores = (split(&q.t, from, n)?.matmul(&kt)? * scale)?;
+                    let out = softmax_last(&scores)?.matmul(&vs)?;
+                    outs.push(out.transpose(0, 1)?.reshape((n, cols))?);
+                }
             }
             Tensor::cat(&outs, 0)
         };
