@@ -486,6 +486,38 @@ mod tests {
     }
 
     #[test]
+    fn chunked_segment_attention_matches_a_direct_softmax() {
+        // 700 rows: more than one query chunk in the first segment.
+        let b = CpuBackend::default();
+        let n = 700;
+        let q: Vec<f32> = (0..n * 2).map(|i| (i as f32 * 0.013).sin()).collect();
+        let k: Vec<f32> = (0..n * 2).map(|i| (i as f32 * 0.029).cos()).collect();
+        let v: Vec<f32> = (0..n * 2).map(|i| (i as f32 * 0.07).sin()).collect();
+        let segs = [(0, 650), (650, 50)];
+        let out = b
+            .download(
+                &b.segment_attention(&t(&b, &q, n, 2), &t(&b, &k, n, 2), &t(&b, &v, n, 2), 1, &segs)
+                    .unwrap(),
+            )
+            .unwrap();
+        for &(start, len) in &segs {
+            for i in (start..start + len).step_by(37) {
+                let s: Vec<f32> = (start..start + len)
+                    .map(|j| (q[i * 2] * k[j * 2] + q[i * 2 + 1] * k[j * 2 + 1]) / 2f32.sqrt())
+                    .collect();
+                let m = s.iter().cloned().fold(f32::MIN, f32::max);
+                let z: f32 = s.iter().map(|x| (x - m).exp()).sum();
+                let want: f32 = s
+                    .iter()
+                    .enumerate()
+                    .map(|(j, x)| (x - m).exp() / z * v[(start + j) * 2])
+                    .sum();
+                assert!((out[i * 2] - want).abs() < 1e-4, "row {i}: {} vs {want}", out[i * 2]);
+            }
+        }
+    }
+
+    #[test]
     fn rope_rotates_halves_and_segments_stay_apart() {
         let b = CpuBackend::default();
         let x = t(&b, &[1.0, 2.0, 3.0, 4.0], 1, 4);
