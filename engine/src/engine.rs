@@ -329,6 +329,10 @@ impl<B: Backend> Engine<B> {
     pub fn abort(&mut self, id: &RequestId) -> Result<bool, EngineError> {
         if let Some(i) = self.waiting.iter().position(|s| &s.req.id == id) {
             self.waiting.remove(i);
+            // A waiting request holds no KV blocks, but a scheduling attempt that stopped short may
+            // already have referenced cached encoder outputs.
+            self.enc.free(id);
+            self.drop_freed_encoder_outputs();
             return Ok(true);
         }
         if let Some(i) = self.running.iter().position(|s| &s.req.id == id) {

@@ -1,7 +1,7 @@
 //! Device presets: the memory the runtime reports as total, bandwidth and peak half-precision
 //! throughput (for roofline figures), plus the platform defaults vLLM derives from them.
 
-const GIB: f64 = (1u64 << 30) as f64;
+use super::GIB;
 
 /// Which runtime family a device belongs to; decides vLLM's platform defaults.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]

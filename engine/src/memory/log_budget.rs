@@ -6,7 +6,7 @@ use super::planner::{finish_kv, plan, MmLimits, Plan, PlanError, PlanRequest, So
 use super::vllm_log::{ParsedLog, Printed, ProfilingFormat};
 use crate::config::DType;
 
-const GIB: f64 = (1u64 << 30) as f64;
+use super::GIB;
 
 /// Settings named by the log's header (the recorded `vllm serve` command and device note).
 #[derive(Debug, Clone, Default, PartialEq)]

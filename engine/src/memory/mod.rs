@@ -7,5 +7,8 @@ pub mod planner;
 pub mod vllm_log;
 pub mod weights;
 
+/// Bytes per GiB (vLLM divides by 2^30 wherever it prints GB or GiB).
+pub const GIB: f64 = (1u64 << 30) as f64;
+
 pub use device::{device_preset, device_presets, DeviceProfile, Platform};
 pub use planner::{plan, MmLimits, Plan, PlanError, PlanRequest, Source};

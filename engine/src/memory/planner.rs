@@ -9,7 +9,7 @@ use super::device::DeviceProfile;
 use super::weights::weight_bytes_per_rank;
 use crate::config::{DType, Family, ImageLimits, ModelConfig};
 
-const GIB: f64 = (1u64 << 30) as f64;
+use super::GIB;
 /// vLLM's default `--limit-mm-per-prompt` for each modality in V1.
 pub const DEFAULT_MM_LIMIT: usize = 999;
 /// vLLM caps the frames of a profiled Qwen2/2.5-VL video at 14.
