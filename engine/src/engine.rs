@@ -6,10 +6,10 @@
 
 use crate::backend::{Backend, KvLayout, PagedSeq};
 use crate::cache::{
-    extend_block_hashes, BlockHash, CacheError, ComputedBlocks, EncoderCacheManager, KvCacheManager, MmHash, MmSpan,
-    RequestId,
+    extend_block_hashes, BlockHash, CacheError, ComputedBlocks, EncoderCacheManager, EncoderCacheSnapshot,
+    KvCacheManager, KvSummary, MmHash, MmSpan, RequestId,
 };
-use crate::memory::ledger::Category;
+use crate::memory::ledger::{Category, LedgerEntry};
 use crate::model::rope::{mrope_positions, mrope_tables, ImageSpan};
 use crate::model::text::DecoderInput;
 use crate::model::vision::VisionOutput;
@@ -106,6 +106,23 @@ pub struct EngineCounters {
     pub generated_tokens: u64,
     /// Decoder passes.
     pub steps: u64,
+}
+
+/// The engine's occupancy at one moment: what `/v1/memory` and the playground show.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct EngineSnapshot {
+    /// Bytes the backend holds, by category.
+    pub ledger: Vec<LedgerEntry>,
+    /// KV blocks: counts, states and block tables.
+    pub kv: KvSummary,
+    /// Encoder-cache entries and their references.
+    pub encoder_cache: EncoderCacheSnapshot,
+    /// Requests scheduled at least once and not finished.
+    pub num_running: usize,
+    /// Requests queued (new or preempted).
+    pub num_waiting: usize,
+    /// Work counters so far.
+    pub counters: EngineCounters,
 }
 
 /// Why the engine refused or failed.
@@ -239,6 +256,28 @@ impl<B: Backend> Engine<B> {
     /// The encoder cache manager (for snapshots).
     pub fn encoder_cache(&self) -> &EncoderCacheManager {
         &self.enc
+    }
+
+    /// Requests scheduled at least once and not finished.
+    pub fn num_running(&self) -> usize {
+        self.running.len()
+    }
+
+    /// Requests queued (new or preempted).
+    pub fn num_waiting(&self) -> usize {
+        self.waiting.len()
+    }
+
+    /// Occupancy now: ledger, KV summary, encoder-cache entries, queue lengths, counters.
+    pub fn snapshot(&self) -> EngineSnapshot {
+        EngineSnapshot {
+            ledger: self.be.ledger().entries(),
+            kv: self.kv.summary(),
+            encoder_cache: self.enc.snapshot(),
+            num_running: self.running.len(),
+            num_waiting: self.waiting.len(),
+            counters: self.counters,
+        }
     }
 
     /// Whether any request is waiting or running.

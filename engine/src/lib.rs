@@ -10,4 +10,5 @@ pub mod engine;
 pub mod input;
 pub mod memory;
 pub mod model;
+pub mod profile;
 pub mod sample;

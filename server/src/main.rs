@@ -6,6 +6,7 @@ mod plan_cmd;
 mod random_checkpoint_cmd;
 mod runtime;
 mod serve_cmd;
+mod startup;
 
 use clap::{Parser, Subcommand};
 

@@ -16,7 +16,7 @@ use std::ops::Range;
 use std::path::{Path, PathBuf};
 
 /// Default largest shard: 2 GiB of tensor data.
-const SHARD_BYTES: u64 = 2 << 30;
+pub const SHARD_BYTES: u64 = 2 << 30;
 /// Show a progress bar above this many bytes of weights.
 const PROGRESS_BYTES: u64 = 100_000_000;
 /// Standard deviation of matrices, embeddings and biases when the config has no `initializer_range`.

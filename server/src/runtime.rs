@@ -6,10 +6,11 @@ use crate::UsageError;
 use anyhow::Result;
 use kvlens_engine::backend::cpu::CpuBackend;
 use kvlens_engine::backend::Backend;
+use kvlens_engine::cache::ProcessorCache;
 use kvlens_engine::cache::{MmHash, RequestId};
 use kvlens_engine::engine::{ImageInput, Request};
 use kvlens_engine::input::chat::{image_sources, select_chat_template, ChatMessage, ChatTemplate, ImageSource};
-use kvlens_engine::input::image::{process_image, ProcessorSettings};
+use kvlens_engine::input::image::{decode_image, ProcessedImage, ProcessorSettings};
 use kvlens_engine::input::prompt::expand_image_pads;
 use kvlens_engine::input::tokenizer::Tokenizer;
 use kvlens_engine::memory::ledger::MemoryLedger;
@@ -17,6 +18,7 @@ use kvlens_engine::model::weights::SafetensorsFiles;
 use kvlens_engine::model::QwenVl;
 use kvlens_engine::sample::SamplingParams;
 use std::path::Path;
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 /// Everything that turns messages into engine requests and tokens into text.
@@ -32,6 +34,12 @@ pub struct Frontend {
     pub image_pad: u32,
     /// End-of-sequence ids (generation_config.json).
     pub eos: Vec<u32>,
+    /// Most images per prompt (`--limit-mm-per-prompt`).
+    pub limit_images: usize,
+    /// Most tokens one image may have: what the start-up profile measured.
+    pub max_image_tokens: usize,
+    /// Preprocessed images by mm hash (`--mm-processor-cache-gb`).
+    pub processor_cache: Mutex<ProcessorCache<Arc<ProcessedImage>>>,
 }
 
 fn usage(msg: impl Into<String>) -> anyhow::Error {
@@ -83,7 +91,44 @@ impl Frontend {
             settings,
             image_pad: ckpt.config.tokens.image,
             eos: ckpt.eos_token_ids.clone(),
+            limit_images: usize::MAX,
+            max_image_tokens: usize::MAX,
+            processor_cache: Mutex::new(ProcessorCache::new(0)),
         })
+    }
+
+    /// Replaces the checkpoint's chat template (`--chat-template FILE`).
+    pub fn set_chat_template(&mut self, path: &Path) -> Result<()> {
+        let source = std::fs::read_to_string(path)
+            .map_err(|e| usage(format!("cannot read --chat-template {}: {e}", path.display())))?;
+        self.template =
+            ChatTemplate::new(&source).map_err(|e| usage(format!("--chat-template {}: {e}", path.display())))?;
+        Ok(())
+    }
+
+    /// Resizes the processor cache (0 turns it off), dropping what it held.
+    pub fn set_processor_cache_bytes(&mut self, bytes: u64) {
+        self.processor_cache = Mutex::new(ProcessorCache::new(bytes));
+    }
+
+    /// Decodes and preprocesses one image, through the processor cache.
+    fn image(&self, bytes: &[u8]) -> Result<Arc<ProcessedImage>> {
+        let decoded = decode_image(bytes, &self.settings).map_err(|e| usage(e.to_string()))?;
+        let cache = |f: &mut dyn FnMut(&mut ProcessorCache<Arc<ProcessedImage>>)| {
+            let mut guard = self.processor_cache.lock().unwrap_or_else(|p| p.into_inner());
+            f(&mut guard)
+        };
+        let mut hit = None;
+        cache(&mut |c| hit = c.get(&decoded.mm_hash).cloned());
+        if let Some(p) = hit {
+            return Ok(p);
+        }
+        let processed = Arc::new(decoded.process(&self.settings).map_err(|e| usage(e.to_string()))?);
+        let size = (processed.pixel_values.len() * 4) as u64;
+        cache(&mut |c| {
+            c.insert(MmHash::from(processed.mm_hash.clone()), processed.clone(), size);
+        });
+        Ok(processed)
     }
 
     /// Renders, tokenizes and preprocesses a conversation into an engine request. Local image paths
@@ -97,8 +142,16 @@ impl Frontend {
     ) -> Result<(Request, Vec<[u32; 3]>)> {
         let text = self.template.render(messages, true).map_err(|e| usage(e.to_string()))?;
         let ids = self.tokenizer.encode(&text).map_err(|e| usage(e.to_string()))?;
+        let sources = image_sources(messages).map_err(|e| usage(e.to_string()))?;
+        if sources.len() > self.limit_images {
+            return Err(usage(format!(
+                "At most {} image(s) may be provided in one prompt, got {}",
+                self.limit_images,
+                sources.len()
+            )));
+        }
         let mut processed = Vec::new();
-        for src in image_sources(messages).map_err(|e| usage(e.to_string()))? {
+        for src in sources {
             let bytes = match src {
                 ImageSource::Bytes(b) => b,
                 ImageSource::Path(p) if allow_files => {
@@ -107,7 +160,14 @@ impl Frontend {
                 ImageSource::Path(p) => return Err(usage(format!("local image paths are not allowed here: {p}"))),
                 ImageSource::Remote(u) => return Err(usage(format!("fetching remote images is not enabled: {u}"))),
             };
-            processed.push(process_image(&bytes, &self.settings).map_err(|e| usage(e.to_string()))?);
+            let image = self.image(&bytes)?;
+            if image.num_tokens > self.max_image_tokens {
+                return Err(usage(format!(
+                    "an image of {} tokens exceeds the {} tokens the start-up profile measured",
+                    image.num_tokens, self.max_image_tokens
+                )));
+            }
+            processed.push(image);
         }
         let counts: Vec<usize> = processed.iter().map(|p| p.num_tokens).collect();
         let expanded = expand_image_pads(&ids, self.image_pad, &counts).map_err(|e| usage(e.to_string()))?;
@@ -117,8 +177,8 @@ impl Frontend {
             .zip(&expanded.images)
             .map(|(p, place)| ImageInput {
                 grid_thw: [p.grid_thw[0] as usize, p.grid_thw[1] as usize, p.grid_thw[2] as usize],
-                pixel_values: p.pixel_values,
-                mm_hash: MmHash::from(p.mm_hash),
+                pixel_values: p.pixel_values.clone(),
+                mm_hash: MmHash::from(p.mm_hash.clone()),
                 offset: place.offset,
                 num_tokens: place.length,
             })

@@ -122,6 +122,30 @@ pub struct KvSnapshot {
     pub blocks: Vec<KvBlockSnapshot>,
 }
 
+/// A compact picture of the KV cache: counts, block states as runs, and each request's blocks.
+/// Cheap enough to send after every engine step, unlike [`KvSnapshot`]'s per-block list.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct KvSummary {
+    /// Total blocks, the null block included.
+    pub num_blocks: usize,
+    /// Tokens per block.
+    pub block_size: usize,
+    /// Blocks in the free queue (hashed or not).
+    pub num_free: usize,
+    /// Free blocks that still carry a hash.
+    pub num_cached_free: usize,
+    /// Referenced blocks.
+    pub num_in_use: usize,
+    /// `1 − free / (num_blocks − 1)`.
+    pub usage: f64,
+    /// Cached blocks evicted by reallocation so far.
+    pub num_evictions: u64,
+    /// Block states by id as `(state, run length)` pairs.
+    pub runs: Vec<(KvBlockState, usize)>,
+    /// Each request's block table.
+    pub tables: BTreeMap<RequestId, Vec<BlockId>>,
+}
+
 /// Blocks held by one request.
 #[derive(Clone, Debug, Default)]
 struct RequestBlocks {
@@ -326,6 +350,52 @@ impl KvCacheManager {
         Ok(())
     }
 
+    /// State of one block.
+    fn block_state(&self, id: BlockId) -> KvBlockState {
+        if id == NULL_BLOCK {
+            KvBlockState::Null
+        } else if self.pool.ref_cnt(id).unwrap_or(0) > 0 {
+            KvBlockState::InUse
+        } else if self.pool.block_hash(id).is_some() {
+            KvBlockState::CachedFree
+        } else {
+            KvBlockState::Free
+        }
+    }
+
+    /// Counts, run-length block states and block tables (one pass over the blocks).
+    pub fn summary(&self) -> KvSummary {
+        let mut runs: Vec<(KvBlockState, usize)> = Vec::new();
+        let (mut cached_free, mut in_use) = (0, 0);
+        for id in 0..self.num_blocks() {
+            let state = self.block_state(id);
+            match state {
+                KvBlockState::CachedFree => cached_free += 1,
+                KvBlockState::InUse => in_use += 1,
+                _ => {}
+            }
+            match runs.last_mut() {
+                Some((s, n)) if *s == state => *n += 1,
+                _ => runs.push((state, 1)),
+            }
+        }
+        KvSummary {
+            num_blocks: self.num_blocks(),
+            block_size: self.block_size(),
+            num_free: self.num_free_blocks(),
+            num_cached_free: cached_free,
+            num_in_use: in_use,
+            usage: self.usage(),
+            num_evictions: self.pool.num_evictions(),
+            runs,
+            tables: self
+                .requests
+                .iter()
+                .map(|(id, r)| (id.clone(), r.blocks.clone()))
+                .collect(),
+        }
+    }
+
     /// Serializable picture of every block, the free queue and the totals.
     pub fn snapshot(&self) -> KvSnapshot {
         let n = self.num_blocks();
@@ -343,15 +413,7 @@ impl KvCacheManager {
             .map(|(id, owners)| {
                 let hash = self.pool.block_hash(id);
                 let ref_cnt = self.pool.ref_cnt(id).unwrap_or(0);
-                let state = if id == NULL_BLOCK {
-                    KvBlockState::Null
-                } else if ref_cnt > 0 {
-                    KvBlockState::InUse
-                } else if hash.is_some() {
-                    KvBlockState::CachedFree
-                } else {
-                    KvBlockState::Free
-                };
+                let state = self.block_state(id);
                 KvBlockSnapshot {
                     id,
                     state,

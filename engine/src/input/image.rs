@@ -183,36 +183,66 @@ pub struct ProcessedImage {
     pub mm_hash: String,
 }
 
-/// Decodes a PNG or JPEG and turns it into `pixel_values`.
-pub fn process_image(bytes: &[u8], settings: &ProcessorSettings) -> Result<ProcessedImage, InputError> {
+/// A decoded image with its multimodal hash, before resizing: what a processor-cache lookup needs.
+#[derive(Clone)]
+pub struct DecodedImage {
+    rgb: Rgb,
+    /// See [`ProcessedImage::mm_hash`].
+    pub mm_hash: String,
+}
+
+impl std::fmt::Debug for DecodedImage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "DecodedImage({}x{}, {})",
+            self.rgb.width, self.rgb.height, self.mm_hash
+        )
+    }
+}
+
+/// Decodes a PNG or JPEG and hashes its pixels with the settings.
+pub fn decode_image(bytes: &[u8], settings: &ProcessorSettings) -> Result<DecodedImage, InputError> {
     let rgb = decode_rgb(bytes, settings)?;
-    let (width, height) = (rgb.width as usize, rgb.height as usize);
     let mut hasher = Sha256::new();
     hasher.update(b"kvlens image v1");
-    hasher.update((width as u64).to_le_bytes());
-    hasher.update((height as u64).to_le_bytes());
+    hasher.update((rgb.width as u64).to_le_bytes());
+    hasher.update((rgb.height as u64).to_le_bytes());
     settings.hash_into(&mut hasher);
     hasher.update(&rgb.pixels);
     let mm_hash = hex(&hasher.finalize());
+    Ok(DecodedImage { rgb, mm_hash })
+}
 
-    let factor = settings.factor() as u64;
-    let (rh, rw) = smart_resize(height as u64, width as u64, factor, settings.limits)?;
-    let (rh, rw) = (rh as usize, rw as usize);
-    let pixels = if (rh, rw) == (height, width) {
-        rgb.pixels
-    } else {
-        resize_bicubic(&rgb.pixels, width, height, rw, rh)
-    };
-    let p = settings.patch_size;
-    let m = settings.merge_size;
-    let (gh, gw) = (rh / p, rw / p);
-    let pixel_values = patchify(&normalize(&pixels, settings), rh, rw, settings);
-    Ok(ProcessedImage {
-        pixel_values,
-        grid_thw: [1, gh as u32, gw as u32],
-        num_tokens: gh * gw / (m * m),
-        mm_hash,
-    })
+/// Decodes a PNG or JPEG and turns it into `pixel_values`.
+pub fn process_image(bytes: &[u8], settings: &ProcessorSettings) -> Result<ProcessedImage, InputError> {
+    decode_image(bytes, settings)?.process(settings)
+}
+
+impl DecodedImage {
+    /// Resizes, normalizes and patchifies.
+    pub fn process(self, settings: &ProcessorSettings) -> Result<ProcessedImage, InputError> {
+        let DecodedImage { rgb, mm_hash } = self;
+        let (width, height) = (rgb.width as usize, rgb.height as usize);
+        let factor = settings.factor() as u64;
+        let (rh, rw) = smart_resize(height as u64, width as u64, factor, settings.limits)?;
+        let (rh, rw) = (rh as usize, rw as usize);
+        let pixels = if (rh, rw) == (height, width) {
+            rgb.pixels
+        } else {
+            resize_bicubic(&rgb.pixels, width, height, rw, rh)
+        };
+        let p = settings.patch_size;
+        let m = settings.merge_size;
+        let (gh, gw) = (rh / p, rw / p);
+        let pixel_values = patchify(&normalize(&pixels, settings), rh, rw, settings);
+        Ok(ProcessedImage {
+            pixel_values,
+            grid_thw: [1, gh as u32, gw as u32],
+            num_tokens: gh * gw / (m * m),
+            mm_hash,
+        })
+    }
 }
 
 fn hex(bytes: &[u8]) -> String {
@@ -220,6 +250,7 @@ fn hex(bytes: &[u8]) -> String {
 }
 
 /// Interleaved RGB8 pixels.
+#[derive(Clone)]
 struct Rgb {
     width: u32,
     height: u32,

@@ -1,0 +1,345 @@
+//! Engine start-up as vLLM does it: load the weights, profile one full batch plus the largest
+//! images on the backend, size the KV cache from what is left (the planner's formulas with the
+//! measured figures), allocate it, and log the same lines as vLLM.
+
+use crate::random_checkpoint_cmd::{self, RandomCheckpointArgs, WeightDtype};
+use crate::runtime::{load_cpu, Frontend};
+use crate::UsageError;
+use anyhow::Result;
+use kvlens_engine::backend::cpu::CpuBackend;
+use kvlens_engine::backend::Backend;
+use kvlens_engine::config::{DType, ImageLimits};
+use kvlens_engine::engine::{Engine, EngineConfig};
+use kvlens_engine::memory::device::{DeviceProfile, Platform};
+use kvlens_engine::memory::planner::{gib, plan, MmLimits, Plan, PlanRequest};
+use kvlens_engine::memory::GIB;
+use kvlens_engine::profile::{profile_run, ProfileResult, ProfileSpec};
+use std::path::PathBuf;
+use std::time::Instant;
+
+/// The engine flags of `kvlens serve`, spelled as `vllm serve` spells them.
+#[derive(Debug, Clone, clap::Args)]
+pub struct EngineArgs {
+    /// Checkpoint directory (Hugging Face layout) [default: the bundled tiny demo checkpoint,
+    /// generated under ~/.cache/kvlens on first use].
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    /// Model name(s) the API answers to [default: the --model argument].
+    #[arg(long, num_args = 1..)]
+    pub served_model_name: Vec<String>,
+    /// Longest prompt plus output [default: the model's max_position_embeddings].
+    #[arg(long)]
+    pub max_model_len: Option<usize>,
+    /// Share of the device memory the engine may use.
+    #[arg(long, default_value_t = 0.9)]
+    pub gpu_memory_utilization: f64,
+    /// Memory of the CPU "device" in GiB [default: 40% of the machine's RAM].
+    #[arg(long)]
+    pub cpu_memory_gib: Option<f64>,
+    /// Most requests running at once [default: vLLM's for the device].
+    #[arg(long)]
+    pub max_num_seqs: Option<usize>,
+    /// Most tokens per engine step [default: vLLM's for the device].
+    #[arg(long)]
+    pub max_num_batched_tokens: Option<usize>,
+    /// Tokens per KV block [default: 16].
+    #[arg(long)]
+    pub block_size: Option<usize>,
+    /// Reuse KV blocks across requests (on by default).
+    #[arg(long, overrides_with = "no_enable_prefix_caching")]
+    pub enable_prefix_caching: bool,
+    /// Turn prefix caching off.
+    #[arg(long)]
+    pub no_enable_prefix_caching: bool,
+    /// Host memory of the preprocessed-image cache in GiB (0 turns it off).
+    #[arg(long, default_value_t = 4.0)]
+    pub mm_processor_cache_gb: f64,
+    /// Items per prompt, e.g. '{"image": 2, "video": 0}' or image=2.
+    #[arg(long)]
+    pub limit_mm_per_prompt: Option<String>,
+    /// Image processor overrides as JSON, e.g. '{"max_pixels": 1003520}'.
+    #[arg(long)]
+    pub mm_processor_kwargs: Option<String>,
+    /// Weights dtype (auto, float32, bfloat16, float16); the CPU backend computes in float32.
+    #[arg(long, default_value = "auto")]
+    pub dtype: String,
+    /// KV cache dtype (auto = the compute dtype).
+    #[arg(long, default_value = "auto")]
+    pub kv_cache_dtype: String,
+    /// Seed of requests that give none.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// A Jinja chat template file replacing the checkpoint's.
+    #[arg(long)]
+    pub chat_template: Option<PathBuf>,
+    /// Compute backend.
+    #[arg(long, default_value = "cpu", value_parser = ["cpu", "wgpu", "cuda"])]
+    pub backend: String,
+}
+
+/// A started engine and everything the server reports about how it was sized.
+#[derive(Debug)]
+pub struct Started {
+    /// The engine, KV cache allocated.
+    pub engine: Engine<CpuBackend>,
+    /// Tokenizer, template and image processing.
+    pub frontend: Frontend,
+    /// Names the API answers to (the first is reported).
+    pub served_model_names: Vec<String>,
+    /// The checkpoint directory.
+    pub model_dir: PathBuf,
+    /// The start-up budget with measured weights and activation peak.
+    pub plan: Plan,
+    /// What the profile run measured.
+    pub profile: ProfileResult,
+    /// The start-up lines as logged.
+    pub log_lines: Vec<String>,
+}
+
+fn usage(msg: impl Into<String>) -> anyhow::Error {
+    UsageError(msg.into()).into()
+}
+
+/// The tiny demo model's config (the Qwen3-VL golden config).
+const DEMO_CONFIG: &str = include_str!("../../tools/golden/configs/qwen3_vl_tiny.json");
+
+/// Image limits of the demo checkpoint: up to 512×512 pixels (256 image tokens), so the CPU
+/// vision tower stays interactive.
+const DEMO_IMAGE_LIMITS: ImageLimits = ImageLimits {
+    min_pixels: 4_096,
+    max_pixels: 262_144,
+};
+
+/// The demo checkpoint directory, written on first use.
+pub fn demo_checkpoint() -> Result<PathBuf> {
+    let home = std::env::var_os("HOME")
+        .map(PathBuf::from)
+        .ok_or_else(|| usage("HOME is not set: pass --model DIR"))?;
+    let root = home.join(".cache/kvlens");
+    let dir = root.join("demo-model");
+    if dir.join("config.json").is_file() && dir.join("model.safetensors").is_file() {
+        return Ok(dir);
+    }
+    std::fs::create_dir_all(&root)?;
+    let cfg = root.join("demo-model-config.json");
+    std::fs::write(&cfg, DEMO_CONFIG)?;
+    eprintln!("writing the tiny demo checkpoint to {} (first use)", dir.display());
+    random_checkpoint_cmd::run(&RandomCheckpointArgs {
+        config: cfg.display().to_string(),
+        out: Some(dir.clone()),
+        dtype: WeightDtype::Bf16,
+        seed: 0,
+        tokenizer: None,
+        image_limits: Some(DEMO_IMAGE_LIMITS),
+        shard_size: random_checkpoint_cmd::SHARD_BYTES,
+        force: true,
+        dry_run: false,
+    })?;
+    Ok(dir)
+}
+
+/// Total RAM from /proc/meminfo (None where it cannot be read).
+fn machine_ram_bytes() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemTotal:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
+fn parse_dtype(flag: &str, value: &str) -> Result<Option<DType>> {
+    if value == "auto" {
+        return Ok(None);
+    }
+    DType::parse(value).map(Some).ok_or_else(|| {
+        usage(format!(
+            "{flag} {value:?} is not supported (auto, float32, bfloat16, float16, fp8)"
+        ))
+    })
+}
+
+/// `--mm-processor-kwargs`: `min_pixels` / `max_pixels` (or `size.shortest_edge` / `longest_edge`).
+fn apply_processor_kwargs(limits: &mut ImageLimits, json: &str) -> Result<()> {
+    let v: serde_json::Value =
+        serde_json::from_str(json).map_err(|e| usage(format!("--mm-processor-kwargs is not JSON: {e}")))?;
+    let obj = v
+        .as_object()
+        .ok_or_else(|| usage("--mm-processor-kwargs must be a JSON object"))?;
+    let num = |key: &str| -> Result<Option<u64>> {
+        let found = obj.get(key).or_else(|| {
+            let edge = if key == "min_pixels" {
+                "shortest_edge"
+            } else {
+                "longest_edge"
+            };
+            obj.get("size").and_then(|s| s.get(edge))
+        });
+        match found {
+            None => Ok(None),
+            Some(x) => x
+                .as_u64()
+                .map(Some)
+                .ok_or_else(|| usage(format!("--mm-processor-kwargs: {key} must be a positive integer"))),
+        }
+    };
+    for key in obj.keys() {
+        if !matches!(key.as_str(), "min_pixels" | "max_pixels" | "size") {
+            eprintln!("WARNING --mm-processor-kwargs: {key} is ignored (kvlens reads min_pixels and max_pixels)");
+        }
+    }
+    if let Some(n) = num("min_pixels")? {
+        limits.min_pixels = n;
+    }
+    if let Some(n) = num("max_pixels")? {
+        limits.max_pixels = n;
+    }
+    if limits.max_pixels == 0 || limits.min_pixels > limits.max_pixels {
+        return Err(usage(format!(
+            "--mm-processor-kwargs: min_pixels ({}) must not exceed max_pixels ({})",
+            limits.min_pixels, limits.max_pixels
+        )));
+    }
+    Ok(())
+}
+
+/// The patch grid of the largest image the processor can produce: as close to square as the
+/// token budget allows (vLLM profiles the "image with most features").
+fn largest_image_grid(max_tokens: usize, merge: usize) -> [usize; 3] {
+    let a = (max_tokens as f64).sqrt().floor().max(1.0) as usize;
+    let b = (max_tokens / a).max(1);
+    [1, a * merge, b * merge]
+}
+
+/// Loads, profiles and sizes the engine; prints vLLM's start-up lines to stderr.
+pub fn start(a: &EngineArgs) -> Result<Started> {
+    if a.backend != "cpu" {
+        return Err(usage(format!(
+            "--backend {} is not built yet: this build runs on the CPU backend (--backend cpu)",
+            a.backend
+        )));
+    }
+    let dtype = parse_dtype("--dtype", &a.dtype)?;
+    let kv_dtype = parse_dtype("--kv-cache-dtype", &a.kv_cache_dtype)?;
+    for (flag, d, given) in [
+        ("--dtype", dtype, &a.dtype),
+        ("--kv-cache-dtype", kv_dtype, &a.kv_cache_dtype),
+    ] {
+        if d.is_some_and(|d| d != DType::F32) {
+            eprintln!("WARNING {flag} {given}: the CPU backend computes and stores in float32");
+        }
+    }
+    let limits = match &a.limit_mm_per_prompt {
+        Some(s) => MmLimits::parse(s).map_err(|e| usage(e.to_string()))?,
+        None => MmLimits::default(),
+    };
+    let model_dir = match &a.model {
+        Some(dir) => dir.clone(),
+        None => demo_checkpoint()?,
+    };
+    let served_model_names = if a.served_model_name.is_empty() {
+        vec![a
+            .model
+            .as_ref()
+            .map_or("kvlens-demo".to_string(), |m| m.display().to_string())]
+    } else {
+        a.served_model_name.clone()
+    };
+    let ram = machine_ram_bytes().unwrap_or(8 << 30);
+    let total = match a.cpu_memory_gib {
+        Some(g) if g > 0.0 && g.is_finite() => (g * GIB) as u64,
+        Some(g) => return Err(usage(format!("--cpu-memory-gib must be positive, got {g}"))),
+        None => ram / 5 * 2,
+    };
+    let (model, backend, mut frontend) = load_cpu(&model_dir)?;
+    if let Some(path) = &a.chat_template {
+        frontend.set_chat_template(path)?;
+    }
+    if let Some(json) = &a.mm_processor_kwargs {
+        apply_processor_kwargs(&mut frontend.settings.limits, json)?;
+    }
+    frontend.limit_images = limits.image;
+    frontend.set_processor_cache_bytes((a.mm_processor_cache_gb.max(0.0) * GIB) as u64);
+    let cfg = model.cfg.clone();
+    let weights = backend.ledger().bytes(kvlens_engine::memory::ledger::Category::Weights);
+    let device = DeviceProfile {
+        name: "cpu".into(),
+        description: "host memory (--cpu-memory-gib)".into(),
+        platform: Platform::Cpu,
+        total_bytes: total,
+        bandwidth_bytes_per_s: 0.0,
+        peak_flops: 0.0,
+        non_torch_bytes: 0,
+    };
+    let mut req = PlanRequest::new(served_model_names[0].clone(), cfg.clone(), device);
+    req.image_limits = frontend.settings.limits;
+    req.max_model_len = a.max_model_len;
+    req.gpu_memory_utilization = a.gpu_memory_utilization;
+    req.max_num_batched_tokens = a.max_num_batched_tokens;
+    req.max_num_seqs = a.max_num_seqs;
+    req.block_size = a.block_size;
+    req.limit_mm_per_prompt = MmLimits { video: 0, ..limits };
+    req.mm_processor_cache_gb = a.mm_processor_cache_gb;
+    req.dtype = Some(DType::F32);
+    req.kv_cache_dtype = Some(DType::F32);
+    req.weights_bytes = Some(weights);
+    req.non_torch_bytes = Some(0);
+    // First pass: the budgets the profile run needs (the activation figure is replaced below).
+    let draft = plan(&req).map_err(|e| usage(e.to_string()))?;
+    let merge = cfg.vision.spatial_merge_size;
+    let profiled_at = Instant::now();
+    let spec = ProfileSpec {
+        num_tokens: draft.max_num_batched_tokens,
+        num_sampled: draft.max_num_seqs.min(draft.max_num_batched_tokens),
+        image_grid: (draft.encoder_profile_items > 0).then(|| largest_image_grid(draft.max_tokens_per_image, merge)),
+        image_items: draft.encoder_profile_items,
+        block_size: draft.block_size,
+    };
+    let profile = profile_run(&backend, &model, spec).map_err(|e| anyhow::anyhow!("profile run: {e}"))?;
+    let profile_s = profiled_at.elapsed().as_secs_f64();
+    req.activation_peak_bytes = Some(profile.activation_peak_bytes);
+    let p = plan(&req).map_err(|e| usage(e.to_string()))?;
+    if let Some(grid) = spec.image_grid {
+        frontend.max_image_tokens = grid.iter().product::<usize>() / (merge * merge);
+    }
+    let mut log_lines = vec![
+        format!(
+            "Initial free memory: {} GiB; Requested memory: {:.2} (util), {} GiB",
+            gib(total.saturating_sub(weights)),
+            p.gpu_memory_utilization,
+            gib(p.requested_bytes)
+        ),
+        format!(
+            "Memory profiling takes {profile_s:.2} seconds. Total non KV cache memory: {} GiB; torch peak memory increase: {} GiB; non-torch forward increase memory: {} GiB; weights memory: {} GiB.",
+            gib(p.non_kv_bytes),
+            gib(p.activation_peak_bytes),
+            gib(p.non_torch_bytes),
+            gib(p.weights_bytes)
+        ),
+    ];
+    // The weights line was printed while loading.
+    log_lines.extend(p.vllm_log_lines().into_iter().skip(1));
+    for line in &log_lines {
+        eprintln!("INFO {line}");
+    }
+    if let Some(err) = &p.error {
+        return Err(usage(err.clone()));
+    }
+    let engine_cfg = EngineConfig {
+        num_blocks: usize::try_from(p.num_gpu_blocks).map_err(|_| usage("KV cache too large"))?,
+        block_size: p.block_size,
+        max_model_len: p.max_model_len,
+        enable_prefix_caching: !a.no_enable_prefix_caching,
+        encoder_cache_tokens: p.encoder_budget_tokens.max(1),
+        max_num_seqs: p.max_num_seqs,
+        max_num_batched_tokens: p.max_num_batched_tokens,
+    };
+    let engine = Engine::new(backend, model, engine_cfg).map_err(|e| anyhow::anyhow!("engine: {e}"))?;
+    Ok(Started {
+        engine,
+        frontend,
+        served_model_names,
+        model_dir,
+        plan: p,
+        profile,
+        log_lines,
+    })
+}
