@@ -343,3 +343,32 @@ pub fn start(a: &EngineArgs) -> Result<Started> {
         log_lines,
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn largest_grid_holds_the_token_budget_in_whole_merge_blocks() {
+        assert_eq!(largest_image_grid(16_384, 2), [1, 256, 256]);
+        let g = largest_image_grid(1_000, 2);
+        let tokens = g[1] * g[2] / 4;
+        assert!(tokens <= 1_000 && tokens >= 960, "{g:?} gives {tokens} tokens");
+        assert_eq!(largest_image_grid(1, 2), [1, 2, 2]);
+    }
+
+    #[test]
+    fn processor_kwargs_override_pixel_limits_and_reject_nonsense() {
+        let mut l = ImageLimits {
+            min_pixels: 10,
+            max_pixels: 100,
+        };
+        apply_processor_kwargs(&mut l, r#"{"max_pixels": 50}"#).unwrap();
+        assert_eq!((l.min_pixels, l.max_pixels), (10, 50));
+        apply_processor_kwargs(&mut l, r#"{"size": {"shortest_edge": 20, "longest_edge": 40}}"#).unwrap();
+        assert_eq!((l.min_pixels, l.max_pixels), (20, 40));
+        assert!(apply_processor_kwargs(&mut l, r#"{"min_pixels": 99}"#).is_err());
+        assert!(apply_processor_kwargs(&mut l, r#"{"max_pixels": -1}"#).is_err());
+        assert!(apply_processor_kwargs(&mut l, "[1]").is_err());
+    }
+}

@@ -98,9 +98,33 @@ fn ensure_tokenizer() -> Result<PathBuf> {
     Ok(path)
 }
 
+/// The official OpenAI client and Pillow, pinned: the server's tests talk to it as users do.
+const CLIENT_PACKAGES: &[&str] = &["openai==3.54.0", "pillow==13.0.0"];
+
+/// The Python of the client venv (`~/.cache/kvlens/client-venv`), created and filled when missing;
+/// exported as `KVLENS_CLIENT_PYTHON` for the server tests.
+fn ensure_client_python() -> Result<PathBuf> {
+    let venv = cache_dir().join("client-venv");
+    let python = venv.join("bin").join("python");
+    let ready = Command::new(&python)
+        .args(["-c", "import openai, PIL; assert openai.__version__ == '3.54.0'"])
+        .output()
+        .map(|o| o.status.success())
+        .unwrap_or(false);
+    if !ready {
+        if !python.exists() {
+            run(Command::new("python3").args(["-m", "venv"]).arg(&venv))?;
+        }
+        run(Command::new(&python).args(["-m", "pip", "install", "--quiet"]).args(CLIENT_PACKAGES))?;
+    }
+    env::set_var("KVLENS_CLIENT_PYTHON", &python);
+    Ok(python)
+}
+
 fn test() -> Result<()> {
     ensure_wasm_target()?;
     ensure_tokenizer()?;
+    ensure_client_python()?;
     run(cargo().args(["fmt", "--all", "--", "--check"]))?;
     run(cargo().args(["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"]))?;
     let (passed, failed) = cargo_test(&["--workspace"])?;
