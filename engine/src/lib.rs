@@ -12,3 +12,4 @@ pub mod memory;
 pub mod model;
 pub mod profile;
 pub mod sample;
+pub mod sched;
