@@ -1,0 +1,211 @@
+//! The engine with a tiny random-weight Qwen2-VL on the CPU backend: preemption under KV pressure
+//! gives the same greedy tokens as running each request alone, and an aborted waiting request
+//! leaves nothing behind. The weights come from a source that learns each tensor's shape from the
+//! loader's own error messages, so no checkpoint file is needed.
+
+use std::collections::HashMap;
+
+use kvlens_engine::backend::cpu::CpuBackend;
+use kvlens_engine::backend::{RawDType, RawTensor};
+use kvlens_engine::config::ModelConfig;
+use kvlens_engine::engine::{Engine, EngineConfig, FinishReason, ImageInput, Request};
+use kvlens_engine::memory::ledger::MemoryLedger;
+use kvlens_engine::model::weights::TensorSource;
+use kvlens_engine::model::{ModelError, QwenVl};
+use kvlens_engine::sample::SamplingParams;
+
+/// Random f32 tensors under the names and shapes the loader asked for.
+#[derive(Default)]
+struct RandomWeights {
+    tensors: HashMap<String, (Vec<usize>, Vec<u8>)>,
+}
+
+impl RandomWeights {
+    fn insert(&mut self, name: &str, shape: Vec<usize>) {
+        let n: usize = shape.iter().product();
+        let seed = name.bytes().fold(0x9e37_79b9_7f4a_7c15u64, |h, b| {
+            (h ^ b as u64).wrapping_mul(0x100_0000_01b3)
+        });
+        let data = random_f32(seed, n).into_iter().flat_map(f32::to_le_bytes).collect();
+        self.tensors.insert(name.to_string(), (shape, data));
+    }
+}
+
+impl TensorSource for RandomWeights {
+    fn raw(&self, name: &str) -> Result<Option<RawTensor<'_>>, ModelError> {
+        Ok(self.tensors.get(name).map(|(shape, data)| RawTensor {
+            dtype: RawDType::F32,
+            shape: shape.clone(),
+            data,
+        }))
+    }
+}
+
+/// Uniform values in [-0.5, 0.5) from a xorshift generator.
+fn random_f32(seed: u64, n: usize) -> Vec<f32> {
+    let mut s = seed | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            (s >> 40) as f32 / (1u64 << 24) as f32 - 0.5
+        })
+        .collect()
+}
+
+fn tiny_config() -> ModelConfig {
+    ModelConfig::from_json(include_str!("../../tools/golden/configs/qwen2_vl_tiny.json")).unwrap()
+}
+
+/// Loads the tiny model, first learning every tensor's name and shape on a scratch backend.
+fn tiny_model(be: &CpuBackend) -> QwenVl<CpuBackend> {
+    let mut weights = RandomWeights::default();
+    loop {
+        let scratch = CpuBackend::new(MemoryLedger::new());
+        match QwenVl::load(tiny_config(), &weights, &scratch, |_, _| {}) {
+            Ok(_) => break,
+            Err(ModelError::Checkpoint(msg)) => {
+                let name = msg
+                    .strip_prefix("tensor ")
+                    .and_then(|m| m.split_whitespace().next())
+                    .unwrap_or_else(|| panic!("unexpected loader message: {msg}"));
+                let shape = msg.split_once("implies ").map_or(vec![1], |(_, dims)| {
+                    dims.trim_matches(|c| c == '[' || c == ']')
+                        .split(", ")
+                        .map(|d| d.parse().unwrap())
+                        .collect()
+                });
+                weights.insert(name, shape);
+            }
+            Err(e) => panic!("{e}"),
+        }
+    }
+    QwenVl::load(tiny_config(), &weights, be, |_, _| {}).unwrap()
+}
+
+fn engine(num_blocks: usize, max_num_seqs: usize) -> Engine<CpuBackend> {
+    let be = CpuBackend::new(MemoryLedger::new());
+    let model = tiny_model(&be);
+    let cfg = EngineConfig {
+        num_blocks,
+        block_size: 4,
+        max_model_len: 64,
+        enable_prefix_caching: true,
+        encoder_cache_tokens: 16,
+        max_num_seqs,
+        max_num_batched_tokens: 64,
+    };
+    Engine::new(be, model, cfg).unwrap()
+}
+
+/// A greedy request of `len` prompt tokens, with a 4-token image (a 4×4 patch grid) at `image`.
+fn request(cfg: &ModelConfig, id: &str, len: usize, image: Option<(usize, &str)>, max_tokens: usize) -> Request {
+    let mut prompt: Vec<u32> = (0..len as u32)
+        .map(|i| 100 + 37 * i + id.len() as u32 * 7 + id.as_bytes()[0] as u32)
+        .collect();
+    let images = image
+        .map(|(offset, hash)| {
+            prompt[offset..offset + 4].fill(cfg.tokens.image);
+            ImageInput {
+                pixel_values: random_f32(hash.len() as u64 + 7, 16 * 3 * 2 * 14 * 14),
+                grid_thw: [1, 4, 4],
+                mm_hash: hash.into(),
+                offset,
+                num_tokens: 4,
+            }
+        })
+        .into_iter()
+        .collect();
+    Request {
+        id: id.into(),
+        prompt,
+        images,
+        params: SamplingParams {
+            temperature: 0.0,
+            max_tokens,
+            ignore_eos: true,
+            ..SamplingParams::default()
+        },
+    }
+}
+
+/// Steps until done; returns each request's tokens and checks every request ended once.
+fn drain(engine: &mut Engine<CpuBackend>) -> HashMap<String, Vec<u32>> {
+    let mut out: HashMap<String, Vec<u32>> = HashMap::new();
+    let mut ended = Vec::new();
+    for _ in 0..500 {
+        if !engine.has_unfinished() {
+            break;
+        }
+        for e in engine.step().unwrap() {
+            assert!(!ended.contains(&e.id), "{} got a token after it finished", e.id);
+            out.entry(e.id.to_string()).or_default().push(e.token);
+            if e.finish.is_some() {
+                assert_eq!(e.finish, Some(FinishReason::Length));
+                ended.push(e.id);
+            }
+        }
+    }
+    assert!(!engine.has_unfinished());
+    assert_eq!(engine.kv().num_requests(), 0);
+    assert_eq!(engine.kv().usage(), 0.0);
+    assert!(engine
+        .encoder_cache()
+        .snapshot()
+        .entries
+        .iter()
+        .all(|e| e.refs.is_empty()));
+    out
+}
+
+#[test]
+fn greedy_tokens_with_preemption_match_each_request_alone() {
+    let cfg = tiny_config();
+    let reqs = [
+        request(&cfg, "a", 10, Some((2, "img-a")), 10),
+        request(&cfg, "b", 11, None, 10),
+        request(&cfg, "c", 12, Some((5, "img-c")), 10),
+    ];
+    let mut alone = HashMap::new();
+    let mut roomy = engine(64, 1);
+    for r in &reqs {
+        roomy.add_request(r.clone()).unwrap();
+        alone.extend(drain(&mut roomy));
+    }
+    assert_eq!(roomy.counters().num_preemptions, 0);
+    // 12 usable blocks of 4: the prompts take 9, and all three grow to 5 blocks each.
+    let mut tight = engine(13, 4);
+    for r in &reqs {
+        tight.add_request(r.clone()).unwrap();
+    }
+    let together = drain(&mut tight);
+    assert!(tight.counters().num_preemptions > 0, "{:?}", tight.counters());
+    assert_eq!(together, alone);
+    assert!(alone.values().all(|t| t.len() == 10));
+}
+
+#[test]
+fn aborting_a_waiting_request_leaves_no_encoder_reference() {
+    let cfg = tiny_config();
+    let mut e = engine(8, 4);
+    // a leaves img-x in the encoder cache; b then takes 6 of the 7 blocks.
+    e.add_request(request(&cfg, "a", 6, Some((0, "img-x")), 1)).unwrap();
+    drain(&mut e);
+    e.add_request(request(&cfg, "b", 22, None, 4)).unwrap();
+    e.step().unwrap();
+    // c finds img-x cached (after a text token, so no prefix hit) but no room for its blocks.
+    e.add_request(request(&cfg, "c", 9, Some((1, "img-x")), 1)).unwrap();
+    e.step().unwrap();
+    assert_eq!((e.num_running(), e.num_waiting()), (1, 1));
+    assert!(e.abort(&"c".into()).unwrap());
+    let snap = e.snapshot();
+    assert!(
+        snap.encoder_cache.entries.iter().all(|x| x.refs.is_empty()),
+        "{:?}",
+        snap.encoder_cache
+    );
+    assert_eq!(snap.num_waiting, 0);
+    drain(&mut e);
+    assert!(e.reset_encoder_cache() > 0);
+}
