@@ -1,7 +1,6 @@
 //! The engine with a tiny random-weight Qwen2-VL on the CPU backend: preemption under KV pressure
 //! gives the same greedy tokens as running each request alone, and an aborted waiting request
-//! leaves nothing behind. The weights come from a source that learns each tensor's shape from the
-//! loader's own error messages, so no checkpoint file is needed.
+//! leaves nothing behind. Random weights of the config's tensor inventory stand in for a checkpoint.
 
 use std::collections::HashMap;
 
@@ -10,6 +9,7 @@ use kvlens_engine::backend::{RawDType, RawTensor};
 use kvlens_engine::config::ModelConfig;
 use kvlens_engine::engine::{Engine, EngineConfig, FinishReason, ImageInput, Request};
 use kvlens_engine::memory::ledger::MemoryLedger;
+use kvlens_engine::model::inventory::tensor_specs;
 use kvlens_engine::model::weights::TensorSource;
 use kvlens_engine::model::{ModelError, QwenVl};
 use kvlens_engine::sample::SamplingParams;
@@ -58,28 +58,11 @@ fn tiny_config() -> ModelConfig {
     ModelConfig::from_json(include_str!("../../tools/golden/configs/qwen2_vl_tiny.json")).unwrap()
 }
 
-/// Loads the tiny model, first learning every tensor's name and shape on a scratch backend.
+/// Loads the tiny model with random weights of every tensor the config names.
 fn tiny_model(be: &CpuBackend) -> QwenVl<CpuBackend> {
     let mut weights = RandomWeights::default();
-    loop {
-        let scratch = CpuBackend::new(MemoryLedger::new());
-        match QwenVl::load(tiny_config(), &weights, &scratch, |_, _| {}) {
-            Ok(_) => break,
-            Err(ModelError::Checkpoint(msg)) => {
-                let name = msg
-                    .strip_prefix("tensor ")
-                    .and_then(|m| m.split_whitespace().next())
-                    .unwrap_or_else(|| panic!("unexpected loader message: {msg}"));
-                let shape = msg.split_once("implies ").map_or(vec![1], |(_, dims)| {
-                    dims.trim_matches(|c| c == '[' || c == ']')
-                        .split(", ")
-                        .map(|d| d.parse().unwrap())
-                        .collect()
-                });
-                weights.insert(name, shape);
-            }
-            Err(e) => panic!("{e}"),
-        }
+    for spec in tensor_specs(&tiny_config()) {
+        weights.insert(&spec.name, spec.shape);
     }
     QwenVl::load(tiny_config(), &weights, be, |_, _| {}).unwrap()
 }

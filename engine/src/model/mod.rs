@@ -1,5 +1,6 @@
 //! The Qwen-VL forward pass, written once against [`Backend`](crate::backend::Backend).
 
+pub mod inventory;
 pub mod rope;
 pub mod text;
 pub mod vision;
