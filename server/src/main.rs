@@ -1,5 +1,6 @@
 //! `kvlens`: the command line of the kvlens engine.
 
+mod bench;
 mod checkpoint;
 mod generate_cmd;
 mod plan_cmd;
@@ -26,6 +27,8 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// Benchmark a running server (`bench serve`: vLLM's `vllm bench serve`, plus a memory timeline).
+    Bench(bench::BenchArgs),
     /// Generate a reply to one conversation (text and images) on the CPU.
     Generate(Box<generate_cmd::GenerateArgs>),
     /// Reproduce vLLM's start-up memory budget for a Qwen-VL model on a device, before a job runs.
@@ -51,6 +54,7 @@ impl std::error::Error for UsageError {}
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
+        Command::Bench(args) => bench::run(&args),
         Command::Generate(args) => generate_cmd::run(&args),
         Command::Plan(args) => plan_cmd::run(&args),
         Command::RandomCheckpoint(args) => random_checkpoint_cmd::run(&args),

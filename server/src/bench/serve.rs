@@ -1,0 +1,115 @@
+//! The run itself, as `vllm bench serve`'s `benchmark()`: the initial single-prompt test, the
+//! traffic lines, requests sent on the arrival schedule (within `--max-concurrency`), the memory
+//! timeline sampled alongside, and the wall time from the first send to the last completion.
+
+use super::client::{chat_payload, wait_for_endpoint, Http, RequestOutput};
+use super::dataset::BenchRequest;
+use super::timeline::{self, Timeline};
+use anyhow::{bail, Result};
+use indicatif::ProgressBar;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::sync::{oneshot, Semaphore};
+
+/// How to send.
+#[derive(Debug, Clone)]
+pub struct Traffic {
+    /// The chat endpoint, e.g. `/v1/chat/completions`.
+    pub endpoint: String,
+    /// The model name sent in each request.
+    pub model: String,
+    /// Send `ignore_eos`.
+    pub ignore_eos: bool,
+    /// `--request-rate`.
+    pub request_rate: f64,
+    /// `--burstiness`.
+    pub burstiness: f64,
+    /// `--max-concurrency`.
+    pub max_concurrency: Option<usize>,
+    /// 0 skips the initial test run.
+    pub ready_check: Duration,
+    /// Between `/v1/memory` readings.
+    pub memory_interval: Duration,
+    /// Draw a progress bar.
+    pub progress: bool,
+}
+
+/// What a run measured.
+#[derive(Debug)]
+pub struct Outcome {
+    /// One per request, in order.
+    pub outputs: Vec<RequestOutput>,
+    /// Seconds from the first send to the last completion.
+    pub duration: f64,
+    /// `/v1/memory` over the run.
+    pub timeline: Timeline,
+}
+
+/// Sends `requests[i]` at `delays[i]` seconds after the start and gathers the outputs.
+pub async fn benchmark(http: &Http, requests: &[BenchRequest], delays: &[f64], t: &Traffic) -> Result<Outcome> {
+    println!("Starting initial single prompt test run...");
+    if t.ready_check.is_zero() {
+        println!("Skipping endpoint ready check.");
+    } else {
+        let payload = chat_payload(&t.model, &requests[0], t.ignore_eos);
+        let test = wait_for_endpoint(http, &t.endpoint, payload, t.ready_check).await;
+        if !test.success {
+            bail!(
+                "Initial test run failed - Please make sure benchmark arguments are correctly specified. Error: {}",
+                test.error
+            );
+        }
+        println!("Initial test run completed. Starting main benchmark run...");
+    }
+    let distribution = if t.burstiness == 1.0 {
+        "Poisson process"
+    } else {
+        "Gamma distribution"
+    };
+    // Python's float and None spelling, as vLLM prints them.
+    println!("Traffic request rate: {:?}", t.request_rate);
+    println!("Burstiness factor: {:?} ({distribution})", t.burstiness);
+    match t.max_concurrency {
+        Some(c) => println!("Maximum request concurrency: {c}"),
+        None => println!("Maximum request concurrency: None"),
+    }
+    let bar = if t.progress {
+        ProgressBar::new(requests.len() as u64)
+    } else {
+        ProgressBar::hidden()
+    };
+    let limit = t.max_concurrency.map(|c| Arc::new(Semaphore::new(c)));
+    let t0 = Instant::now();
+    let (stop, stopped) = oneshot::channel();
+    let sampler = tokio::spawn(timeline::record(http.clone(), t.memory_interval, t0, stopped));
+    let mut tasks = Vec::with_capacity(requests.len());
+    for (i, (req, &delay)) in requests.iter().zip(delays).enumerate() {
+        tokio::time::sleep_until((t0 + Duration::from_secs_f64(delay)).into()).await;
+        let (http, req, bar, limit, t) = (http.clone(), req.clone(), bar.clone(), limit.clone(), t.clone());
+        tasks.push(tokio::spawn(async move {
+            let _permit = match limit {
+                Some(s) => s.acquire_owned().await.ok(),
+                None => None,
+            };
+            let payload = chat_payload(&t.model, &req, t.ignore_eos);
+            let out = http
+                .chat(&t.endpoint, payload, &format!("benchmark-serving{i}"), t0)
+                .await;
+            bar.inc(1);
+            out
+        }));
+    }
+    let mut outputs = Vec::with_capacity(tasks.len());
+    for task in tasks {
+        outputs.push(task.await?);
+    }
+    let duration = t0.elapsed().as_secs_f64();
+    bar.finish();
+    let _ = stop.send(());
+    let timeline = sampler.await?;
+    Ok(Outcome {
+        outputs,
+        duration,
+        timeline,
+    })
+}
