@@ -18,7 +18,7 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 /// The engine flags of `kvlens serve`, spelled as `vllm serve` spells them.
-#[derive(Debug, Clone, clap::Args)]
+#[derive(Debug, Clone, clap::Args, serde::Serialize)]
 pub struct EngineArgs {
     /// Checkpoint directory (Hugging Face layout) [default: the bundled tiny demo checkpoint,
     /// generated under ~/.cache/kvlens on first use].
@@ -353,7 +353,7 @@ mod tests {
         assert_eq!(largest_image_grid(16_384, 2), [1, 256, 256]);
         let g = largest_image_grid(1_000, 2);
         let tokens = g[1] * g[2] / 4;
-        assert!(tokens <= 1_000 && tokens >= 960, "{g:?} gives {tokens} tokens");
+        assert!((960..=1_000).contains(&tokens), "{g:?} gives {tokens} tokens");
         assert_eq!(largest_image_grid(1, 2), [1, 2, 2]);
     }
 
