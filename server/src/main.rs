@@ -6,7 +6,7 @@ mod generate_cmd;
 mod plan_cmd;
 mod random_checkpoint_cmd;
 mod runtime;
-mod serve_cmd;
+mod serve;
 mod startup;
 
 use clap::{Parser, Subcommand};
@@ -35,8 +35,8 @@ enum Command {
     Plan(Box<plan_cmd::PlanArgs>),
     /// Write a Hugging Face-layout checkpoint with random weights of a config's real shapes.
     RandomCheckpoint(random_checkpoint_cmd::RandomCheckpointArgs),
-    /// Serve the playground (static files built by `cargo xtask demo`) over HTTP.
-    Serve(serve_cmd::ServeArgs),
+    /// Serve the OpenAI-compatible API and the playground.
+    Serve(Box<serve::ServeArgs>),
 }
 
 /// A user mistake: printed on one line, exit code 2 (as clap does for bad flags).
@@ -52,13 +52,13 @@ impl std::fmt::Display for UsageError {
 impl std::error::Error for UsageError {}
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli = Cli::parse_from(serve::strip_ignored_vllm_flags(std::env::args_os().collect()));
     let result = match cli.command {
         Command::Bench(args) => bench::run(&args),
         Command::Generate(args) => generate_cmd::run(&args),
         Command::Plan(args) => plan_cmd::run(&args),
         Command::RandomCheckpoint(args) => random_checkpoint_cmd::run(&args),
-        Command::Serve(args) => serve_cmd::run(&args),
+        Command::Serve(args) => serve::run(&args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -183,20 +183,35 @@ impl Frontend {
                 num_tokens: place.length,
             })
             .collect();
-        let mut params = params;
-        for &e in &self.eos {
-            if !params.stop_token_ids.contains(&e) && !params.ignore_eos {
-                params.stop_token_ids.push(e);
-            }
-        }
         Ok((
             Request {
                 id: RequestId::from(id),
                 prompt: expanded.ids,
                 images,
-                params,
+                params: self.with_eos(params),
             },
             grids,
         ))
+    }
+
+    /// Tokenizes a plain prompt (no chat template, no images) into an engine request.
+    pub fn completion_request(&self, id: &str, prompt: &str, params: SamplingParams) -> Result<Request> {
+        let ids = self.tokenizer.encode(prompt).map_err(|e| usage(e.to_string()))?;
+        Ok(Request {
+            id: RequestId::from(id),
+            prompt: ids,
+            images: Vec::new(),
+            params: self.with_eos(params),
+        })
+    }
+
+    /// `params` with the checkpoint's end-of-sequence ids as stop tokens (unless `ignore_eos`).
+    fn with_eos(&self, mut params: SamplingParams) -> SamplingParams {
+        for &e in &self.eos {
+            if !params.stop_token_ids.contains(&e) && !params.ignore_eos {
+                params.stop_token_ids.push(e);
+            }
+        }
+        params
     }
 }

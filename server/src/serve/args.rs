@@ -1,0 +1,182 @@
+//! The flags of `kvlens serve`, spelled as `vllm serve` spells them, and the vLLM flags that do not
+//! apply to kvlens: those are dropped from the command line with a warning instead of failing it.
+
+use crate::startup::EngineArgs;
+use std::ffi::OsString;
+use std::path::PathBuf;
+
+/// Flags of `kvlens serve`.
+#[derive(Debug, Clone, clap::Args, serde::Serialize)]
+pub struct ServeArgs {
+    /// The checkpoint, as `vllm serve MODEL` takes it (same as --model).
+    #[arg(value_name = "MODEL", conflicts_with = "model")]
+    pub model_tag: Option<PathBuf>,
+    #[command(flatten)]
+    pub engine: EngineArgs,
+    /// Address to listen on; anything but loopback without --api-key draws a warning.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    /// Port to listen on (0 picks a free one; the start-up line names it).
+    #[arg(long, default_value_t = 8000)]
+    pub port: u16,
+    /// Require `Authorization: Bearer KEY` on /v1/* and the reset endpoints.
+    #[arg(long, env = "KVLENS_API_KEY", hide_env_values = true)]
+    #[serde(skip)]
+    pub api_key: Option<String>,
+    /// Domains http(s) image URLs may come from (remote fetching itself is not implemented yet:
+    /// send images as data URLs).
+    #[arg(long, num_args = 1..)]
+    pub allowed_media_domains: Vec<String>,
+    /// Directory with the built playground, served at / when it exists.
+    #[arg(long, default_value = "dist")]
+    pub playground_dir: PathBuf,
+}
+
+/// vLLM flags that take a value and mean nothing to kvlens (one process, one CPU device, no
+/// compilation, no uvicorn).
+const IGNORED_WITH_VALUE: &[&str] = &[
+    "--tensor-parallel-size",
+    "-tp",
+    "--pipeline-parallel-size",
+    "-pp",
+    "--data-parallel-size",
+    "-dp",
+    "--distributed-executor-backend",
+    "--swap-space",
+    "--cpu-offload-gb",
+    "--download-dir",
+    "--load-format",
+    "--revision",
+    "--tokenizer-mode",
+    "--max-log-len",
+    "--compilation-config",
+    "-O",
+    "--uvicorn-log-level",
+    "--allowed-origins",
+    "--allowed-methods",
+    "--allowed-headers",
+    "--root-path",
+    "--response-role",
+    "--tool-call-parser",
+    "--reasoning-parser",
+    "--guided-decoding-backend",
+    "--max-parallel-loading-workers",
+];
+
+/// vLLM switches that mean nothing to kvlens.
+const IGNORED_SWITCHES: &[&str] = &[
+    "--trust-remote-code",
+    "--enforce-eager",
+    "--disable-log-requests",
+    "--enable-log-requests",
+    "--disable-log-stats",
+    "--disable-custom-all-reduce",
+    "--enable-chunked-prefill",
+    "--no-enable-chunked-prefill",
+    "--disable-frontend-multiprocessing",
+    "--enable-auto-tool-choice",
+    "--disable-fastapi-docs",
+    "--disable-uvicorn-access-log",
+    "--enable-prompt-tokens-details",
+    "--enable-server-load-tracking",
+    "--enable-request-id-headers",
+    "--allow-credentials",
+    "--async-scheduling",
+];
+
+/// Drops the vLLM flags kvlens ignores from a `kvlens serve` command line (other commands pass
+/// through unchanged) and prints one warning per dropped flag.
+pub fn strip_ignored_vllm_flags(args: Vec<OsString>) -> Vec<OsString> {
+    let (kept, ignored) = split_ignored(args);
+    for flag in ignored {
+        eprintln!("WARNING {flag}: a vLLM flag that does not apply to kvlens; ignored");
+    }
+    kept
+}
+
+/// `(kept arguments, ignored flags as written)`.
+fn split_ignored(args: Vec<OsString>) -> (Vec<OsString>, Vec<String>) {
+    if args.get(1).and_then(|a| a.to_str()) != Some("serve") {
+        return (args, Vec::new());
+    }
+    let mut kept = Vec::with_capacity(args.len());
+    let mut ignored = Vec::new();
+    let mut rest = args.into_iter();
+    while let Some(arg) = rest.next() {
+        let Some(text) = arg.to_str().map(str::to_string) else {
+            kept.push(arg);
+            continue;
+        };
+        if text == "--" {
+            kept.push(arg);
+            kept.extend(rest.by_ref());
+            break;
+        }
+        let name = text.split_once('=').map_or(text.as_str(), |(n, _)| n);
+        if IGNORED_SWITCHES.contains(&name) {
+            ignored.push(text);
+        } else if IGNORED_WITH_VALUE.contains(&name) {
+            if name == text {
+                match rest.next() {
+                    Some(value) => ignored.push(format!("{text} {}", value.to_string_lossy())),
+                    None => ignored.push(text),
+                }
+            } else {
+                ignored.push(text);
+            }
+        } else {
+            kept.push(arg);
+        }
+    }
+    (kept, ignored)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn split(args: &[&str]) -> (Vec<String>, Vec<String>) {
+        let (kept, ignored) = split_ignored(args.iter().map(OsString::from).collect());
+        (kept.into_iter().map(|a| a.into_string().unwrap()).collect(), ignored)
+    }
+
+    #[test]
+    fn drops_vllm_only_flags_with_their_values() {
+        let (kept, ignored) = split(&[
+            "kvlens",
+            "serve",
+            "--tensor-parallel-size",
+            "1",
+            "--trust-remote-code",
+            "--max-model-len",
+            "2048",
+            "--swap-space=4",
+            "--enforce-eager",
+            "--uvicorn-log-level",
+            "warning",
+            "--port",
+            "0",
+        ]);
+        assert_eq!(kept, ["kvlens", "serve", "--max-model-len", "2048", "--port", "0"]);
+        assert_eq!(
+            ignored,
+            [
+                "--tensor-parallel-size 1",
+                "--trust-remote-code",
+                "--swap-space=4",
+                "--enforce-eager",
+                "--uvicorn-log-level warning"
+            ]
+        );
+    }
+
+    #[test]
+    fn other_commands_and_unknown_flags_pass_through() {
+        let (kept, ignored) = split(&["kvlens", "plan", "--tensor-parallel-size", "2"]);
+        assert_eq!(kept, ["kvlens", "plan", "--tensor-parallel-size", "2"]);
+        assert!(ignored.is_empty());
+        let (kept, ignored) = split(&["kvlens", "serve", "--no-such-flag", "--", "--enforce-eager"]);
+        assert_eq!(kept, ["kvlens", "serve", "--no-such-flag", "--", "--enforce-eager"]);
+        assert!(ignored.is_empty());
+    }
+}

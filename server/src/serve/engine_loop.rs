@@ -1,0 +1,457 @@
+//! The engine thread: it owns the [`Engine`], blocks on its command channel while idle, and while
+//! requests are unfinished alternates between draining commands and running steps. Each request's
+//! tokens go back over its own channel; occupancy snapshots are published on a watch channel after
+//! steps, at most ten a second (and always once the engine falls idle).
+
+use super::errors::ApiError;
+use super::metrics::Metrics;
+use super::openai::finish_reason;
+use crate::runtime::Frontend;
+use kvlens_engine::backend::cpu::CpuBackend;
+use kvlens_engine::backend::Backend;
+use kvlens_engine::cache::{PrefixCacheStats, ProcessorCacheSnapshot, RequestId};
+use kvlens_engine::engine::{Engine, EngineError, EngineSnapshot, FinishReason, Request, TokenEvent};
+use kvlens_engine::memory::ledger::Category;
+use std::collections::HashMap;
+use std::sync::mpsc;
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use tokio::sync::{mpsc as tokio_mpsc, oneshot, watch};
+
+/// Shortest gap between two published snapshots.
+const PUBLISH_INTERVAL: Duration = Duration::from_millis(100);
+
+/// What a request's channel carries.
+#[derive(Debug)]
+pub enum Update {
+    /// A generated token (the last one carries the finish reason).
+    Token(TokenEvent),
+    /// The request was dropped by the engine (a failed step, or shutdown).
+    Failed(ApiError),
+}
+
+/// The engine's occupancy at one moment, as `/v1/memory` and `/v1/memory/stream` send it.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Occupancy {
+    /// Counts published snapshots (fresh ones for `/v1/memory` repeat the last number).
+    pub seq: u64,
+    /// Unix time in seconds.
+    pub time: f64,
+    /// Ledger, KV summary, encoder cache, queue lengths, counters.
+    #[serde(flatten)]
+    pub engine: EngineSnapshot,
+    /// Prefix-cache lookups and hits (tokens) so far.
+    pub prefix_cache: PrefixCacheStats,
+    /// The preprocessed-image cache (host memory).
+    pub processor_cache: ProcessorCacheSnapshot,
+}
+
+/// What `/reset_encoder_cache` reports.
+#[derive(Debug, Clone, Copy, serde::Serialize)]
+pub struct EncoderReset {
+    /// Bytes returned to the ledger.
+    pub freed_bytes: u64,
+    /// The ledger's encoder-cache bytes afterwards (outputs still referenced by running requests).
+    pub encoder_cache_bytes: u64,
+}
+
+/// What `/reset_mm_cache` reports.
+#[derive(Debug, Clone, Copy, serde::Serialize)]
+pub struct ProcessorReset {
+    /// Host bytes the processor cache released.
+    pub freed_bytes: u64,
+    /// Items it dropped.
+    pub freed_entries: usize,
+}
+
+/// A command for the engine thread.
+#[derive(Debug)]
+enum Command {
+    Add {
+        request: Request,
+        arrived: Instant,
+        updates: tokio_mpsc::UnboundedSender<Update>,
+        reply: oneshot::Sender<Result<(), EngineError>>,
+    },
+    Abort {
+        id: RequestId,
+        reason: FinishReason,
+    },
+    ResetPrefixCache(oneshot::Sender<Result<(), EngineError>>),
+    ResetEncoderCache(oneshot::Sender<EncoderReset>),
+    ResetProcessorCache(oneshot::Sender<ProcessorReset>),
+    Snapshot(oneshot::Sender<Occupancy>),
+    Shutdown,
+}
+
+/// The HTTP side's end of the command channel.
+#[derive(Debug, Clone)]
+pub struct EngineHandle {
+    tx: mpsc::Sender<Command>,
+}
+
+fn stopped() -> ApiError {
+    ApiError::unavailable("the engine has stopped")
+}
+
+impl EngineHandle {
+    fn send(&self, cmd: Command) -> Result<(), ApiError> {
+        self.tx.send(cmd).map_err(|_| stopped())
+    }
+
+    async fn ask<T>(&self, make: impl FnOnce(oneshot::Sender<T>) -> Command) -> Result<T, ApiError> {
+        let (reply, answer) = oneshot::channel();
+        self.send(make(reply))?;
+        answer.await.map_err(|_| stopped())
+    }
+
+    /// Queues a request; its tokens arrive on the returned subscription, which aborts the request
+    /// when dropped before the end.
+    pub async fn add(&self, request: Request, arrived: Instant) -> Result<Subscription, ApiError> {
+        let id = request.id.clone();
+        let (updates, rx) = tokio_mpsc::unbounded_channel();
+        self.ask(|reply| Command::Add {
+            request,
+            arrived,
+            updates,
+            reply,
+        })
+        .await?
+        .map_err(engine_error)?;
+        Ok(Subscription {
+            updates: rx,
+            id,
+            engine: self.clone(),
+            armed: true,
+        })
+    }
+
+    /// Forgets the prefix cache (refused while requests hold blocks).
+    pub async fn reset_prefix_cache(&self) -> Result<(), ApiError> {
+        self.ask(Command::ResetPrefixCache)
+            .await?
+            .map_err(|e| ApiError::conflict(format!("cannot reset the prefix cache now: {e}")))
+    }
+
+    /// Drops every unreferenced encoder output.
+    pub async fn reset_encoder_cache(&self) -> Result<EncoderReset, ApiError> {
+        self.ask(Command::ResetEncoderCache).await
+    }
+
+    /// Clears the processor cache (on the engine thread, so the memory stream shows it).
+    pub async fn reset_processor_cache(&self) -> Result<ProcessorReset, ApiError> {
+        self.ask(Command::ResetProcessorCache).await
+    }
+
+    /// A snapshot taken now (between steps).
+    pub async fn snapshot(&self) -> Result<Occupancy, ApiError> {
+        self.ask(Command::Snapshot).await
+    }
+
+    /// Aborts every request and ends the engine thread.
+    pub fn shutdown(&self) {
+        let _ = self.tx.send(Command::Shutdown);
+    }
+}
+
+/// Maps an engine refusal onto a status code.
+fn engine_error(e: EngineError) -> ApiError {
+    match e {
+        EngineError::BadRequest(msg) => ApiError::bad_request(msg),
+        other => ApiError::internal(other.to_string()),
+    }
+}
+
+/// One request's token channel. Dropping it before the request finished (the client went away)
+/// aborts the request, which returns its KV blocks and encoder references at once.
+#[derive(Debug)]
+pub struct Subscription {
+    /// Tokens as the engine produces them.
+    pub updates: tokio_mpsc::UnboundedReceiver<Update>,
+    id: RequestId,
+    engine: EngineHandle,
+    armed: bool,
+}
+
+impl Subscription {
+    /// The request finished in the engine: nothing to abort.
+    pub fn finished(&mut self) {
+        self.armed = false;
+    }
+
+    /// A stop string ended the output: the engine stops the request with reason `stop`.
+    pub fn stop(&mut self) {
+        self.end(FinishReason::Stop);
+    }
+
+    fn end(&mut self, reason: FinishReason) {
+        if std::mem::take(&mut self.armed) {
+            let _ = self.engine.send(Command::Abort {
+                id: self.id.clone(),
+                reason,
+            });
+        }
+    }
+}
+
+impl Drop for Subscription {
+    fn drop(&mut self) {
+        self.end(FinishReason::Abort);
+    }
+}
+
+/// A request in flight, as the engine thread tracks it.
+#[derive(Debug)]
+struct Live {
+    updates: tokio_mpsc::UnboundedSender<Update>,
+    arrived: Instant,
+    last_token: Option<Instant>,
+    prompt_len: usize,
+    generated: usize,
+}
+
+/// The engine thread's state.
+#[derive(Debug)]
+pub struct EngineLoop {
+    engine: Engine<CpuBackend>,
+    frontend: Arc<Frontend>,
+    metrics: Arc<Metrics>,
+    rx: mpsc::Receiver<Command>,
+    live: HashMap<RequestId, Live>,
+    published: watch::Sender<Arc<Occupancy>>,
+    last_publish: Instant,
+    dirty: bool,
+    seq: u64,
+}
+
+fn unix_time() -> f64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
+}
+
+fn occupancy_of(engine: &Engine<CpuBackend>, frontend: &Frontend, seq: u64) -> Occupancy {
+    let processor_cache = frontend
+        .processor_cache
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .snapshot();
+    Occupancy {
+        seq,
+        time: unix_time(),
+        engine: engine.snapshot(),
+        prefix_cache: engine.kv().prefix_cache_stats(),
+        processor_cache,
+    }
+}
+
+impl EngineLoop {
+    /// The loop over a started engine, the handle that commands it and the snapshot channel.
+    pub fn new(
+        engine: Engine<CpuBackend>,
+        frontend: Arc<Frontend>,
+        metrics: Arc<Metrics>,
+    ) -> (Self, EngineHandle, watch::Receiver<Arc<Occupancy>>) {
+        let (tx, rx) = mpsc::channel();
+        let first = occupancy_of(&engine, &frontend, 1);
+        let (published, subscriber) = watch::channel(Arc::new(first));
+        let this = EngineLoop {
+            engine,
+            frontend,
+            metrics,
+            rx,
+            live: HashMap::new(),
+            published,
+            last_publish: Instant::now(),
+            dirty: false,
+            seq: 1,
+        };
+        (this, EngineHandle { tx }, subscriber)
+    }
+
+    /// Runs until a shutdown command or until every handle is gone.
+    pub fn run(mut self) {
+        loop {
+            if !self.engine.has_unfinished() {
+                self.publish(true);
+                match self.rx.recv() {
+                    Ok(cmd) => {
+                        if !self.handle(cmd) {
+                            break;
+                        }
+                    }
+                    Err(_) => break,
+                }
+            }
+            if !self.drain() {
+                break;
+            }
+            if self.engine.has_unfinished() {
+                self.step();
+                self.publish(false);
+            }
+        }
+        self.fail_all(&ApiError::unavailable("the server is shutting down"));
+        self.publish(true);
+    }
+
+    /// Handles every queued command; false on shutdown.
+    fn drain(&mut self) -> bool {
+        while let Ok(cmd) = self.rx.try_recv() {
+            if !self.handle(cmd) {
+                return false;
+            }
+        }
+        true
+    }
+
+    /// Handles one command; false on shutdown.
+    fn handle(&mut self, cmd: Command) -> bool {
+        match cmd {
+            Command::Add {
+                request,
+                arrived,
+                updates,
+                reply,
+            } => {
+                let id = request.id.clone();
+                let prompt_len = request.prompt.len();
+                let added = self.engine.add_request(request);
+                if added.is_ok() {
+                    self.live.insert(
+                        id,
+                        Live {
+                            updates,
+                            arrived,
+                            last_token: None,
+                            prompt_len,
+                            generated: 0,
+                        },
+                    );
+                    self.dirty = true;
+                }
+                let _ = reply.send(added);
+            }
+            Command::Abort { id, reason } => self.abort(&id, reason),
+            Command::ResetPrefixCache(reply) => {
+                let _ = reply.send(self.engine.reset_prefix_cache());
+                self.dirty = true;
+            }
+            Command::ResetEncoderCache(reply) => {
+                let freed_bytes = self.engine.reset_encoder_cache();
+                let encoder_cache_bytes = self.engine.backend().ledger().bytes(Category::EncoderCache);
+                let _ = reply.send(EncoderReset {
+                    freed_bytes,
+                    encoder_cache_bytes,
+                });
+                self.dirty = true;
+            }
+            Command::ResetProcessorCache(reply) => {
+                let mut cache = self.frontend.processor_cache.lock().unwrap_or_else(|p| p.into_inner());
+                let freed_entries = cache.len();
+                let freed_bytes = cache.clear();
+                drop(cache);
+                let _ = reply.send(ProcessorReset {
+                    freed_bytes,
+                    freed_entries,
+                });
+                self.dirty = true;
+            }
+            Command::Snapshot(reply) => {
+                let _ = reply.send(self.occupancy());
+            }
+            Command::Shutdown => return false,
+        }
+        true
+    }
+
+    /// Aborts a live request (a client that went away, or a stop string).
+    fn abort(&mut self, id: &RequestId, reason: FinishReason) {
+        if self.live.contains_key(id) {
+            if let Err(e) = self.engine.abort(id) {
+                eprintln!("ERROR aborting {id}: {e}");
+            }
+            self.finish(id, reason);
+            self.dirty = true;
+        }
+    }
+
+    /// Forgets a request that ended, records its metrics and logs one line.
+    fn finish(&mut self, id: &RequestId, reason: FinishReason) {
+        if let Some(live) = self.live.remove(id) {
+            let e2e = live.arrived.elapsed().as_secs_f64();
+            self.metrics.finished(reason, e2e);
+            eprintln!(
+                "INFO Finished request {id}: {}, {} prompt + {} generated tokens in {e2e:.2} s",
+                finish_reason(reason),
+                live.prompt_len,
+                live.generated
+            );
+        }
+    }
+
+    fn step(&mut self) {
+        self.dirty = true;
+        match self.engine.step() {
+            Ok(events) => {
+                for event in events {
+                    self.deliver(event);
+                }
+            }
+            Err(e) => {
+                eprintln!("ERROR engine step failed: {e}");
+                self.fail_all(&ApiError::internal(format!("the engine failed: {e}")));
+            }
+        }
+    }
+
+    /// Sends a token to its request; aborts the request when nobody listens any more.
+    fn deliver(&mut self, event: TokenEvent) {
+        let Some(live) = self.live.get_mut(&event.id) else {
+            return;
+        };
+        let now = Instant::now();
+        match live.last_token {
+            None => self
+                .metrics
+                .first_token(now.duration_since(live.arrived).as_secs_f64(), live.prompt_len),
+            Some(last) => self.metrics.next_token(now.duration_since(last).as_secs_f64()),
+        }
+        live.last_token = Some(now);
+        live.generated += 1;
+        let id = event.id.clone();
+        let finish = event.finish;
+        if live.updates.send(Update::Token(event)).is_err() {
+            self.abort(&id, FinishReason::Abort);
+        } else if let Some(reason) = finish {
+            self.finish(&id, reason);
+        }
+    }
+
+    /// Aborts every live request, telling each why.
+    fn fail_all(&mut self, why: &ApiError) {
+        let ids: Vec<RequestId> = self.live.keys().cloned().collect();
+        for id in ids {
+            if let Some(live) = self.live.get(&id) {
+                let _ = live.updates.send(Update::Failed(why.clone()));
+            }
+            self.abort(&id, FinishReason::Abort);
+        }
+    }
+
+    fn occupancy(&self) -> Occupancy {
+        occupancy_of(&self.engine, &self.frontend, self.seq)
+    }
+
+    /// Publishes a snapshot when something changed and the last one is old enough (or `force`).
+    fn publish(&mut self, force: bool) {
+        if !self.dirty || (!force && self.last_publish.elapsed() < PUBLISH_INTERVAL) {
+            return;
+        }
+        self.seq += 1;
+        let occupancy = self.occupancy();
+        self.published.send_replace(Arc::new(occupancy));
+        self.last_publish = Instant::now();
+        self.dirty = false;
+    }
+}

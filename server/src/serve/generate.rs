@@ -1,0 +1,330 @@
+//! `POST /v1/chat/completions` and `POST /v1/completions`: read and check the request, preprocess
+//! it off the async workers (`spawn_blocking`: template, tokenizer, image decoding), queue it on the
+//! engine thread, and answer in one piece or as Server-Sent Events. The engine request lives as
+//! long as its [`Subscription`]: a client that goes away drops it, which aborts the request.
+
+use super::engine_loop::{Subscription, Update};
+use super::errors::ApiError;
+use super::openai::{ChatRequest, CompletionRequest, Job, Kind, Spec};
+use super::output::{Delta, Output, TokenLogprobs};
+use super::{App, Ready};
+use crate::runtime::Frontend;
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::response::sse::{Event, Sse};
+use axum::response::{IntoResponse, Response};
+use futures_util::StreamExt;
+use kvlens_engine::engine::{Request, TokenEvent};
+use kvlens_engine::input::chat::{ChatMessage, ImageSource};
+use kvlens_engine::input::tokenizer::Tokenizer;
+use std::collections::VecDeque;
+use std::convert::Infallible;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+/// Largest request body read.
+pub const MAX_BODY_BYTES: usize = 64 << 20;
+
+/// Bodies over the limit are still read (and dropped) up to this size, so that the client, which
+/// sends its whole body before it reads, sees the 413 rather than a reset connection.
+const DRAIN_BYTES: usize = 1 << 30;
+
+/// Reads a JSON body: 413 over [`MAX_BODY_BYTES`], 400 when it is not valid JSON of type `T`.
+pub async fn read_json<T: serde::de::DeserializeOwned>(body: Body) -> Result<T, ApiError> {
+    let mut stream = body.into_data_stream();
+    let mut buf = Vec::new();
+    let mut total = 0usize;
+    while let Some(chunk) = stream.next().await {
+        let chunk: Bytes = chunk.map_err(|e| ApiError::bad_request(format!("cannot read the request body: {e}")))?;
+        total += chunk.len();
+        if total <= MAX_BODY_BYTES {
+            buf.extend_from_slice(&chunk);
+        } else if total > DRAIN_BYTES {
+            break;
+        }
+    }
+    if total > MAX_BODY_BYTES {
+        return Err(ApiError::too_large(MAX_BODY_BYTES));
+    }
+    serde_json::from_slice(&buf).map_err(|e| ApiError::bad_request(format!("invalid request body: {e}")))
+}
+
+/// A fresh response id: `prefix-` and 32 hex digits.
+fn new_id(prefix: &str) -> String {
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+    let state = std::collections::hash_map::RandomState::new();
+    let a = std::hash::BuildHasher::hash_one(&state, n);
+    let b = std::hash::BuildHasher::hash_one(&state, (n, a));
+    format!("{prefix}-{a:016x}{b:016x}")
+}
+
+fn unix_seconds() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
+}
+
+/// Refuses http(s) image URLs: from domains outside `--allowed-media-domains` with that reason,
+/// from the others because kvlens does not fetch remote media yet.
+fn check_remote_images(messages: &[ChatMessage], allowed: &[String]) -> Result<(), ApiError> {
+    for url in messages.iter().flat_map(|m| m.image_urls()) {
+        let lower = url.trim().to_ascii_lowercase();
+        if !(lower.starts_with("http://") || lower.starts_with("https://")) {
+            continue;
+        }
+        let ImageSource::Remote(remote) = ImageSource::parse(url).map_err(|e| ApiError::bad_request(e.to_string()))?
+        else {
+            continue;
+        };
+        let host = remote
+            .split_once("://")
+            .map_or("", |(_, rest)| rest)
+            .split(['/', '?', '#'])
+            .next()
+            .unwrap_or("");
+        let host = host.rsplit('@').next().unwrap_or(host);
+        let domain = host.split(':').next().unwrap_or(host);
+        if !allowed.is_empty() && !allowed.iter().any(|d| d.eq_ignore_ascii_case(domain)) {
+            return Err(ApiError::bad_request(format!(
+                "the domain of {remote} is not in --allowed-media-domains"
+            )));
+        }
+        return Err(ApiError::bad_request(format!(
+            "kvlens does not fetch remote images yet ({remote}): send the image as a base64 data URL"
+        )));
+    }
+    Ok(())
+}
+
+/// The model name a request names, checked against the served names.
+fn model_name(ready: &Ready, asked: Option<&str>) -> Result<String, ApiError> {
+    match asked {
+        None => Ok(ready.served_model_names[0].clone()),
+        Some(m) if ready.served_model_names.iter().any(|n| n == m) => Ok(m.to_string()),
+        Some(m) => Err(ApiError::bad_request(format!("The model `{m}` does not exist."))),
+    }
+}
+
+/// `POST /v1/chat/completions`.
+pub async fn chat_completions(State(app): State<Arc<App>>, body: Body) -> Response {
+    let arrived = Instant::now();
+    let answer = async {
+        let ready = app.ready()?;
+        let req: ChatRequest = read_json(body).await?;
+        let spec = req.spec()?;
+        let model = model_name(ready, req.common.model.as_deref())?;
+        check_remote_images(&req.messages, &app.allowed_media_domains)?;
+        let id = new_id("chatcmpl");
+        let frontend = ready.frontend.clone();
+        let (engine_id, params, messages) = (id.clone(), spec.params.clone(), req.messages);
+        let request = tokio::task::spawn_blocking(move || frontend.request(&engine_id, &messages, params, false))
+            .await
+            .map_err(|e| ApiError::internal(format!("preprocessing failed: {e}")))?
+            .map_err(|e| ApiError::bad_request(format!("{e:#}")))?
+            .0;
+        run(ready, Kind::Chat, id, model, request, spec, arrived).await
+    };
+    answer.await.unwrap_or_else(IntoResponse::into_response)
+}
+
+/// `POST /v1/completions`.
+pub async fn completions(State(app): State<Arc<App>>, body: Body) -> Response {
+    let arrived = Instant::now();
+    let answer = async {
+        let ready = app.ready()?;
+        let req: CompletionRequest = read_json(body).await?;
+        let spec = req.spec()?;
+        let model = model_name(ready, req.common.model.as_deref())?;
+        let prompt = req.prompt.into_text()?;
+        let id = new_id("cmpl");
+        let frontend = ready.frontend.clone();
+        let (engine_id, params) = (id.clone(), spec.params.clone());
+        let request = tokio::task::spawn_blocking(move || frontend.completion_request(&engine_id, &prompt, params))
+            .await
+            .map_err(|e| ApiError::internal(format!("tokenizing failed: {e}")))?
+            .map_err(|e| ApiError::bad_request(format!("{e:#}")))?;
+        run(ready, Kind::Completion, id, model, request, spec, arrived).await
+    };
+    answer.await.unwrap_or_else(IntoResponse::into_response)
+}
+
+/// Queues the request and answers it.
+async fn run(
+    ready: &Ready,
+    kind: Kind,
+    id: String,
+    model: String,
+    mut request: Request,
+    spec: Spec,
+    arrived: Instant,
+) -> Result<Response, ApiError> {
+    // vLLM's default: whatever the context has left.
+    request.params.max_tokens = spec
+        .max_tokens
+        .unwrap_or_else(|| ready.max_model_len.saturating_sub(request.prompt.len()).max(1));
+    let job = Job {
+        id,
+        created: unix_seconds(),
+        model,
+        kind,
+        prompt_ids: request.prompt.clone(),
+        logprobs: spec.logprobs,
+        return_token_ids: spec.return_token_ids,
+    };
+    let sub = ready.engine.add(request, arrived).await?;
+    let out = Output::new(spec.stop);
+    if spec.stream {
+        Ok(stream(job, sub, out, ready.frontend.clone(), spec.include_usage).into_response())
+    } else {
+        whole(job, sub, out, &ready.frontend.tokenizer).await
+    }
+}
+
+/// The next token of a request, or why there is none.
+async fn next_token(sub: &mut Subscription) -> Result<TokenEvent, ApiError> {
+    match sub.updates.recv().await {
+        Some(Update::Token(event)) => Ok(event),
+        Some(Update::Failed(e)) => {
+            sub.finished();
+            Err(e)
+        }
+        None => {
+            sub.finished();
+            Err(ApiError::unavailable("the engine has stopped"))
+        }
+    }
+}
+
+/// Feeds one token to the output and ends the engine request where the output ended.
+fn advance(sub: &mut Subscription, out: &mut Output, tok: &Tokenizer, event: TokenEvent) -> Result<Delta, ApiError> {
+    let engine_finished = event.finish.is_some();
+    let delta = out.push(tok, event)?;
+    if delta.stopped {
+        sub.stop();
+    } else if engine_finished {
+        sub.finished();
+    }
+    Ok(delta)
+}
+
+/// Collects the whole answer.
+async fn whole(job: Job, mut sub: Subscription, mut out: Output, tok: &Tokenizer) -> Result<Response, ApiError> {
+    let mut text = String::new();
+    let mut tokens: Vec<TokenLogprobs> = Vec::new();
+    let finish = loop {
+        let event = next_token(&mut sub).await?;
+        let delta = advance(&mut sub, &mut out, tok, event)?;
+        text.push_str(&delta.text);
+        tokens.extend(delta.token);
+        if let Some(reason) = delta.finish {
+            break reason;
+        }
+    };
+    let body = job.response(tok, &text, &tokens, finish);
+    Ok(super::errors::json_response(axum::http::StatusCode::OK, &body))
+}
+
+/// The state of one SSE answer.
+struct Streamer {
+    job: Job,
+    sub: Subscription,
+    out: Output,
+    frontend: Arc<Frontend>,
+    include_usage: bool,
+    /// Events ready to send.
+    pending: VecDeque<String>,
+    first: bool,
+    done: bool,
+}
+
+impl Streamer {
+    /// Waits for the next token and turns it into events.
+    async fn fill(&mut self) {
+        let delta = match next_token(&mut self.sub).await {
+            Ok(event) => advance(&mut self.sub, &mut self.out, &self.frontend.tokenizer, event),
+            Err(e) => Err(e),
+        };
+        let delta = match delta {
+            Ok(d) => d,
+            Err(e) => {
+                self.pending.push_back(e.body().to_string());
+                self.pending.push_back("[DONE]".into());
+                self.done = true;
+                return;
+            }
+        };
+        // Chunks with no text are sent only when they carry token ids or log-probabilities.
+        let carries = self.job.return_token_ids || self.job.logprobs.is_some();
+        if self.first || carries || !delta.text.is_empty() || delta.finish.is_some() {
+            let chunk = self.job.chunk(&self.frontend.tokenizer, &delta, self.first);
+            self.pending.push_back(chunk.to_string());
+            self.first = false;
+        }
+        if delta.finish.is_some() {
+            if self.include_usage {
+                self.pending
+                    .push_back(self.job.usage_chunk(self.out.num_tokens).to_string());
+            }
+            self.pending.push_back("[DONE]".into());
+            self.done = true;
+        }
+    }
+}
+
+/// The SSE answer: one chunk per token, the usage chunk when asked for, then `[DONE]`.
+fn stream(job: Job, sub: Subscription, out: Output, frontend: Arc<Frontend>, include_usage: bool) -> impl IntoResponse {
+    let state = Streamer {
+        job,
+        sub,
+        out,
+        frontend,
+        include_usage,
+        pending: VecDeque::new(),
+        first: true,
+        done: false,
+    };
+    let events = futures_util::stream::unfold(state, |mut s| async move {
+        loop {
+            if let Some(data) = s.pending.pop_front() {
+                return Some((Ok::<_, Infallible>(Event::default().data(data)), s));
+            }
+            if s.done {
+                return None;
+            }
+            s.fill().await;
+        }
+    });
+    Sse::new(events)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvlens_engine::input::chat::{Content, ContentPart, ImageUrl};
+
+    fn with_image(url: &str) -> Vec<ChatMessage> {
+        vec![ChatMessage {
+            role: "user".into(),
+            content: Content::Parts(vec![ContentPart::ImageUrl {
+                image_url: ImageUrl { url: url.into() },
+            }]),
+        }]
+    }
+
+    #[test]
+    fn remote_images_are_refused_with_the_reason() {
+        let allowed = vec!["example.com".to_string()];
+        let e = check_remote_images(&with_image("https://user@evil.org:8443/a.png"), &allowed).unwrap_err();
+        assert!(e.message.contains("--allowed-media-domains"), "{e}");
+        let e = check_remote_images(&with_image("https://example.com/a.png"), &allowed).unwrap_err();
+        assert!(e.message.contains("data URL"), "{e}");
+        assert!(check_remote_images(&with_image("data:image/png;base64,AAAA"), &allowed).is_ok());
+    }
+
+    #[test]
+    fn ids_are_unique() {
+        let a = new_id("chatcmpl");
+        assert!(a.starts_with("chatcmpl-") && a.len() == "chatcmpl-".len() + 32);
+        assert_ne!(a, new_id("chatcmpl"));
+    }
+}

@@ -1,0 +1,269 @@
+//! `/metrics`: Prometheus text written by hand, with vLLM's metric names and buckets (label
+//! `model_name`) plus `kvlens:` figures for the encoder cache, the processor cache and the ledger.
+
+use super::engine_loop::Occupancy;
+use kvlens_engine::engine::FinishReason;
+use std::fmt::Write;
+use std::sync::Mutex;
+
+/// vLLM's time-to-first-token buckets (seconds).
+const TTFT_BUCKETS: &[f64] = &[
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+    160.0, 640.0, 2560.0,
+];
+
+/// vLLM's inter-token latency buckets (seconds).
+const ITL_BUCKETS: &[f64] = &[
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+];
+
+/// vLLM's request latency buckets (seconds).
+const E2E_BUCKETS: &[f64] = &[
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0,
+    1920.0, 7680.0,
+];
+
+/// A histogram with fixed upper bounds.
+#[derive(Debug, Clone)]
+struct Histogram {
+    bounds: &'static [f64],
+    /// Observations per bucket (not cumulative); the last one is `+Inf`.
+    counts: Vec<u64>,
+    sum: f64,
+}
+
+impl Histogram {
+    fn new(bounds: &'static [f64]) -> Self {
+        Histogram {
+            bounds,
+            counts: vec![0; bounds.len() + 1],
+            sum: 0.0,
+        }
+    }
+
+    fn observe(&mut self, x: f64) {
+        let i = self.bounds.iter().position(|&b| x <= b).unwrap_or(self.bounds.len());
+        self.counts[i] += 1;
+        self.sum += x;
+    }
+
+    fn write(&self, out: &mut String, name: &str, help: &str, labels: &str) {
+        header(out, name, help, "histogram");
+        let mut cumulative = 0;
+        for (i, count) in self.counts.iter().enumerate() {
+            cumulative += count;
+            let le = self.bounds.get(i).map_or("+Inf".to_string(), |b| b.to_string());
+            let _ = writeln!(out, "{name}_bucket{{le=\"{le}\",{labels}}} {cumulative}");
+        }
+        let _ = writeln!(out, "{name}_count{{{labels}}} {cumulative}");
+        let _ = writeln!(out, "{name}_sum{{{labels}}} {}", self.sum);
+    }
+}
+
+#[derive(Debug)]
+struct Inner {
+    ttft: Histogram,
+    itl: Histogram,
+    e2e: Histogram,
+    prompt_tokens: u64,
+    generation_tokens: u64,
+    /// Finished requests: stop, length, abort.
+    finished: [u64; 3],
+}
+
+/// Request-level figures the engine thread records.
+#[derive(Debug)]
+pub struct Metrics {
+    inner: Mutex<Inner>,
+}
+
+/// Figures read at scrape time.
+#[derive(Debug)]
+pub struct Gauges<'a> {
+    /// The engine's latest published occupancy.
+    pub occupancy: &'a Occupancy,
+    /// Bytes the processor cache holds.
+    pub processor_cache_bytes: u64,
+    /// Items the processor cache holds.
+    pub processor_cache_entries: usize,
+}
+
+const REASONS: [&str; 3] = ["stop", "length", "abort"];
+
+fn reason_index(reason: FinishReason) -> usize {
+    match reason {
+        FinishReason::Stop => 0,
+        FinishReason::Length => 1,
+        FinishReason::Abort => 2,
+    }
+}
+
+fn header(out: &mut String, name: &str, help: &str, kind: &str) {
+    let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
+}
+
+/// One sample (`name` is the family; counters get `_total` as prometheus_client writes them).
+fn sample(out: &mut String, name: &str, help: &str, kind: &str, labels: &str, value: impl std::fmt::Display) {
+    header(out, name, help, kind);
+    let suffix = if kind == "counter" { "_total" } else { "" };
+    let _ = writeln!(out, "{name}{suffix}{{{labels}}} {value}");
+}
+
+/// A label value with `\`, `"` and newlines escaped.
+fn escape(value: &str) -> String {
+    value.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Metrics {
+            inner: Mutex::new(Inner {
+                ttft: Histogram::new(TTFT_BUCKETS),
+                itl: Histogram::new(ITL_BUCKETS),
+                e2e: Histogram::new(E2E_BUCKETS),
+                prompt_tokens: 0,
+                generation_tokens: 0,
+                finished: [0; 3],
+            }),
+        }
+    }
+}
+
+impl Metrics {
+    fn with<R>(&self, f: impl FnOnce(&mut Inner) -> R) -> R {
+        f(&mut self.inner.lock().unwrap_or_else(|p| p.into_inner()))
+    }
+
+    /// A request's first token, `ttft` seconds after it arrived.
+    pub fn first_token(&self, ttft: f64, prompt_tokens: usize) {
+        self.with(|m| {
+            m.ttft.observe(ttft);
+            m.prompt_tokens += prompt_tokens as u64;
+            m.generation_tokens += 1;
+        });
+    }
+
+    /// A later token, `gap` seconds after the one before.
+    pub fn next_token(&self, gap: f64) {
+        self.with(|m| {
+            m.itl.observe(gap);
+            m.generation_tokens += 1;
+        });
+    }
+
+    /// A request ended, `e2e` seconds after it arrived.
+    pub fn finished(&self, reason: FinishReason, e2e: f64) {
+        self.with(|m| {
+            m.e2e.observe(e2e);
+            m.finished[reason_index(reason)] += 1;
+        });
+    }
+
+    /// The Prometheus text exposition.
+    pub fn render(&self, model_name: &str, g: &Gauges<'_>) -> String {
+        let labels = format!("model_name=\"{}\"", escape(model_name));
+        let l = labels.as_str();
+        let snap = &g.occupancy.engine;
+        let prefix = &g.occupancy.prefix_cache;
+        let enc = &snap.encoder_cache;
+        let mut out = String::new();
+        let o = &mut out;
+        #[rustfmt::skip]
+        let engine: [(&str, &str, &str, f64); 6] = [
+            ("vllm:num_requests_running", "gauge", "Number of requests in model execution batches.", snap.num_running as f64),
+            ("vllm:num_requests_waiting", "gauge", "Number of requests waiting to be processed.", snap.num_waiting as f64),
+            ("vllm:kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.", snap.kv.usage),
+            ("vllm:prefix_cache_queries", "counter", "Prefix cache queries, in queried tokens.", prefix.queries as f64),
+            ("vllm:prefix_cache_hits", "counter", "Prefix cache hits, in cached tokens.", prefix.hits as f64),
+            ("vllm:num_preemptions", "counter", "Cumulative number of preemptions.", snap.counters.num_preemptions as f64),
+        ];
+        for (name, kind, help, value) in engine {
+            sample(o, name, help, kind, l, value);
+        }
+        self.with(|m| {
+            sample(
+                o,
+                "vllm:prompt_tokens",
+                "Number of prefill tokens processed.",
+                "counter",
+                l,
+                m.prompt_tokens,
+            );
+            let help = "Number of generation tokens processed.";
+            sample(o, "vllm:generation_tokens", help, "counter", l, m.generation_tokens);
+            header(o, "vllm:request_success", "Count of finished requests.", "counter");
+            for (reason, n) in REASONS.iter().zip(m.finished) {
+                let _ = writeln!(o, "vllm:request_success_total{{finished_reason=\"{reason}\",{l}}} {n}");
+            }
+            let help = "Histogram of time to first token in seconds.";
+            m.ttft.write(o, "vllm:time_to_first_token_seconds", help, l);
+            let help = "Histogram of inter-token latency in seconds.";
+            m.itl.write(o, "vllm:inter_token_latency_seconds", help, l);
+            let help = "Histogram of e2e request latency in seconds.";
+            m.e2e.write(o, "vllm:e2e_request_latency_seconds", help, l);
+        });
+        #[rustfmt::skip]
+        let kvlens: [(&str, &str, &str, u64); 7] = [
+            ("kvlens:encoder_cache_used_tokens", "gauge", "Encoder-cache tokens held.", enc.used_tokens as u64),
+            ("kvlens:encoder_cache_used_bytes", "gauge", "Encoder-cache bytes held.", enc.used_bytes),
+            ("kvlens:encoder_cache_entries", "gauge", "Encoder-cache entries.", enc.entries.len() as u64),
+            ("kvlens:vision_tower_runs", "counter", "Images encoded by the vision tower.", snap.counters.vision_runs),
+            ("kvlens:encoder_cache_hits", "counter", "Images whose encoder output was reused.", snap.counters.encoder_hits),
+            ("kvlens:processor_cache_bytes", "gauge", "Host bytes of preprocessed images.", g.processor_cache_bytes),
+            ("kvlens:processor_cache_entries", "gauge", "Preprocessed images held.", g.processor_cache_entries as u64),
+        ];
+        for (name, kind, help, value) in kvlens {
+            sample(o, name, help, kind, l, value);
+        }
+        header(
+            o,
+            "kvlens:memory_bytes",
+            "Bytes the backend holds, by ledger category.",
+            "gauge",
+        );
+        for e in &snap.ledger {
+            let category = serde_json::to_value(e.category).ok();
+            let category = category.as_ref().and_then(|c| c.as_str()).unwrap_or("unknown");
+            let _ = writeln!(o, "kvlens:memory_bytes{{category=\"{category}\",{l}}} {}", e.bytes);
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn histogram_buckets_are_cumulative_with_inf() {
+        let mut h = Histogram::new(&[0.1, 1.0]);
+        for x in [0.05, 0.1, 0.5, 3.0] {
+            h.observe(x);
+        }
+        let mut out = String::new();
+        h.write(&mut out, "x", "help", "model_name=\"m\"");
+        assert!(out.contains("x_bucket{le=\"0.1\",model_name=\"m\"} 2\n"), "{out}");
+        assert!(out.contains("x_bucket{le=\"1\",model_name=\"m\"} 3\n"), "{out}");
+        assert!(out.contains("x_bucket{le=\"+Inf\",model_name=\"m\"} 4\n"), "{out}");
+        assert!(out.contains("x_count{model_name=\"m\"} 4\n"), "{out}");
+        assert!(out.contains("x_sum{model_name=\"m\"} 3.65\n"), "{out}");
+        assert!(out.starts_with("# HELP x help\n# TYPE x histogram\n"));
+    }
+
+    #[test]
+    fn counters_get_total_and_labels_are_escaped() {
+        let mut out = String::new();
+        sample(
+            &mut out,
+            "vllm:prompt_tokens",
+            "h",
+            "counter",
+            &format!("model_name=\"{}\"", escape("a\"b")),
+            7,
+        );
+        assert!(
+            out.ends_with("vllm:prompt_tokens_total{model_name=\"a\\\"b\"} 7\n"),
+            "{out}"
+        );
+    }
+}

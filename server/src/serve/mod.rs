@@ -1,0 +1,370 @@
+//! `kvlens serve`: the OpenAI-compatible API (vLLM's flags, endpoints, log lines and metrics), the
+//! memory endpoints and the playground's static files.
+//!
+//! The port is bound first and answers 503 while a thread loads, profiles and sizes the engine;
+//! that thread then becomes the engine thread ([`engine_loop`]), which owns the engine and talks to
+//! the HTTP handlers over channels.
+
+mod args;
+mod engine_loop;
+mod errors;
+mod generate;
+mod memory;
+mod metrics;
+mod openai;
+mod output;
+
+pub use args::{strip_ignored_vllm_flags, ServeArgs};
+
+use crate::runtime::Frontend;
+use crate::startup::{self, EngineArgs, Started};
+use crate::UsageError;
+use anyhow::{Context, Result};
+use axum::extract::State;
+use axum::handler::HandlerWithoutStateExt;
+use axum::http::{header, StatusCode, Uri};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::Router;
+use engine_loop::{EngineHandle, EngineLoop, Occupancy};
+use errors::{json_response, ApiError};
+use metrics::{Gauges, Metrics};
+use serde_json::json;
+use std::path::Path;
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use tokio::sync::{oneshot, watch};
+
+/// How long in-flight connections get to close after SIGINT/SIGTERM.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
+
+/// Shared by every handler.
+#[derive(Debug)]
+pub struct App {
+    /// Set once the engine has started.
+    ready: OnceLock<Ready>,
+    /// `--api-key`.
+    api_key: Option<String>,
+    /// `--allowed-media-domains`.
+    allowed_media_domains: Vec<String>,
+}
+
+/// The running engine as the handlers see it.
+#[derive(Debug)]
+pub struct Ready {
+    /// Commands for the engine thread.
+    engine: EngineHandle,
+    /// Template, tokenizer, image processing.
+    frontend: Arc<Frontend>,
+    /// The latest published occupancy.
+    occupancy: watch::Receiver<Arc<Occupancy>>,
+    /// Request latencies and counts.
+    metrics: Arc<Metrics>,
+    /// `--served-model-name` (or the model path).
+    served_model_names: Vec<String>,
+    /// The effective max_model_len.
+    max_model_len: usize,
+    /// The checkpoint directory.
+    model_root: String,
+    /// `/server_info`.
+    info: serde_json::Value,
+    /// Unix seconds when the engine became ready.
+    created: u64,
+}
+
+impl App {
+    /// The engine, or 503 while it loads.
+    fn ready(&self) -> Result<&Ready, ApiError> {
+        self.ready
+            .get()
+            .ok_or_else(|| ApiError::unavailable("the model is still loading"))
+    }
+}
+
+fn unix_seconds() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
+}
+
+/// Runs the server until SIGINT or SIGTERM.
+pub fn run(args: &ServeArgs) -> Result<()> {
+    let mut engine_args = args.engine.clone();
+    if let Some(model) = &args.model_tag {
+        engine_args.model = Some(model.clone());
+    }
+    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    runtime.block_on(serve(args, engine_args))
+}
+
+async fn serve(args: &ServeArgs, engine_args: EngineArgs) -> Result<()> {
+    let listener = tokio::net::TcpListener::bind((args.host.as_str(), args.port))
+        .await
+        .map_err(|e| UsageError(format!("cannot listen on {}:{}: {e}", args.host, args.port)))?;
+    let local = listener.local_addr()?;
+    if !local.ip().is_loopback() && args.api_key.is_none() {
+        eprintln!(
+            "WARNING listening on {} without --api-key: anyone who can reach this address can use the API",
+            local.ip()
+        );
+    }
+    let app = Arc::new(App {
+        ready: OnceLock::new(),
+        api_key: args.api_key.clone(),
+        allowed_media_domains: args.allowed_media_domains.clone(),
+    });
+    let (stop_server, stopped) = oneshot::channel::<()>();
+    let server = axum::serve(listener, router(app.clone(), &args.playground_dir)).with_graceful_shutdown(async {
+        let _ = stopped.await;
+    });
+    let server = tokio::spawn(std::future::IntoFuture::into_future(server));
+    eprintln!("INFO Starting vLLM API server on http://{local}");
+    let mut flags = serde_json::to_value(args)?;
+    flags["api_key"] = json!(args.api_key.as_ref().map(|_| "<set>"));
+    let loading = spawn_engine(engine_args, flags)?;
+    let signal = shutdown_signal();
+    tokio::pin!(signal);
+    let loaded = tokio::select! {
+        loaded = loading => loaded.unwrap_or_else(|_| Err(anyhow::anyhow!("the engine thread ended during start-up"))),
+        () = &mut signal => {
+            eprintln!("INFO Shutting down while the model loads");
+            return Ok(());
+        }
+    };
+    match loaded {
+        Ok(ready) => {
+            let _ = app.ready.set(ready);
+            eprintln!("INFO Application startup complete.");
+        }
+        Err(e) => {
+            let _ = stop_server.send(());
+            return Err(e);
+        }
+    }
+    signal.await;
+    eprintln!("INFO Shutting down: aborting the requests in flight");
+    if let Ok(ready) = app.ready() {
+        ready.engine.shutdown();
+    }
+    let _ = stop_server.send(());
+    match tokio::time::timeout(SHUTDOWN_GRACE, server).await {
+        Ok(Ok(Ok(()))) => {}
+        Ok(Ok(Err(e))) => eprintln!("WARNING the HTTP server stopped with an error: {e}"),
+        Ok(Err(e)) => eprintln!("WARNING the HTTP server task failed: {e}"),
+        Err(_) => eprintln!(
+            "WARNING connections still open {} s after the signal; closing them",
+            SHUTDOWN_GRACE.as_secs()
+        ),
+    }
+    Ok(())
+}
+
+/// Starts the engine on its own thread; the receiver gets the ready engine or the start-up error.
+fn spawn_engine(args: EngineArgs, flags: serde_json::Value) -> Result<oneshot::Receiver<Result<Ready>>> {
+    let (tx, rx) = oneshot::channel();
+    std::thread::Builder::new()
+        .name("engine".into())
+        .spawn(move || {
+            let started = match startup::start(&args) {
+                Ok(s) => s,
+                Err(e) => {
+                    let _ = tx.send(Err(e));
+                    return;
+                }
+            };
+            let Started {
+                engine,
+                frontend,
+                served_model_names,
+                model_dir,
+                plan,
+                profile,
+                log_lines,
+            } = started;
+            let info = json!({
+                "version": env!("CARGO_PKG_VERSION"),
+                "model": model_dir,
+                "served_model_names": served_model_names,
+                "flags": flags,
+                "plan": plan,
+                "profile": profile,
+                "log_lines": log_lines,
+            });
+            let frontend = Arc::new(frontend);
+            let metrics = Arc::new(Metrics::default());
+            let (engine_loop, engine, occupancy) = EngineLoop::new(engine, frontend.clone(), metrics.clone());
+            let ready = Ready {
+                engine,
+                frontend,
+                occupancy,
+                metrics,
+                served_model_names,
+                max_model_len: plan.max_model_len,
+                model_root: model_dir.display().to_string(),
+                info,
+                created: unix_seconds(),
+            };
+            if tx.send(Ok(ready)).is_ok() {
+                engine_loop.run();
+            }
+        })
+        .context("cannot start the engine thread")?;
+    Ok(rx)
+}
+
+/// Resolves on SIGINT (Ctrl-C) or SIGTERM.
+async fn shutdown_signal() {
+    let interrupt = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let terminate = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let terminate = std::future::pending::<()>();
+    tokio::select! {
+        () = interrupt => {}
+        () = terminate => {}
+    }
+}
+
+/// Every route; the playground (or a short text page) at /, JSON 404 for anything else.
+fn router(app: Arc<App>, playground: &Path) -> Router {
+    let routes = Router::new()
+        .route("/health", get(health))
+        .route("/version", get(version))
+        .route("/metrics", get(prometheus))
+        .route("/server_info", get(memory::server_info))
+        .route("/v1/models", get(models))
+        .route("/v1/chat/completions", post(generate::chat_completions))
+        .route("/v1/completions", post(generate::completions))
+        .route("/v1/memory", get(memory::memory))
+        .route("/v1/memory/stream", get(memory::memory_stream))
+        .route("/reset_prefix_cache", post(memory::reset_prefix_cache))
+        .route("/reset_mm_cache", post(memory::reset_mm_cache))
+        .route("/reset_encoder_cache", post(memory::reset_encoder_cache));
+    let routes = if playground.is_dir() {
+        routes.fallback_service(
+            tower_http::services::ServeDir::new(playground).not_found_service(not_found.into_service()),
+        )
+    } else {
+        routes.route("/", get(no_playground)).fallback(not_found)
+    };
+    routes
+        .layer(middleware::from_fn_with_state(app.clone(), auth))
+        .with_state(app)
+}
+
+/// Byte strings compared in time that does not depend on where they differ.
+fn same_secret(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+/// With `--api-key`: 401 on /v1/* and the resets without `Authorization: Bearer KEY`.
+async fn auth(State(app): State<Arc<App>>, req: axum::extract::Request, next: Next) -> Response {
+    if let Some(key) = &app.api_key {
+        let path = req.uri().path();
+        if path.starts_with("/v1") || path.starts_with("/reset_") {
+            let given = req
+                .headers()
+                .get(header::AUTHORIZATION)
+                .and_then(|v| v.to_str().ok())
+                .and_then(|v| v.strip_prefix("Bearer "));
+            if !given.is_some_and(|g| same_secret(g.as_bytes(), key.as_bytes())) {
+                return ApiError::unauthorized().into_response();
+            }
+        }
+    }
+    next.run(req).await
+}
+
+async fn not_found(uri: Uri) -> ApiError {
+    ApiError::not_found(uri.path())
+}
+
+async fn no_playground() -> &'static str {
+    "kvlens serve: the OpenAI-compatible API is at /v1 (chat/completions, completions, models, memory), \
+     with /health, /metrics, /server_info and /v1/memory/stream beside it. The playground is not built: \
+     `cargo xtask demo` builds it into dist/ (or pass --playground-dir).\n"
+}
+
+/// `GET /health`: 200 once the engine runs, 503 before.
+async fn health(State(app): State<Arc<App>>) -> Response {
+    match app.ready() {
+        Ok(_) => StatusCode::OK.into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+/// `GET /version`.
+async fn version() -> Response {
+    json_response(StatusCode::OK, &json!({"version": env!("CARGO_PKG_VERSION")}))
+}
+
+/// `GET /v1/models`: the served names, with vLLM's `max_model_len`.
+async fn models(State(app): State<Arc<App>>) -> Response {
+    let ready = match app.ready() {
+        Ok(r) => r,
+        Err(e) => return e.into_response(),
+    };
+    let data: Vec<serde_json::Value> = ready
+        .served_model_names
+        .iter()
+        .map(|name| {
+            json!({
+                "id": name,
+                "object": "model",
+                "created": ready.created,
+                "owned_by": "kvlens",
+                "root": ready.model_root,
+                "parent": null,
+                "max_model_len": ready.max_model_len,
+                "permission": [],
+            })
+        })
+        .collect();
+    json_response(StatusCode::OK, &json!({"object": "list", "data": data}))
+}
+
+/// `GET /metrics`: Prometheus text.
+async fn prometheus(State(app): State<Arc<App>>) -> Response {
+    let ready = match app.ready() {
+        Ok(r) => r,
+        Err(e) => return e.into_response(),
+    };
+    let occupancy = ready.occupancy.borrow().clone();
+    let (processor_cache_bytes, processor_cache_entries) = {
+        let cache = ready.frontend.processor_cache.lock().unwrap_or_else(|p| p.into_inner());
+        (cache.bytes_used(), cache.len())
+    };
+    let text = ready.metrics.render(
+        &ready.served_model_names[0],
+        &Gauges {
+            occupancy: &occupancy,
+            processor_cache_bytes,
+            processor_cache_entries,
+        },
+    );
+    (
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")],
+        text,
+    )
+        .into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn secrets_compare_whole() {
+        assert!(same_secret(b"key", b"key"));
+        assert!(!same_secret(b"key", b"kez"));
+        assert!(!same_secret(b"key", b"key2"));
+    }
+}

@@ -1,0 +1,218 @@
+//! One request's output as the API reports it: incremental detokenization, stop strings (the text
+//! ends before the first one, as in vLLM and OpenAI; while streaming, text that could be the start
+//! of a stop string is held back), and the tokens with their log-probabilities.
+
+use super::errors::ApiError;
+use kvlens_engine::engine::{FinishReason, TokenEvent};
+use kvlens_engine::input::tokenizer::{IncrementalDecoder, Tokenizer};
+
+/// A generated token and its log-probabilities.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenLogprobs {
+    /// The token id.
+    pub token: u32,
+    /// Its log-probability.
+    pub logprob: f32,
+    /// The most likely tokens, best first (empty unless asked for).
+    pub top: Vec<(u32, f32)>,
+    /// Byte offset of its text in the output (completions' `text_offset`).
+    pub offset: usize,
+}
+
+/// What one token adds to the answer.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Delta {
+    /// Text that may be sent now.
+    pub text: String,
+    /// The token, unless it came after the output had ended.
+    pub token: Option<TokenLogprobs>,
+    /// Set on the last delta.
+    pub finish: Option<FinishReason>,
+    /// A stop string ended the output (the engine has not finished the request).
+    pub stopped: bool,
+}
+
+/// The output of one request so far.
+#[derive(Debug)]
+pub struct Output {
+    decoder: IncrementalDecoder,
+    stop: Vec<String>,
+    /// Bytes held back while streaming: the longest stop string minus one.
+    hold: usize,
+    text: String,
+    sent: usize,
+    /// Tokens counted in the answer (those after a stop string are not).
+    pub num_tokens: usize,
+    finish: Option<FinishReason>,
+}
+
+/// The largest char boundary of `s` at or below `i`.
+fn floor_boundary(s: &str, mut i: usize) -> usize {
+    while !s.is_char_boundary(i) {
+        i -= 1;
+    }
+    i
+}
+
+impl Output {
+    /// An empty output ending at any of `stop` (empty strings are ignored).
+    pub fn new(stop: Vec<String>) -> Self {
+        let stop: Vec<String> = stop.into_iter().filter(|s| !s.is_empty()).collect();
+        let hold = stop.iter().map(|s| s.len().saturating_sub(1)).max().unwrap_or(0);
+        Output {
+            decoder: IncrementalDecoder::new(true),
+            stop,
+            hold,
+            text: String::new(),
+            sent: 0,
+            num_tokens: 0,
+            finish: None,
+        }
+    }
+
+    /// Adds one token from the engine.
+    pub fn push(&mut self, tokenizer: &Tokenizer, event: TokenEvent) -> Result<Delta, ApiError> {
+        if self.finish.is_some() {
+            return Ok(Delta::default());
+        }
+        let detok = |e: kvlens_engine::input::InputError| ApiError::internal(format!("detokenizing: {e}"));
+        self.num_tokens += 1;
+        let before = self.text.len();
+        if let Some(piece) = self.decoder.step(tokenizer, event.token).map_err(detok)? {
+            self.text.push_str(&piece);
+        }
+        if event.finish.is_some() {
+            if let Some(rest) = self.decoder.finish(tokenizer).map_err(detok)? {
+                self.text.push_str(&rest);
+            }
+        }
+        let mut stopped = false;
+        if let Some(cut) = self.find_stop(before) {
+            self.text.truncate(cut);
+            self.finish = Some(FinishReason::Stop);
+            stopped = event.finish.is_none();
+        } else {
+            self.finish = event.finish;
+        }
+        let end = if self.finish.is_some() {
+            self.text.len()
+        } else {
+            floor_boundary(&self.text, self.text.len().saturating_sub(self.hold)).max(self.sent)
+        };
+        let text = self.text[self.sent..end].to_string();
+        self.sent = end;
+        Ok(Delta {
+            text,
+            token: Some(TokenLogprobs {
+                token: event.token,
+                logprob: event.logprob,
+                top: event.top_logprobs,
+                offset: before,
+            }),
+            finish: self.finish,
+            stopped,
+        })
+    }
+
+    /// Where the first stop string that ends after `from` begins.
+    fn find_stop(&self, from: usize) -> Option<usize> {
+        self.stop
+            .iter()
+            .filter_map(|s| {
+                let start = floor_boundary(&self.text, from.saturating_sub(s.len() - 1));
+                self.text[start..].find(s.as_str()).map(|i| start + i)
+            })
+            .min()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A byte-level tokenizer: ids 0..=255 are single bytes, 256 is a special end token.
+    fn tokenizer() -> Tokenizer {
+        let vocab: serde_json::Map<String, serde_json::Value> =
+            (0..=255u32).map(|b| (format!("<0x{b:02X}>"), b.into())).collect();
+        let json = serde_json::json!({
+            "version": "1.0", "truncation": null, "padding": null,
+            "added_tokens": [{"id": 256, "content": "<end>", "single_word": false, "lstrip": false,
+                              "rstrip": false, "normalized": false, "special": true}],
+            "normalizer": null, "pre_tokenizer": null, "post_processor": null,
+            "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
+                      "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": true,
+                      "vocab": vocab, "merges": []},
+            "decoder": {"type": "ByteFallback"},
+        });
+        Tokenizer::from_bytes(json.to_string().as_bytes()).unwrap()
+    }
+
+    fn event(token: u32, finish: Option<FinishReason>) -> TokenEvent {
+        TokenEvent {
+            id: "r".into(),
+            token,
+            logprob: -0.5,
+            top_logprobs: vec![],
+            finish,
+        }
+    }
+
+    fn feed(out: &mut Output, tok: &Tokenizer, text: &[u8], last: Option<FinishReason>) -> Vec<Delta> {
+        text.iter()
+            .enumerate()
+            .map(|(i, &b)| {
+                let finish = if i + 1 == text.len() { last } else { None };
+                out.push(tok, event(b as u32, finish)).unwrap()
+            })
+            .collect()
+    }
+
+    fn joined(deltas: &[Delta]) -> String {
+        deltas.iter().map(|d| d.text.as_str()).collect()
+    }
+
+    #[test]
+    fn text_streams_whole_and_multibyte_chars_wait_for_their_last_byte() {
+        let tok = tokenizer();
+        let mut out = Output::new(vec![]);
+        let deltas = feed(&mut out, &tok, "aé b".as_bytes(), Some(FinishReason::Length));
+        assert_eq!(deltas[1].text, "", "first byte of é is held");
+        assert_eq!(deltas[2].text, "é");
+        assert_eq!(joined(&deltas), "aé b");
+        assert_eq!(deltas.last().unwrap().finish, Some(FinishReason::Length));
+        assert_eq!(out.num_tokens, 5);
+    }
+
+    #[test]
+    fn stop_strings_cut_the_text_and_are_never_streamed() {
+        let tok = tokenizer();
+        let mut out = Output::new(vec!["STOP".into(), String::new()]);
+        let deltas = feed(&mut out, &tok, b"abcSTOPxyz", None);
+        assert_eq!(joined(&deltas), "abc");
+        let last = deltas.iter().position(|d| d.finish.is_some()).unwrap();
+        assert_eq!(last, 6, "the token completing STOP ends the output");
+        assert!(deltas[last].stopped);
+        assert_eq!(deltas[last].finish, Some(FinishReason::Stop));
+        assert!(deltas[last + 1..]
+            .iter()
+            .all(|d| d.token.is_none() && d.text.is_empty()));
+        assert_eq!(out.num_tokens, 7);
+        // Held-back text that turns out not to be a stop string is released.
+        let mut out = Output::new(vec!["STOP".into()]);
+        let deltas = feed(&mut out, &tok, b"xSTx", Some(FinishReason::Length));
+        assert_eq!(deltas[2].text, "", "ST may start STOP");
+        assert_eq!(joined(&deltas), "xSTx");
+    }
+
+    #[test]
+    fn special_tokens_are_skipped_and_an_engine_stop_keeps_its_reason() {
+        let tok = tokenizer();
+        let mut out = Output::new(vec!["zz".into()]);
+        let mut deltas = feed(&mut out, &tok, b"hi", None);
+        deltas.push(out.push(&tok, event(256, Some(FinishReason::Stop))).unwrap());
+        assert_eq!(joined(&deltas), "hi");
+        assert_eq!(deltas[2].finish, Some(FinishReason::Stop));
+        assert!(!deltas[2].stopped, "the engine ended it itself");
+        assert_eq!(deltas[1].token.as_ref().unwrap().offset, 1);
+    }
+}
