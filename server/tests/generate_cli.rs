@@ -1,48 +1,18 @@
 //! `kvlens generate` end to end on a tiny random checkpoint: cache reuse on a warm engine and every
 //! kind of bad input (one-line error, exit code 2, no panic).
 
+mod common;
+
+use common::{fixture, kvlens, root, tiny_checkpoint};
 use serde_json::Value;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Output;
 use std::sync::OnceLock;
-
-fn kvlens(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_kvlens"))
-        .args(args)
-        .output()
-        .expect("kvlens runs")
-}
-
-fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
-}
-
-fn fixture(path: &str) -> String {
-    root().join("engine/tests/fixtures").join(path).display().to_string()
-}
 
 /// A tiny Qwen3-VL checkpoint shared by the tests of this file.
 fn checkpoint() -> &'static Path {
     static DIR: OnceLock<PathBuf> = OnceLock::new();
-    DIR.get_or_init(|| {
-        // Cargo's per-target scratch directory: reused (overwritten) by every run.
-        let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("generate-cli");
-        let config = root().join("tools/golden/configs/qwen3_vl_tiny.json");
-        let out = kvlens(&[
-            "random-checkpoint",
-            "--config",
-            config.to_str().unwrap(),
-            "--out",
-            dir.to_str().unwrap(),
-            "--dtype",
-            "f32",
-            "--image-limits",
-            "1024,65536",
-            "--force",
-        ]);
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-        dir
-    })
+    DIR.get_or_init(|| tiny_checkpoint("generate-cli"))
 }
 
 /// A copy of the checkpoint with one file replaced (or removed with `None`).

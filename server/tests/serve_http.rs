@@ -1,0 +1,612 @@
+//! `kvlens serve` end to end over raw HTTP/1.1 on a tiny random checkpoint: 503 while loading,
+//! `/v1/models`, chat completions with an image (whole and streamed, with token ids and usage),
+//! completions with stop strings, bad input answered in OpenAI's error shape while the server
+//! keeps serving, a client that hangs up mid-stream leaving no KV block in use, the resets, the
+//! metrics, the memory stream, `--api-key`, ignored vLLM flags and a clean exit on SIGTERM.
+
+mod common;
+
+use common::{fixture, tiny_checkpoint};
+use serde_json::{json, Value};
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::{mpsc, Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+fn checkpoint() -> &'static Path {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| tiny_checkpoint("serve-http"))
+}
+
+/// `<|image_pad|>` of the Qwen tokenizer.
+const IMAGE_PAD: u64 = 151_655;
+
+/// Standard base64 with padding.
+fn base64(data: &[u8]) -> String {
+    const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    let mut out = String::new();
+    for c in data.chunks(3) {
+        let n = u32::from(c[0]) << 16 | u32::from(*c.get(1).unwrap_or(&0)) << 8 | u32::from(*c.get(2).unwrap_or(&0));
+        for i in 0..4 {
+            if i <= c.len() {
+                out.push(ALPHABET[(n >> (18 - 6 * i)) as usize & 63] as char);
+            } else {
+                out.push('=');
+            }
+        }
+    }
+    out
+}
+
+/// An HTTP answer.
+#[derive(Debug)]
+struct Reply {
+    status: u16,
+    head: String,
+    body: Vec<u8>,
+}
+
+impl Reply {
+    fn text(&self) -> String {
+        String::from_utf8_lossy(&self.body).into_owned()
+    }
+
+    fn json(&self) -> Value {
+        serde_json::from_slice(&self.body).unwrap_or_else(|e| panic!("{e}: {} {}", self.status, self.text()))
+    }
+
+    /// The `data:` payloads of a Server-Sent Events body.
+    fn events(&self) -> Vec<String> {
+        self.text()
+            .lines()
+            .filter_map(|l| l.strip_prefix("data: "))
+            .map(str::to_string)
+            .collect()
+    }
+
+    /// Asserts OpenAI's error shape with this status.
+    fn assert_error(&self, status: u16, what: &str) {
+        assert_eq!(self.status, status, "{what}: {}", self.text());
+        let e = &self.json()["error"];
+        assert_eq!(e["code"], status, "{what}: {e}");
+        assert!(e["message"].as_str().is_some_and(|m| !m.is_empty()), "{what}: {e}");
+        assert!(e["type"].as_str().is_some_and(|t| !t.is_empty()), "{what}: {e}");
+    }
+}
+
+/// Decodes a chunked transfer-encoded body.
+fn dechunk(mut data: &[u8]) -> Vec<u8> {
+    let mut out = Vec::new();
+    while let Some(eol) = data.windows(2).position(|w| w == b"\r\n") {
+        let size = std::str::from_utf8(&data[..eol])
+            .unwrap()
+            .split(';')
+            .next()
+            .unwrap()
+            .trim();
+        let size = usize::from_str_radix(size, 16).unwrap();
+        data = &data[eol + 2..];
+        if size == 0 {
+            break;
+        }
+        out.extend_from_slice(&data[..size]);
+        data = &data[size + 2..];
+    }
+    out
+}
+
+/// Opens a connection and writes one request (`Connection: close`).
+fn send(port: u16, method: &str, path: &str, headers: &[(&str, &str)], body: &[u8]) -> TcpStream {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).expect("the port accepts connections");
+    s.set_read_timeout(Some(Duration::from_secs(300))).unwrap();
+    let mut head = format!(
+        "{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\nContent-Length: {}\r\n",
+        body.len()
+    );
+    if !body.is_empty() {
+        head.push_str("Content-Type: application/json\r\n");
+    }
+    for (k, v) in headers {
+        head.push_str(&format!("{k}: {v}\r\n"));
+    }
+    head.push_str("\r\n");
+    s.write_all(head.as_bytes()).unwrap();
+    s.write_all(body).unwrap();
+    s
+}
+
+/// One request, read to the end of the answer.
+fn http(port: u16, method: &str, path: &str, headers: &[(&str, &str)], body: &[u8]) -> Reply {
+    let mut raw = Vec::new();
+    send(port, method, path, headers, body).read_to_end(&mut raw).unwrap();
+    let split = raw
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .unwrap_or_else(|| panic!("no complete head in {:?}", String::from_utf8_lossy(&raw)));
+    let head = String::from_utf8_lossy(&raw[..split]).into_owned();
+    let status = head.split_whitespace().nth(1).unwrap().parse().unwrap();
+    let mut body = raw[split + 4..].to_vec();
+    if head.to_ascii_lowercase().contains("transfer-encoding: chunked") {
+        body = dechunk(&body);
+    }
+    Reply { status, head, body }
+}
+
+/// `kvlens serve` as a child process, killed on drop.
+struct Server {
+    child: Child,
+    port: u16,
+    log: Arc<Mutex<String>>,
+}
+
+impl Server {
+    /// Starts the server on a free port and returns once it has printed the port.
+    fn start(extra: &[&str]) -> Server {
+        let no_playground = Path::new(env!("CARGO_TARGET_TMPDIR")).join("serve-http-no-playground");
+        let mut child = Command::new(env!("CARGO_BIN_EXE_kvlens"))
+            .arg("serve")
+            .arg("--model")
+            .arg(checkpoint())
+            .args(["--served-model-name", "tiny", "--port", "0", "--cpu-memory-gib", "1"])
+            .arg("--playground-dir")
+            .arg(no_playground)
+            .args(extra)
+            .env_remove("KVLENS_API_KEY")
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("kvlens serve starts");
+        let stderr = child.stderr.take().unwrap();
+        let log = Arc::new(Mutex::new(String::new()));
+        let (tx, rx) = mpsc::channel();
+        let sink = log.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                if let Some(port) = line.split("Starting vLLM API server on http://127.0.0.1:").nth(1) {
+                    let _ = tx.send(port.trim().parse::<u16>().unwrap());
+                }
+                let mut log = sink.lock().unwrap();
+                log.push_str(&line);
+                log.push('\n');
+            }
+        });
+        let port = rx
+            .recv_timeout(Duration::from_secs(120))
+            .unwrap_or_else(|_| panic!("no start-up line:\n{}", log.lock().unwrap()));
+        Server { child, port, log }
+    }
+
+    fn log(&self) -> String {
+        self.log.lock().unwrap().clone()
+    }
+
+    fn wait_ready(&self) {
+        let deadline = Instant::now() + Duration::from_secs(300);
+        while self.get("/health").status != 200 {
+            assert!(Instant::now() < deadline, "never healthy:\n{}", self.log());
+            assert!(self.child_running(), "the server exited:\n{}", self.log());
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    fn child_running(&self) -> bool {
+        Command::new("kill")
+            .args(["-0", &self.child.id().to_string()])
+            .status()
+            .is_ok_and(|s| s.success())
+    }
+
+    fn get(&self, path: &str) -> Reply {
+        http(self.port, "GET", path, &[], b"")
+    }
+
+    fn post(&self, path: &str, body: &Value) -> Reply {
+        http(self.port, "POST", path, &[], body.to_string().as_bytes())
+    }
+
+    fn memory(&self) -> Value {
+        let r = self.get("/v1/memory");
+        assert_eq!(r.status, 200, "{}", r.text());
+        r.json()
+    }
+
+    /// Sends SIGTERM and waits for the exit.
+    fn terminate(mut self) -> ExitStatus {
+        let pid = self.child.id().to_string();
+        assert!(Command::new("kill").args(["-TERM", &pid]).status().unwrap().success());
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return status;
+            }
+            assert!(Instant::now() < deadline, "no exit 30 s after SIGTERM:\n{}", self.log());
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn image_url() -> String {
+    let png = std::fs::read(fixture("golden/images/c_150x150.png")).unwrap();
+    format!("data:image/png;base64,{}", base64(&png))
+}
+
+fn image_chat(url: &str, extra: Value) -> Value {
+    let mut body = json!({
+        "model": "tiny",
+        "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": url}},
+            {"type": "text", "text": "Describe this image."},
+        ]}],
+        "max_tokens": 6,
+        "temperature": 0,
+        "ignore_eos": true,
+        "return_token_ids": true,
+    });
+    for (k, v) in extra.as_object().unwrap() {
+        body[k] = v.clone();
+    }
+    body
+}
+
+fn ids(v: &Value) -> Vec<u64> {
+    v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap()).collect()
+}
+
+/// The whole chat answer with an image: returns (prompt ids, token ids, text).
+fn chat_with_image(server: &Server) -> (Vec<u64>, Vec<u64>, String) {
+    let r = server.post("/v1/chat/completions", &image_chat(&image_url(), json!({})));
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert!(r.head.to_ascii_lowercase().contains("content-type: application/json"));
+    let v = r.json();
+    assert_eq!(v["object"], "chat.completion");
+    assert!(v["id"].as_str().unwrap().starts_with("chatcmpl-"));
+    assert_eq!(v["model"], "tiny");
+    let choice = &v["choices"][0];
+    assert_eq!(choice["finish_reason"], "length");
+    assert_eq!(choice["message"]["role"], "assistant");
+    let prompt = ids(&v["prompt_token_ids"]);
+    let tokens = ids(&choice["token_ids"]);
+    assert_eq!(tokens.len(), 6);
+    assert!(prompt.iter().filter(|&&t| t == IMAGE_PAD).count() >= 4, "{prompt:?}");
+    let usage = &v["usage"];
+    assert_eq!(
+        usage["prompt_tokens"],
+        prompt.len(),
+        "image placeholders count as prompt tokens"
+    );
+    assert_eq!(usage["completion_tokens"], 6);
+    assert_eq!(usage["total_tokens"], prompt.len() + 6);
+    (
+        prompt,
+        tokens,
+        choice["message"]["content"].as_str().unwrap().to_string(),
+    )
+}
+
+/// The same request streamed gives the same tokens and text, one usage chunk and `[DONE]`.
+fn streamed_chat(server: &Server, prompt: &[u64], tokens: &[u64], text: &str) {
+    let body = image_chat(
+        &image_url(),
+        json!({"stream": true, "stream_options": {"include_usage": true}}),
+    );
+    let r = server.post("/v1/chat/completions", &body);
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert!(r.head.to_ascii_lowercase().contains("text/event-stream"), "{}", r.head);
+    let events = r.events();
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+    let chunks: Vec<Value> = events[..events.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str(e).unwrap())
+        .collect();
+    let (usage, content) = chunks.split_last().unwrap();
+    assert_eq!(usage["choices"], json!([]));
+    assert_eq!(usage["usage"]["completion_tokens"], 6);
+    assert_eq!(usage["usage"]["prompt_tokens"], prompt.len());
+    assert_eq!(content[0]["choices"][0]["delta"]["role"], "assistant");
+    assert_eq!(ids(&content[0]["prompt_token_ids"]), prompt);
+    let streamed: Vec<u64> = content
+        .iter()
+        .flat_map(|c| ids(&c["choices"][0]["token_ids"]))
+        .collect();
+    assert_eq!(streamed, tokens, "greedy: the streamed tokens are the whole answer's");
+    let streamed_text: String = content
+        .iter()
+        .map(|c| c["choices"][0]["delta"]["content"].as_str().unwrap_or(""))
+        .collect();
+    assert_eq!(streamed_text, text);
+    let finishes: Vec<&Value> = content.iter().map(|c| &c["choices"][0]["finish_reason"]).collect();
+    assert_eq!(finishes.last().unwrap().as_str(), Some("length"));
+    assert!(finishes[..finishes.len() - 1].iter().all(|f| f.is_null()));
+    for c in content {
+        assert_eq!(c["object"], "chat.completion.chunk");
+    }
+}
+
+/// Completions: a stop string taken from the greedy answer ends it just before, whole or streamed.
+fn completions_with_stop_strings(server: &Server) {
+    let base = json!({"model": "tiny", "prompt": "The KV cache holds", "max_tokens": 8, "temperature": 0,
+                      "ignore_eos": true, "return_token_ids": true});
+    let r = server.post("/v1/completions", &base);
+    assert_eq!(r.status, 200, "{}", r.text());
+    let v = r.json();
+    assert_eq!(v["object"], "text_completion");
+    assert_eq!(
+        v["usage"]["prompt_tokens"],
+        v["prompt_token_ids"].as_array().unwrap().len()
+    );
+    assert_eq!(v["choices"][0]["token_ids"].as_array().unwrap().len(), 8);
+    let full = v["choices"][0]["text"].as_str().unwrap().to_string();
+    let chars: Vec<char> = full.chars().collect();
+    assert!(chars.len() >= 3, "the greedy answer {full:?} is too short to cut");
+    let stop: String = chars[chars.len() / 2..].iter().take(2).collect();
+    let expected = &full[..full.find(&stop).unwrap()];
+    let mut with_stop = base.clone();
+    with_stop["stop"] = json!([stop]);
+    let v = server.post("/v1/completions", &with_stop).json();
+    assert_eq!(v["choices"][0]["text"], expected, "stop {stop:?} in {full:?}");
+    assert_eq!(v["choices"][0]["finish_reason"], "stop");
+    assert!(v["usage"]["completion_tokens"].as_u64().unwrap() <= 8);
+    with_stop["stream"] = json!(true);
+    let events = server.post("/v1/completions", &with_stop).events();
+    let chunks: Vec<Value> = events
+        .iter()
+        .filter(|e| *e != "[DONE]")
+        .map(|e| serde_json::from_str(e).unwrap())
+        .collect();
+    let text: String = chunks
+        .iter()
+        .map(|c| c["choices"][0]["text"].as_str().unwrap())
+        .collect();
+    assert_eq!(text, expected, "streamed text never shows the stop string");
+    assert_eq!(chunks.last().unwrap()["choices"][0]["finish_reason"], "stop");
+}
+
+/// Every bad input gets its status in OpenAI's error shape; the server keeps answering.
+fn bad_inputs(server: &Server) {
+    let good = json!({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                      "temperature": 0});
+    let with = |k: &str, v: Value| {
+        let mut b = good.clone();
+        b[k] = v;
+        b.to_string().into_bytes()
+    };
+    let image = |url: &str| json!([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}]);
+    let not_png = format!("data:image/png;base64,{}", base64(b"plain text, not pixels"));
+    let url = image_url();
+    let three = json!([{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": url}},
+        {"type": "image_url", "image_url": {"url": url}},
+        {"type": "image_url", "image_url": {"url": url}},
+    ]}]);
+    let cases: Vec<(&str, Vec<u8>)> = vec![
+        ("malformed JSON", b"{\"model\": \"tiny\", \"messages\": [".to_vec()),
+        ("no messages", br#"{"model": "tiny"}"#.to_vec()),
+        ("unknown model", with("model", json!("nope"))),
+        (
+            "bad base64",
+            with("messages", image("data:image/png;base64,!!!notbase64")),
+        ),
+        ("not an image", with("messages", image(&not_png))),
+        ("remote image", with("messages", image("https://example.com/cat.png"))),
+        ("too many images", with("messages", three)),
+        (
+            "prompt + max_tokens over max_model_len",
+            with("max_tokens", json!(5000)),
+        ),
+        ("negative temperature", with("temperature", json!(-1))),
+        ("n > 1", with("n", json!(2))),
+    ];
+    for (what, body) in cases {
+        http(server.port, "POST", "/v1/chat/completions", &[], &body).assert_error(400, what);
+        let ok = server.post("/v1/chat/completions", &good);
+        assert_eq!(ok.status, 200, "after {what}: {}", ok.text());
+    }
+    let mut huge = b"{\"pad\": \"".to_vec();
+    huge.resize(65 << 20, b'x');
+    huge.extend_from_slice(b"\"}");
+    http(server.port, "POST", "/v1/chat/completions", &[], &huge).assert_error(413, "oversized body");
+    server.get("/v1/no-such-route").assert_error(404, "unknown route");
+    assert_eq!(server.post("/v1/chat/completions", &good).status, 200);
+}
+
+/// A client that hangs up after the first chunk: its KV blocks are free soon after.
+fn disconnect_frees_blocks(server: &Server) {
+    let body = json!({"model": "tiny", "messages": [{"role": "user", "content": "Tell me a long story."}],
+                      "max_tokens": 2000, "temperature": 0, "ignore_eos": true, "stream": true});
+    let mut s = send(
+        server.port,
+        "POST",
+        "/v1/chat/completions",
+        &[],
+        body.to_string().as_bytes(),
+    );
+    let mut seen = Vec::new();
+    let mut buf = [0u8; 4096];
+    while !String::from_utf8_lossy(&seen).contains("data: {") {
+        let n = s.read(&mut buf).unwrap();
+        assert!(n > 0, "the stream ended early: {}", String::from_utf8_lossy(&seen));
+        seen.extend_from_slice(&buf[..n]);
+    }
+    let during = server.memory();
+    assert!(during["kv"]["num_in_use"].as_u64().unwrap() > 0, "{}", during["kv"]);
+    drop(s);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let m = server.memory();
+        if m["kv"]["num_in_use"] == 0 && m["num_running"] == 0 && m["num_waiting"] == 0 {
+            let generated = m["counters"]["generated_tokens"].as_u64().unwrap()
+                - during["counters"]["generated_tokens"].as_u64().unwrap();
+            assert!(generated < 1000, "the request ran on for {generated} tokens");
+            break;
+        }
+        assert!(Instant::now() < deadline, "blocks still in use: {}", m["kv"]);
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn ledger(m: &Value, category: &str) -> u64 {
+    m["ledger"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["category"] == category)
+        .and_then(|e| e["bytes"].as_u64())
+        .unwrap()
+}
+
+/// `/reset_mm_cache` clears the processor cache only; `/reset_encoder_cache` returns the bytes.
+fn resets(server: &Server) {
+    let before = server.memory();
+    let encoder = ledger(&before, "encoder_cache");
+    assert!(
+        encoder > 0,
+        "the image's encoder output stays cached: {}",
+        before["ledger"]
+    );
+    let r = server.post("/reset_mm_cache", &json!({}));
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert!(r.json()["freed_bytes"].as_u64().unwrap() > 0);
+    let after = server.memory();
+    assert_eq!(after["processor_cache"]["bytes_used"], 0);
+    assert_eq!(ledger(&after, "encoder_cache"), encoder);
+    let r = server.post("/reset_encoder_cache", &json!({}));
+    assert_eq!(r.status, 200, "{}", r.text());
+    let v = r.json();
+    assert_eq!(v["freed_bytes"].as_u64(), Some(encoder));
+    assert_eq!(v["encoder_cache_bytes"], 0);
+    assert_eq!(ledger(&server.memory(), "encoder_cache"), 0);
+    assert_eq!(server.post("/reset_prefix_cache", &json!({})).status, 200);
+}
+
+/// A metric's value from the Prometheus text.
+fn metric(text: &str, sample: &str) -> f64 {
+    text.lines()
+        .find_map(|l| l.strip_prefix(sample)?.strip_prefix(' '))
+        .unwrap_or_else(|| panic!("{sample} missing from:\n{text}"))
+        .parse()
+        .unwrap()
+}
+
+fn metrics(server: &Server) {
+    let r = server.get("/metrics");
+    assert_eq!(r.status, 200);
+    let t = r.text();
+    let m = |name: &str| metric(&t, &format!("{name}{{model_name=\"tiny\"}}"));
+    let reason = |r: &str| {
+        metric(
+            &t,
+            &format!("vllm:request_success_total{{finished_reason=\"{r}\",model_name=\"tiny\"}}"),
+        )
+    };
+    assert_eq!(m("vllm:num_requests_running"), 0.0);
+    assert_eq!(m("vllm:num_requests_waiting"), 0.0);
+    assert!(
+        reason("length") >= 2.0 && reason("stop") >= 1.0 && reason("abort") >= 1.0,
+        "{t}"
+    );
+    assert!(m("vllm:time_to_first_token_seconds_count") >= 4.0);
+    assert!(m("vllm:generation_tokens_total") >= 12.0);
+    assert!(m("vllm:prompt_tokens_total") > 0.0);
+    assert!(m("vllm:prefix_cache_queries_total") > 0.0);
+    assert!(m("kvlens:vision_tower_runs_total") >= 1.0);
+    assert!(metric(&t, "kvlens:memory_bytes{category=\"kv_cache\",model_name=\"tiny\"}") > 0.0);
+    assert!(t.contains("# TYPE vllm:e2e_request_latency_seconds histogram"));
+    assert!(t.contains("vllm:inter_token_latency_seconds_bucket{le=\"+Inf\",model_name=\"tiny\"}"));
+}
+
+/// The memory stream sends a snapshot as soon as it connects.
+fn memory_stream(server: &Server) {
+    let mut s = send(server.port, "GET", "/v1/memory/stream", &[], b"");
+    let mut seen = String::new();
+    let mut buf = [0u8; 65536];
+    let event = loop {
+        let n = s.read(&mut buf).unwrap();
+        assert!(n > 0, "the stream closed: {seen}");
+        seen.push_str(&String::from_utf8_lossy(&buf[..n]));
+        if let Some(line) = seen.lines().find(|l| l.starts_with("data: {") && seen.contains("\n\n")) {
+            break line.to_string();
+        }
+    };
+    let v: Value = serde_json::from_str(&event["data: ".len()..]).unwrap();
+    assert!(v["kv"]["num_blocks"].as_u64().unwrap() > 1);
+    assert!(v["ledger"].as_array().is_some_and(|l| l.len() == 5));
+    assert!(v["processor_cache"].is_object() && v["encoder_cache"].is_object());
+}
+
+#[test]
+fn serves_the_openai_api_and_frees_memory() {
+    let server = Server::start(&["--limit-mm-per-prompt", "image=2"]);
+    // The port answers at once; the model is still loading.
+    server.get("/health").assert_error(503, "health while loading");
+    server.wait_ready();
+
+    let models = server.get("/v1/models").json();
+    assert_eq!(models["object"], "list");
+    assert_eq!(models["data"][0]["id"], "tiny");
+    assert_eq!(models["data"][0]["max_model_len"], 4096);
+    assert!(server.get("/version").json()["version"].is_string());
+    let info = server.get("/server_info").json();
+    assert!(info["plan"]["page_size_bytes"].as_u64().unwrap() > 0);
+    assert_eq!(info["flags"]["engine"]["served_model_name"], json!(["tiny"]));
+    assert!(!info["log_lines"].as_array().unwrap().is_empty());
+    let page = server.get("/");
+    assert_eq!(page.status, 200);
+    assert!(page.text().contains("/v1"), "a short text page without a playground");
+
+    let (prompt, tokens, text) = chat_with_image(&server);
+    streamed_chat(&server, &prompt, &tokens, &text);
+    completions_with_stop_strings(&server);
+    bad_inputs(&server);
+    disconnect_frees_blocks(&server);
+    resets(&server);
+    metrics(&server);
+    memory_stream(&server);
+
+    let log = server.log();
+    let status = server.terminate();
+    assert_eq!(status.code(), Some(0), "{log}");
+}
+
+#[test]
+fn api_key_guards_the_api_and_vllm_only_flags_are_ignored() {
+    let server = Server::start(&[
+        "--api-key",
+        "sesame",
+        "--tensor-parallel-size",
+        "1",
+        "--enforce-eager",
+        "--swap-space=4",
+    ]);
+    server.wait_ready();
+    let log = server.log();
+    for flag in ["--tensor-parallel-size 1", "--enforce-eager", "--swap-space=4"] {
+        assert!(log.contains(&format!("WARNING {flag}: a vLLM flag")), "{flag}:\n{log}");
+    }
+    let port = server.port;
+    let chat = json!({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                      "temperature": 0})
+    .to_string();
+    http(port, "GET", "/v1/models", &[], b"").assert_error(401, "no key");
+    http(port, "GET", "/v1/models", &[("Authorization", "Bearer sesam")], b"").assert_error(401, "wrong key");
+    http(port, "POST", "/v1/chat/completions", &[], chat.as_bytes()).assert_error(401, "chat without key");
+    http(port, "POST", "/reset_prefix_cache", &[], b"").assert_error(401, "reset without key");
+    let key = [("Authorization", "Bearer sesame")];
+    assert_eq!(http(port, "GET", "/v1/models", &key, b"").status, 200);
+    assert_eq!(
+        http(port, "POST", "/v1/chat/completions", &key, chat.as_bytes()).status,
+        200
+    );
+    assert_eq!(http(port, "POST", "/reset_prefix_cache", &key, b"").status, 200);
+    assert_eq!(server.get("/health").status, 200, "health needs no key");
+    assert_eq!(server.get("/metrics").status, 200, "metrics need no key");
+    assert_eq!(server.terminate().code(), Some(0));
+}
