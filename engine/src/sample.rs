@@ -189,9 +189,19 @@ fn apply_penalties(l: &mut [f32], prompt: &[u32], output: &[u32], p: &SamplingPa
 /// Temperature, top-k, top-p and min-p, then a draw.
 fn draw(l: &mut [f32], p: &SamplingParams, rng: &mut Rng) -> usize {
     let mut idx: Vec<usize> = (0..l.len()).collect();
-    idx.sort_by(|&a, &b| l[b].total_cmp(&l[a]).then(a.cmp(&b)));
-    if p.top_k > 0 {
-        idx.truncate(p.top_k as usize);
+    let by_logit = |a: &usize, b: &usize| l[*b].total_cmp(&l[*a]).then(a.cmp(b));
+    let k = usize::try_from(p.top_k).unwrap_or(0);
+    if k > 0 && k < idx.len() {
+        idx.select_nth_unstable_by(k - 1, by_logit);
+        idx.truncate(k);
+    }
+    // The cut-offs below need descending order; plain temperature sampling does not (a full sort
+    // of a 150k vocabulary per token is the sampler's main cost).
+    if k > 0 || p.min_p > 0.0 || p.top_p < 1.0 {
+        idx.sort_by(by_logit);
+    } else {
+        let best = argmax(l);
+        idx.swap(0, best);
     }
     let max = l[idx[0]];
     let mut probs: Vec<f64> = idx

@@ -133,7 +133,7 @@ pub fn request_from_args(a: &PlanArgs, header: &HeaderSettings) -> Result<PlanRe
             device_preset_names()
         ))
     })?;
-    if let Some(t) = a.total_memory_gib {
+    if let Some(t) = a.total_memory_gib.or(header.total_memory_gib) {
         device = device.with_total_bytes(gib_to_bytes(t));
     }
     let mut r = PlanRequest::new(name, cfg, device);

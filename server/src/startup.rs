@@ -301,9 +301,24 @@ pub fn start(a: &EngineArgs) -> Result<Started> {
         frontend.max_image_tokens = grid.iter().product::<usize>() / (merge * merge);
     }
     let mut log_lines = vec![
+        // The resolved settings as a command line, so `kvlens plan --from-log` can rebuild this budget.
+        format!(
+            "kvlens serve {} --max-model-len {} --max-num-batched-tokens {} --max-num-seqs {} --block-size {} \
+             --gpu-memory-utilization {} --cpu-memory-gib {:.6} --dtype float32 --kv-cache-dtype float32 \
+             --limit-mm-per-prompt image={},video=0",
+            model_dir.display(),
+            p.max_model_len,
+            p.max_num_batched_tokens,
+            p.max_num_seqs,
+            p.block_size,
+            p.gpu_memory_utilization,
+            total as f64 / GIB,
+            limits.image
+        ),
+        // Nothing else shares the CPU "device": all of it is free before the weights load.
         format!(
             "Initial free memory: {} GiB; Requested memory: {:.2} (util), {} GiB",
-            gib(total.saturating_sub(weights)),
+            gib(total),
             p.gpu_memory_utilization,
             gib(p.requested_bytes)
         ),

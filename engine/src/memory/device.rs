@@ -152,6 +152,15 @@ const PRESETS: &[Preset] = &[
         non_torch_gib: 0.3,
     },
     Preset {
+        name: "cpu",
+        description: "Host memory of kvlens's CPU backend (set the size with --total-memory-gib)",
+        platform: Platform::Cpu,
+        total_gib: 16.0,
+        bandwidth_gb_s: 25.0,
+        tflops: 1.0,
+        non_torch_gib: 0.0,
+    },
+    Preset {
         name: "webgpu-4g",
         description: "WebGPU laptop adapter, 4 GiB budget",
         platform: Platform::WebGpu,
@@ -213,7 +222,7 @@ mod tests {
 
     #[test]
     fn presets_and_platform_defaults() {
-        assert_eq!(device_presets().len(), 10);
+        assert_eq!(device_presets().len(), 11);
         let ascend = device_preset("Ascend-910B-64G").unwrap();
         assert_eq!(ascend.default_block_size(), 128);
         assert_eq!(format!("{:.2}", ascend.total_bytes as f64 / GIB), "60.96");

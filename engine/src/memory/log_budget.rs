@@ -13,8 +13,10 @@ use super::GIB;
 pub struct HeaderSettings {
     /// The model as served (e.g. `Qwen/Qwen3-VL-32B-Instruct`).
     pub model: Option<String>,
-    /// A device preset matching the header's device note.
+    /// A device preset matching the header's device note (`cpu` for `kvlens serve`).
     pub device: Option<String>,
+    /// The device's total memory when the command names it (`kvlens serve --cpu-memory-gib`).
+    pub total_memory_gib: Option<f64>,
     /// `--tensor-parallel-size`.
     pub tensor_parallel_size: Option<usize>,
     /// `--max-model-len`.
@@ -57,6 +59,10 @@ pub fn header_settings(log: &ParsedLog) -> HeaderSettings {
         s.gpu_memory_utilization = c.gpu_memory_utilization();
         s.kv_cache_dtype = c.kv_cache_dtype().map(str::to_string);
         s.limit_mm_per_prompt = c.limit_mm_per_prompt().map(str::to_string);
+        if c.raw.starts_with("kvlens serve") {
+            s.device = Some("cpu".into());
+            s.total_memory_gib = c.flag("cpu-memory-gib").and_then(|v| v.parse().ok());
+        }
     }
     if s.gpu_memory_utilization.is_none() {
         s.gpu_memory_utilization = log.gpu_memory_utilization;
@@ -356,14 +362,15 @@ fn kv_size_checks(log: &ParsedLog, p: &Plan, out: &mut Vec<Check>) {
         );
     }
     if let (Some(x), Some(len)) = (log.max_concurrency, log.max_concurrency_model_len) {
-        let computed = p.num_gpu_blocks as f64 / len.div_ceil(bs) as f64;
+        // The log's own block count when it printed one: the GiB figure is rounded to 0.01.
+        let blocks = log.kv_cache_tokens.map_or(p.num_gpu_blocks, |t| t / bs);
+        let computed = blocks as f64 / len.div_ceil(bs) as f64;
         check(
             out,
             "max concurrency = blocks / cdiv(max_model_len, block)",
             (computed - x).abs() < 0.006,
             format!(
-                "{} / {} = {computed:.2}x; the log printed {x:.2}x",
-                p.num_gpu_blocks,
+                "{blocks} / {} = {computed:.2}x; the log printed {x:.2}x",
                 len.div_ceil(bs)
             ),
         );

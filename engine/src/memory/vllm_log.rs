@@ -413,7 +413,7 @@ pub fn parse_vllm_log(text: &str) -> ParsedLog {
     for (idx, raw) in text.split('\n').enumerate() {
         let line_no = idx + 1;
         let line = raw.strip_suffix('\r').unwrap_or(raw);
-        if line.contains("vllm serve ") {
+        if line.contains("vllm serve ") || line.contains("kvlens serve ") {
             push_header(&mut log, line_no, line);
             continue;
         }
@@ -1038,9 +1038,10 @@ fn push_header(log: &mut ParsedLog, line_no: usize, line: &str) {
     });
 }
 
-/// Where the command's arguments start: after `vllm serve` or after the OpenAI api_server module.
+/// Where the command's arguments start: after `vllm serve`, the OpenAI api_server module or
+/// `kvlens serve` (whose start-up log follows vLLM's).
 fn command_start(body: &str) -> Option<(usize, usize)> {
-    for anchor in ["vllm serve", "vllm.entrypoints.openai.api_server"] {
+    for anchor in ["vllm serve", "vllm.entrypoints.openai.api_server", "kvlens serve"] {
         let mut from = 0;
         while let Some(pos) = body.get(from..).and_then(|s| s.find(anchor)) {
             let start = from + pos;
