@@ -9,138 +9,61 @@
 //!   single-prompt test run is one more request.
 //! * Against nothing: one line on stderr, exit code 1.
 
+mod common;
+
+use common::{kvlens_command as kvlens, scratch, tiny_checkpoint, Server};
 use serde_json::Value;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{mpsc, Arc, Mutex};
-use std::time::{Duration, Instant};
-
-fn kvlens() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_kvlens"))
-}
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
 
 fn work_dir(name: &str) -> PathBuf {
-    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("bench-serve-{name}"));
+    let dir = scratch(&format!("bench-serve-{name}"));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     dir
 }
 
 /// The tiny Qwen3-VL checkpoint of the golden tests, with image limits that keep its vision tower
-/// fast (big photos are resized down to at most 65536 pixels by the server).
-fn tiny_checkpoint(dir: &Path) -> PathBuf {
-    let ckpt = dir.join("ckpt");
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-    let out = kvlens()
-        .current_dir(&root)
-        .args([
-            "random-checkpoint",
-            "--config",
-            "tools/golden/configs/qwen3_vl_tiny.json",
-            "--out",
-        ])
-        .arg(&ckpt)
-        .args([
-            "--dtype",
-            "f32",
-            "--seed",
-            "0",
-            "--image-limits",
-            "1024,65536",
-            "--force",
-        ])
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    ckpt
+/// fast (big photos are resized down to at most 65536 pixels by the server); shared by the tests.
+fn checkpoint() -> &'static Path {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| tiny_checkpoint("bench-serve-ckpt"))
 }
 
-/// A blocking `GET`: status and body, `None` when nothing answers.
-fn http_get(port: u16, path: &str) -> Option<(u16, String)> {
-    let mut s = TcpStream::connect(("127.0.0.1", port)).ok()?;
-    s.set_read_timeout(Some(Duration::from_secs(60))).ok()?;
-    write!(s, "GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n").ok()?;
-    let mut raw = Vec::new();
-    s.read_to_end(&mut raw).ok()?;
-    let text = String::from_utf8_lossy(&raw).into_owned();
-    let status = text.split_whitespace().nth(1)?.parse().ok()?;
-    let body = text
-        .split_once("\r\n\r\n")
-        .map(|(_, b)| b.to_string())
-        .unwrap_or_default();
-    Some((status, body))
+/// `vllm:generation_tokens_total`, summed over its label sets.
+fn generation_tokens(server: &Server) -> f64 {
+    let r = server.get("/metrics");
+    assert_eq!(r.status, 200);
+    r.text()
+        .lines()
+        .filter(|l| l.starts_with("vllm:generation_tokens_total"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
 }
 
-/// `kvlens serve` as a child process; SIGKILLed on drop.
-struct Server {
-    child: Child,
-    port: u16,
-    log: Arc<Mutex<Vec<String>>>,
-}
+/// `--percentile-metrics` and `--metric-percentiles` as [`assert_result_block`] expects them.
+const PERCENTILES: [&str; 4] = [
+    "--percentile-metrics",
+    "ttft,tpot,itl,e2el",
+    "--metric-percentiles",
+    "50,90,99",
+];
 
-impl Server {
-    fn start(ckpt: &Path) -> Server {
-        let mut child = kvlens()
-            .args(["serve", "--model"])
-            .arg(ckpt)
-            .args(["--port", "0", "--cpu-memory-gib", "1", "--served-model-name", "tiny"])
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let log = Arc::new(Mutex::new(Vec::new()));
-        let (tx, rx) = mpsc::channel();
-        let (stderr, lines) = (child.stderr.take().unwrap(), log.clone());
-        std::thread::spawn(move || {
-            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-                if let Some(rest) = line.split("Starting vLLM API server on http://").nth(1) {
-                    let port = rest.rsplit(':').next().and_then(|p| p.trim().parse::<u16>().ok());
-                    let _ = tx.send(port);
-                }
-                lines.lock().unwrap().push(line);
-            }
-        });
-        let mut server = Server { child, port: 0, log };
-        match rx.recv_timeout(Duration::from_secs(300)) {
-            Ok(Some(port)) => server.port = port,
-            _ => panic!("the server did not report its port:\n{}", server.log()),
-        }
-        let deadline = Instant::now() + Duration::from_secs(300);
-        while http_get(server.port, "/health").map(|r| r.0) != Some(200) {
-            assert!(Instant::now() < deadline, "never healthy:\n{}", server.log());
-            assert!(
-                server.child.try_wait().unwrap().is_none(),
-                "server exited:\n{}",
-                server.log()
-            );
-            std::thread::sleep(Duration::from_millis(200));
-        }
-        server
-    }
-
-    fn log(&self) -> String {
-        self.log.lock().unwrap().join("\n")
-    }
-
-    /// `vllm:generation_tokens_total`, summed over its label sets.
-    fn generation_tokens(&self) -> f64 {
-        let (status, text) = http_get(self.port, "/metrics").expect("/metrics answers");
-        assert_eq!(status, 200);
-        text.lines()
-            .filter(|l| l.starts_with("vllm:generation_tokens_total"))
-            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-            .sum()
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
+/// Runs `cmd`, asserts that it succeeds and returns its stdout.
+fn succeed(cmd: &mut Command) -> String {
+    let out = cmd.output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    stdout
 }
 
 /// Every line vLLM's result block prints for `--percentile-metrics ttft,tpot,itl,e2el
@@ -199,19 +122,20 @@ fn numbers(v: &Value, key: &str) -> Vec<f64> {
 #[test]
 fn synthetic_vision_against_kvlens_serve() {
     let dir = work_dir("kvlens");
-    let ckpt = tiny_checkpoint(&dir);
-    let server = Server::start(&ckpt);
-    let before = server.generation_tokens();
+    let ckpt = checkpoint();
+    let server = Server::start(ckpt, &[]);
+    server.wait_ready();
+    let before = generation_tokens(&server);
     let (result, plot) = (dir.join("result.json"), dir.join("memory.png"));
     let out = kvlens()
         .args([
             "bench",
             "serve",
             "--base-url",
-            &format!("http://127.0.0.1:{}", server.port),
+            &format!("http://127.0.0.1:{}", server.port()),
         ])
         .args(["--model", "tiny", "--tokenizer"])
-        .arg(&ckpt)
+        .arg(ckpt)
         .args([
             "--dataset-name",
             "synthetic-vision",
@@ -221,12 +145,7 @@ fn synthetic_vision_against_kvlens_serve() {
             "8",
         ])
         .args(["--output-len", "16", "--ignore-eos", "--seed", "0"])
-        .args([
-            "--percentile-metrics",
-            "ttft,tpot,itl,e2el",
-            "--metric-percentiles",
-            "50,90,99",
-        ])
+        .args(PERCENTILES)
         // The initial test request would add its own tokens to the server's counter.
         .args(["--ready-check-timeout-sec", "0", "--memory-interval-ms", "100"])
         .args(["--save-result", "--result-filename"])
@@ -243,7 +162,7 @@ fn synthetic_vision_against_kvlens_serve() {
     assert_result_block(&stdout);
     assert_eq!(value_after(&stdout, "Successful requests:"), "24");
     assert_eq!(value_after(&stdout, "Failed requests:"), "0");
-    let after = server.generation_tokens();
+    let after = generation_tokens(&server);
 
     let r = read_json(&result);
     assert_eq!(r["completed"], 24);
@@ -374,7 +293,7 @@ impl Mock {
 #[test]
 fn jsonl_against_a_server_without_v1_memory() {
     let dir = work_dir("mock");
-    let ckpt = tiny_checkpoint(&dir);
+    let ckpt = checkpoint();
     image::RgbImage::from_pixel(64, 48, image::Rgb([200, 30, 30]))
         .save(dir.join("red.png"))
         .unwrap();
@@ -383,35 +302,24 @@ fn jsonl_against_a_server_without_v1_memory() {
     std::fs::write(dir.join("requests.jsonl"), lines).unwrap();
     let mock = Mock::start();
     let (result, plot) = (dir.join("result.json"), dir.join("memory.svg"));
-    let out = kvlens()
-        .args(["bench", "serve", "--port", &mock.port.to_string(), "--tokenizer"])
-        .arg(&ckpt)
-        .args(["--dataset-name", "jsonl", "--dataset-path"])
-        .arg(dir.join("requests.jsonl"))
-        .args(["--num-prompts", "5", "--request-rate", "50", "--max-concurrency", "2"])
-        .args([
-            "--percentile-metrics",
-            "ttft,tpot,itl,e2el",
-            "--metric-percentiles",
-            "50,90,99",
-        ])
-        .args([
-            "--goodput",
-            "ttft:10000",
-            "e2el:10000",
-            "--save-result",
-            "--result-filename",
-        ])
-        .arg(&result)
-        .arg("--plot")
-        .arg(&plot)
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
+    let stdout = succeed(
+        kvlens()
+            .args(["bench", "serve", "--port", &mock.port.to_string(), "--tokenizer"])
+            .arg(ckpt)
+            .args(["--dataset-name", "jsonl", "--dataset-path"])
+            .arg(dir.join("requests.jsonl"))
+            .args(["--num-prompts", "5", "--request-rate", "50", "--max-concurrency", "2"])
+            .args(PERCENTILES)
+            .args([
+                "--goodput",
+                "ttft:10000",
+                "e2el:10000",
+                "--save-result",
+                "--result-filename",
+            ])
+            .arg(&result)
+            .arg("--plot")
+            .arg(&plot),
     );
     println!("{stdout}");
     assert!(stdout.contains("Model not specified, fetching first model from server..."));
@@ -459,41 +367,35 @@ fn jsonl_against_a_server_without_v1_memory() {
     assert_eq!(r["max_concurrency"], 2);
 
     // vLLM's random dataset: prompts of --random-input-len tokens, sent all at once.
-    let out = kvlens()
-        .args([
-            "bench",
-            "serve",
-            "--port",
-            &mock.port.to_string(),
-            "--model",
-            "m",
-            "--tokenizer",
-        ])
-        .arg(&ckpt)
-        .args([
-            "--dataset-name",
-            "random",
-            "--random-input-len",
-            "40",
-            "--num-prompts",
-            "3",
-        ])
-        .args([
-            "--output-len",
-            "4",
-            "--ready-check-timeout-sec",
-            "0",
-            "--save-result",
-            "--result-filename",
-        ])
-        .arg(&result)
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
+    let stdout = succeed(
+        kvlens()
+            .args([
+                "bench",
+                "serve",
+                "--port",
+                &mock.port.to_string(),
+                "--model",
+                "m",
+                "--tokenizer",
+            ])
+            .arg(ckpt)
+            .args([
+                "--dataset-name",
+                "random",
+                "--random-input-len",
+                "40",
+                "--num-prompts",
+                "3",
+            ])
+            .args([
+                "--output-len",
+                "4",
+                "--ready-check-timeout-sec",
+                "0",
+                "--save-result",
+                "--result-filename",
+            ])
+            .arg(&result),
     );
     assert!(stdout.contains("Traffic request rate: inf\n"));
     assert!(!stdout.contains("Request rate configured"));

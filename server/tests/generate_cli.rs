@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::{fixture, kvlens, root, tiny_checkpoint};
+use common::{fixture, kvlens, root, scratch, tiny_checkpoint};
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 use std::process::Output;
@@ -17,7 +17,7 @@ fn checkpoint() -> &'static Path {
 
 /// A copy of the checkpoint with one file replaced (or removed with `None`).
 fn altered(name: &str, file: &str, contents: Option<Vec<u8>>) -> PathBuf {
-    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("generate-cli-{name}"));
+    let dir = scratch(&format!("generate-cli-{name}"));
     std::fs::create_dir_all(&dir).unwrap();
     for entry in std::fs::read_dir(checkpoint()).unwrap() {
         let entry = entry.unwrap();
@@ -96,7 +96,7 @@ fn a_warm_engine_reuses_prefix_and_encoder_caches() {
 
 #[test]
 fn bad_checkpoints_are_one_line_errors() {
-    let empty = Path::new(env!("CARGO_TARGET_TMPDIR")).join("generate-cli-empty");
+    let empty = scratch("generate-cli-empty");
     std::fs::create_dir_all(&empty).unwrap();
     assert_usage_error(&generate(&empty, &["--prompt", "hi"]), "no config.json");
 
@@ -131,7 +131,7 @@ fn bad_images_and_prompts_are_one_line_errors() {
         &generate(ckpt, &["--prompt", "hi", "--image", text_file]),
         "not a PNG or JPEG",
     );
-    let empty = Path::new(env!("CARGO_TARGET_TMPDIR")).join("generate-cli-empty.png");
+    let empty = scratch("generate-cli-empty.png");
     std::fs::write(&empty, b"").unwrap();
     assert_usage_error(
         &generate(ckpt, &["--prompt", "hi", "--image", empty.to_str().unwrap()]),

@@ -6,13 +6,11 @@
 
 mod common;
 
-use common::{fixture, tiny_checkpoint};
+use common::{fixture, http, scratch, send, tiny_checkpoint, Server};
 use serde_json::{json, Value};
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::TcpStream;
+use std::io::Read;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitStatus, Stdio};
-use std::sync::{mpsc, Arc, Mutex, OnceLock};
+use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 fn checkpoint() -> &'static Path {
@@ -40,198 +38,18 @@ fn base64(data: &[u8]) -> String {
     out
 }
 
-/// An HTTP answer.
-#[derive(Debug)]
-struct Reply {
-    status: u16,
-    head: String,
-    body: Vec<u8>,
+/// `kvlens serve` on the tiny checkpoint (served as `tiny`) without a playground directory.
+fn serve(extra: &[&str]) -> Server {
+    let no_playground = scratch("serve-http-no-playground");
+    let mut args = vec!["--playground-dir", no_playground.to_str().unwrap()];
+    args.extend_from_slice(extra);
+    Server::start(checkpoint(), &args)
 }
 
-impl Reply {
-    fn text(&self) -> String {
-        String::from_utf8_lossy(&self.body).into_owned()
-    }
-
-    fn json(&self) -> Value {
-        serde_json::from_slice(&self.body).unwrap_or_else(|e| panic!("{e}: {} {}", self.status, self.text()))
-    }
-
-    /// The `data:` payloads of a Server-Sent Events body.
-    fn events(&self) -> Vec<String> {
-        self.text()
-            .lines()
-            .filter_map(|l| l.strip_prefix("data: "))
-            .map(str::to_string)
-            .collect()
-    }
-
-    /// Asserts OpenAI's error shape with this status.
-    fn assert_error(&self, status: u16, what: &str) {
-        assert_eq!(self.status, status, "{what}: {}", self.text());
-        let e = &self.json()["error"];
-        assert_eq!(e["code"], status, "{what}: {e}");
-        assert!(e["message"].as_str().is_some_and(|m| !m.is_empty()), "{what}: {e}");
-        assert!(e["type"].as_str().is_some_and(|t| !t.is_empty()), "{what}: {e}");
-    }
-}
-
-/// Decodes a chunked transfer-encoded body.
-fn dechunk(mut data: &[u8]) -> Vec<u8> {
-    let mut out = Vec::new();
-    while let Some(eol) = data.windows(2).position(|w| w == b"\r\n") {
-        let size = std::str::from_utf8(&data[..eol])
-            .unwrap()
-            .split(';')
-            .next()
-            .unwrap()
-            .trim();
-        let size = usize::from_str_radix(size, 16).unwrap();
-        data = &data[eol + 2..];
-        if size == 0 {
-            break;
-        }
-        out.extend_from_slice(&data[..size]);
-        data = &data[size + 2..];
-    }
-    out
-}
-
-/// Opens a connection and writes one request (`Connection: close`).
-fn send(port: u16, method: &str, path: &str, headers: &[(&str, &str)], body: &[u8]) -> TcpStream {
-    let mut s = TcpStream::connect(("127.0.0.1", port)).expect("the port accepts connections");
-    s.set_read_timeout(Some(Duration::from_secs(300))).unwrap();
-    let mut head = format!(
-        "{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\nContent-Length: {}\r\n",
-        body.len()
-    );
-    if !body.is_empty() {
-        head.push_str("Content-Type: application/json\r\n");
-    }
-    for (k, v) in headers {
-        head.push_str(&format!("{k}: {v}\r\n"));
-    }
-    head.push_str("\r\n");
-    s.write_all(head.as_bytes()).unwrap();
-    s.write_all(body).unwrap();
-    s
-}
-
-/// One request, read to the end of the answer.
-fn http(port: u16, method: &str, path: &str, headers: &[(&str, &str)], body: &[u8]) -> Reply {
-    let mut raw = Vec::new();
-    send(port, method, path, headers, body).read_to_end(&mut raw).unwrap();
-    let split = raw
-        .windows(4)
-        .position(|w| w == b"\r\n\r\n")
-        .unwrap_or_else(|| panic!("no complete head in {:?}", String::from_utf8_lossy(&raw)));
-    let head = String::from_utf8_lossy(&raw[..split]).into_owned();
-    let status = head.split_whitespace().nth(1).unwrap().parse().unwrap();
-    let mut body = raw[split + 4..].to_vec();
-    if head.to_ascii_lowercase().contains("transfer-encoding: chunked") {
-        body = dechunk(&body);
-    }
-    Reply { status, head, body }
-}
-
-/// `kvlens serve` as a child process, killed on drop.
-struct Server {
-    child: Child,
-    port: u16,
-    log: Arc<Mutex<String>>,
-}
-
-impl Server {
-    /// Starts the server on a free port and returns once it has printed the port.
-    fn start(extra: &[&str]) -> Server {
-        let no_playground = Path::new(env!("CARGO_TARGET_TMPDIR")).join("serve-http-no-playground");
-        let mut child = Command::new(env!("CARGO_BIN_EXE_kvlens"))
-            .arg("serve")
-            .arg("--model")
-            .arg(checkpoint())
-            .args(["--served-model-name", "tiny", "--port", "0", "--cpu-memory-gib", "1"])
-            .arg("--playground-dir")
-            .arg(no_playground)
-            .args(extra)
-            .env_remove("KVLENS_API_KEY")
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("kvlens serve starts");
-        let stderr = child.stderr.take().unwrap();
-        let log = Arc::new(Mutex::new(String::new()));
-        let (tx, rx) = mpsc::channel();
-        let sink = log.clone();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-                if let Some(port) = line.split("Starting vLLM API server on http://127.0.0.1:").nth(1) {
-                    let _ = tx.send(port.trim().parse::<u16>().unwrap());
-                }
-                let mut log = sink.lock().unwrap();
-                log.push_str(&line);
-                log.push('\n');
-            }
-        });
-        let port = rx
-            .recv_timeout(Duration::from_secs(120))
-            .unwrap_or_else(|_| panic!("no start-up line:\n{}", log.lock().unwrap()));
-        Server { child, port, log }
-    }
-
-    fn log(&self) -> String {
-        self.log.lock().unwrap().clone()
-    }
-
-    fn wait_ready(&self) {
-        let deadline = Instant::now() + Duration::from_secs(300);
-        while self.get("/health").status != 200 {
-            assert!(Instant::now() < deadline, "never healthy:\n{}", self.log());
-            assert!(self.child_running(), "the server exited:\n{}", self.log());
-            std::thread::sleep(Duration::from_millis(100));
-        }
-    }
-
-    fn child_running(&self) -> bool {
-        Command::new("kill")
-            .args(["-0", &self.child.id().to_string()])
-            .status()
-            .is_ok_and(|s| s.success())
-    }
-
-    fn get(&self, path: &str) -> Reply {
-        http(self.port, "GET", path, &[], b"")
-    }
-
-    fn post(&self, path: &str, body: &Value) -> Reply {
-        http(self.port, "POST", path, &[], body.to_string().as_bytes())
-    }
-
-    fn memory(&self) -> Value {
-        let r = self.get("/v1/memory");
-        assert_eq!(r.status, 200, "{}", r.text());
-        r.json()
-    }
-
-    /// Sends SIGTERM and waits for the exit.
-    fn terminate(mut self) -> ExitStatus {
-        let pid = self.child.id().to_string();
-        assert!(Command::new("kill").args(["-TERM", &pid]).status().unwrap().success());
-        let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
-            if let Some(status) = self.child.try_wait().unwrap() {
-                return status;
-            }
-            assert!(Instant::now() < deadline, "no exit 30 s after SIGTERM:\n{}", self.log());
-            std::thread::sleep(Duration::from_millis(50));
-        }
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
+fn memory(server: &Server) -> Value {
+    let r = server.get("/v1/memory");
+    assert_eq!(r.status, 200, "{}", r.text());
+    r.json()
 }
 
 fn image_url() -> String {
@@ -406,14 +224,14 @@ fn bad_inputs(server: &Server) {
         ("n > 1", with("n", json!(2))),
     ];
     for (what, body) in cases {
-        http(server.port, "POST", "/v1/chat/completions", &[], &body).assert_error(400, what);
+        http(server.port(), "POST", "/v1/chat/completions", &[], &body).assert_error(400, what);
         let ok = server.post("/v1/chat/completions", &good);
         assert_eq!(ok.status, 200, "after {what}: {}", ok.text());
     }
     let mut huge = b"{\"pad\": \"".to_vec();
     huge.resize(65 << 20, b'x');
     huge.extend_from_slice(b"\"}");
-    http(server.port, "POST", "/v1/chat/completions", &[], &huge).assert_error(413, "oversized body");
+    http(server.port(), "POST", "/v1/chat/completions", &[], &huge).assert_error(413, "oversized body");
     server.get("/v1/no-such-route").assert_error(404, "unknown route");
     assert_eq!(server.post("/v1/chat/completions", &good).status, 200);
 }
@@ -423,7 +241,7 @@ fn disconnect_frees_blocks(server: &Server) {
     let body = json!({"model": "tiny", "messages": [{"role": "user", "content": "Tell me a long story."}],
                       "max_tokens": 2000, "temperature": 0, "ignore_eos": true, "stream": true});
     let mut s = send(
-        server.port,
+        server.port(),
         "POST",
         "/v1/chat/completions",
         &[],
@@ -436,12 +254,12 @@ fn disconnect_frees_blocks(server: &Server) {
         assert!(n > 0, "the stream ended early: {}", String::from_utf8_lossy(&seen));
         seen.extend_from_slice(&buf[..n]);
     }
-    let during = server.memory();
+    let during = memory(server);
     assert!(during["kv"]["num_in_use"].as_u64().unwrap() > 0, "{}", during["kv"]);
     drop(s);
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
-        let m = server.memory();
+        let m = memory(server);
         if m["kv"]["num_in_use"] == 0 && m["num_running"] == 0 && m["num_waiting"] == 0 {
             let generated = m["counters"]["generated_tokens"].as_u64().unwrap()
                 - during["counters"]["generated_tokens"].as_u64().unwrap();
@@ -465,7 +283,7 @@ fn ledger(m: &Value, category: &str) -> u64 {
 
 /// `/reset_mm_cache` clears the processor cache only; `/reset_encoder_cache` returns the bytes.
 fn resets(server: &Server) {
-    let before = server.memory();
+    let before = memory(server);
     let encoder = ledger(&before, "encoder_cache");
     assert!(
         encoder > 0,
@@ -475,7 +293,7 @@ fn resets(server: &Server) {
     let r = server.post("/reset_mm_cache", &json!({}));
     assert_eq!(r.status, 200, "{}", r.text());
     assert!(r.json()["freed_bytes"].as_u64().unwrap() > 0);
-    let after = server.memory();
+    let after = memory(server);
     assert_eq!(after["processor_cache"]["bytes_used"], 0);
     assert_eq!(ledger(&after, "encoder_cache"), encoder);
     let r = server.post("/reset_encoder_cache", &json!({}));
@@ -483,7 +301,7 @@ fn resets(server: &Server) {
     let v = r.json();
     assert_eq!(v["freed_bytes"].as_u64(), Some(encoder));
     assert_eq!(v["encoder_cache_bytes"], 0);
-    assert_eq!(ledger(&server.memory(), "encoder_cache"), 0);
+    assert_eq!(ledger(&memory(server), "encoder_cache"), 0);
     assert_eq!(server.post("/reset_prefix_cache", &json!({})).status, 200);
 }
 
@@ -525,7 +343,7 @@ fn metrics(server: &Server) {
 
 /// The memory stream sends a snapshot as soon as it connects.
 fn memory_stream(server: &Server) {
-    let mut s = send(server.port, "GET", "/v1/memory/stream", &[], b"");
+    let mut s = send(server.port(), "GET", "/v1/memory/stream", &[], b"");
     let mut seen = String::new();
     let mut buf = [0u8; 65536];
     let event = loop {
@@ -544,7 +362,7 @@ fn memory_stream(server: &Server) {
 
 #[test]
 fn serves_the_openai_api_and_frees_memory() {
-    let server = Server::start(&["--limit-mm-per-prompt", "image=2"]);
+    let server = serve(&["--limit-mm-per-prompt", "image=2"]);
     // The port answers at once; the model is still loading.
     server.get("/health").assert_error(503, "health while loading");
     server.wait_ready();
@@ -572,13 +390,13 @@ fn serves_the_openai_api_and_frees_memory() {
     memory_stream(&server);
 
     let log = server.log();
-    let status = server.terminate();
+    let status = server.stop("TERM");
     assert_eq!(status.code(), Some(0), "{log}");
 }
 
 #[test]
 fn api_key_guards_the_api_and_vllm_only_flags_are_ignored() {
-    let server = Server::start(&[
+    let server = serve(&[
         "--api-key",
         "sesame",
         "--tensor-parallel-size",
@@ -591,7 +409,7 @@ fn api_key_guards_the_api_and_vllm_only_flags_are_ignored() {
     for flag in ["--tensor-parallel-size 1", "--enforce-eager", "--swap-space=4"] {
         assert!(log.contains(&format!("WARNING {flag}: a vLLM flag")), "{flag}:\n{log}");
     }
-    let port = server.port;
+    let port = server.port();
     let chat = json!({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
                       "temperature": 0})
     .to_string();
@@ -608,5 +426,5 @@ fn api_key_guards_the_api_and_vllm_only_flags_are_ignored() {
     assert_eq!(http(port, "POST", "/reset_prefix_cache", &key, b"").status, 200);
     assert_eq!(server.get("/health").status, 200, "health needs no key");
     assert_eq!(server.get("/metrics").status, 200, "metrics need no key");
-    assert_eq!(server.terminate().code(), Some(0));
+    assert_eq!(server.stop("TERM").code(), Some(0));
 }

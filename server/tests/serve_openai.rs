@@ -3,7 +3,10 @@
 //! sharing 4 images, disconnects and bad input, and `/reset_encoder_cache`. `cargo xtask test`
 //! installs the client venv and exports `KVLENS_CLIENT_PYTHON`.
 
-use std::path::{Path, PathBuf};
+mod common;
+
+use common::{root, scratch};
+use std::path::PathBuf;
 use std::process::Command;
 
 fn client_python() -> PathBuf {
@@ -22,10 +25,9 @@ fn client_python() -> PathBuf {
 }
 
 fn suite(check: &str) {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-    let work = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("serve-openai-{check}"));
+    let work = scratch(&format!("serve-openai-{check}"));
     let out = Command::new(client_python())
-        .arg(root.join("tools/serve_tests/openai_suite.py"))
+        .arg(root().join("tools/serve_tests/openai_suite.py"))
         .args(["--kvlens", env!("CARGO_BIN_EXE_kvlens"), "--work"])
         .arg(&work)
         .args(["--only", check])

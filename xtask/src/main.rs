@@ -104,10 +104,23 @@ const CLIENT_PACKAGES: &[&str] = &["openai==3.54.0", "pillow==13.0.0"];
 /// The Python of the client venv (`~/.cache/kvlens/client-venv`), created and filled when missing;
 /// exported as `KVLENS_CLIENT_PYTHON` for the server tests.
 fn ensure_client_python() -> Result<PathBuf> {
-    let venv = cache_dir().join("client-venv");
+    let python = ensure_venv(
+        "client-venv",
+        "import openai, PIL; assert openai.__version__ == '3.54.0'",
+        CLIENT_PACKAGES,
+        false,
+    )?;
+    env::set_var("KVLENS_CLIENT_PYTHON", &python);
+    Ok(python)
+}
+
+/// The Python of the venv `~/.cache/kvlens/NAME`: when `check_code` fails there, creates the venv
+/// if it is missing and pip-installs `packages` (quietly and pinned, or with `--upgrade`).
+fn ensure_venv(name: &str, check_code: &str, packages: &[&str], upgrade: bool) -> Result<PathBuf> {
+    let venv = cache_dir().join(name);
     let python = venv.join("bin").join("python");
     let ready = Command::new(&python)
-        .args(["-c", "import openai, PIL; assert openai.__version__ == '3.54.0'"])
+        .args(["-c", check_code])
         .output()
         .map(|o| o.status.success())
         .unwrap_or(false);
@@ -115,9 +128,10 @@ fn ensure_client_python() -> Result<PathBuf> {
         if !python.exists() {
             run(Command::new("python3").args(["-m", "venv"]).arg(&venv))?;
         }
-        run(Command::new(&python).args(["-m", "pip", "install", "--quiet"]).args(CLIENT_PACKAGES))?;
+        run(Command::new(&python)
+            .args(["-m", "pip", "install", if upgrade { "--upgrade" } else { "--quiet" }])
+            .args(packages))?;
     }
-    env::set_var("KVLENS_CLIENT_PYTHON", &python);
     Ok(python)
 }
 
@@ -248,22 +262,12 @@ const GOLDEN_PACKAGES: &[&str] = &["torch", "transformers", "safetensors", "pill
 /// The Python of the reference venv (`~/.cache/kvlens/golden-venv`: torch, transformers, …),
 /// created and filled when missing.
 fn reference_python() -> Result<PathBuf> {
-    let venv = cache_dir().join("golden-venv");
-    let python = venv.join("bin").join("python");
-    let ready = Command::new(&python)
-        .args(["-c", "import torch, transformers, safetensors, PIL, numpy, torchvision"])
-        .output()
-        .map(|o| o.status.success())
-        .unwrap_or(false);
-    if !ready {
-        if !python.exists() {
-            run(Command::new("python3").args(["-m", "venv"]).arg(&venv))?;
-        }
-        run(Command::new(&python)
-            .args(["-m", "pip", "install", "--upgrade"])
-            .args(GOLDEN_PACKAGES))?;
-    }
-    Ok(python)
+    ensure_venv(
+        "golden-venv",
+        "import torch, transformers, safetensors, PIL, numpy, torchvision",
+        GOLDEN_PACKAGES,
+        true,
+    )
 }
 
 fn target_dir() -> PathBuf {
