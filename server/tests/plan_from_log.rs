@@ -1,4 +1,7 @@
-//! `kvlens plan --from-log` on the three sample vLLM / vllm-ascend logs.
+//! `kvlens plan --from-log` on the three sample vLLM / vllm-ascend logs, and on `kvlens serve`'s own
+//! start-up log.
+
+mod common;
 
 use serde_json::Value;
 use std::process::Command;
@@ -162,4 +165,51 @@ fn arbitrary_text_is_not_an_error() {
         .unwrap();
     assert_eq!(missing.status.code(), Some(2));
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_kvlens_serve_log_rebuilds_the_budget_the_server_measured() {
+    let ckpt = common::tiny_checkpoint("plan-from-log-ckpt");
+    let server = common::Server::start(&ckpt, &["--cpu-memory-gib", "2", "--max-model-len", "2048"]);
+    server.wait_ready();
+    let info = server.get("/server_info").json();
+    let log = server.log();
+    assert!(server.stop("INT").success());
+    let path = common::scratch("kvlens-serve.log");
+    std::fs::write(&path, &log).unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_kvlens"))
+        .args([
+            "plan",
+            "--json",
+            "--from-log",
+            path.to_str().unwrap(),
+            "--model",
+            ckpt.to_str().unwrap(),
+        ])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["format"], "new");
+    assert!(all_checks_ok(&v), "{:#}\n{log}", v["checks"]);
+    let (p, served) = (&v["plan"], &info["plan"]);
+    assert_eq!(p["device"], "cpu");
+    assert_eq!(p["total_bytes"], served["total_bytes"]);
+    for key in [
+        "max_model_len",
+        "max_num_batched_tokens",
+        "max_num_seqs",
+        "block_size",
+        "encoder_budget_tokens",
+    ] {
+        assert_eq!(p[key], served[key], "{key}");
+    }
+    assert_eq!(p["weights_source"], "from_log");
+    assert_eq!(p["activation_peak_source"], "from_log");
+    // The log prints GiB with two decimals: the rebuilt KV cache is within that rounding.
+    let (rebuilt, measured) = (
+        p["kv_cache_tokens"].as_f64().unwrap(),
+        served["kv_cache_tokens"].as_f64().unwrap(),
+    );
+    assert!((rebuilt - measured).abs() / measured < 0.01, "{rebuilt} vs {measured}");
 }

@@ -78,8 +78,10 @@ class Server:
         else:
             raise AssertionError("server never became healthy")
         self.client = openai.OpenAI(base_url=self.base + "/v1", api_key="unused", max_retries=0, timeout=600)
-        self.aclient = openai.AsyncOpenAI(base_url=self.base + "/v1", api_key="unused", max_retries=0,
-                                          timeout=600)
+
+    def aclient(self) -> openai.AsyncOpenAI:
+        """An async client for one `asyncio.run` (its connections belong to that event loop)."""
+        return openai.AsyncOpenAI(base_url=self.base + "/v1", api_key="unused", max_retries=0, timeout=600)
 
     def http(self, method: str, path: str, body: bytes | None = None,
              headers: dict[str, str] | None = None) -> tuple[int, bytes]:
@@ -183,7 +185,8 @@ def check_openai_basics(kvlens: str, work: Path) -> None:
     with Server(kvlens, checkpoint(kvlens, "qwen3_vl", work), "tiny-qwen3") as s:
         models = s.client.models.list()
         assert [m.id for m in models.data] == ["tiny-qwen3"], models
-        msgs = image_message(png_url(noise_image(1)), "Describe this image.")
+        # 256×256 fits the checkpoint's 65,536-pixel limit: 16×16 patches, 8×8 = 64 image tokens.
+        msgs = image_message(png_url(noise_image(1, 256, 256)), "Describe this image.")
         extra = {"return_token_ids": True, "ignore_eos": True}
         r = s.client.chat.completions.create(model="tiny-qwen3", messages=msgs, max_tokens=9, temperature=0,
                                              extra_body=extra)
@@ -192,7 +195,11 @@ def check_openai_basics(kvlens: str, work: Path) -> None:
         assert r.usage.prompt_tokens == len(d["prompt_token_ids"]), d["usage"]
         assert r.usage.completion_tokens == len(d["choices"][0]["token_ids"]) == 9, d["usage"]
         assert r.usage.total_tokens == r.usage.prompt_tokens + 9
-        assert r.usage.prompt_tokens > 64, "the image's placeholder tokens count as prompt tokens"
+        text_only = s.client.chat.completions.create(
+            model="tiny-qwen3", messages=[{"role": "user", "content": [{"type": "text", "text": "Describe this image."}]}],
+            max_tokens=1, temperature=0)
+        # The image adds <|vision_start|>, 64 × <|image_pad|> and <|vision_end|>.
+        assert r.usage.prompt_tokens - text_only.usage.prompt_tokens == 66, (r.usage, text_only.usage)
 
         stream = s.client.chat.completions.create(model="tiny-qwen3", messages=msgs, max_tokens=9, temperature=0,
                                                   stream=True, stream_options={"include_usage": True},
@@ -253,7 +260,8 @@ def check_golden_batching(kvlens: str, work: Path) -> None:
             cases = [fx["cases"][i % len(fx["cases"])] for i in range(16)]
 
             async def burst() -> list[dict]:
-                rs = await asyncio.gather(*(s.aclient.chat.completions.create(**ask(c)) for c in cases))
+                async with s.aclient() as ac:
+                    rs = await asyncio.gather(*(ac.chat.completions.create(**ask(c)) for c in cases))
                 return [r.model_dump() for r in rs]
 
             for case, d in zip(cases, asyncio.run(burst())):
@@ -268,14 +276,15 @@ def check_concurrency(kvlens: str, work: Path) -> None:
         before = s.memory()["counters"]["vision_runs"]
         urls = [png_url(noise_image(100 + i, 64 + 16 * i, 64)) for i in range(4)]
 
-        def req(i: int):
+        def req(ac: openai.AsyncOpenAI, i: int):
             msgs = (image_message(urls[(i // 2) % 4], f"Question {i}: what is shown?") if i % 2 == 0
                     else [{"role": "user", "content": f"Question {i}: tell me about caches."}])
-            return s.aclient.chat.completions.create(model="tiny", messages=msgs, max_tokens=6, temperature=0.7,
-                                                     seed=i, extra_body={"ignore_eos": True})
+            return ac.chat.completions.create(model="tiny", messages=msgs, max_tokens=6, temperature=0.7,
+                                              seed=i, extra_body={"ignore_eos": True})
 
         async def burst():
-            return await asyncio.gather(*(req(i) for i in range(64)))
+            async with s.aclient() as ac:
+                return await asyncio.gather(*(req(ac, i) for i in range(64)))
 
         results = asyncio.run(burst())
         assert len(results) == 64 and all(r.usage.completion_tokens == 6 for r in results)
@@ -313,16 +322,17 @@ def check_faults(kvlens: str, work: Path) -> None:
     code and the server keeps serving."""
     with Server(kvlens, checkpoint(kvlens, "qwen3_vl", work), "tiny", "--limit-mm-per-prompt",
                 '{"image": 2}', "--max-model-len", "2048") as s:
-        async def hang_up(i: int) -> None:
+        async def hang_up(ac: openai.AsyncOpenAI, i: int) -> None:
             msgs = image_message(png_url(noise_image(200 + i)), "Describe it at length.")
-            stream = await s.aclient.chat.completions.create(model="tiny", messages=msgs, max_tokens=500,
-                                                             stream=True, extra_body={"ignore_eos": True})
+            stream = await ac.chat.completions.create(model="tiny", messages=msgs, max_tokens=500,
+                                                      stream=True, extra_body={"ignore_eos": True})
             async for _ in stream:
                 break
             await stream.close()
 
         async def hang_ups():
-            await asyncio.gather(*(hang_up(i) for i in range(20)))
+            async with s.aclient() as ac:
+                await asyncio.gather(*(hang_up(ac, i) for i in range(20)))
 
         asyncio.run(hang_ups())
         mem = wait_idle(s)
@@ -360,9 +370,10 @@ def check_reset_encoder_cache(kvlens: str, work: Path) -> dict:
     """/reset_mm_cache leaves the encoder cache's bytes where they are; /reset_encoder_cache returns them."""
     with Server(kvlens, checkpoint(kvlens, "qwen3_vl", work), "tiny") as s:
         async def burst():
-            return await asyncio.gather(*(s.aclient.chat.completions.create(
-                model="tiny", messages=image_message(png_url(noise_image(300 + i, 128, 96)), "Describe."),
-                max_tokens=4, extra_body={"ignore_eos": True}) for i in range(8)))
+            async with s.aclient() as ac:
+                return await asyncio.gather(*(ac.chat.completions.create(
+                    model="tiny", messages=image_message(png_url(noise_image(300 + i, 128, 96)), "Describe."),
+                    max_tokens=4, extra_body={"ignore_eos": True}) for i in range(8)))
 
         asyncio.run(burst())
         after_burst = ledger(wait_idle(s))

@@ -5,8 +5,9 @@ use crate::startup::EngineArgs;
 use std::ffi::OsString;
 use std::path::PathBuf;
 
-/// Flags of `kvlens serve`.
+/// Flags of `kvlens serve`. A flag given twice keeps its last value, as vLLM's argparse does.
 #[derive(Debug, Clone, clap::Args, serde::Serialize)]
+#[command(args_override_self = true)]
 pub struct ServeArgs {
     /// The checkpoint, as `vllm serve MODEL` takes it (same as --model).
     #[arg(value_name = "MODEL", conflicts_with = "model")]
