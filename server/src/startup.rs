@@ -201,12 +201,13 @@ fn apply_processor_kwargs(limits: &mut ImageLimits, json: &str) -> Result<()> {
     Ok(())
 }
 
-/// The patch grid of the largest image the processor can produce: as close to square as the
-/// token budget allows (vLLM profiles the "image with most features").
+/// The patch grid of an image with exactly `max_tokens` tokens (the most `smart_resize` can give
+/// under `max_pixels`), as close to square as the count allows: vLLM profiles the "image with most
+/// features", and no real image can have more tokens than this one.
 fn largest_image_grid(max_tokens: usize, merge: usize) -> [usize; 3] {
-    let a = (max_tokens as f64).sqrt().floor().max(1.0) as usize;
-    let b = (max_tokens / a).max(1);
-    [1, a * merge, b * merge]
+    let t = max_tokens.max(1);
+    let a = (1..=t.isqrt()).rev().find(|a| t.is_multiple_of(*a)).unwrap_or(1);
+    [1, a * merge, t / a * merge]
 }
 
 /// Loads, profiles and sizes the engine; prints vLLM's start-up lines to stderr.
@@ -364,11 +365,10 @@ mod tests {
     use super::*;
 
     #[test]
-    fn largest_grid_holds_the_token_budget_in_whole_merge_blocks() {
+    fn largest_grid_has_exactly_the_token_budget() {
         assert_eq!(largest_image_grid(16_384, 2), [1, 256, 256]);
-        let g = largest_image_grid(1_000, 2);
-        let tokens = g[1] * g[2] / 4;
-        assert!((960..=1_000).contains(&tokens), "{g:?} gives {tokens} tokens");
+        assert_eq!(largest_image_grid(1_000, 2), [1, 50, 80]);
+        assert_eq!(largest_image_grid(997, 2), [1, 2, 1994]);
         assert_eq!(largest_image_grid(1, 2), [1, 2, 2]);
     }
 

@@ -148,6 +148,7 @@ fn synthetic_vision_against_kvlens_serve() {
         .args(PERCENTILES)
         // The initial test request would add its own tokens to the server's counter.
         .args(["--ready-check-timeout-sec", "0", "--memory-interval-ms", "100"])
+        .args(["--after-run-s", "1", "--reset-encoder-cache-after-run"])
         .args(["--save-result", "--result-filename"])
         .arg(&result)
         .arg("--plot")
@@ -202,6 +203,37 @@ fn synthetic_vision_against_kvlens_serve() {
     );
     assert!(samples.iter().all(|s| s["weights_bytes"].as_u64() > Some(0)));
     assert!(std::fs::metadata(&plot).unwrap().len() > 1000);
+
+    // After the run the encoder cache stays full until the benchmark resets it.
+    let events = r["timeline"]["events"].as_array().unwrap();
+    assert_eq!(events.len(), 1, "{events:?}");
+    assert_eq!(
+        (events[0]["what"].as_str(), events[0]["status"].as_u64()),
+        (Some("POST /reset_encoder_cache"), Some(200))
+    );
+    let reset_at = events[0]["t"].as_f64().unwrap();
+    let at = |before: bool| {
+        samples
+            .iter()
+            .filter(|s| (s["t"].as_f64().unwrap() < reset_at) == before)
+            .map(|s| s["encoder_cache_bytes"].as_u64().unwrap())
+            .collect::<Vec<_>>()
+    };
+    assert!(at(true).last() > Some(&0), "full after the run");
+    assert_eq!(at(false).last(), Some(&0), "empty after the reset");
+
+    // `bench plot` redraws the saved timeline.
+    let svg = dir.join("again.svg");
+    let replot = kvlens()
+        .args(["bench", "plot"])
+        .arg(&result)
+        .arg("--plot")
+        .arg(&svg)
+        .output()
+        .unwrap();
+    assert!(replot.status.success(), "{}", String::from_utf8_lossy(&replot.stderr));
+    let text = std::fs::read_to_string(&svg).unwrap();
+    assert!(text.contains("POST /reset_encoder_cache") && text.contains("encoder cache"));
 }
 
 /// A vLLM-like server on a raw socket: `/v1/models`, streaming chat completions (a ping comment,

@@ -81,9 +81,18 @@ impl Http {
 
     /// `GET path`: the status and the whole body. Fails only when the server cannot be reached.
     pub async fn get(&self, path: &str) -> Result<(StatusCode, Bytes)> {
+        self.call(Method::GET, path).await
+    }
+
+    /// `POST path` without a body (the reset endpoints), like [`Http::get`].
+    pub async fn post(&self, path: &str) -> Result<(StatusCode, Bytes)> {
+        self.call(Method::POST, path).await
+    }
+
+    async fn call(&self, method: Method, path: &str) -> Result<(StatusCode, Bytes)> {
         let resp = self
             .client
-            .request(self.request(Method::GET, path, Bytes::new())?)
+            .request(self.request(method, path, Bytes::new())?)
             .await
             .with_context(|| format!("cannot reach {}", self.url(path)))?;
         let status = resp.status();

@@ -34,6 +34,18 @@ enum BenchCommand {
     /// Benchmark a running OpenAI-compatible server as `vllm bench serve` does (streaming chat
     /// completions, Poisson/gamma arrivals), with a memory timeline when the server is kvlens.
     Serve(Box<ServeBenchArgs>),
+    /// Redraw the memory timeline of a result saved by `bench serve --save-result`.
+    Plot(PlotArgs),
+}
+
+/// Flags of `kvlens bench plot`.
+#[derive(Debug, clap::Args)]
+pub struct PlotArgs {
+    /// The result JSON.
+    result: PathBuf,
+    /// The figure to write (.svg or .png).
+    #[arg(long)]
+    plot: PathBuf,
 }
 
 /// Flags of `kvlens bench serve`, spelled as vLLM's.
@@ -112,6 +124,12 @@ pub struct ServeBenchArgs {
     /// Result JSON file name [default: openai-chat-{rate}qps[-concurrency{c}]-{model}-{date}.json].
     #[arg(long)]
     result_filename: Option<String>,
+    /// Keep sampling /v1/memory this many seconds after the last request (to see what stays allocated).
+    #[arg(long, default_value_t = 0.0)]
+    after_run_s: f64,
+    /// With --after-run-s: POST /reset_encoder_cache halfway through it (the timeline shows what it frees).
+    #[arg(long, requires = "after_run_s")]
+    reset_encoder_cache_after_run: bool,
     /// Plot the memory timeline (.svg or .png).
     #[arg(long)]
     plot: Option<PathBuf>,
@@ -124,7 +142,32 @@ pub struct ServeBenchArgs {
 pub fn run(args: &BenchArgs) -> Result<()> {
     match &args.command {
         BenchCommand::Serve(a) => bench_serve(a),
+        BenchCommand::Plot(a) => replot(a),
     }
+}
+
+fn replot(a: &PlotArgs) -> Result<()> {
+    let text =
+        std::fs::read_to_string(&a.result).map_err(|e| usage(format!("cannot read {}: {e}", a.result.display())))?;
+    let result: Value = serde_json::from_str(&text).map_err(|e| usage(format!("{}: {e}", a.result.display())))?;
+    let timeline: timeline::Timeline = result
+        .get("timeline")
+        .cloned()
+        .map(serde_json::from_value)
+        .transpose()
+        .map_err(|e| usage(format!("{}: timeline: {e}", a.result.display())))?
+        .ok_or_else(|| usage(format!("{} has no timeline", a.result.display())))?;
+    draw_timeline(&timeline, &a.plot)
+}
+
+fn draw_timeline(timeline: &timeline::Timeline, path: &Path) -> Result<()> {
+    if timeline.samples.is_empty() {
+        println!("No memory samples: {} not drawn", path.display());
+    } else {
+        plot::draw(&timeline.samples, &timeline.events, path)?;
+        println!("Memory timeline drawn to {}", path.display());
+    }
+    Ok(())
 }
 
 fn usage(msg: String) -> anyhow::Error {
@@ -190,6 +233,15 @@ fn bench_serve(a: &ServeBenchArgs) -> Result<()> {
         ready_check: Duration::from_secs(a.ready_check_timeout_sec),
         memory_interval: Duration::from_millis(a.memory_interval_ms),
         progress: !a.disable_tqdm,
+        after_run: Duration::try_from_secs_f64(a.after_run_s).map_err(|_| {
+            usage(format!(
+                "--after-run-s must be a non-negative number, got {}",
+                a.after_run_s
+            ))
+        })?,
+        after_run_post: a
+            .reset_encoder_cache_after_run
+            .then(|| "/reset_encoder_cache".to_string()),
     };
     let outcome = runtime.block_on(serve::benchmark(&http, &requests, &delays, &traffic))?;
 
@@ -228,12 +280,7 @@ fn bench_serve(a: &ServeBenchArgs) -> Result<()> {
         println!("Results saved to {}", path.display());
     }
     if let Some(path) = &a.plot {
-        if timeline.samples.is_empty() {
-            println!("No memory samples: {} not drawn", path.display());
-        } else {
-            plot::draw(&timeline.samples, path)?;
-            println!("Memory timeline drawn to {}", path.display());
-        }
+        draw_timeline(timeline, path)?;
     }
     if m.completed == 0 {
         let first = outcome

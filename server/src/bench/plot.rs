@@ -3,11 +3,12 @@
 //! licence is in `font/LICENSE-DejaVu`), so neither backend needs system font libraries; PNG is the
 //! bitmap backend's RGB buffer written by the `image` crate.
 
-use super::timeline::Sample;
+use super::timeline::{Event, Sample};
 use crate::UsageError;
 use anyhow::{anyhow, Context, Result};
 use plotters::coord::Shift;
 use plotters::prelude::*;
+use plotters::style::text_anchor::{HPos, Pos, VPos};
 use std::path::Path;
 use std::sync::OnceLock;
 
@@ -17,9 +18,9 @@ const FONT: &[u8] = include_bytes!("font/DejaVuSansMono.ttf");
 /// A plotted quantity: name, colour, value of a sample.
 type Series = (&'static str, RGBColor, fn(&Sample) -> u64);
 
-/// The stacked layers (bytes), bottom first.
-const LAYERS: [Series; 6] = [
-    ("weights", RGBColor(120, 120, 130), |s| s.weights_bytes),
+/// The stacked layers (bytes), bottom first. The weights are constant and usually dwarf the rest,
+/// so they are named in the caption instead of stacked.
+const LAYERS: [Series; 5] = [
     ("KV in use", RGBColor(31, 119, 180), |s| s.kv_in_use_bytes),
     ("KV cached-free", RGBColor(158, 202, 225), |s| s.kv_cached_free_bytes),
     ("encoder cache", RGBColor(255, 127, 14), |s| s.encoder_cache_bytes),
@@ -42,16 +43,22 @@ fn register_font() -> Result<()> {
         .ok_or_else(|| anyhow!("the embedded font does not load"))
 }
 
-/// Draws the samples into `path`; the extension picks SVG or PNG.
-pub fn draw(samples: &[Sample], path: &Path) -> Result<()> {
+/// Draws the samples (and the after-run events as vertical lines) into `path`; the extension picks
+/// SVG or PNG.
+pub fn draw(samples: &[Sample], events: &[Event], path: &Path) -> Result<()> {
     register_font()?;
     let ext = path.extension().and_then(|e| e.to_str()).map(str::to_ascii_lowercase);
     let fail = |e: String| anyhow!("drawing {}: {e}", path.display());
     match ext.as_deref() {
-        Some("svg") => chart(SVGBackend::new(path, SIZE).into_drawing_area(), samples).map_err(fail),
+        Some("svg") => chart(SVGBackend::new(path, SIZE).into_drawing_area(), samples, events).map_err(fail),
         Some("png") => {
             let mut rgb = vec![0u8; (SIZE.0 * SIZE.1 * 3) as usize];
-            chart(BitMapBackend::with_buffer(&mut rgb, SIZE).into_drawing_area(), samples).map_err(fail)?;
+            chart(
+                BitMapBackend::with_buffer(&mut rgb, SIZE).into_drawing_area(),
+                samples,
+                events,
+            )
+            .map_err(fail)?;
             image::RgbImage::from_raw(SIZE.0, SIZE.1, rgb)
                 .context("plot buffer")?
                 .save_with_format(path, image::ImageFormat::Png)
@@ -61,7 +68,7 @@ pub fn draw(samples: &[Sample], path: &Path) -> Result<()> {
     }
 }
 
-fn chart<DB: DrawingBackend>(root: DrawingArea<DB, Shift>, samples: &[Sample]) -> Result<(), String> {
+fn chart<DB: DrawingBackend>(root: DrawingArea<DB, Shift>, samples: &[Sample], events: &[Event]) -> Result<(), String> {
     let err = |e: DrawingAreaErrorKind<DB::ErrorType>| e.to_string();
     root.fill(&WHITE).map_err(err)?;
     let t_end = samples.iter().map(|s| s.t).fold(0.0, f64::max).max(1e-3);
@@ -74,8 +81,13 @@ fn chart<DB: DrawingBackend>(root: DrawingArea<DB, Shift>, samples: &[Sample]) -
     };
     let y_end = (peak as f64 / scale * 1.15).max(1e-3);
     let requests = samples.iter().map(|s| s.num_running + s.num_waiting).max().unwrap_or(0);
+    let weights = samples.iter().map(|s| s.weights_bytes).max().unwrap_or(0);
+    let caption = format!(
+        "kvlens bench serve: memory by category (weights {:.2} GiB, constant, not stacked)",
+        weights as f64 / (1u64 << 30) as f64
+    );
     let mut chart = ChartBuilder::on(&root)
-        .caption("kvlens bench serve: memory by category", ("sans-serif", 22))
+        .caption(caption, ("sans-serif", 20))
         .margin(12)
         .x_label_area_size(40)
         .y_label_area_size(70)
@@ -123,6 +135,24 @@ fn chart<DB: DrawingBackend>(root: DrawingArea<DB, Shift>, samples: &[Sample]) -
             .label(name)
             .legend(move |(x, y)| PathElement::new([(x, y), (x + 14, y)], colour.stroke_width(2)));
     }
+    for e in events {
+        chart
+            .draw_series(std::iter::once(PathElement::new(
+                [(e.t, 0.0), (e.t, y_end)],
+                RGBColor(90, 90, 90).stroke_width(2),
+            )))
+            .map_err(err)?;
+        chart
+            .draw_series(std::iter::once(Text::new(
+                format!("{} ", e.what),
+                (e.t, y_end * 0.97),
+                ("sans-serif", 14)
+                    .into_font()
+                    .color(&BLACK)
+                    .pos(Pos::new(HPos::Right, VPos::Top)),
+            )))
+            .map_err(err)?;
+    }
     chart
         .configure_series_labels()
         .position(SeriesLabelPosition::UpperLeft)
@@ -157,16 +187,22 @@ mod tests {
     fn svg_and_png() {
         let dir = tempfile::tempdir().unwrap();
         let svg = dir.path().join("m.svg");
-        draw(&samples(), &svg).unwrap();
+        let reset = [Event {
+            t: 2.0,
+            what: "POST /reset_encoder_cache".into(),
+            status: 200,
+        }];
+        draw(&samples(), &reset, &svg).unwrap();
         let text = std::fs::read_to_string(&svg).unwrap();
         assert!(text.contains("<svg") && text.contains("encoder cache") && text.contains("memory (MiB)"));
+        assert!(text.contains("POST /reset_encoder_cache") && text.contains("weights 0.29 GiB"));
         let png = dir.path().join("m.png");
-        draw(&samples(), &png).unwrap();
+        draw(&samples(), &[], &png).unwrap();
         let img = image::open(&png).unwrap();
         assert_eq!((img.width(), img.height()), SIZE);
         // Something besides the white background was drawn, text included.
         assert!(img.to_rgb8().pixels().filter(|p| p.0 != [255, 255, 255]).count() > 10_000);
-        assert!(draw(&samples(), &dir.path().join("m.pdf")).is_err());
-        draw(&[], &dir.path().join("empty.svg")).unwrap();
+        assert!(draw(&samples(), &[], &dir.path().join("m.pdf")).is_err());
+        draw(&[], &[], &dir.path().join("empty.svg")).unwrap();
     }
 }

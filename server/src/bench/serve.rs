@@ -1,6 +1,7 @@
 //! The run itself, as `vllm bench serve`'s `benchmark()`: the initial single-prompt test, the
 //! traffic lines, requests sent on the arrival schedule (within `--max-concurrency`), the memory
-//! timeline sampled alongside, and the wall time from the first send to the last completion.
+//! timeline sampled alongside (and, with `--after-run-s`, on after the run, with an optional reset
+//! in the middle), and the wall time from the first send to the last completion.
 
 use super::client::{chat_payload, wait_for_endpoint, Http, RequestOutput};
 use super::dataset::BenchRequest;
@@ -32,6 +33,10 @@ pub struct Traffic {
     pub memory_interval: Duration,
     /// Draw a progress bar.
     pub progress: bool,
+    /// Keep sampling `/v1/memory` this long after the last request.
+    pub after_run: Duration,
+    /// POST this endpoint (e.g. `/reset_encoder_cache`) halfway through `after_run`.
+    pub after_run_post: Option<String>,
 }
 
 /// What a run measured.
@@ -105,8 +110,24 @@ pub async fn benchmark(http: &Http, requests: &[BenchRequest], delays: &[f64], t
     }
     let duration = t0.elapsed().as_secs_f64();
     bar.finish();
+    let mut events = Vec::new();
+    if !t.after_run.is_zero() {
+        tokio::time::sleep(t.after_run / 2).await;
+        if let Some(path) = &t.after_run_post {
+            let answer = http.post(path).await;
+            let status = answer.as_ref().map_or(0, |(s, _)| s.as_u16());
+            println!("After the run: POST {path} answered {status}");
+            events.push(timeline::Event {
+                t: t0.elapsed().as_secs_f64(),
+                what: format!("POST {path}"),
+                status,
+            });
+        }
+        tokio::time::sleep(t.after_run / 2).await;
+    }
     let _ = stop.send(());
-    let timeline = sampler.await?;
+    let mut timeline = sampler.await?;
+    timeline.events = events;
     Ok(Outcome {
         outputs,
         duration,

@@ -3,13 +3,13 @@
 //! server without the endpoint (vLLM) gives no samples and a note.
 
 use super::client::Http;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use std::time::{Duration, Instant};
 use tokio::sync::oneshot;
 
 /// One reading of `/v1/memory`.
-#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct Sample {
     /// Seconds after the benchmark's start.
     pub t: f64,
@@ -32,7 +32,7 @@ pub struct Sample {
 }
 
 /// `/v1/memory` readings over a run.
-#[derive(Debug, Clone, Default, Serialize)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct Timeline {
     /// The URL sampled.
     pub source: String,
@@ -42,6 +42,20 @@ pub struct Timeline {
     pub note: Option<String>,
     /// The readings.
     pub samples: Vec<Sample>,
+    /// What the benchmark did to the server while sampling (after the run).
+    #[serde(default)]
+    pub events: Vec<Event>,
+}
+
+/// A request the benchmark sent while the timeline was recorded, e.g. `POST /reset_encoder_cache`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Event {
+    /// Seconds after the benchmark's start.
+    pub t: f64,
+    /// The request.
+    pub what: String,
+    /// Its HTTP status (0 when the server could not be reached).
+    pub status: u16,
 }
 
 fn u64_at(v: &Value, pointer: &str) -> Option<u64> {
