@@ -22,7 +22,8 @@ fn main() -> Result<()> {
     }
     match task.as_str() {
         "test" => test(),
-        "demo" => demo(&env::args().skip(2).collect::<Vec<_>>()),
+        // A leading `--` (as in `cargo xtask demo -- --port 8001`) is not for `kvlens serve`.
+        "demo" => demo(&env::args().skip(2).skip_while(|a| a == "--").collect::<Vec<_>>()),
         "golden" => golden(&env::args().skip(2).collect::<Vec<_>>()),
         "bench" => bench(&env::args().skip(2).collect::<Vec<_>>()),
         _ => {
