@@ -157,48 +157,53 @@ fn parse_dtype(flag: &str, value: &str) -> Result<Option<DType>> {
     })
 }
 
-/// `--mm-processor-kwargs`: `min_pixels` / `max_pixels` (or `size.shortest_edge` / `longest_edge`).
-fn apply_processor_kwargs(limits: &mut ImageLimits, json: &str) -> Result<()> {
-    let v: serde_json::Value =
-        serde_json::from_str(json).map_err(|e| usage(format!("--mm-processor-kwargs is not JSON: {e}")))?;
-    let obj = v
-        .as_object()
-        .ok_or_else(|| usage("--mm-processor-kwargs must be a JSON object"))?;
-    let num = |key: &str| -> Result<Option<u64>> {
-        let found = obj.get(key).or_else(|| {
-            let edge = if key == "min_pixels" {
-                "shortest_edge"
-            } else {
-                "longest_edge"
-            };
-            obj.get("size").and_then(|s| s.get(edge))
-        });
-        match found {
-            None => Ok(None),
-            Some(x) => x
-                .as_u64()
-                .map(Some)
-                .ok_or_else(|| usage(format!("--mm-processor-kwargs: {key} must be a positive integer"))),
+/// Pixel bounds `--mm-processor-kwargs` overrides (`min_pixels` / `max_pixels`, or
+/// `size.shortest_edge` / `size.longest_edge`); other keys are reported as ignored.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct PixelOverrides {
+    min_pixels: Option<u64>,
+    max_pixels: Option<u64>,
+}
+
+impl PixelOverrides {
+    fn parse(json: &str) -> Result<Self> {
+        let v: serde_json::Value =
+            serde_json::from_str(json).map_err(|e| usage(format!("--mm-processor-kwargs is not JSON: {e}")))?;
+        let obj = v
+            .as_object()
+            .ok_or_else(|| usage("--mm-processor-kwargs must be a JSON object"))?;
+        let num = |key: &str, edge: &str| -> Result<Option<u64>> {
+            match obj.get(key).or_else(|| obj.get("size").and_then(|s| s.get(edge))) {
+                None => Ok(None),
+                Some(x) => x
+                    .as_u64()
+                    .map(Some)
+                    .ok_or_else(|| usage(format!("--mm-processor-kwargs: {key} must be a positive integer"))),
+            }
+        };
+        for key in obj.keys() {
+            if !matches!(key.as_str(), "min_pixels" | "max_pixels" | "size") {
+                eprintln!("WARNING --mm-processor-kwargs: {key} is ignored (kvlens reads min_pixels and max_pixels)");
+            }
         }
-    };
-    for key in obj.keys() {
-        if !matches!(key.as_str(), "min_pixels" | "max_pixels" | "size") {
-            eprintln!("WARNING --mm-processor-kwargs: {key} is ignored (kvlens reads min_pixels and max_pixels)");
+        Ok(PixelOverrides {
+            min_pixels: num("min_pixels", "shortest_edge")?,
+            max_pixels: num("max_pixels", "longest_edge")?,
+        })
+    }
+
+    /// The checkpoint's limits with these overrides; refuses bounds that cannot hold an image.
+    fn apply(self, mut limits: ImageLimits) -> Result<ImageLimits> {
+        limits.min_pixels = self.min_pixels.unwrap_or(limits.min_pixels);
+        limits.max_pixels = self.max_pixels.unwrap_or(limits.max_pixels);
+        if limits.max_pixels == 0 || limits.min_pixels > limits.max_pixels {
+            return Err(usage(format!(
+                "--mm-processor-kwargs: min_pixels ({}) must not exceed max_pixels ({})",
+                limits.min_pixels, limits.max_pixels
+            )));
         }
+        Ok(limits)
     }
-    if let Some(n) = num("min_pixels")? {
-        limits.min_pixels = n;
-    }
-    if let Some(n) = num("max_pixels")? {
-        limits.max_pixels = n;
-    }
-    if limits.max_pixels == 0 || limits.min_pixels > limits.max_pixels {
-        return Err(usage(format!(
-            "--mm-processor-kwargs: min_pixels ({}) must not exceed max_pixels ({})",
-            limits.min_pixels, limits.max_pixels
-        )));
-    }
-    Ok(())
 }
 
 /// The patch grid of an image with exactly `max_tokens` tokens (the most `smart_resize` can give
@@ -250,13 +255,16 @@ pub fn start(a: &EngineArgs) -> Result<Started> {
         Some(g) => return Err(usage(format!("--cpu-memory-gib must be positive, got {g}"))),
         None => ram / 5 * 2,
     };
+    // Parsed before the (possibly long) load; checked against the checkpoint's limits after it.
+    let pixels = match &a.mm_processor_kwargs {
+        Some(json) => PixelOverrides::parse(json)?,
+        None => PixelOverrides::default(),
+    };
     let (model, backend, mut frontend) = load_cpu(&model_dir)?;
     if let Some(path) = &a.chat_template {
         frontend.set_chat_template(path)?;
     }
-    if let Some(json) = &a.mm_processor_kwargs {
-        apply_processor_kwargs(&mut frontend.settings.limits, json)?;
-    }
+    frontend.settings.limits = pixels.apply(frontend.settings.limits)?;
     frontend.limit_images = limits.image;
     frontend.set_processor_cache_bytes((a.mm_processor_cache_gb.max(0.0) * GIB) as u64);
     let cfg = model.cfg.clone();
@@ -374,16 +382,17 @@ mod tests {
 
     #[test]
     fn processor_kwargs_override_pixel_limits_and_reject_nonsense() {
-        let mut l = ImageLimits {
+        let l = ImageLimits {
             min_pixels: 10,
             max_pixels: 100,
         };
-        apply_processor_kwargs(&mut l, r#"{"max_pixels": 50}"#).unwrap();
-        assert_eq!((l.min_pixels, l.max_pixels), (10, 50));
-        apply_processor_kwargs(&mut l, r#"{"size": {"shortest_edge": 20, "longest_edge": 40}}"#).unwrap();
-        assert_eq!((l.min_pixels, l.max_pixels), (20, 40));
-        assert!(apply_processor_kwargs(&mut l, r#"{"min_pixels": 99}"#).is_err());
-        assert!(apply_processor_kwargs(&mut l, r#"{"max_pixels": -1}"#).is_err());
-        assert!(apply_processor_kwargs(&mut l, "[1]").is_err());
+        let apply = |json: &str| PixelOverrides::parse(json).and_then(|p| p.apply(l));
+        assert_eq!(apply(r#"{"max_pixels": 50}"#).unwrap().max_pixels, 50);
+        let both = apply(r#"{"size": {"shortest_edge": 20, "longest_edge": 40}}"#).unwrap();
+        assert_eq!((both.min_pixels, both.max_pixels), (20, 40));
+        assert!(apply(r#"{"min_pixels": 101}"#).is_err());
+        assert!(PixelOverrides::parse(r#"{"max_pixels": -1}"#).is_err());
+        assert!(PixelOverrides::parse("[1]").is_err());
+        assert!(PixelOverrides::parse("{max_pixels").is_err());
     }
 }
