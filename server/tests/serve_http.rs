@@ -2,7 +2,8 @@
 //! `/v1/models`, chat completions with an image (whole and streamed, with token ids and usage),
 //! completions with stop strings, bad input answered in OpenAI's error shape while the server
 //! keeps serving, a client that hangs up mid-stream leaving no KV block in use, the resets, the
-//! metrics, the memory stream, `--api-key`, ignored vLLM flags and a clean exit on SIGTERM.
+//! metrics, the memory stream, `--api-key`, ignored vLLM flags, a clean exit on SIGTERM, and
+//! images resized down to the size the start-up profile measured.
 
 mod common;
 
@@ -427,4 +428,17 @@ fn api_key_guards_the_api_and_vllm_only_flags_are_ignored() {
     assert_eq!(server.get("/health").status, 200, "health needs no key");
     assert_eq!(server.get("/metrics").status, 200, "metrics need no key");
     assert_eq!(server.stop("TERM").code(), Some(0));
+}
+
+#[test]
+fn images_are_resized_down_to_the_profiled_maximum() {
+    // 150×150 would be 25 tokens under the checkpoint's limits; 4,096 pixels allow 2×2 merged patches.
+    let server = serve(&["--mm-processor-kwargs", r#"{"max_pixels": 4096}"#]);
+    server.wait_ready();
+    let info = server.get("/server_info").json();
+    assert_eq!(info["plan"]["max_tokens_per_image"], 4, "{:#}", info["plan"]);
+    let r = server.post("/v1/chat/completions", &image_chat(&image_url(), json!({})));
+    assert_eq!(r.status, 200, "{}", r.text());
+    let prompt = ids(&r.json()["prompt_token_ids"]);
+    assert_eq!(prompt.iter().filter(|&&t| t == IMAGE_PAD).count(), 4);
 }
