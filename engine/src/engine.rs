@@ -356,7 +356,10 @@ impl<B: Backend> Engine<B> {
             let seq = &self.sched.running()[s.index];
             for i in seq.images_in(s.start, s.end()) {
                 if !s.encode.contains(&i) {
-                    self.counters.encoder_hits += 1;
+                    // Once per use: in the step that reaches the image's first placeholder.
+                    if seq.data.images[i].offset >= s.start {
+                        self.counters.encoder_hits += 1;
+                    }
                     continue;
                 }
                 let img = &seq.data.images[i];

@@ -44,8 +44,10 @@ fn transient(be: &impl Backend, peak: bool) -> u64 {
         .sum()
 }
 
-/// Runs the profile pass and returns its measured peak above what was held before it. Nothing it
-/// allocates outlives it.
+/// Runs the profile pass and returns its measured peak above what was held before it: the vision
+/// tower on every profiled image (outputs kept), then one decoder pass over `num_tokens` tokens
+/// whose leading rows are those images' features (deepstack included), then the sampler's logits.
+/// Nothing it allocates outlives it.
 pub fn profile_run<B: Backend>(be: &B, model: &QwenVl<B>, spec: ProfileSpec) -> Result<ProfileResult, ModelError> {
     if spec.num_tokens == 0 || spec.block_size == 0 {
         return Err(ModelError::Input(
@@ -54,7 +56,9 @@ pub fn profile_run<B: Backend>(be: &B, model: &QwenVl<B>, spec: ProfileSpec) -> 
     }
     let base = transient(be, false);
     be.ledger().reset_peaks();
-    let mut kept = Vec::new();
+    // Encoder outputs kept as the encoder cache keeps them: main features and deepstack levels.
+    let levels = model.cfg.vision.deepstack_visual_indexes.len();
+    let (mut mains, mut deeps) = (Vec::new(), vec![Vec::new(); levels]);
     if let Some(grid) = spec.image_grid {
         let patches: usize = grid.iter().product();
         let v = &model.cfg.vision;
@@ -62,8 +66,10 @@ pub fn profile_run<B: Backend>(be: &B, model: &QwenVl<B>, spec: ProfileSpec) -> 
         for _ in 0..spec.image_items {
             let px = be.upload(vec![0.0; patches * cols], &[patches, cols])?;
             let out = model.vision.forward(be, &px, &[grid])?;
-            kept.push(be.keep(&out.main, Category::EncoderCache));
-            kept.extend(out.deepstack.iter().map(|d| be.keep(d, Category::EncoderCache)));
+            mains.push(be.keep(&out.main, Category::EncoderCache));
+            for (level, d) in deeps.iter_mut().zip(&out.deepstack) {
+                level.push(be.keep(d, Category::EncoderCache));
+            }
         }
     }
     let vision_peak = transient(be, true).saturating_sub(base);
@@ -81,6 +87,18 @@ pub fn profile_run<B: Backend>(be: &B, model: &QwenVl<B>, spec: ProfileSpec) -> 
         head_dim: t.head_dim,
     })?;
     let ids = vec![0u32; n];
+    // As in a real step, image features replace the leading rows and feed the deepstack levels.
+    let mut embeds = model.text.embed(be, &ids)?;
+    let mut image_rows = Vec::new();
+    let mut deep = Vec::new();
+    if !mains.is_empty() {
+        let main = be.concat_rows(&mains)?;
+        image_rows = (0..n.min(be.shape(&main)[0])).collect();
+        embeds = be.scatter_rows(&embeds, &image_rows, &be.gather_rows(&main, &image_rows)?, false)?;
+        for level in &deeps {
+            deep.push(be.gather_rows(&be.concat_rows(level)?, &image_rows)?);
+        }
+    }
     let positions: Vec<[i64; 3]> = (0..n as i64).map(|p| [p; 3]).collect();
     let (cos, sin) = mrope_tables(t, &positions);
     let table: Vec<usize> = (0..blocks).collect();
@@ -95,19 +113,19 @@ pub fn profile_run<B: Backend>(be: &B, model: &QwenVl<B>, spec: ProfileSpec) -> 
         be,
         &mut cache,
         DecoderInput {
-            embeds: model.text.embed(be, &ids)?,
+            embeds,
             cos: be.upload(cos, &[n, t.head_dim])?,
             sin: be.upload(sin, &[n, t.head_dim])?,
             slots: &slots,
             seqs: &seqs,
-            deepstack: None,
+            deepstack: (!deep.is_empty()).then_some((&deep[..], &image_rows[..])),
         },
     )?;
     let rows: Vec<usize> = (n - spec.num_sampled.clamp(1, n)..n).collect();
     let logits = model.text.logits(be, &be.gather_rows(&hidden, &rows)?)?;
     be.download(&logits)?;
     let decoder_peak = transient(be, true).saturating_sub(base);
-    drop((hidden, logits, cache, kept));
+    drop((hidden, logits, cache, deep, mains, deeps));
     Ok(ProfileResult {
         activation_peak_bytes: vision_peak.max(decoder_peak),
         vision_peak_bytes: vision_peak,

@@ -351,6 +351,7 @@ def check_faults(kvlens: str, work: Path) -> None:
             ("too many images", 400, json.dumps({**good, "messages": [{"role": "user", "content": [
                 {"type": "image_url", "image_url": {"url": img}}] * 3}]}).encode()),
             ("prompt + max_tokens over max_model_len", 400, json.dumps({**good, "max_tokens": 5000}).encode()),
+            ("max_tokens at the integer limit", 400, json.dumps({**good, "max_tokens": 2**64 - 1}).encode()),
             ("negative temperature", 400, json.dumps({**good, "temperature": -1}).encode()),
             ("oversized body", 413, b'{"pad": "' + b"x" * (80 << 20) + b'"}'),
         ]

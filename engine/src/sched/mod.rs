@@ -185,7 +185,7 @@ impl<T> Scheduler<T> {
                 prompt.len()
             ));
         }
-        let total = prompt.len() + max_tokens;
+        let total = prompt.len().saturating_add(max_tokens);
         if total > max_len {
             return bad(format!(
                 "the prompt ({} tokens) plus max_tokens ({max_tokens}) exceeds the maximum context length of {max_len} tokens",

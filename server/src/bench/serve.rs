@@ -83,7 +83,11 @@ pub async fn benchmark(http: &Http, requests: &[BenchRequest], delays: &[f64], t
     } else {
         ProgressBar::hidden()
     };
-    let limit = t.max_concurrency.map(|c| Arc::new(Semaphore::new(c)));
+    // 0 means no limit, as in vLLM.
+    let limit = t
+        .max_concurrency
+        .filter(|&c| c > 0)
+        .map(|c| Arc::new(Semaphore::new(c)));
     let t0 = Instant::now();
     let (stop, stopped) = oneshot::channel();
     let sampler = tokio::spawn(timeline::record(http.clone(), t.memory_interval, t0, stopped));

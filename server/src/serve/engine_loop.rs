@@ -392,6 +392,17 @@ impl EngineLoop {
 
     fn step(&mut self) {
         self.dirty = true;
+        // A client that left before its request was queued never armed an abort: drop it now,
+        // before its prefill runs.
+        let gone: Vec<RequestId> = self
+            .live
+            .iter()
+            .filter(|(_, live)| live.updates.is_closed())
+            .map(|(id, _)| id.clone())
+            .collect();
+        for id in gone {
+            self.abort(&id, FinishReason::Abort);
+        }
         match self.engine.step() {
             Ok(events) => {
                 for event in events {
@@ -401,6 +412,12 @@ impl EngineLoop {
             Err(e) => {
                 eprintln!("ERROR engine step failed: {e}");
                 self.fail_all(&ApiError::internal(format!("the engine failed: {e}")));
+                // The failed step may have hashed blocks it never wrote and reserved encoder entries
+                // it never filled: with every request gone, both caches can be emptied.
+                self.engine.reset_encoder_cache();
+                if let Err(e) = self.engine.reset_prefix_cache() {
+                    eprintln!("ERROR resetting the prefix cache after a failed step: {e}");
+                }
             }
         }
     }

@@ -293,9 +293,13 @@ async fn no_playground() -> &'static str {
      `cargo xtask demo` builds it into dist/ (or pass --playground-dir).\n"
 }
 
-/// `GET /health`: 200 once the engine runs, 503 before.
+/// `GET /health`: 200 while the engine runs, 503 before it starts and after its thread ended.
 async fn health(State(app): State<Arc<App>>) -> Response {
     match app.ready() {
+        // The engine thread owns the snapshot sender: a closed channel means it has stopped.
+        Ok(ready) if ready.occupancy.has_changed().is_err() => {
+            ApiError::unavailable("the engine has stopped").into_response()
+        }
         Ok(_) => StatusCode::OK.into_response(),
         Err(e) => e.into_response(),
     }
