@@ -442,3 +442,63 @@ fn images_are_resized_down_to_the_profiled_maximum() {
     let prompt = ids(&r.json()["prompt_token_ids"]);
     assert_eq!(prompt.iter().filter(|&&t| t == IMAGE_PAD).count(), 4);
 }
+
+/// Serves `body` at `/c.png` (404 elsewhere) over HTTP/1.1 on a free port; one thread per client.
+fn image_host(body: Vec<u8>) -> u16 {
+    use std::io::{BufRead, BufReader, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    std::thread::spawn(move || {
+        for mut stream in listener.incoming().map_while(Result::ok) {
+            let mut line = String::new();
+            let mut reader = BufReader::new(stream.try_clone().unwrap());
+            reader.read_line(&mut line).unwrap();
+            while reader.read_line(&mut String::new()).unwrap_or(0) > 2 {}
+            let found = line.starts_with("GET /c.png ");
+            let (status, payload) = if found {
+                ("200 OK", &body[..])
+            } else {
+                ("404 Not Found", &b""[..])
+            };
+            let head = format!(
+                "HTTP/1.1 {status}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+                payload.len()
+            );
+            let _ = stream
+                .write_all(head.as_bytes())
+                .and_then(|_| stream.write_all(payload));
+        }
+    });
+    port
+}
+
+#[test]
+fn http_images_from_allowed_domains_are_fetched() {
+    let png = std::fs::read(fixture("golden/images/c_150x150.png")).unwrap();
+    let port = image_host(png);
+    let server = serve(&["--allowed-media-domains", "127.0.0.1"]);
+    server.wait_ready();
+    let inline = server.post("/v1/chat/completions", &image_chat(&image_url(), json!({})));
+    let fetched = server.post(
+        "/v1/chat/completions",
+        &image_chat(&format!("http://127.0.0.1:{port}/c.png"), json!({})),
+    );
+    assert_eq!(fetched.status, 200, "{}", fetched.text());
+    // The same pixels: the same prompt (image placeholders included) and the same greedy tokens.
+    assert_eq!(fetched.json()["prompt_token_ids"], inline.json()["prompt_token_ids"]);
+    assert_eq!(
+        fetched.json()["choices"][0]["token_ids"],
+        inline.json()["choices"][0]["token_ids"]
+    );
+    let missing = server.post(
+        "/v1/chat/completions",
+        &image_chat(&format!("http://127.0.0.1:{port}/missing.png"), json!({})),
+    );
+    missing.assert_error(400, "a missing remote image");
+    assert!(missing.text().contains("404"), "{}", missing.text());
+    let elsewhere = server.post(
+        "/v1/chat/completions",
+        &image_chat("http://example.com/c.png", json!({})),
+    );
+    elsewhere.assert_error(400, "a domain that is not allowed");
+}

@@ -95,6 +95,15 @@ impl ContentPart {
         }
     }
 
+    /// The image reference, for a caller that resolves it (e.g. fetches a remote URL).
+    pub fn image_ref_mut(&mut self) -> Option<&mut String> {
+        match self {
+            ContentPart::Text { .. } => None,
+            ContentPart::ImageUrl { image_url } => Some(&mut image_url.url),
+            ContentPart::Image { image, url, path } => image.as_mut().or(url.as_mut()).or(path.as_mut()),
+        }
+    }
+
     fn is_image(&self) -> bool {
         !matches!(self, ContentPart::Text { .. })
     }
@@ -111,6 +120,14 @@ impl ChatMessage {
         match &self.content {
             Content::Text(_) => Vec::new(),
             Content::Parts(parts) => parts.iter().filter_map(ContentPart::image_ref).collect(),
+        }
+    }
+
+    /// The message's image references, mutable.
+    pub fn image_urls_mut(&mut self) -> Vec<&mut String> {
+        match &mut self.content {
+            Content::Text(_) => Vec::new(),
+            Content::Parts(parts) => parts.iter_mut().filter_map(ContentPart::image_ref_mut).collect(),
         }
     }
 

@@ -24,8 +24,8 @@ pub struct ServeArgs {
     #[arg(long, env = "KVLENS_API_KEY", hide_env_values = true)]
     #[serde(skip)]
     pub api_key: Option<String>,
-    /// Domains http(s) image URLs may come from (remote fetching itself is not implemented yet:
-    /// send images as data URLs).
+    /// Hosts whose http:// image URLs are fetched (none by default: send images as data URLs;
+    /// https is not fetched, this build has no TLS).
     #[arg(long, num_args = 1..)]
     pub allowed_media_domains: Vec<String>,
     /// Directory with the built playground, served at / when it exists.

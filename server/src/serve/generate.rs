@@ -1,10 +1,12 @@
-//! `POST /v1/chat/completions` and `POST /v1/completions`: read and check the request, preprocess
-//! it off the async workers (`spawn_blocking`: template, tokenizer, image decoding), queue it on the
-//! engine thread, and answer in one piece or as Server-Sent Events. The engine request lives as
-//! long as its [`Subscription`]: a client that goes away drops it, which aborts the request.
+//! `POST /v1/chat/completions` and `POST /v1/completions`: read and check the request, fetch the
+//! allowed remote images, preprocess off the async workers (`spawn_blocking`: template, tokenizer,
+//! image decoding), queue it on the engine thread, and answer in one piece or as Server-Sent
+//! Events. The engine request lives as long as its [`Subscription`]: a client that goes away drops
+//! it, which aborts the request.
 
 use super::engine_loop::{Subscription, Update};
 use super::errors::ApiError;
+use super::media::resolve_remote_images;
 use super::openai::{ChatRequest, CompletionRequest, Job, Kind, Spec};
 use super::output::{Delta, Output, TokenLogprobs};
 use super::{App, Ready};
@@ -15,7 +17,6 @@ use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
 use futures_util::StreamExt;
 use kvlens_engine::engine::{Request, TokenEvent};
-use kvlens_engine::input::chat::{ChatMessage, ImageSource};
 use kvlens_engine::input::tokenizer::Tokenizer;
 use std::collections::VecDeque;
 use std::convert::Infallible;
@@ -64,38 +65,6 @@ fn unix_seconds() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
 }
 
-/// Refuses http(s) image URLs: from domains outside `--allowed-media-domains` with that reason,
-/// from the others because kvlens does not fetch remote media yet.
-fn check_remote_images(messages: &[ChatMessage], allowed: &[String]) -> Result<(), ApiError> {
-    for url in messages.iter().flat_map(|m| m.image_urls()) {
-        let lower = url.trim().to_ascii_lowercase();
-        if !(lower.starts_with("http://") || lower.starts_with("https://")) {
-            continue;
-        }
-        let ImageSource::Remote(remote) = ImageSource::parse(url).map_err(|e| ApiError::bad_request(e.to_string()))?
-        else {
-            continue;
-        };
-        let host = remote
-            .split_once("://")
-            .map_or("", |(_, rest)| rest)
-            .split(['/', '?', '#'])
-            .next()
-            .unwrap_or("");
-        let host = host.rsplit('@').next().unwrap_or(host);
-        let domain = host.split(':').next().unwrap_or(host);
-        if !allowed.is_empty() && !allowed.iter().any(|d| d.eq_ignore_ascii_case(domain)) {
-            return Err(ApiError::bad_request(format!(
-                "the domain of {remote} is not in --allowed-media-domains"
-            )));
-        }
-        return Err(ApiError::bad_request(format!(
-            "kvlens does not fetch remote images yet ({remote}): send the image as a base64 data URL"
-        )));
-    }
-    Ok(())
-}
-
 /// The model name a request names, checked against the served names.
 fn model_name(ready: &Ready, asked: Option<&str>) -> Result<String, ApiError> {
     match asked {
@@ -113,10 +82,11 @@ pub async fn chat_completions(State(app): State<Arc<App>>, body: Body) -> Respon
         let req: ChatRequest = read_json(body).await?;
         let spec = req.spec()?;
         let model = model_name(ready, req.common.model.as_deref())?;
-        check_remote_images(&req.messages, &app.allowed_media_domains)?;
+        let mut messages = req.messages;
+        resolve_remote_images(&mut messages, &app.allowed_media_domains).await?;
         let id = new_id("chatcmpl");
         let frontend = ready.frontend.clone();
-        let (engine_id, params, messages) = (id.clone(), spec.params.clone(), req.messages);
+        let (engine_id, params) = (id.clone(), spec.params.clone());
         let request = tokio::task::spawn_blocking(move || frontend.request(&engine_id, &messages, params, false))
             .await
             .map_err(|e| ApiError::internal(format!("preprocessing failed: {e}")))?
@@ -300,26 +270,6 @@ fn stream(job: Job, sub: Subscription, out: Output, frontend: Arc<Frontend>, inc
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kvlens_engine::input::chat::{Content, ContentPart, ImageUrl};
-
-    fn with_image(url: &str) -> Vec<ChatMessage> {
-        vec![ChatMessage {
-            role: "user".into(),
-            content: Content::Parts(vec![ContentPart::ImageUrl {
-                image_url: ImageUrl { url: url.into() },
-            }]),
-        }]
-    }
-
-    #[test]
-    fn remote_images_are_refused_with_the_reason() {
-        let allowed = vec!["example.com".to_string()];
-        let e = check_remote_images(&with_image("https://user@evil.org:8443/a.png"), &allowed).unwrap_err();
-        assert!(e.message.contains("--allowed-media-domains"), "{e}");
-        let e = check_remote_images(&with_image("https://example.com/a.png"), &allowed).unwrap_err();
-        assert!(e.message.contains("data URL"), "{e}");
-        assert!(check_remote_images(&with_image("data:image/png;base64,AAAA"), &allowed).is_ok());
-    }
 
     #[test]
     fn ids_are_unique() {

@@ -9,6 +9,7 @@ mod args;
 mod engine_loop;
 mod errors;
 mod generate;
+mod media;
 mod memory;
 mod metrics;
 mod openai;
