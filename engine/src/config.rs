@@ -369,6 +369,13 @@ fn token_ids(v: Option<&Value>) -> Vec<u32> {
     }
 }
 
+impl VisionConfig {
+    /// Values per patch row of `pixel_values`: `C · T · P · P`.
+    pub fn patch_dim(&self) -> usize {
+        self.in_channels * self.temporal_patch_size * self.patch_size * self.patch_size
+    }
+}
+
 impl ModelConfig {
     /// Parses the text of a `config.json`.
     pub fn from_json(text: &str) -> Result<Self, ConfigError> {
@@ -644,7 +651,14 @@ impl ImageLimits {
     /// missing values keep the family's shipped defaults.
     pub fn from_preprocessor_json(text: &str, family: Family) -> Result<Self, ConfigError> {
         let root: Value = serde_json::from_str(text)?;
-        let mut limits = Self::shipped(family);
+        Self::shipped(family)
+            .overridden_by(&root)
+            .map_err(|why| ConfigError::Invalid(format!("preprocessor_config.json: {why}")))
+    }
+
+    /// These limits with the values a processor JSON object sets (`min_pixels` / `max_pixels`, or
+    /// `size.shortest_edge` / `size.longest_edge`); refuses bounds that cannot hold an image.
+    pub fn overridden_by(mut self, root: &Value) -> Result<Self, String> {
         let size = root.get("size");
         let pick = |old: &str, new: &str| -> Option<u64> {
             root.get(old)
@@ -652,18 +666,18 @@ impl ImageLimits {
                 .or_else(|| size.and_then(|s| s.get(new)).and_then(Value::as_u64))
         };
         if let Some(v) = pick("min_pixels", "shortest_edge") {
-            limits.min_pixels = v;
+            self.min_pixels = v;
         }
         if let Some(v) = pick("max_pixels", "longest_edge") {
-            limits.max_pixels = v;
+            self.max_pixels = v;
         }
-        if limits.min_pixels > limits.max_pixels || limits.max_pixels == 0 {
-            return Err(ConfigError::Invalid(format!(
-                "preprocessor_config.json: min_pixels {} must not exceed max_pixels {}",
-                limits.min_pixels, limits.max_pixels
-            )));
+        if self.min_pixels > self.max_pixels || self.max_pixels == 0 {
+            return Err(format!(
+                "min_pixels {} must not exceed max_pixels {}",
+                self.min_pixels, self.max_pixels
+            ));
         }
-        Ok(limits)
+        Ok(self)
     }
 }
 

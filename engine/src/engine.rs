@@ -77,6 +77,17 @@ pub enum FinishReason {
     Abort,
 }
 
+impl FinishReason {
+    /// The name OpenAI's `finish_reason` and vLLM's metrics use.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+            FinishReason::Abort => "abort",
+        }
+    }
+}
+
 /// A generated token.
 #[derive(Debug, Clone, PartialEq)]
 pub struct TokenEvent {
@@ -335,7 +346,9 @@ impl<B: Backend> Engine<B> {
         Ok(self.sched.reset_prefix_cache()?)
     }
 
-    /// Runs one step; returns the tokens generated in it.
+    /// Runs one step; returns the tokens generated in it. When the model fails mid-step, every
+    /// request is dropped and both caches are emptied (the step may have hashed blocks it never
+    /// wrote and reserved encoder entries it never filled) before the error is returned.
     pub fn step(&mut self) -> Result<Vec<TokenEvent>, EngineError> {
         let out = self.sched.schedule()?;
         for h in &out.freed_mm_hashes {
@@ -345,9 +358,32 @@ impl<B: Backend> Engine<B> {
         if out.scheduled.is_empty() {
             return Ok(Vec::new());
         }
-        self.encode_images(&out.scheduled)?;
-        let sampled = self.forward(&out.scheduled)?;
-        self.finish_step(&out.scheduled, sampled)
+        let computed = self
+            .encode_images(&out.scheduled)
+            .and_then(|()| self.forward(&out.scheduled));
+        match computed {
+            Ok(sampled) => self.finish_step(&out.scheduled, sampled),
+            Err(e) => {
+                self.drop_everything()?;
+                Err(e)
+            }
+        }
+    }
+
+    /// Aborts every request and empties the encoder and prefix caches.
+    fn drop_everything(&mut self) -> Result<(), EngineError> {
+        let ids: Vec<RequestId> = self
+            .sched
+            .running()
+            .iter()
+            .chain(self.sched.waiting())
+            .map(|s| s.id().clone())
+            .collect();
+        for id in &ids {
+            self.abort(id)?;
+        }
+        self.reset_encoder_cache();
+        self.reset_prefix_cache()
     }
 
     /// Runs the vision tower for the images the scheduler named; counts reused outputs as hits.

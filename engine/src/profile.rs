@@ -62,7 +62,7 @@ pub fn profile_run<B: Backend>(be: &B, model: &QwenVl<B>, spec: ProfileSpec) -> 
     if let Some(grid) = spec.image_grid {
         let patches: usize = grid.iter().product();
         let v = &model.cfg.vision;
-        let cols = v.in_channels * v.temporal_patch_size * v.patch_size * v.patch_size;
+        let cols = v.patch_dim();
         for _ in 0..spec.image_items {
             let px = be.upload(vec![0.0; patches * cols], &[patches, cols])?;
             let out = model.vision.forward(be, &px, &[grid])?;

@@ -42,6 +42,17 @@ fn usage(msg: String) -> anyhow::Error {
     UsageError(msg).into()
 }
 
+impl TemplateFiles {
+    /// Reads whichever of the three files a directory has.
+    pub fn read(dir: &Path) -> Result<Self> {
+        Ok(TemplateFiles {
+            jinja: read_opt(&dir.join("chat_template.jinja"))?,
+            json: read_opt(&dir.join("chat_template.json"))?,
+            tokenizer_config: read_opt(&dir.join("tokenizer_config.json"))?,
+        })
+    }
+}
+
 fn read_opt(path: &Path) -> Result<Option<String>> {
     match std::fs::read_to_string(path) {
         Ok(s) => Ok(Some(s)),
@@ -94,11 +105,7 @@ impl Checkpoint {
         let tok_path = dir.join("tokenizer.json");
         let tokenizer_json =
             std::fs::read(&tok_path).map_err(|e| usage(format!("cannot read {}: {e}", tok_path.display())))?;
-        let template_files = TemplateFiles {
-            jinja: read_opt(&dir.join("chat_template.jinja"))?,
-            json: read_opt(&dir.join("chat_template.json"))?,
-            tokenizer_config: read_opt(&dir.join("tokenizer_config.json"))?,
-        };
+        let template_files = TemplateFiles::read(dir)?;
         let mut eos_token_ids = config.tokens.eos.clone();
         if let Some(gen) = read_opt(&dir.join("generation_config.json"))? {
             let v: serde_json::Value = serde_json::from_str(&gen)

@@ -85,7 +85,8 @@ fn usage(msg: impl Into<String>) -> anyhow::Error {
     UsageError(msg.into()).into()
 }
 
-fn parse_dtype(flag: &str, value: &str) -> Result<Option<DType>> {
+/// `--FLAG VALUE` as a dtype: None for `auto` (the checkpoint's), else a known name.
+pub(crate) fn parse_dtype(flag: &str, value: &str) -> Result<Option<DType>> {
     if value.eq_ignore_ascii_case("auto") {
         return Ok(None);
     }

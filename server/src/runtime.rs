@@ -114,20 +114,13 @@ impl Frontend {
     /// Decodes and preprocesses one image, through the processor cache.
     fn image(&self, bytes: &[u8]) -> Result<Arc<ProcessedImage>> {
         let decoded = decode_image(bytes, &self.settings).map_err(|e| usage(e.to_string()))?;
-        let cache = |f: &mut dyn FnMut(&mut ProcessorCache<Arc<ProcessedImage>>)| {
-            let mut guard = self.processor_cache.lock().unwrap_or_else(|p| p.into_inner());
-            f(&mut guard)
-        };
-        let mut hit = None;
-        cache(&mut |c| hit = c.get(&decoded.mm_hash).cloned());
-        if let Some(p) = hit {
-            return Ok(p);
+        let cache = || self.processor_cache.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(hit) = cache().get(&decoded.mm_hash).cloned() {
+            return Ok(hit);
         }
         let processed = Arc::new(decoded.process(&self.settings).map_err(|e| usage(e.to_string()))?);
         let size = (processed.pixel_values.len() * 4) as u64;
-        cache(&mut |c| {
-            c.insert(MmHash::from(processed.mm_hash.clone()), processed.clone(), size);
-        });
+        cache().insert(MmHash::from(processed.mm_hash.clone()), processed.clone(), size);
         Ok(processed)
     }
 

@@ -2,6 +2,7 @@
 //! images on the backend, size the KV cache from what is left (the planner's formulas with the
 //! measured figures), allocate it, and log the same lines as vLLM.
 
+use crate::plan_cmd::parse_dtype;
 use crate::random_checkpoint_cmd::{self, RandomCheckpointArgs, WeightDtype};
 use crate::runtime::{load_cpu, Frontend};
 use crate::UsageError;
@@ -10,7 +11,7 @@ use kvlens_engine::backend::cpu::CpuBackend;
 use kvlens_engine::backend::Backend;
 use kvlens_engine::config::{DType, ImageLimits};
 use kvlens_engine::engine::{Engine, EngineConfig};
-use kvlens_engine::memory::device::{DeviceProfile, Platform};
+use kvlens_engine::memory::device::{device_preset, gib_to_bytes};
 use kvlens_engine::memory::planner::{gib, plan, MmLimits, Plan, PlanRequest};
 use kvlens_engine::memory::GIB;
 use kvlens_engine::profile::{profile_run, ProfileResult, ProfileSpec};
@@ -146,24 +147,11 @@ fn machine_ram_bytes() -> Option<u64> {
     Some(kib * 1024)
 }
 
-fn parse_dtype(flag: &str, value: &str) -> Result<Option<DType>> {
-    if value == "auto" {
-        return Ok(None);
-    }
-    DType::parse(value).map(Some).ok_or_else(|| {
-        usage(format!(
-            "{flag} {value:?} is not supported (auto, float32, bfloat16, float16, fp8)"
-        ))
-    })
-}
-
-/// Pixel bounds `--mm-processor-kwargs` overrides (`min_pixels` / `max_pixels`, or
-/// `size.shortest_edge` / `size.longest_edge`); other keys are reported as ignored.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-struct PixelOverrides {
-    min_pixels: Option<u64>,
-    max_pixels: Option<u64>,
-}
+/// `--mm-processor-kwargs`: a JSON object whose pixel bounds (`min_pixels` / `max_pixels`, or
+/// `size.shortest_edge` / `size.longest_edge`) replace the checkpoint's; other keys are reported
+/// as ignored.
+#[derive(Debug, Clone, Default, PartialEq)]
+struct PixelOverrides(serde_json::Value);
 
 impl PixelOverrides {
     fn parse(json: &str) -> Result<Self> {
@@ -172,37 +160,31 @@ impl PixelOverrides {
         let obj = v
             .as_object()
             .ok_or_else(|| usage("--mm-processor-kwargs must be a JSON object"))?;
-        let num = |key: &str, edge: &str| -> Result<Option<u64>> {
-            match obj.get(key).or_else(|| obj.get("size").and_then(|s| s.get(edge))) {
-                None => Ok(None),
-                Some(x) => x
-                    .as_u64()
-                    .map(Some)
-                    .ok_or_else(|| usage(format!("--mm-processor-kwargs: {key} must be a positive integer"))),
-            }
-        };
         for key in obj.keys() {
             if !matches!(key.as_str(), "min_pixels" | "max_pixels" | "size") {
                 eprintln!("WARNING --mm-processor-kwargs: {key} is ignored (kvlens reads min_pixels and max_pixels)");
             }
         }
-        Ok(PixelOverrides {
-            min_pixels: num("min_pixels", "shortest_edge")?,
-            max_pixels: num("max_pixels", "longest_edge")?,
-        })
+        let size = obj.get("size");
+        for (key, edge) in [("min_pixels", "shortest_edge"), ("max_pixels", "longest_edge")] {
+            let given = obj.get(key).or_else(|| size.and_then(|s| s.get(edge)));
+            if given.is_some_and(|x| x.as_u64().is_none()) {
+                return Err(usage(format!(
+                    "--mm-processor-kwargs: {key} must be a positive integer"
+                )));
+            }
+        }
+        Ok(PixelOverrides(v))
     }
 
-    /// The checkpoint's limits with these overrides; refuses bounds that cannot hold an image.
-    fn apply(self, mut limits: ImageLimits) -> Result<ImageLimits> {
-        limits.min_pixels = self.min_pixels.unwrap_or(limits.min_pixels);
-        limits.max_pixels = self.max_pixels.unwrap_or(limits.max_pixels);
-        if limits.max_pixels == 0 || limits.min_pixels > limits.max_pixels {
-            return Err(usage(format!(
-                "--mm-processor-kwargs: min_pixels ({}) must not exceed max_pixels ({})",
-                limits.min_pixels, limits.max_pixels
-            )));
+    /// The checkpoint's limits with these overrides.
+    fn apply(&self, limits: ImageLimits) -> Result<ImageLimits> {
+        if self.0.is_null() {
+            return Ok(limits);
         }
-        Ok(limits)
+        limits
+            .overridden_by(&self.0)
+            .map_err(|why| usage(format!("--mm-processor-kwargs: {why}")))
     }
 }
 
@@ -223,8 +205,8 @@ pub fn start(a: &EngineArgs) -> Result<Started> {
             a.backend
         )));
     }
-    let dtype = parse_dtype("--dtype", &a.dtype)?;
-    let kv_dtype = parse_dtype("--kv-cache-dtype", &a.kv_cache_dtype)?;
+    let dtype = parse_dtype("dtype", &a.dtype)?;
+    let kv_dtype = parse_dtype("kv-cache-dtype", &a.kv_cache_dtype)?;
     for (flag, d, given) in [
         ("--dtype", dtype, &a.dtype),
         ("--kv-cache-dtype", kv_dtype, &a.kv_cache_dtype),
@@ -251,7 +233,7 @@ pub fn start(a: &EngineArgs) -> Result<Started> {
     };
     let ram = machine_ram_bytes().unwrap_or(8 << 30);
     let total = match a.cpu_memory_gib {
-        Some(g) if g > 0.0 && g.is_finite() => (g * GIB) as u64,
+        Some(g) if g > 0.0 && g.is_finite() => gib_to_bytes(g),
         Some(g) => return Err(usage(format!("--cpu-memory-gib must be positive, got {g}"))),
         None => ram / 5 * 2,
     };
@@ -266,18 +248,11 @@ pub fn start(a: &EngineArgs) -> Result<Started> {
     }
     frontend.settings.limits = pixels.apply(frontend.settings.limits)?;
     frontend.limit_images = limits.image;
-    frontend.set_processor_cache_bytes((a.mm_processor_cache_gb.max(0.0) * GIB) as u64);
     let cfg = model.cfg.clone();
     let weights = backend.ledger().bytes(kvlens_engine::memory::ledger::Category::Weights);
-    let device = DeviceProfile {
-        name: "cpu".into(),
-        description: "host memory (--cpu-memory-gib)".into(),
-        platform: Platform::Cpu,
-        total_bytes: total,
-        bandwidth_bytes_per_s: 0.0,
-        peak_flops: 0.0,
-        non_torch_bytes: 0,
-    };
+    let device = device_preset("cpu")
+        .ok_or_else(|| anyhow::anyhow!("the cpu device preset is missing"))?
+        .with_total_bytes(total);
     let mut req = PlanRequest::new(served_model_names[0].clone(), cfg.clone(), device);
     req.image_limits = frontend.settings.limits;
     req.max_model_len = a.max_model_len;
@@ -306,6 +281,7 @@ pub fn start(a: &EngineArgs) -> Result<Started> {
     let profile_s = profiled_at.elapsed().as_secs_f64();
     req.activation_peak_bytes = Some(profile.activation_peak_bytes);
     let p = plan(&req).map_err(|e| usage(e.to_string()))?;
+    frontend.set_processor_cache_bytes(p.processor_cache_bytes);
     if let Some(grid) = spec.image_grid {
         frontend.max_image_tokens = grid.iter().product::<usize>() / (merge * merge);
     }

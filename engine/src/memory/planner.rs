@@ -370,7 +370,7 @@ fn estimate_activation_peak(p: &Plan, model: &ModelConfig, tp: usize, act_bytes:
     let merge = (v.spatial_merge_size * v.spatial_merge_size) as u64;
     let patches = items * item_tokens * merge;
     let e = v.hidden_size as u64;
-    let patch_in = (v.in_channels * v.temporal_patch_size * v.patch_size * v.patch_size) as u64;
+    let patch_in = v.patch_dim() as u64;
     let ups = if model.family == Family::Qwen25Vl { 3 } else { 2 };
     let vit_layer = (4 * e / tp).max(ups * v.intermediate_size as u64 / tp);
     let vit = patches * (patch_in + 2 * e + vit_layer) * act_bytes + kept_outputs;

@@ -127,7 +127,7 @@ fn vision_groups(cfg: &ModelConfig, g: &mut Vec<ParamGroup>) {
     use Shard::{Replicated, Split};
     let v = &cfg.vision;
     let (e, i, out) = (v.hidden_size, v.intermediate_size, v.out_hidden_size);
-    let patch_in = v.in_channels * v.temporal_patch_size * v.patch_size * v.patch_size;
+    let patch_in = v.patch_dim();
     let qwen3 = cfg.family.is_qwen3();
     let rms = cfg.family == Family::Qwen25Vl;
     let norm = if rms { e } else { 2 * e };

@@ -152,7 +152,7 @@ impl<B: Backend> VisionTower<B> {
         let fam = cfg.family;
         let p = block_prefix(fam);
         let e = v.hidden_size;
-        let patch_in = v.in_channels * v.temporal_patch_size * v.patch_size * v.patch_size;
+        let patch_in = v.patch_dim();
         let patch_w = l.get(
             &format!("{p}.patch_embed.proj.weight"),
             &[e, v.in_channels, v.temporal_patch_size, v.patch_size, v.patch_size],

@@ -42,6 +42,8 @@ pub struct RequestOutput {
 pub struct Http {
     client: Client<HttpConnector, Full<Bytes>>,
     base: String,
+    /// `Authorization` value from `OPENAI_API_KEY`, read once.
+    auth: Option<String>,
 }
 
 impl Http {
@@ -60,6 +62,7 @@ impl Http {
         Ok(Http {
             client: Client::builder(TokioExecutor::new()).build_http(),
             base,
+            auth: std::env::var("OPENAI_API_KEY").ok().map(|key| format!("Bearer {key}")),
         })
     }
 
@@ -73,8 +76,8 @@ impl Http {
             .method(method)
             .uri(self.url(path))
             .header("content-type", "application/json");
-        if let Ok(key) = std::env::var("OPENAI_API_KEY") {
-            req = req.header("authorization", format!("Bearer {key}"));
+        if let Some(auth) = &self.auth {
+            req = req.header("authorization", auth);
         }
         Ok(req.body(Full::new(body))?)
     }

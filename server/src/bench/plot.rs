@@ -6,6 +6,7 @@
 use super::timeline::{Event, Sample};
 use crate::UsageError;
 use anyhow::{anyhow, Context, Result};
+use kvlens_engine::memory::GIB;
 use plotters::coord::Shift;
 use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};
@@ -75,7 +76,7 @@ fn chart<DB: DrawingBackend>(root: DrawingArea<DB, Shift>, samples: &[Sample], e
     let top = |s: &Sample| LAYERS.iter().map(|(_, _, f)| f(s)).sum::<u64>();
     let peak = samples.iter().map(top).max().unwrap_or(0);
     let (unit, scale) = if peak >= 1 << 30 {
-        ("GiB", (1u64 << 30) as f64)
+        ("GiB", GIB)
     } else {
         ("MiB", (1u64 << 20) as f64)
     };
@@ -84,7 +85,7 @@ fn chart<DB: DrawingBackend>(root: DrawingArea<DB, Shift>, samples: &[Sample], e
     let weights = samples.iter().map(|s| s.weights_bytes).max().unwrap_or(0);
     let caption = format!(
         "kvlens bench serve: memory by category (weights {:.2} GiB, constant, not stacked)",
-        weights as f64 / (1u64 << 30) as f64
+        weights as f64 / GIB
     );
     let mut chart = ChartBuilder::on(&root)
         .caption(caption, ("sans-serif", 20))

@@ -2,6 +2,7 @@
 //! the prompt alone (vLLM's `prompt_len`) and the text tokens the server sees around the images,
 //! which the server's `usage.prompt_tokens` exceeds by exactly the image tokens.
 
+use crate::checkpoint::TemplateFiles;
 use crate::UsageError;
 use anyhow::Result;
 use kvlens_engine::input::chat::{select_chat_template, ChatMessage, ChatTemplate, Content, ContentPart, ImageUrl};
@@ -17,14 +18,6 @@ pub struct TextCounter {
     image_pad: Option<u32>,
 }
 
-fn read_opt(path: &Path) -> Result<Option<String>> {
-    match std::fs::read_to_string(path) {
-        Ok(s) => Ok(Some(s)),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
-        Err(e) => Err(UsageError(format!("cannot read {}: {e}", path.display())).into()),
-    }
-}
-
 impl TextCounter {
     /// Loads `tokenizer.json` and the chat template of a checkpoint directory.
     pub fn load(dir: &Path) -> Result<Self> {
@@ -37,10 +30,11 @@ impl TextCounter {
             ))
         })?;
         let tokenizer = Tokenizer::from_bytes(&bytes).map_err(|e| usage(format!("{}: {e}", tok_path.display())))?;
+        let files = TemplateFiles::read(dir)?;
         let source = select_chat_template(
-            read_opt(&dir.join("chat_template.jinja"))?.as_deref(),
-            read_opt(&dir.join("chat_template.json"))?.as_deref(),
-            read_opt(&dir.join("tokenizer_config.json"))?.as_deref(),
+            files.jinja.as_deref(),
+            files.json.as_deref(),
+            files.tokenizer_config.as_deref(),
         )
         .map_err(|e| usage(format!("--tokenizer {}: {e}", dir.display())))?
         .ok_or_else(|| usage(format!("--tokenizer {}: no chat template", dir.display())))?;

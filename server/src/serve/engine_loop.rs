@@ -5,7 +5,6 @@
 
 use super::errors::ApiError;
 use super::metrics::Metrics;
-use super::openai::finish_reason;
 use crate::runtime::Frontend;
 use kvlens_engine::backend::cpu::CpuBackend;
 use kvlens_engine::backend::Backend;
@@ -108,22 +107,34 @@ impl EngineHandle {
     /// Queues a request; its tokens arrive on the returned subscription, which aborts the request
     /// when dropped before the end.
     pub async fn add(&self, request: Request, arrived: Instant) -> Result<Subscription, ApiError> {
-        let id = request.id.clone();
         let (updates, rx) = tokio_mpsc::unbounded_channel();
-        self.ask(|reply| Command::Add {
-            request,
-            arrived,
-            updates,
-            reply,
-        })
-        .await?
-        .map_err(engine_error)?;
-        Ok(Subscription {
+        // Armed before the request is queued: a client that leaves while this waits drops it, and
+        // its abort follows the request on the same channel.
+        let mut sub = Subscription {
             updates: rx,
-            id,
+            id: request.id.clone(),
             engine: self.clone(),
             armed: true,
-        })
+        };
+        let added = self
+            .ask(|reply| Command::Add {
+                request,
+                arrived,
+                updates,
+                reply,
+            })
+            .await;
+        match added {
+            Ok(Ok(())) => Ok(sub),
+            Ok(Err(e)) => {
+                sub.finished();
+                Err(engine_error(e))
+            }
+            Err(e) => {
+                sub.finished();
+                Err(e)
+            }
+        }
     }
 
     /// Forgets the prefix cache (refused while requests hold blocks).
@@ -383,7 +394,7 @@ impl EngineLoop {
             self.metrics.finished(reason, e2e);
             eprintln!(
                 "INFO Finished request {id}: {}, {} prompt + {} generated tokens in {e2e:.2} s",
-                finish_reason(reason),
+                reason.as_str(),
                 live.prompt_len,
                 live.generated
             );
@@ -392,17 +403,6 @@ impl EngineLoop {
 
     fn step(&mut self) {
         self.dirty = true;
-        // A client that left before its request was queued never armed an abort: drop it now,
-        // before its prefill runs.
-        let gone: Vec<RequestId> = self
-            .live
-            .iter()
-            .filter(|(_, live)| live.updates.is_closed())
-            .map(|(id, _)| id.clone())
-            .collect();
-        for id in gone {
-            self.abort(&id, FinishReason::Abort);
-        }
         match self.engine.step() {
             Ok(events) => {
                 for event in events {
@@ -411,13 +411,8 @@ impl EngineLoop {
             }
             Err(e) => {
                 eprintln!("ERROR engine step failed: {e}");
+                // The engine has dropped every request and emptied its caches: tell the clients.
                 self.fail_all(&ApiError::internal(format!("the engine failed: {e}")));
-                // The failed step may have hashed blocks it never wrote and reserved encoder entries
-                // it never filled: with every request gone, both caches can be emptied.
-                self.engine.reset_encoder_cache();
-                if let Err(e) = self.engine.reset_prefix_cache() {
-                    eprintln!("ERROR resetting the prefix cache after a failed step: {e}");
-                }
             }
         }
     }

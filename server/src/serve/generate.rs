@@ -9,7 +9,7 @@ use super::errors::ApiError;
 use super::media::resolve_remote_images;
 use super::openai::{ChatRequest, CompletionRequest, Job, Kind, Spec};
 use super::output::{Delta, Output, TokenLogprobs};
-use super::{App, Ready};
+use super::{unix_seconds, App, Ready};
 use crate::runtime::Frontend;
 use axum::body::{Body, Bytes};
 use axum::extract::State;
@@ -22,7 +22,7 @@ use std::collections::VecDeque;
 use std::convert::Infallible;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use std::time::Instant;
 
 /// Largest request body read.
 pub const MAX_BODY_BYTES: usize = 64 << 20;
@@ -59,10 +59,6 @@ fn new_id(prefix: &str) -> String {
     let a = std::hash::BuildHasher::hash_one(&state, n);
     let b = std::hash::BuildHasher::hash_one(&state, (n, a));
     format!("{prefix}-{a:016x}{b:016x}")
-}
-
-fn unix_seconds() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
 }
 
 /// The model name a request names, checked against the served names.

@@ -83,6 +83,7 @@ impl App {
     }
 }
 
+/// Seconds since the Unix epoch (OpenAI's `created`).
 fn unix_seconds() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
 }

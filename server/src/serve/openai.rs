@@ -241,15 +241,6 @@ pub struct Job {
     pub return_token_ids: bool,
 }
 
-/// `finish_reason` as OpenAI spells it.
-pub fn finish_reason(reason: FinishReason) -> &'static str {
-    match reason {
-        FinishReason::Stop => "stop",
-        FinishReason::Length => "length",
-        FinishReason::Abort => "abort",
-    }
-}
-
 /// A log-probability JSON can carry (`-inf` becomes vLLM's -9999).
 fn finite(lp: f32) -> f32 {
     if lp.is_finite() {
@@ -344,7 +335,7 @@ impl Job {
         let mut choice = json!({
             "index": 0,
             "logprobs": self.logprobs(tok, tokens),
-            "finish_reason": finish.map(finish_reason),
+            "finish_reason": finish.map(FinishReason::as_str),
         });
         match (self.kind, chunk) {
             (Kind::Chat, false) => choice["message"] = json!({"role": "assistant", "content": text}),
