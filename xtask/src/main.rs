@@ -149,13 +149,15 @@ fn test() -> Result<()> {
     Ok(())
 }
 
-/// Runs `cargo test`, echoing its output, and adds up the "test result" lines.
+/// Runs `cargo test --no-fail-fast`, echoing its output, adds up the "test result" lines and, when
+/// something failed, lists every failing test at the end.
 fn cargo_test(args: &[&str]) -> Result<(u64, u64)> {
     let mut cmd = cargo();
-    cmd.arg("test").args(args).stdout(Stdio::piped());
+    cmd.args(["test", "--no-fail-fast"]).args(args).stdout(Stdio::piped());
     eprintln!("+ {cmd:?}");
     let mut child = cmd.spawn().context("cannot start cargo test")?;
     let (mut passed, mut failed) = (0, 0);
+    let mut failing = Vec::new();
     if let Some(out) = child.stdout.take() {
         for line in BufReader::new(out).lines() {
             let line = line?;
@@ -163,11 +165,17 @@ fn cargo_test(args: &[&str]) -> Result<(u64, u64)> {
             if let Some(rest) = line.strip_prefix("test result: ") {
                 passed += count_before(rest, " passed");
                 failed += count_before(rest, " failed");
+            } else if let Some(name) = line.strip_prefix("test ").and_then(|l| l.strip_suffix(" ... FAILED")) {
+                failing.push(name.to_string());
             }
         }
     }
     let status = child.wait()?;
     if !status.success() {
+        println!("\nfailing tests ({}):", failing.len());
+        for name in &failing {
+            println!("    {name}");
+        }
         println!("{passed} passed, {} failed", failed.max(1));
         bail!("cargo test failed with {status}");
     }

@@ -114,10 +114,13 @@ pub async fn benchmark(http: &Http, requests: &[BenchRequest], delays: &[f64], t
     }
     let duration = t0.elapsed().as_secs_f64();
     bar.finish();
-    let mut events = Vec::new();
+    let (mut events, mut around_events) = (Vec::new(), Vec::new());
     if !t.after_run.is_zero() {
         tokio::time::sleep(t.after_run / 2).await;
         if let Some(path) = &t.after_run_post {
+            // Samples right before and after the request show what it changed, however busy the
+            // machine and whatever the sampling interval.
+            around_events.extend(timeline::sample_now(http, t0).await);
             let answer = http.post(path).await;
             let status = answer.as_ref().map_or(0, |(s, _)| s.as_u16());
             println!("After the run: POST {path} answered {status}");
@@ -126,11 +129,15 @@ pub async fn benchmark(http: &Http, requests: &[BenchRequest], delays: &[f64], t
                 what: format!("POST {path}"),
                 status,
             });
+            around_events.extend(timeline::sample_now(http, t0).await);
         }
         tokio::time::sleep(t.after_run / 2).await;
     }
     let _ = stop.send(());
     let mut timeline = sampler.await?;
+    if timeline.note.is_none() {
+        timeline.merge(around_events);
+    }
     timeline.events = events;
     Ok(Outcome {
         outputs,

@@ -3,6 +3,7 @@
 //! server without the endpoint (vLLM) gives no samples and a note.
 
 use super::client::Http;
+use hyper::StatusCode;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use std::time::{Duration, Instant};
@@ -104,6 +105,35 @@ impl Sample {
     }
 }
 
+/// One reading of `/v1/memory` at `t0.elapsed()`: the sample, or why there is none.
+enum Reading {
+    Sample(Sample),
+    /// The answer is not kvlens's memory JSON (status and all).
+    NotKvlens(StatusCode),
+    /// No answer within ten seconds, or a transport error.
+    Failed,
+}
+
+async fn read_memory(http: &Http, t0: Instant) -> Reading {
+    let t = t0.elapsed().as_secs_f64();
+    match tokio::time::timeout(Duration::from_secs(10), http.get("/v1/memory")).await {
+        Ok(Ok((status, body))) => match serde_json::from_slice::<Value>(&body) {
+            Ok(v) if status.is_success() && v.is_object() => Reading::Sample(Sample::from_memory(t, &v)),
+            _ => Reading::NotKvlens(status),
+        },
+        _ => Reading::Failed,
+    }
+}
+
+/// One sample taken now, for the moments the timeline must show whatever the interval (right
+/// before and after a request the benchmark sends).
+pub async fn sample_now(http: &Http, t0: Instant) -> Option<Sample> {
+    match read_memory(http, t0).await {
+        Reading::Sample(s) => Some(s),
+        _ => None,
+    }
+}
+
 /// Samples `/v1/memory` every `interval` from now until `stop` fires, then once more. Stops early
 /// with a note when the first answer is not a JSON object (no such endpoint); a reading that fails
 /// later is skipped.
@@ -115,20 +145,16 @@ pub async fn record(http: Http, interval: Duration, t0: Instant, mut stop: onesh
     };
     let mut stopping = false;
     loop {
-        let t = t0.elapsed().as_secs_f64();
-        let answer = tokio::time::timeout(Duration::from_secs(10), http.get("/v1/memory")).await;
-        if let Ok(Ok((status, body))) = answer {
-            match serde_json::from_slice::<Value>(&body) {
-                Ok(v) if status.is_success() && v.is_object() => timeline.samples.push(Sample::from_memory(t, &v)),
-                _ if timeline.samples.is_empty() => {
-                    timeline.note = Some(format!(
-                        "{} answered {status}, not kvlens's memory JSON: no memory timeline (not a kvlens server?)",
-                        timeline.source
-                    ));
-                    return timeline;
-                }
-                _ => {}
+        match read_memory(&http, t0).await {
+            Reading::Sample(s) => timeline.samples.push(s),
+            Reading::NotKvlens(status) if timeline.samples.is_empty() => {
+                timeline.note = Some(format!(
+                    "{} answered {status}, not kvlens's memory JSON: no memory timeline (not a kvlens server?)",
+                    timeline.source
+                ));
+                return timeline;
             }
+            _ => {}
         }
         if stopping {
             return timeline;
@@ -137,6 +163,14 @@ pub async fn record(http: Http, interval: Duration, t0: Instant, mut stop: onesh
             _ = tokio::time::sleep(interval) => {}
             _ = &mut stop => stopping = true,
         }
+    }
+}
+
+impl Timeline {
+    /// Adds samples taken outside the sampler, keeping the timeline in time order.
+    pub fn merge(&mut self, samples: Vec<Sample>) {
+        self.samples.extend(samples);
+        self.samples.sort_by(|a, b| a.t.total_cmp(&b.t));
     }
 }
 
