@@ -9,6 +9,7 @@ use crate::backend::{Backend, KvLayout, PagedSeq};
 use crate::cache::{
     CacheError, EncoderCacheManager, EncoderCacheSnapshot, KvCacheManager, KvSummary, MmHash, MmSpan, RequestId,
 };
+use crate::fault::{FaultKind, FaultPlan, Faults};
 use crate::memory::ledger::{Category, LedgerEntry};
 use crate::model::rope::{mrope_positions, mrope_tables, ImageSpan};
 use crate::model::text::DecoderInput;
@@ -63,6 +64,9 @@ pub struct EngineConfig {
     pub max_num_seqs: usize,
     /// Most tokens per step.
     pub max_num_batched_tokens: usize,
+    /// Tokens the sampler may return: the tokenizer's vocabulary (the lm_head's rows past it are
+    /// padding, never a token). 0 means every row.
+    pub vocab_size: usize,
 }
 
 /// Why a request ended.
@@ -110,6 +114,9 @@ pub struct EngineCounters {
     pub vision_runs: u64,
     /// Encoder-cache hits (an image's output was reused).
     pub encoder_hits: u64,
+    /// Images whose placeholders the prefix cache already held when their request was admitted:
+    /// neither the vision tower nor the encoder cache was needed.
+    pub prefix_cached_images: u64,
     /// Prompt tokens computed by the decoder (prefix-cache hits excluded, recomputation after
     /// preemption included).
     pub prompt_tokens_computed: u64,
@@ -192,6 +199,7 @@ pub struct Engine<B: Backend> {
     sched: Scheduler<SeqData>,
     enc_store: HashMap<MmHash, VisionOutput<B>>,
     counters: EngineCounters,
+    faults: Faults,
     next_seed: u64,
 }
 
@@ -228,6 +236,7 @@ impl<B: Backend> Engine<B> {
             sched: Scheduler::new(sched_cfg, kv, enc),
             enc_store: HashMap::new(),
             counters: EngineCounters::default(),
+            faults: Faults::default(),
             next_seed: 0,
         })
     }
@@ -240,6 +249,11 @@ impl<B: Backend> Engine<B> {
     /// The model's config.
     pub fn model_config(&self) -> &crate::config::ModelConfig {
         &self.model.cfg
+    }
+
+    /// Makes the planned operation fail when it comes (see [`crate::fault`]); counting starts now.
+    pub fn inject_fault(&mut self, plan: Option<FaultPlan>) {
+        self.faults = Faults::new(plan);
     }
 
     /// Work counters so far.
@@ -390,6 +404,14 @@ impl<B: Backend> Engine<B> {
     fn encode_images(&mut self, plan: &[ScheduledSeq]) -> Result<(), EngineError> {
         for s in plan {
             let seq = &self.sched.running()[s.index];
+            if s.num_cached > 0 {
+                let covered = seq
+                    .data
+                    .images
+                    .iter()
+                    .filter(|img| img.offset + img.num_tokens <= s.start);
+                self.counters.prefix_cached_images += covered.count() as u64;
+            }
             for i in seq.images_in(s.start, s.end()) {
                 if !s.encode.contains(&i) {
                     // Once per use: in the step that reaches the image's first placeholder.
@@ -401,6 +423,12 @@ impl<B: Backend> Engine<B> {
                 let img = &seq.data.images[i];
                 let patches: usize = img.grid_thw.iter().product();
                 let cols = img.pixel_values.len() / patches.max(1);
+                let ledger = self.be.ledger();
+                let bytes = (img.pixel_values.len() * 4) as u64;
+                self.faults
+                    .check(FaultKind::Alloc, bytes, ledger)
+                    .and_then(|()| self.faults.check(FaultKind::VisionTower, 0, ledger))
+                    .map_err(ModelError::from)?;
                 let px = self
                     .be
                     .upload(img.pixel_values.clone(), &[patches, cols])
@@ -425,6 +453,9 @@ impl<B: Backend> Engine<B> {
     /// One batched decoder pass over every scheduled token; samples for each request whose
     /// scheduled tokens reach its end, returning `(index in running, event)`.
     fn forward(&mut self, plan: &[ScheduledSeq]) -> Result<Vec<(usize, TokenEvent)>, EngineError> {
+        self.faults
+            .check(FaultKind::Decoder, 0, self.be.ledger())
+            .map_err(ModelError::from)?;
         let be = &self.be;
         let bs = self.cfg.block_size;
         let running = self.sched.running();
@@ -519,7 +550,11 @@ impl<B: Backend> Engine<B> {
             let seq = &mut self.sched.running_mut()[index];
             let id = seq.id().clone();
             let (prompt, output, data) = seq.split_data_mut();
-            let l = &logits[k * vocab..(k + 1) * vocab];
+            let row = &logits[k * vocab..(k + 1) * vocab];
+            let l = match self.cfg.vocab_size {
+                0 => row,
+                n => &row[..n.min(vocab)],
+            };
             let s = sample(l, prompt, output, &data.params, &mut data.rng);
             let event = TokenEvent {
                 id,

@@ -7,6 +7,7 @@ pub mod backend;
 pub mod cache;
 pub mod config;
 pub mod engine;
+pub mod fault;
 pub mod input;
 pub mod memory;
 pub mod model;

@@ -32,6 +32,9 @@ pub struct SamplingParams {
     pub ignore_eos: bool,
     /// Report this many top log-probabilities per generated token.
     pub logprobs: Option<usize>,
+    /// Added to the logits of these tokens before sampling (OpenAI's `logit_bias`, each in
+    /// [-100, 100]).
+    pub logit_bias: Vec<(u32, f32)>,
 }
 
 impl Default for SamplingParams {
@@ -49,6 +52,7 @@ impl Default for SamplingParams {
             stop_token_ids: Vec::new(),
             ignore_eos: false,
             logprobs: None,
+            logit_bias: Vec::new(),
         }
     }
 }
@@ -74,10 +78,34 @@ impl SamplingParams {
                 self.repetition_penalty
             ));
         }
+        for (name, v) in [
+            ("presence_penalty", self.presence_penalty),
+            ("frequency_penalty", self.frequency_penalty),
+        ] {
+            if !(-2.0..=2.0).contains(&v) {
+                return Err(format!("{name} must be in [-2, 2], got {v}"));
+            }
+        }
+        if let Some((t, b)) = self.logit_bias.iter().find(|(_, b)| !(-100.0..=100.0).contains(b)) {
+            return Err(format!(
+                "logit_bias values must be in [-100, 100], got {b} for token {t}"
+            ));
+        }
         if self.max_tokens == 0 {
             return Err("max_tokens must be at least 1".into());
         }
         Ok(())
+    }
+
+    /// Checks that every token id the settings name is below `vocab_size`.
+    pub fn validate_token_ids(&self, vocab_size: usize) -> Result<(), String> {
+        let ids = self.logit_bias.iter().map(|(t, _)| t).chain(&self.stop_token_ids);
+        match ids.filter(|&&t| t as usize >= vocab_size).collect::<Vec<_>>() {
+            bad if bad.is_empty() => Ok(()),
+            bad => Err(format!(
+                "token ids {bad:?} are outside the vocabulary of {vocab_size} tokens"
+            )),
+        }
     }
 }
 
@@ -138,6 +166,11 @@ pub fn sample(logits: &[f32], prompt: &[u32], output: &[u32], p: &SamplingParams
         top = idx.into_iter().map(|i| (i as u32, logp[i])).collect();
     }
     let mut l = logits.to_vec();
+    for &(t, b) in &p.logit_bias {
+        if let Some(v) = l.get_mut(t as usize) {
+            *v += b;
+        }
+    }
     apply_penalties(&mut l, prompt, output, p);
     let token = if p.temperature <= 1e-5 {
         argmax(&l)
@@ -333,6 +366,45 @@ mod tests {
         }
         .validate()
         .is_err());
+        for bad in [-3e38, -2.5, 2.01, f32::NAN] {
+            let p = SamplingParams {
+                frequency_penalty: bad,
+                ..Default::default()
+            };
+            assert!(p.validate().unwrap_err().contains("frequency_penalty"), "{bad}");
+            let p = SamplingParams {
+                presence_penalty: bad,
+                ..Default::default()
+            };
+            assert!(p.validate().unwrap_err().contains("presence_penalty"), "{bad}");
+        }
+        let biased = |b: f32| SamplingParams {
+            logit_bias: vec![(3, b)],
+            ..Default::default()
+        };
+        assert!(biased(100.0).validate().is_ok());
+        assert!(biased(100.5).validate().is_err());
+        assert!(biased(f32::NAN).validate().is_err());
+        assert!(biased(1.0).validate_token_ids(4).is_ok());
+        assert!(biased(1.0).validate_token_ids(3).unwrap_err().contains("[3]"));
+        let stop = SamplingParams {
+            stop_token_ids: vec![9],
+            ..Default::default()
+        };
+        assert!(stop.validate_token_ids(9).is_err());
         assert!(SamplingParams::default().validate().is_ok());
+    }
+
+    #[test]
+    fn logit_bias_moves_the_choice() {
+        let logits = [2.0, 1.0, 0.0];
+        let p = SamplingParams {
+            logit_bias: vec![(2, 2.5), (0, -100.0)],
+            ..params()
+        };
+        assert_eq!(sample(&logits, &[], &[], &p, &mut Rng::new(0)).token, 2);
+        // The reported log-probability is the model's, before the bias.
+        let s = sample(&logits, &[], &[], &p, &mut Rng::new(0));
+        assert!((s.logprob - log_softmax(&logits)[2]).abs() < 1e-6);
     }
 }

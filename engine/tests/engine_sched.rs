@@ -68,6 +68,10 @@ fn tiny_model(be: &CpuBackend) -> QwenVl<CpuBackend> {
 }
 
 fn engine(num_blocks: usize, max_num_seqs: usize) -> Engine<CpuBackend> {
+    engine_with_vocab(num_blocks, max_num_seqs, 0)
+}
+
+fn engine_with_vocab(num_blocks: usize, max_num_seqs: usize, vocab_size: usize) -> Engine<CpuBackend> {
     let be = CpuBackend::new(MemoryLedger::new());
     let model = tiny_model(&be);
     let cfg = EngineConfig {
@@ -78,6 +82,7 @@ fn engine(num_blocks: usize, max_num_seqs: usize) -> Engine<CpuBackend> {
         encoder_cache_tokens: 16,
         max_num_seqs,
         max_num_batched_tokens: 64,
+        vocab_size,
     };
     Engine::new(be, model, cfg).unwrap()
 }
@@ -191,4 +196,27 @@ fn aborting_a_waiting_request_leaves_no_encoder_reference() {
     assert_eq!(snap.num_waiting, 0);
     drain(&mut e);
     assert!(e.reset_encoder_cache() > 0);
+}
+
+#[test]
+fn sampling_stays_inside_the_tokenizer_vocabulary() {
+    let cfg = tiny_config();
+    let reqs = [
+        request(&cfg, "a", 10, None, 12),
+        request(&cfg, "b", 7, Some((1, "img-b")), 12),
+    ];
+    let mut full = engine(64, 4);
+    for r in &reqs {
+        full.add_request(r.clone()).unwrap();
+    }
+    let unlimited = drain(&mut full);
+    // Cut the vocabulary below the largest token the unlimited run produced.
+    let top = unlimited.values().flatten().copied().max().unwrap() as usize;
+    assert!(top > 0);
+    let mut cut = engine_with_vocab(64, 4, top);
+    for r in &reqs {
+        cut.add_request(r.clone()).unwrap();
+    }
+    let limited = drain(&mut cut);
+    assert!(limited.values().flatten().all(|&t| (t as usize) < top), "{limited:?}");
 }

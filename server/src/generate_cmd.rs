@@ -121,6 +121,7 @@ pub fn run(a: &GenerateArgs) -> Result<()> {
         encoder_cache_tokens: req.images.iter().map(|i| i.num_tokens).sum::<usize>().max(1),
         max_num_seqs: 1,
         max_num_batched_tokens: req.prompt.len().max(1),
+        vocab_size: front.tokenizer.vocab_size(),
     };
     let mut engine = Engine::new(backend, model, cfg).map_err(|e| UsageError(e.to_string()))?;
     drop(req);
@@ -154,6 +155,7 @@ pub fn run(a: &GenerateArgs) -> Result<()> {
                 obj["counters"] = serde_json::json!({
                     "vision_runs": after.vision_runs - before.vision_runs,
                     "encoder_hits": after.encoder_hits - before.encoder_hits,
+                    "prefix_cached_images": after.prefix_cached_images - before.prefix_cached_images,
                     "prompt_tokens_computed": after.prompt_tokens_computed - before.prompt_tokens_computed,
                     "prompt_tokens_cached": after.prompt_tokens_cached - before.prompt_tokens_cached,
                 });

@@ -331,8 +331,15 @@ pub fn start(a: &EngineArgs) -> Result<Started> {
         encoder_cache_tokens: p.encoder_budget_tokens.max(1),
         max_num_seqs: p.max_num_seqs,
         max_num_batched_tokens: p.max_num_batched_tokens,
+        vocab_size: frontend.tokenizer.vocab_size(),
     };
-    let engine = Engine::new(backend, model, engine_cfg).map_err(|e| anyhow::anyhow!("engine: {e}"))?;
+    let mut engine = Engine::new(backend, model, engine_cfg).map_err(|e| anyhow::anyhow!("engine: {e}"))?;
+    // A test hook: `KVLENS_FAULT=decoder:3` makes the third decoder pass fail (see engine::fault).
+    if let Some(plan) = std::env::var_os("KVLENS_FAULT") {
+        let plan = plan.to_string_lossy().parse().map_err(usage)?;
+        eprintln!("WARNING KVLENS_FAULT: {plan:?} will fail on purpose");
+        engine.inject_fault(Some(plan));
+    }
     Ok(Started {
         engine,
         frontend,

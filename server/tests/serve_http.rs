@@ -195,35 +195,117 @@ fn bad_inputs(server: &Server) {
         {"type": "image_url", "image_url": {"url": url}},
         {"type": "image_url", "image_url": {"url": url}},
     ]}]);
-    let cases: Vec<(&str, Vec<u8>)> = vec![
-        ("malformed JSON", b"{\"model\": \"tiny\", \"messages\": [".to_vec()),
-        ("no messages", br#"{"model": "tiny"}"#.to_vec()),
-        ("unknown model", with("model", json!("nope"))),
+    let cases: Vec<(&str, u16, Vec<u8>)> = vec![
+        ("malformed JSON", 400, b"{\"model\": \"tiny\", \"messages\": [".to_vec()),
+        ("no messages", 400, br#"{"model": "tiny"}"#.to_vec()),
+        ("unknown model", 404, with("model", json!("nope"))),
         (
             "bad base64",
+            400,
             with("messages", image("data:image/png;base64,!!!notbase64")),
         ),
-        ("not an image", with("messages", image(&not_png))),
-        ("remote image", with("messages", image("https://example.com/cat.png"))),
-        ("too many images", with("messages", three)),
+        ("not an image", 400, with("messages", image(&not_png))),
+        (
+            "remote image",
+            400,
+            with("messages", image("https://example.com/cat.png")),
+        ),
+        ("ftp image", 400, with("messages", image("ftp://example.com/cat.png"))),
+        ("empty image URL", 400, with("messages", image(""))),
+        ("too many images", 400, with("messages", three)),
         (
             "prompt + max_tokens over max_model_len",
+            400,
             with("max_tokens", json!(5000)),
         ),
-        ("negative temperature", with("temperature", json!(-1))),
-        ("n > 1", with("n", json!(2))),
+        ("negative temperature", 400, with("temperature", json!(-1))),
+        ("n > 1", 400, with("n", json!(2))),
+        (
+            "huge negative frequency_penalty",
+            400,
+            with("frequency_penalty", json!(-3e38)),
+        ),
+        ("presence_penalty over 2", 400, with("presence_penalty", json!(2.5))),
+        ("zero repetition_penalty", 400, with("repetition_penalty", json!(0))),
+        ("logit_bias over 100", 400, with("logit_bias", json!({"11": 101}))),
+        (
+            "logit_bias outside the vocabulary",
+            400,
+            with("logit_bias", json!({"999999": 1})),
+        ),
+        ("logit_bias key not an id", 400, with("logit_bias", json!({"hello": 1}))),
+        (
+            "stop_token_ids outside the vocabulary",
+            400,
+            with("stop_token_ids", json!([999999])),
+        ),
+        (
+            "tools",
+            400,
+            with("tools", json!([{"type": "function", "function": {"name": "f"}}])),
+        ),
+        ("tool_choice", 400, with("tool_choice", json!("required"))),
+        (
+            "response_format",
+            400,
+            with("response_format", json!({"type": "json_object"})),
+        ),
     ];
-    for (what, body) in cases {
-        http(server.port(), "POST", "/v1/chat/completions", &[], &body).assert_error(400, what);
+    for (what, status, body) in cases {
+        let r = http(server.port(), "POST", "/v1/chat/completions", &[], &body);
+        r.assert_error(status, what);
+        let message = r.json()["error"]["message"].as_str().unwrap().to_string();
+        for (case, says) in [
+            ("ftp image", "ftp://"),
+            ("empty image URL", "empty"),
+            ("tools", "tools"),
+            ("tool_choice", "tool_choice"),
+            ("response_format", "response_format"),
+            ("huge negative frequency_penalty", "frequency_penalty"),
+        ] {
+            assert!(what != case || message.contains(says), "{what}: {message}");
+        }
         let ok = server.post("/v1/chat/completions", &good);
         assert_eq!(ok.status, 200, "after {what}: {}", ok.text());
     }
+    // Accepted as vLLM accepts them: no tools, plain text.
+    let mut plain = good.clone();
+    plain["tool_choice"] = json!("none");
+    plain["response_format"] = json!({"type": "text"});
+    plain["tools"] = json!([]);
+    assert_eq!(server.post("/v1/chat/completions", &plain).status, 200);
+    http(server.port(), "GET", "/v1/chat/completions", &[], b"").assert_error(405, "GET on a POST route");
+    http(server.port(), "POST", "/v1/models", &[], b"").assert_error(405, "POST on a GET route");
     let mut huge = b"{\"pad\": \"".to_vec();
     huge.resize(65 << 20, b'x');
     huge.extend_from_slice(b"\"}");
     http(server.port(), "POST", "/v1/chat/completions", &[], &huge).assert_error(413, "oversized body");
     server.get("/v1/no-such-route").assert_error(404, "unknown route");
     assert_eq!(server.post("/v1/chat/completions", &good).status, 200);
+}
+
+/// `logit_bias` moves greedy decoding onto the biased token.
+fn logit_bias_is_applied(server: &Server) {
+    let body = json!({"model": "tiny", "prompt": "Blocks", "max_tokens": 4, "temperature": 0,
+                      "ignore_eos": true, "return_token_ids": true, "logit_bias": {"1234": 100}});
+    let r = server.post("/v1/completions", &body);
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(ids(&r.json()["choices"][0]["token_ids"]), vec![1234; 4]);
+}
+
+/// A repeated image whose placeholders the prefix cache holds runs no vision tower and is counted
+/// as reused.
+fn repeated_image_is_counted_as_reused(server: &Server) {
+    let body = image_chat(&image_url(), json!({"max_tokens": 1}));
+    let counters = |m: Value| m["counters"].clone();
+    assert_eq!(server.post("/v1/chat/completions", &body).status, 200);
+    let before = counters(memory(server));
+    assert_eq!(server.post("/v1/chat/completions", &body).status, 200);
+    let after = counters(memory(server));
+    let delta = |k: &str| after[k].as_u64().unwrap() - before[k].as_u64().unwrap();
+    assert_eq!(delta("vision_runs"), 0, "{after}");
+    assert_eq!(delta("encoder_hits") + delta("prefix_cached_images"), 1, "{after}");
+    assert!(delta("prompt_tokens_cached") > 0, "{after}");
 }
 
 /// A client that hangs up after the first chunk: its KV blocks are free soon after.
@@ -247,7 +329,7 @@ fn disconnect_frees_blocks(server: &Server) {
     let during = memory(server);
     assert!(during["kv"]["num_in_use"].as_u64().unwrap() > 0, "{}", during["kv"]);
     drop(s);
-    let deadline = Instant::now() + Duration::from_secs(10);
+    let deadline = Instant::now() + Duration::from_secs(300);
     loop {
         let m = memory(server);
         if m["kv"]["num_in_use"] == 0 && m["num_running"] == 0 && m["num_waiting"] == 0 {
@@ -373,6 +455,8 @@ fn serves_the_openai_api_and_frees_memory() {
     let (prompt, tokens, text) = chat_with_image(&server);
     streamed_chat(&server, &prompt, &tokens, &text);
     completions_with_stop_strings(&server);
+    logit_bias_is_applied(&server);
+    repeated_image_is_counted_as_reused(&server);
     bad_inputs(&server);
     disconnect_frees_blocks(&server);
     resets(&server);
@@ -382,6 +466,69 @@ fn serves_the_openai_api_and_frees_memory() {
     let log = server.log();
     let status = server.stop("TERM");
     assert_eq!(status.code(), Some(0), "{log}");
+}
+
+/// 50 streamed completions (10 clients at once) ended by a stop string: `/metrics` counts exactly
+/// 50 more `stop` finishes, no `abort`, and as many generated tokens as the answers' usage says.
+#[test]
+fn stop_string_finishes_are_counted_as_stop() {
+    let server = serve(&[]);
+    server.wait_ready();
+    let base = json!({"model": "tiny", "prompt": "Paged attention", "max_tokens": 12, "temperature": 0,
+                      "ignore_eos": true});
+    let full = server.post("/v1/completions", &base).json()["choices"][0]["text"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let chars: Vec<char> = full.chars().collect();
+    assert!(chars.len() >= 4, "the greedy answer {full:?} is too short to cut");
+    let stop: String = chars[chars.len() / 2..].iter().take(1).collect();
+    let mut body = base.clone();
+    body["stop"] = json!([stop]);
+    body["stream"] = json!(true);
+    body["stream_options"] = json!({"include_usage": true});
+    let counts = |t: &str| {
+        let reason = |r: &str| {
+            metric(
+                t,
+                &format!("vllm:request_success_total{{finished_reason=\"{r}\",model_name=\"tiny\"}}"),
+            )
+        };
+        let generated = metric(t, "vllm:generation_tokens_total{model_name=\"tiny\"}");
+        (reason("stop"), reason("abort"), reason("length"), generated)
+    };
+    let before = counts(&server.get("/metrics").text());
+    let generated: u64 = std::thread::scope(|s| {
+        let clients: Vec<_> = (0..10)
+            .map(|_| {
+                s.spawn(|| {
+                    (0..5)
+                        .map(|_| {
+                            let events = server.post("/v1/completions", &body).events();
+                            assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+                            let chunks: Vec<Value> = events[..events.len() - 1]
+                                .iter()
+                                .map(|e| serde_json::from_str(e).unwrap())
+                                .collect();
+                            let (usage, content) = chunks.split_last().unwrap();
+                            assert_eq!(content.last().unwrap()["choices"][0]["finish_reason"], "stop");
+                            usage["usage"]["completion_tokens"].as_u64().unwrap()
+                        })
+                        .sum::<u64>()
+                })
+            })
+            .collect();
+        clients.into_iter().map(|c| c.join().unwrap()).sum()
+    });
+    let after = counts(&server.get("/metrics").text());
+    assert_eq!(after.0 - before.0, 50.0, "stop finishes");
+    assert_eq!(after.1 - before.1, 0.0, "abort finishes");
+    assert_eq!(after.2 - before.2, 0.0, "length finishes");
+    assert_eq!(
+        after.3 - before.3,
+        generated as f64,
+        "generated tokens vs the answers' usage"
+    );
 }
 
 #[test]
@@ -407,6 +554,12 @@ fn api_key_guards_the_api_and_vllm_only_flags_are_ignored() {
     http(port, "GET", "/v1/models", &[("Authorization", "Bearer sesam")], b"").assert_error(401, "wrong key");
     http(port, "POST", "/v1/chat/completions", &[], chat.as_bytes()).assert_error(401, "chat without key");
     http(port, "POST", "/reset_prefix_cache", &[], b"").assert_error(401, "reset without key");
+    http(port, "GET", "/server_info", &[], b"").assert_error(401, "server_info without key");
+    http(port, "GET", "/v1/memory", &[], b"").assert_error(401, "memory without key");
+    http(port, "GET", "/v1/memory/stream", &[], b"").assert_error(401, "memory stream without key");
+    for open in ["/health", "/metrics", "/version"] {
+        assert_eq!(http(port, "GET", open, &[], b"").status, 200, "{open} stays open");
+    }
     let key = [("Authorization", "Bearer sesame")];
     assert_eq!(http(port, "GET", "/v1/models", &key, b"").status, 200);
     assert_eq!(
@@ -414,6 +567,7 @@ fn api_key_guards_the_api_and_vllm_only_flags_are_ignored() {
         200
     );
     assert_eq!(http(port, "POST", "/reset_prefix_cache", &key, b"").status, 200);
+    assert_eq!(http(port, "GET", "/server_info", &key, b"").status, 200);
     assert_eq!(server.get("/health").status, 200, "health needs no key");
     assert_eq!(server.get("/metrics").status, 200, "metrics need no key");
     assert_eq!(server.stop("TERM").code(), Some(0));
@@ -490,4 +644,140 @@ fn http_images_from_allowed_domains_are_fetched() {
         &image_chat("http://example.com/c.png", json!({})),
     );
     elsewhere.assert_error(400, "a domain that is not allowed");
+}
+
+/// Starts a long streamed completion and returns the connection once its first chunk arrived.
+fn long_stream(server: &Server) -> (std::net::TcpStream, Vec<u8>) {
+    let body = json!({"model": "tiny", "prompt": "Memory", "max_tokens": 1500, "temperature": 0,
+                      "ignore_eos": true, "stream": true});
+    let mut s = send(
+        server.port(),
+        "POST",
+        "/v1/completions",
+        &[],
+        body.to_string().as_bytes(),
+    );
+    let mut seen = Vec::new();
+    let mut buf = [0u8; 4096];
+    while !String::from_utf8_lossy(&seen).contains("data: {") {
+        let n = s.read(&mut buf).unwrap();
+        assert!(n > 0, "the stream ended early: {}", String::from_utf8_lossy(&seen));
+        seen.extend_from_slice(&buf[..n]);
+    }
+    (s, seen)
+}
+
+/// The finish reasons of the chunks of an SSE answer read to its end, and whether `[DONE]` closed it.
+fn finish_reasons(mut s: std::net::TcpStream, mut seen: Vec<u8>) -> (Vec<String>, bool) {
+    s.read_to_end(&mut seen).unwrap();
+    let text = String::from_utf8_lossy(&seen).into_owned();
+    let events: Vec<&str> = text.lines().filter_map(|l| l.strip_prefix("data: ")).collect();
+    let reasons = events
+        .iter()
+        .filter(|e| **e != "[DONE]")
+        .filter_map(|e| serde_json::from_str::<Value>(e).ok())
+        .filter_map(|c| c["choices"][0]["finish_reason"].as_str().map(str::to_string))
+        .collect();
+    (reasons, events.last() == Some(&"[DONE]"))
+}
+
+/// On SIGTERM a stream in flight ends with `finish_reason: "abort"` and `[DONE]` (vLLM's default
+/// `--shutdown-timeout 0`); with a timeout it runs to its end while new requests are refused.
+#[test]
+fn sigterm_ends_streams_with_abort_or_drains_them() {
+    let server = serve(&[]);
+    server.wait_ready();
+    let (s, seen) = long_stream(&server);
+    let status = server.stop("TERM");
+    assert_eq!(status.code(), Some(0));
+    assert_eq!(finish_reasons(s, seen), (vec!["abort".to_string()], true));
+
+    let server = serve(&["--shutdown-timeout", "600"]);
+    server.wait_ready();
+    let (s, seen) = long_stream(&server);
+    let pid = server.pid();
+    assert!(std::process::Command::new("kill")
+        .args(["-TERM", &pid.to_string()])
+        .status()
+        .unwrap()
+        .success());
+    // Wait for the drain to begin (health turns 503), then new work is refused.
+    let deadline = Instant::now() + Duration::from_secs(300);
+    while server.get("/health").status != 503 {
+        assert!(Instant::now() < deadline, "/health never turned 503:\n{}", server.log());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let chat = json!({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2});
+    server
+        .post("/v1/chat/completions", &chat)
+        .assert_error(503, "a new request while draining");
+    assert_eq!(finish_reasons(s, seen), (vec!["length".to_string()], true));
+    let log = server.log();
+    assert_eq!(server.stop("TERM").code(), Some(0), "{log}");
+}
+
+/// A vision-tower failure, a decoder failure and an out-of-memory in the middle of 8 concurrent
+/// image chats (`KVLENS_FAULT`): the requests in that step get a 500 naming the failure, the
+/// server stays healthy and serves the next requests, and no KV block or encoder reference leaks.
+#[test]
+fn a_failed_step_fails_its_requests_and_nothing_else() {
+    let png = std::fs::read(fixture("golden/images/c_150x150.png")).unwrap();
+    let image = image::load_from_memory(&png).unwrap().to_rgb8();
+    for (plan, says) in [
+        ("vision:3", "injected fault"),
+        ("decoder:4", "injected fault"),
+        ("alloc:2", "out of memory"),
+    ] {
+        let no_playground = scratch("serve-http-no-playground");
+        let server = Server::start_with_env(
+            checkpoint(),
+            &["--playground-dir", no_playground.to_str().unwrap()],
+            &[("KVLENS_FAULT", plan)],
+        );
+        server.wait_ready();
+        // Eight different images (one pixel changed each), so each needs the vision tower.
+        let bodies: Vec<Value> = (0..8u8)
+            .map(|i| {
+                let mut img = image.clone();
+                img.put_pixel(0, 0, image::Rgb([i, i, i]));
+                let mut bytes = Vec::new();
+                img.write_to(&mut std::io::Cursor::new(&mut bytes), image::ImageFormat::Png)
+                    .unwrap();
+                image_chat(
+                    &format!("data:image/png;base64,{}", base64(&bytes)),
+                    json!({"max_tokens": 4}),
+                )
+            })
+            .collect();
+        let replies: Vec<(u16, String)> = std::thread::scope(|s| {
+            let sent: Vec<_> = bodies
+                .iter()
+                .map(|b| {
+                    s.spawn(|| {
+                        let r = server.post("/v1/chat/completions", b);
+                        (r.status, r.text())
+                    })
+                })
+                .collect();
+            sent.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        let failed: Vec<&(u16, String)> = replies.iter().filter(|r| r.0 != 200).collect();
+        assert!(!failed.is_empty(), "{plan}: nothing failed: {replies:?}");
+        for (status, text) in &failed {
+            assert_eq!(*status, 500, "{plan}: {text}");
+            assert!(text.contains(says), "{plan}: {text}");
+        }
+        assert_eq!(server.get("/health").status, 200, "{plan}");
+        let after = server.post("/v1/chat/completions", &bodies[0]);
+        assert_eq!(after.status, 200, "{plan}: the next request: {}", after.text());
+        let m = memory(&server);
+        assert_eq!(m["kv"]["num_in_use"], 0, "{plan}: {}", m["kv"]);
+        assert_eq!(
+            (m["num_running"].as_u64(), m["num_waiting"].as_u64()),
+            (Some(0), Some(0))
+        );
+        let entries = m["encoder_cache"]["entries"].as_array().unwrap();
+        assert!(entries.iter().all(|e| e["freeable"] == true), "{plan}: {entries:?}");
+        assert!(server.log().contains("ERROR engine step failed"), "{plan}");
+    }
 }

@@ -306,7 +306,7 @@ def check_concurrency(kvlens: str, work: Path) -> None:
               f"({enc['used_bytes']} B), KV {led['kv_cache']} B in {kv['num_blocks']} blocks, 0 in use")
 
 
-def wait_idle(s: Server, seconds: float = 20) -> dict:
+def wait_idle(s: Server, seconds: float = 300) -> dict:
     deadline = time.time() + seconds
     while True:
         mem = s.memory()
@@ -343,7 +343,7 @@ def check_faults(kvlens: str, work: Path) -> None:
         img = png_url(noise_image(7))
         bad: list[tuple[str, int, bytes]] = [
             ("malformed JSON", 400, b'{"model": "tiny", "messages": ['),
-            ("unknown model", 400, json.dumps({**good, "model": "nope"}).encode()),
+            ("unknown model", 404, json.dumps({**good, "model": "nope"}).encode()),
             ("bad base64", 400, json.dumps({**good, "messages": image_message(
                 "data:image/png;base64,!!!notbase64", "x")}).encode()),
             ("not an image", 400, json.dumps({**good, "messages": image_message(

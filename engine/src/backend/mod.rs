@@ -15,6 +15,14 @@ pub enum BackendError {
     /// A failure inside the backend's library.
     #[error("backend error: {0}")]
     Library(String),
+    /// An allocation the device cannot hold.
+    #[error("out of memory allocating {bytes} bytes (ledger: {ledger})")]
+    OutOfMemory {
+        /// Bytes asked for.
+        bytes: u64,
+        /// What the ledger held at that moment.
+        ledger: String,
+    },
 }
 
 /// Result of a backend operation.

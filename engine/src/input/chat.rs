@@ -195,6 +195,11 @@ impl ImageSource {
                 .map(ImageSource::Bytes)
                 .map_err(|e| InputError::Base64(e.to_string()));
         }
+        if reference.is_empty() {
+            return Err(InputError::ImageUrl(
+                "the URL is empty (expected data:image/…;base64,… or http(s)://…)".into(),
+            ));
+        }
         if let Some(path) = strip_prefix_ignore_case(reference, "file://") {
             return Ok(ImageSource::Path(path.to_string()));
         }
@@ -202,6 +207,13 @@ impl ImageSource {
             || strip_prefix_ignore_case(reference, "https://").is_some()
         {
             return Ok(ImageSource::Remote(reference.to_string()));
+        }
+        if let Some((scheme, _)) = reference.split_once("://") {
+            if !scheme.is_empty() && scheme.chars().all(|c| c.is_ascii_alphanumeric() || "+.-".contains(c)) {
+                return Err(InputError::ImageUrl(format!(
+                    "{scheme}:// is not a scheme images are read from (use data:, http:// or https://)"
+                )));
+            }
         }
         Ok(ImageSource::Path(reference.to_string()))
     }
@@ -598,6 +610,24 @@ mod tests {
                 ImageSource::Path("/tmp/a.png".into()),
                 ImageSource::Path("/tmp/b.jpg".into())
             ]
+        );
+    }
+
+    #[test]
+    fn empty_and_unreadable_image_urls_are_refused_by_name() {
+        for (url, says) in [
+            ("", "empty"),
+            ("  ", "empty"),
+            ("ftp://host/a.png", "ftp://"),
+            ("s3://b/k", "s3://"),
+        ] {
+            let e = ImageSource::parse(url).unwrap_err();
+            assert!(matches!(e, InputError::ImageUrl(_)), "{url:?}: {e}");
+            assert!(e.to_string().contains(says), "{url:?}: {e}");
+        }
+        assert_eq!(
+            ImageSource::parse("FILE:///tmp/a.png").unwrap(),
+            ImageSource::Path("/tmp/a.png".into())
         );
     }
 

@@ -14,6 +14,10 @@ pub enum InputError {
     /// A `data:` URL kvlens cannot read (no `;base64`, no comma).
     #[error("unsupported image data URL: {0}")]
     DataUrl(String),
+
+    /// An image URL that is empty or of a scheme no one can read.
+    #[error("unsupported image URL: {0}")]
+    ImageUrl(String),
     /// The bytes are not a PNG or JPEG image.
     #[error("image is not a PNG or JPEG file (first bytes: {0})")]
     NotAnImage(String),

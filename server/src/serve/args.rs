@@ -28,6 +28,11 @@ pub struct ServeArgs {
     /// https is not fetched, this build has no TLS).
     #[arg(long, num_args = 1..)]
     pub allowed_media_domains: Vec<String>,
+    /// Seconds that requests in flight get to finish after SIGTERM/SIGINT, as in vLLM (new ones are
+    /// refused and /health answers 503 meanwhile); 0 aborts them at once. Streams that are cut
+    /// end with `finish_reason: "abort"`.
+    #[arg(long, default_value_t = 0.0)]
+    pub shutdown_timeout: f64,
     /// Directory with the built playground, served at / when it exists.
     #[arg(long, default_value = "dist")]
     pub playground_dir: PathBuf,

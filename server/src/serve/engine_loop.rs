@@ -1,10 +1,13 @@
 //! The engine thread: it owns the [`Engine`], blocks on its command channel while idle, and while
 //! requests are unfinished alternates between draining commands and running steps. Each request's
-//! tokens go back over its own channel; occupancy snapshots are published on a watch channel after
-//! steps, at most ten a second (and always once the engine falls idle).
+//! tokens are detokenized here and checked for stop strings, so the finish reason is decided once,
+//! on this thread, before the metrics count it; the deltas go back over the request's own channel.
+//! Occupancy snapshots are published on a watch channel after steps, at most ten a second (and
+//! always once the engine falls idle).
 
 use super::errors::ApiError;
 use super::metrics::Metrics;
+use super::output::{Delta, Output};
 use crate::runtime::Frontend;
 use kvlens_engine::backend::cpu::CpuBackend;
 use kvlens_engine::backend::Backend;
@@ -23,8 +26,8 @@ const PUBLISH_INTERVAL: Duration = Duration::from_millis(100);
 /// What a request's channel carries.
 #[derive(Debug)]
 pub enum Update {
-    /// A generated token (the last one carries the finish reason).
-    Token(TokenEvent),
+    /// What a generated token adds to the answer (the last delta carries the finish reason).
+    Delta(Delta),
     /// The request was dropped by the engine (a failed step, or shutdown).
     Failed(ApiError),
 }
@@ -63,19 +66,21 @@ pub struct ProcessorReset {
     pub freed_entries: usize,
 }
 
+/// A request for the engine thread to queue.
+#[derive(Debug)]
+struct NewRequest {
+    request: Request,
+    arrived: Instant,
+    output: Output,
+    updates: tokio_mpsc::UnboundedSender<Update>,
+    reply: oneshot::Sender<Result<(), EngineError>>,
+}
+
 /// A command for the engine thread.
 #[derive(Debug)]
 enum Command {
-    Add {
-        request: Request,
-        arrived: Instant,
-        updates: tokio_mpsc::UnboundedSender<Update>,
-        reply: oneshot::Sender<Result<(), EngineError>>,
-    },
-    Abort {
-        id: RequestId,
-        reason: FinishReason,
-    },
+    Add(Box<NewRequest>),
+    Abort(RequestId),
     ResetPrefixCache(oneshot::Sender<Result<(), EngineError>>),
     ResetEncoderCache(oneshot::Sender<EncoderReset>),
     ResetProcessorCache(oneshot::Sender<ProcessorReset>),
@@ -104,9 +109,9 @@ impl EngineHandle {
         answer.await.map_err(|_| stopped())
     }
 
-    /// Queues a request; its tokens arrive on the returned subscription, which aborts the request
-    /// when dropped before the end.
-    pub async fn add(&self, request: Request, arrived: Instant) -> Result<Subscription, ApiError> {
+    /// Queues a request whose tokens become `output`; the deltas arrive on the returned
+    /// subscription, which aborts the request when dropped before the end.
+    pub async fn add(&self, request: Request, output: Output, arrived: Instant) -> Result<Subscription, ApiError> {
         let (updates, rx) = tokio_mpsc::unbounded_channel();
         // Armed before the request is queued: a client that leaves while this waits drops it, and
         // its abort follows the request on the same channel.
@@ -117,11 +122,14 @@ impl EngineHandle {
             armed: true,
         };
         let added = self
-            .ask(|reply| Command::Add {
-                request,
-                arrived,
-                updates,
-                reply,
+            .ask(|reply| {
+                Command::Add(Box::new(NewRequest {
+                    request,
+                    arrived,
+                    output,
+                    updates,
+                    reply,
+                }))
             })
             .await;
         match added {
@@ -185,35 +193,24 @@ pub struct Subscription {
 }
 
 impl Subscription {
-    /// The request finished in the engine: nothing to abort.
+    /// The request ended on the engine thread: nothing to abort.
     pub fn finished(&mut self) {
         self.armed = false;
-    }
-
-    /// A stop string ended the output: the engine stops the request with reason `stop`.
-    pub fn stop(&mut self) {
-        self.end(FinishReason::Stop);
-    }
-
-    fn end(&mut self, reason: FinishReason) {
-        if std::mem::take(&mut self.armed) {
-            let _ = self.engine.send(Command::Abort {
-                id: self.id.clone(),
-                reason,
-            });
-        }
     }
 }
 
 impl Drop for Subscription {
     fn drop(&mut self) {
-        self.end(FinishReason::Abort);
+        if self.armed {
+            let _ = self.engine.send(Command::Abort(self.id.clone()));
+        }
     }
 }
 
 /// A request in flight, as the engine thread tracks it.
 #[derive(Debug)]
 struct Live {
+    output: Output,
     updates: tokio_mpsc::UnboundedSender<Update>,
     arrived: Instant,
     last_token: Option<Instant>,
@@ -302,7 +299,13 @@ impl EngineLoop {
                 self.publish(false);
             }
         }
-        self.fail_all(&ApiError::unavailable("the server is shutting down"));
+        // Shutdown: every stream ends with `finish_reason: "abort"`, as vLLM ends aborted requests.
+        self.end_all(|| {
+            Update::Delta(Delta {
+                finish: Some(FinishReason::Abort),
+                ..Delta::default()
+            })
+        });
         self.publish(true);
     }
 
@@ -319,12 +322,14 @@ impl EngineLoop {
     /// Handles one command; false on shutdown.
     fn handle(&mut self, cmd: Command) -> bool {
         match cmd {
-            Command::Add {
-                request,
-                arrived,
-                updates,
-                reply,
-            } => {
+            Command::Add(new) => {
+                let NewRequest {
+                    request,
+                    arrived,
+                    output,
+                    updates,
+                    reply,
+                } = *new;
                 let id = request.id.clone();
                 let prompt_len = request.prompt.len();
                 let added = self.engine.add_request(request);
@@ -332,6 +337,7 @@ impl EngineLoop {
                     self.live.insert(
                         id,
                         Live {
+                            output,
                             updates,
                             arrived,
                             last_token: None,
@@ -343,7 +349,7 @@ impl EngineLoop {
                 }
                 let _ = reply.send(added);
             }
-            Command::Abort { id, reason } => self.abort(&id, reason),
+            Command::Abort(id) => self.abort(&id, FinishReason::Abort),
             Command::ResetPrefixCache(reply) => {
                 let _ = reply.send(self.engine.reset_prefix_cache());
                 self.dirty = true;
@@ -376,7 +382,7 @@ impl EngineLoop {
         true
     }
 
-    /// Aborts a live request (a client that went away, or a stop string).
+    /// Ends a live request early with `reason` (a client that went away, a stop string, a failure).
     fn abort(&mut self, id: &RequestId, reason: FinishReason) {
         if self.live.contains_key(id) {
             if let Err(e) = self.engine.abort(id) {
@@ -412,40 +418,65 @@ impl EngineLoop {
             Err(e) => {
                 eprintln!("ERROR engine step failed: {e}");
                 // The engine has dropped every request and emptied its caches: tell the clients.
-                self.fail_all(&ApiError::internal(format!("the engine failed: {e}")));
+                let why = ApiError::internal(format!("the engine failed: {e}"));
+                self.end_all(|| Update::Failed(why.clone()));
             }
         }
     }
 
-    /// Sends a token to its request; aborts the request when nobody listens any more.
+    /// Turns a token into its request's next delta and sends it. The finish reason is decided
+    /// here: the engine's own, or `stop` where a stop string ends the text (the engine request
+    /// is then aborted at once, so no token past it is generated or counted). A request whose
+    /// client is gone is aborted.
     fn deliver(&mut self, event: TokenEvent) {
         let Some(live) = self.live.get_mut(&event.id) else {
             return;
         };
-        let now = Instant::now();
-        match live.last_token {
-            None => self
-                .metrics
-                .first_token(now.duration_since(live.arrived).as_secs_f64(), live.prompt_len),
-            Some(last) => self.metrics.next_token(now.duration_since(last).as_secs_f64()),
-        }
-        live.last_token = Some(now);
-        live.generated += 1;
         let id = event.id.clone();
-        let finish = event.finish;
-        if live.updates.send(Update::Token(event)).is_err() {
-            self.abort(&id, FinishReason::Abort);
-        } else if let Some(reason) = finish {
-            self.finish(&id, reason);
+        let delta = match live.output.push(&self.frontend.tokenizer, event) {
+            Ok(delta) => delta,
+            Err(e) => {
+                let _ = live.updates.send(Update::Failed(e));
+                self.abort(&id, FinishReason::Abort);
+                return;
+            }
+        };
+        if delta.token.is_some() {
+            let now = Instant::now();
+            match live.last_token {
+                None => self
+                    .metrics
+                    .first_token(now.duration_since(live.arrived).as_secs_f64(), live.prompt_len),
+                Some(last) => self.metrics.next_token(now.duration_since(last).as_secs_f64()),
+            }
+            live.last_token = Some(now);
+            live.generated += 1;
+        }
+        match delta.finish {
+            None => {
+                if live.updates.send(Update::Delta(delta)).is_err() {
+                    self.abort(&id, FinishReason::Abort);
+                }
+            }
+            Some(reason) => {
+                // Counted before the client sees the end, so metrics read after an answer include it.
+                let updates = live.updates.clone();
+                if delta.stopped {
+                    self.abort(&id, reason);
+                } else {
+                    self.finish(&id, reason);
+                }
+                let _ = updates.send(Update::Delta(delta));
+            }
         }
     }
 
-    /// Aborts every live request, telling each why.
-    fn fail_all(&mut self, why: &ApiError) {
+    /// Aborts every live request, sending each a last update.
+    fn end_all(&mut self, last: impl Fn() -> Update) {
         let ids: Vec<RequestId> = self.live.keys().cloned().collect();
         for id in ids {
             if let Some(live) = self.live.get(&id) {
-                let _ = live.updates.send(Update::Failed(why.clone()));
+                let _ = live.updates.send(last());
             }
             self.abort(&id, FinishReason::Abort);
         }

@@ -29,6 +29,19 @@ impl ApiError {
         Self::new(StatusCode::NOT_FOUND, format!("{path} not found"))
     }
 
+    /// 404: the request names a model that is not served (vLLM's message).
+    pub fn unknown_model(model: &str) -> Self {
+        Self::new(StatusCode::NOT_FOUND, format!("The model `{model}` does not exist."))
+    }
+
+    /// 405: the route exists for other methods.
+    pub fn method_not_allowed(method: &axum::http::Method, path: &str) -> Self {
+        Self::new(
+            StatusCode::METHOD_NOT_ALLOWED,
+            format!("{method} is not allowed on {path}"),
+        )
+    }
+
     /// 409: the engine refuses the operation in its current state.
     pub fn conflict(message: impl Into<String>) -> Self {
         Self::new(StatusCode::CONFLICT, message)
@@ -65,6 +78,7 @@ impl ApiError {
             StatusCode::BAD_REQUEST => "BadRequestError",
             StatusCode::UNAUTHORIZED => "AuthenticationError",
             StatusCode::NOT_FOUND => "NotFoundError",
+            StatusCode::METHOD_NOT_ALLOWED => "MethodNotAllowed",
             StatusCode::CONFLICT => "ConflictError",
             StatusCode::PAYLOAD_TOO_LARGE => "RequestEntityTooLargeError",
             StatusCode::SERVICE_UNAVAILABLE => "ServiceUnavailableError",

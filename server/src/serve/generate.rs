@@ -16,7 +16,7 @@ use axum::extract::State;
 use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
 use futures_util::StreamExt;
-use kvlens_engine::engine::{Request, TokenEvent};
+use kvlens_engine::engine::Request;
 use kvlens_engine::input::tokenizer::Tokenizer;
 use std::collections::VecDeque;
 use std::convert::Infallible;
@@ -61,12 +61,16 @@ fn new_id(prefix: &str) -> String {
     format!("{prefix}-{a:016x}{b:016x}")
 }
 
-/// The model name a request names, checked against the served names.
-fn model_name(ready: &Ready, asked: Option<&str>) -> Result<String, ApiError> {
+/// The model name a request names, checked against the served names, and its token ids checked
+/// against the vocabulary (before any preprocessing is paid for).
+fn model_name(ready: &Ready, asked: Option<&str>, spec: &Spec) -> Result<String, ApiError> {
+    spec.params
+        .validate_token_ids(ready.frontend.tokenizer.vocab_size())
+        .map_err(ApiError::bad_request)?;
     match asked {
         None => Ok(ready.served_model_names[0].clone()),
         Some(m) if ready.served_model_names.iter().any(|n| n == m) => Ok(m.to_string()),
-        Some(m) => Err(ApiError::bad_request(format!("The model `{m}` does not exist."))),
+        Some(m) => Err(ApiError::unknown_model(m)),
     }
 }
 
@@ -74,10 +78,10 @@ fn model_name(ready: &Ready, asked: Option<&str>) -> Result<String, ApiError> {
 pub async fn chat_completions(State(app): State<Arc<App>>, body: Body) -> Response {
     let arrived = Instant::now();
     let answer = async {
-        let ready = app.ready()?;
+        let ready = app.accepting()?;
         let req: ChatRequest = read_json(body).await?;
         let spec = req.spec()?;
-        let model = model_name(ready, req.common.model.as_deref())?;
+        let model = model_name(ready, req.common.model.as_deref(), &spec)?;
         let mut messages = req.messages;
         resolve_remote_images(&mut messages, &app.allowed_media_domains).await?;
         let id = new_id("chatcmpl");
@@ -97,10 +101,10 @@ pub async fn chat_completions(State(app): State<Arc<App>>, body: Body) -> Respon
 pub async fn completions(State(app): State<Arc<App>>, body: Body) -> Response {
     let arrived = Instant::now();
     let answer = async {
-        let ready = app.ready()?;
+        let ready = app.accepting()?;
         let req: CompletionRequest = read_json(body).await?;
         let spec = req.spec()?;
-        let model = model_name(ready, req.common.model.as_deref())?;
+        let model = model_name(ready, req.common.model.as_deref(), &spec)?;
         let prompt = req.prompt.into_text()?;
         let id = new_id("cmpl");
         let frontend = ready.frontend.clone();
@@ -137,19 +141,23 @@ async fn run(
         logprobs: spec.logprobs,
         return_token_ids: spec.return_token_ids,
     };
-    let sub = ready.engine.add(request, arrived).await?;
-    let out = Output::new(spec.stop);
+    let sub = ready.engine.add(request, Output::new(spec.stop), arrived).await?;
     if spec.stream {
-        Ok(stream(job, sub, out, ready.frontend.clone(), spec.include_usage).into_response())
+        Ok(stream(job, sub, ready.frontend.clone(), spec.include_usage).into_response())
     } else {
-        whole(job, sub, out, &ready.frontend.tokenizer).await
+        whole(job, sub, &ready.frontend.tokenizer).await
     }
 }
 
-/// The next token of a request, or why there is none.
-async fn next_token(sub: &mut Subscription) -> Result<TokenEvent, ApiError> {
+/// The next delta of a request, or why there is none.
+async fn next_delta(sub: &mut Subscription) -> Result<Delta, ApiError> {
     match sub.updates.recv().await {
-        Some(Update::Token(event)) => Ok(event),
+        Some(Update::Delta(delta)) => {
+            if delta.finish.is_some() {
+                sub.finished();
+            }
+            Ok(delta)
+        }
         Some(Update::Failed(e)) => {
             sub.finished();
             Err(e)
@@ -161,25 +169,12 @@ async fn next_token(sub: &mut Subscription) -> Result<TokenEvent, ApiError> {
     }
 }
 
-/// Feeds one token to the output and ends the engine request where the output ended.
-fn advance(sub: &mut Subscription, out: &mut Output, tok: &Tokenizer, event: TokenEvent) -> Result<Delta, ApiError> {
-    let engine_finished = event.finish.is_some();
-    let delta = out.push(tok, event)?;
-    if delta.stopped {
-        sub.stop();
-    } else if engine_finished {
-        sub.finished();
-    }
-    Ok(delta)
-}
-
 /// Collects the whole answer.
-async fn whole(job: Job, mut sub: Subscription, mut out: Output, tok: &Tokenizer) -> Result<Response, ApiError> {
+async fn whole(job: Job, mut sub: Subscription, tok: &Tokenizer) -> Result<Response, ApiError> {
     let mut text = String::new();
     let mut tokens: Vec<TokenLogprobs> = Vec::new();
     let finish = loop {
-        let event = next_token(&mut sub).await?;
-        let delta = advance(&mut sub, &mut out, tok, event)?;
+        let delta = next_delta(&mut sub).await?;
         text.push_str(&delta.text);
         tokens.extend(delta.token);
         if let Some(reason) = delta.finish {
@@ -194,9 +189,10 @@ async fn whole(job: Job, mut sub: Subscription, mut out: Output, tok: &Tokenizer
 struct Streamer {
     job: Job,
     sub: Subscription,
-    out: Output,
     frontend: Arc<Frontend>,
     include_usage: bool,
+    /// Tokens in the answer so far.
+    num_tokens: usize,
     /// Events ready to send.
     pending: VecDeque<String>,
     first: bool,
@@ -206,11 +202,7 @@ struct Streamer {
 impl Streamer {
     /// Waits for the next token and turns it into events.
     async fn fill(&mut self) {
-        let delta = match next_token(&mut self.sub).await {
-            Ok(event) => advance(&mut self.sub, &mut self.out, &self.frontend.tokenizer, event),
-            Err(e) => Err(e),
-        };
-        let delta = match delta {
+        let delta = match next_delta(&mut self.sub).await {
             Ok(d) => d,
             Err(e) => {
                 self.pending.push_back(e.body().to_string());
@@ -219,6 +211,7 @@ impl Streamer {
                 return;
             }
         };
+        self.num_tokens += usize::from(delta.token.is_some());
         // Chunks with no text are sent only when they carry token ids or log-probabilities.
         let carries = self.job.return_token_ids || self.job.logprobs.is_some();
         if self.first || carries || !delta.text.is_empty() || delta.finish.is_some() {
@@ -229,7 +222,7 @@ impl Streamer {
         if delta.finish.is_some() {
             if self.include_usage {
                 self.pending
-                    .push_back(self.job.usage_chunk(self.out.num_tokens).to_string());
+                    .push_back(self.job.usage_chunk(self.num_tokens).to_string());
             }
             self.pending.push_back("[DONE]".into());
             self.done = true;
@@ -238,13 +231,13 @@ impl Streamer {
 }
 
 /// The SSE answer: one chunk per token, the usage chunk when asked for, then `[DONE]`.
-fn stream(job: Job, sub: Subscription, out: Output, frontend: Arc<Frontend>, include_usage: bool) -> impl IntoResponse {
+fn stream(job: Job, sub: Subscription, frontend: Arc<Frontend>, include_usage: bool) -> impl IntoResponse {
     let state = Streamer {
         job,
         sub,
-        out,
         frontend,
         include_usage,
+        num_tokens: 0,
         pending: VecDeque::new(),
         first: true,
         done: false,

@@ -203,12 +203,13 @@ impl Metrics {
             m.e2e.write(o, "vllm:e2e_request_latency_seconds", help, l);
         });
         #[rustfmt::skip]
-        let kvlens: [(&str, &str, &str, u64); 7] = [
+        let kvlens: [(&str, &str, &str, u64); 8] = [
             ("kvlens:encoder_cache_used_tokens", "gauge", "Encoder-cache tokens held.", enc.used_tokens as u64),
             ("kvlens:encoder_cache_used_bytes", "gauge", "Encoder-cache bytes held.", enc.used_bytes),
             ("kvlens:encoder_cache_entries", "gauge", "Encoder-cache entries.", enc.entries.len() as u64),
             ("kvlens:vision_tower_runs", "counter", "Images encoded by the vision tower.", snap.counters.vision_runs),
             ("kvlens:encoder_cache_hits", "counter", "Images whose encoder output was reused.", snap.counters.encoder_hits),
+            ("kvlens:prefix_cached_images", "counter", "Images the prefix cache already held (no encoder needed).", snap.counters.prefix_cached_images),
             ("kvlens:processor_cache_bytes", "gauge", "Host bytes of preprocessed images.", g.processor_cache_bytes),
             ("kvlens:processor_cache_entries", "gauge", "Preprocessed images held.", g.processor_cache_entries as u64),
         ];

@@ -33,6 +33,7 @@ use errors::{json_response, ApiError};
 use metrics::{Gauges, Metrics};
 use serde_json::json;
 use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use tokio::sync::{oneshot, watch};
@@ -49,6 +50,8 @@ pub struct App {
     api_key: Option<String>,
     /// `--allowed-media-domains`.
     allowed_media_domains: Vec<String>,
+    /// Set on SIGINT/SIGTERM: new requests are refused while those in flight finish.
+    draining: AtomicBool,
 }
 
 /// The running engine as the handlers see it.
@@ -80,6 +83,14 @@ impl App {
         self.ready
             .get()
             .ok_or_else(|| ApiError::unavailable("the model is still loading"))
+    }
+
+    /// The engine for a new generation request: 503 while loading or shutting down.
+    fn accepting(&self) -> Result<&Ready, ApiError> {
+        if self.draining.load(Ordering::Relaxed) {
+            return Err(ApiError::unavailable("the server is shutting down"));
+        }
+        self.ready()
     }
 }
 
@@ -113,6 +124,7 @@ async fn serve(args: &ServeArgs, engine_args: EngineArgs) -> Result<()> {
         ready: OnceLock::new(),
         api_key: args.api_key.clone(),
         allowed_media_domains: args.allowed_media_domains.clone(),
+        draining: AtomicBool::new(false),
     });
     let (stop_server, stopped) = oneshot::channel::<()>();
     let server = axum::serve(listener, router(app.clone(), &args.playground_dir)).with_graceful_shutdown(async {
@@ -143,8 +155,9 @@ async fn serve(args: &ServeArgs, engine_args: EngineArgs) -> Result<()> {
         }
     }
     signal.await;
-    eprintln!("INFO Shutting down: aborting the requests in flight");
+    app.draining.store(true, Ordering::Relaxed);
     if let Ok(ready) = app.ready() {
+        drain(ready, args.shutdown_timeout).await;
         ready.engine.shutdown();
     }
     let _ = stop_server.send(());
@@ -158,6 +171,38 @@ async fn serve(args: &ServeArgs, engine_args: EngineArgs) -> Result<()> {
         ),
     }
     Ok(())
+}
+
+/// Waits up to `timeout_s` seconds (`--shutdown-timeout`) for the requests in flight to finish.
+async fn drain(ready: &Ready, timeout_s: f64) {
+    let mut published = ready.occupancy.clone();
+    // A fresh snapshot each time: the published one may be up to one interval old.
+    let idle = || async {
+        ready
+            .engine
+            .snapshot()
+            .await
+            .map_or(true, |o| o.engine.num_running == 0 && o.engine.num_waiting == 0)
+    };
+    if idle().await {
+        return;
+    }
+    let timeout = Duration::try_from_secs_f64(timeout_s).unwrap_or(Duration::ZERO);
+    if !timeout.is_zero() {
+        eprintln!("INFO Shutting down: waiting up to {timeout_s} s for the requests in flight (--shutdown-timeout)");
+        let finished = async {
+            // The engine publishes after steps and whenever it falls idle.
+            while !idle().await {
+                if published.changed().await.is_err() {
+                    return;
+                }
+            }
+        };
+        if tokio::time::timeout(timeout, finished).await.is_ok() {
+            return;
+        }
+    }
+    eprintln!("INFO Shutting down: aborting the requests in flight");
 }
 
 /// Starts the engine on its own thread; the receiver gets the ready engine or the start-up error.
@@ -249,7 +294,8 @@ fn router(app: Arc<App>, playground: &Path) -> Router {
         .route("/v1/memory/stream", get(memory::memory_stream))
         .route("/reset_prefix_cache", post(memory::reset_prefix_cache))
         .route("/reset_mm_cache", post(memory::reset_mm_cache))
-        .route("/reset_encoder_cache", post(memory::reset_encoder_cache));
+        .route("/reset_encoder_cache", post(memory::reset_encoder_cache))
+        .method_not_allowed_fallback(method_not_allowed);
     let routes = if playground.is_dir() {
         routes.fallback_service(
             tower_http::services::ServeDir::new(playground).not_found_service(not_found.into_service()),
@@ -267,11 +313,15 @@ fn same_secret(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
-/// With `--api-key`: 401 on /v1/* and the resets without `Authorization: Bearer KEY`.
+/// Paths that stay open with `--api-key`, as in vLLM (the playground's files are open too).
+fn open_path(path: &str) -> bool {
+    !(path.starts_with("/v1") || path.starts_with("/reset_") || path == "/server_info")
+}
+
+/// With `--api-key`: 401 on /v1/*, the resets and /server_info without `Authorization: Bearer KEY`.
 async fn auth(State(app): State<Arc<App>>, req: axum::extract::Request, next: Next) -> Response {
     if let Some(key) = &app.api_key {
-        let path = req.uri().path();
-        if path.starts_with("/v1") || path.starts_with("/reset_") {
+        if !open_path(req.uri().path()) {
             let given = req
                 .headers()
                 .get(header::AUTHORIZATION)
@@ -289,15 +339,20 @@ async fn not_found(uri: Uri) -> ApiError {
     ApiError::not_found(uri.path())
 }
 
+async fn method_not_allowed(method: axum::http::Method, uri: Uri) -> ApiError {
+    ApiError::method_not_allowed(&method, uri.path())
+}
+
 async fn no_playground() -> &'static str {
     "kvlens serve: the OpenAI-compatible API is at /v1 (chat/completions, completions, models, memory), \
      with /health, /metrics, /server_info and /v1/memory/stream beside it. The playground is not built: \
      `cargo xtask demo` builds it into dist/ (or pass --playground-dir).\n"
 }
 
-/// `GET /health`: 200 while the engine runs, 503 before it starts and after its thread ended.
+/// `GET /health`: 200 while the engine runs, 503 before it starts, while shutting down and after its
+/// thread ended.
 async fn health(State(app): State<Arc<App>>) -> Response {
-    match app.ready() {
+    match app.accepting() {
         // The engine thread owns the snapshot sender: a closed channel means it has stopped.
         Ok(ready) if ready.occupancy.has_changed().is_err() => {
             ApiError::unavailable("the engine has stopped").into_response()

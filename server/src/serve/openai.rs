@@ -72,6 +72,14 @@ pub struct CommonFields {
     pub stream: Option<bool>,
     /// Streaming options.
     pub stream_options: Option<StreamOptions>,
+    /// Token id (as a string, OpenAI's shape) → bias added to its logit, in [-100, 100].
+    pub logit_bias: Option<std::collections::HashMap<String, f32>>,
+    /// Tool definitions: kvlens has no tool-call parser, so any tools are refused.
+    pub tools: Option<Value>,
+    /// Only `"none"` (what no tools means) is accepted.
+    pub tool_choice: Option<Value>,
+    /// Only `{"type": "text"}` (plain text) is accepted: kvlens has no structured output.
+    pub response_format: Option<Value>,
 }
 
 /// `POST /v1/chat/completions`.
@@ -179,6 +187,7 @@ impl CommonFields {
                 "at most {MAX_LOGPROBS} log-probabilities per token may be asked for, got {k}"
             )));
         }
+        self.refuse_unsupported()?;
         let max_tokens = self.max_completion_tokens.or(self.max_tokens);
         let d = SamplingParams::default();
         let params = SamplingParams {
@@ -194,6 +203,7 @@ impl CommonFields {
             stop_token_ids: self.stop_token_ids.clone().unwrap_or_default(),
             ignore_eos: self.ignore_eos.unwrap_or(false),
             logprobs,
+            logit_bias: self.logit_bias()?,
         };
         params.validate().map_err(ApiError::bad_request)?;
         let stop = match &self.stop {
@@ -210,6 +220,43 @@ impl CommonFields {
             logprobs,
             return_token_ids: self.return_token_ids.unwrap_or(false),
         })
+    }
+}
+
+impl CommonFields {
+    /// 400 naming the field for what the engine cannot do (rather than ignoring it silently).
+    fn refuse_unsupported(&self) -> Result<(), ApiError> {
+        let tools = self.tools.as_ref().filter(|t| !t.is_null() && *t != &json!([]));
+        let choice = self.tool_choice.as_ref().filter(|c| !c.is_null() && *c != "none");
+        let format = self
+            .response_format
+            .as_ref()
+            .filter(|f| !f.is_null() && f.get("type").and_then(Value::as_str) != Some("text"));
+        for (field, given) in [("tools", tools), ("tool_choice", choice), ("response_format", format)] {
+            if let Some(v) = given {
+                return Err(ApiError::bad_request(format!(
+                    "{field} is not supported by kvlens (no tool calling or structured output), got {v}"
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// `logit_bias` as (token id, bias) pairs, sorted by id.
+    fn logit_bias(&self) -> Result<Vec<(u32, f32)>, ApiError> {
+        let mut bias = self
+            .logit_bias
+            .iter()
+            .flatten()
+            .map(|(id, &b)| {
+                id.trim()
+                    .parse::<u32>()
+                    .map(|id| (id, b))
+                    .map_err(|_| ApiError::bad_request(format!("logit_bias keys must be token ids, got {id:?}")))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        bias.sort_by_key(|&(id, _)| id);
+        Ok(bias)
     }
 }
 

@@ -205,6 +205,17 @@ mod tests {
     }
 
     #[test]
+    fn a_stop_string_in_the_last_allowed_token_is_a_stop() {
+        let tok = tokenizer();
+        let mut out = Output::new(vec!["cd".into()]);
+        let deltas = feed(&mut out, &tok, b"abcd", Some(FinishReason::Length));
+        assert_eq!(joined(&deltas), "ab");
+        let last = deltas.last().unwrap();
+        assert_eq!(last.finish, Some(FinishReason::Stop));
+        assert!(!last.stopped, "the engine has already ended it");
+    }
+
+    #[test]
     fn special_tokens_are_skipped_and_an_engine_stop_keeps_its_reason() {
         let tok = tokenizer();
         let mut out = Output::new(vec!["zz".into()]);

@@ -167,6 +167,11 @@ impl Server {
     /// Starts `kvlens serve --model MODEL --served-model-name tiny --port 0 --cpu-memory-gib 1 EXTRA`
     /// and returns once it has printed its port (the model may still be loading).
     pub fn start(model: &Path, extra: &[&str]) -> Server {
+        Self::start_with_env(model, extra, &[])
+    }
+
+    /// [`Server::start`] with extra environment variables.
+    pub fn start_with_env(model: &Path, extra: &[&str], env: &[(&str, &str)]) -> Server {
         let mut child = kvlens_command()
             .arg("serve")
             .arg("--model")
@@ -174,6 +179,7 @@ impl Server {
             .args(["--served-model-name", "tiny", "--port", "0", "--cpu-memory-gib", "1"])
             .args(extra)
             .env_remove("KVLENS_API_KEY")
+            .envs(env.iter().copied())
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
             .spawn()
@@ -204,6 +210,10 @@ impl Server {
 
     pub fn port(&self) -> u16 {
         self.port
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.lock().unwrap().id()
     }
 
     /// The lines the server has written to stderr so far.
