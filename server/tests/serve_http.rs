@@ -9,7 +9,7 @@ mod common;
 
 use common::{fixture, http, scratch, send, tiny_checkpoint, Server};
 use serde_json::{json, Value};
-use std::io::Read;
+use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
@@ -780,4 +780,55 @@ fn a_failed_step_fails_its_requests_and_nothing_else() {
         assert!(entries.iter().all(|e| e["freeable"] == true), "{plan}: {entries:?}");
         assert!(server.log().contains("ERROR engine step failed"), "{plan}");
     }
+}
+
+/// Hundreds of connections that send part of their headers and then nothing: each is closed after
+/// `--header-timeout`, the connection limit keeps the server's descriptors bounded with a log
+/// line, `/health` is answered all along, and an idle keep-alive connection is closed too.
+#[test]
+fn slow_header_floods_are_timed_out_and_limited() {
+    let server = serve(&["--max-connections", "64", "--header-timeout", "1"]);
+    server.wait_ready();
+    let port = server.port();
+    let flood: Vec<std::net::TcpStream> = (0..300)
+        .map(|_| {
+            let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+            s.write_all(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Le")
+                .unwrap();
+            s
+        })
+        .collect();
+    // Queued behind the flood, answered once its connections time out.
+    assert_eq!(server.get("/health").status, 200);
+    for mut s in flood {
+        s.set_read_timeout(Some(Duration::from_secs(300))).unwrap();
+        let mut buf = [0u8; 256];
+        // The server closes it (end of stream, a reset, or a 408 then the end).
+        loop {
+            match s.read(&mut buf) {
+                Ok(0) => break,
+                Ok(_) => continue,
+                Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {
+                    panic!("a half-sent request was never closed")
+                }
+                Err(_) => break,
+            }
+        }
+    }
+    let log = server.log();
+    assert!(log.contains("64 connections open (--max-connections)"), "{log}");
+    // A kept-alive connection that goes quiet after its answer is closed as well.
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(300))).unwrap();
+    s.write_all(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n").unwrap();
+    let mut seen = Vec::new();
+    let mut buf = [0u8; 256];
+    loop {
+        match s.read(&mut buf) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => seen.extend_from_slice(&buf[..n]),
+        }
+    }
+    assert!(String::from_utf8_lossy(&seen).starts_with("HTTP/1.1 200"), "{seen:?}");
+    assert_eq!(server.get("/health").status, 200);
 }

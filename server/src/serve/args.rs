@@ -33,6 +33,13 @@ pub struct ServeArgs {
     /// end with `finish_reason: "abort"`.
     #[arg(long, default_value_t = 0.0)]
     pub shutdown_timeout: f64,
+    /// Most HTTP connections open at once; past it new connections wait (a log line says so).
+    #[arg(long, default_value_t = 1024)]
+    pub max_connections: usize,
+    /// Seconds a client has to send a request's headers, and that an idle keep-alive connection
+    /// stays open; slower connections are closed.
+    #[arg(long, default_value_t = 15.0)]
+    pub header_timeout: f64,
     /// Directory with the built playground, served at / when it exists.
     #[arg(long, default_value = "dist")]
     pub playground_dir: PathBuf,

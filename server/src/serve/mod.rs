@@ -9,6 +9,7 @@ mod args;
 mod engine_loop;
 mod errors;
 mod generate;
+mod listener;
 mod media;
 mod memory;
 mod metrics;
@@ -30,6 +31,7 @@ use axum::routing::{get, post};
 use axum::Router;
 use engine_loop::{EngineHandle, EngineLoop, Occupancy};
 use errors::{json_response, ApiError};
+use listener::ConnectionLimits;
 use metrics::{Gauges, Metrics};
 use serde_json::json;
 use std::path::Path;
@@ -126,11 +128,28 @@ async fn serve(args: &ServeArgs, engine_args: EngineArgs) -> Result<()> {
         allowed_media_domains: args.allowed_media_domains.clone(),
         draining: AtomicBool::new(false),
     });
+    let limits = ConnectionLimits {
+        max_connections: args.max_connections,
+        header_timeout: Duration::try_from_secs_f64(args.header_timeout)
+            .ok()
+            .filter(|t| !t.is_zero())
+            .ok_or_else(|| {
+                UsageError(format!(
+                    "--header-timeout must be positive, got {}",
+                    args.header_timeout
+                ))
+            })?,
+        shutdown_grace: SHUTDOWN_GRACE,
+    };
     let (stop_server, stopped) = oneshot::channel::<()>();
-    let server = axum::serve(listener, router(app.clone(), &args.playground_dir)).with_graceful_shutdown(async {
-        let _ = stopped.await;
-    });
-    let server = tokio::spawn(std::future::IntoFuture::into_future(server));
+    let server = tokio::spawn(listener::serve(
+        listener,
+        router(app.clone(), &args.playground_dir),
+        limits,
+        async {
+            let _ = stopped.await;
+        },
+    ));
     eprintln!("INFO Starting vLLM API server on http://{local}");
     let mut flags = serde_json::to_value(args)?;
     flags["api_key"] = json!(args.api_key.as_ref().map(|_| "<set>"));
@@ -161,14 +180,8 @@ async fn serve(args: &ServeArgs, engine_args: EngineArgs) -> Result<()> {
         ready.engine.shutdown();
     }
     let _ = stop_server.send(());
-    match tokio::time::timeout(SHUTDOWN_GRACE, server).await {
-        Ok(Ok(Ok(()))) => {}
-        Ok(Ok(Err(e))) => eprintln!("WARNING the HTTP server stopped with an error: {e}"),
-        Ok(Err(e)) => eprintln!("WARNING the HTTP server task failed: {e}"),
-        Err(_) => eprintln!(
-            "WARNING connections still open {} s after the signal; closing them",
-            SHUTDOWN_GRACE.as_secs()
-        ),
+    if let Err(e) = server.await {
+        eprintln!("WARNING the HTTP server task failed: {e}");
     }
     Ok(())
 }
