@@ -105,6 +105,34 @@ mod input {
     }
 
     #[test]
+    fn no_token_stands_for_more_bytes_than_max_token_bytes() {
+        let t = tokenizer();
+        let max = t.max_token_bytes();
+        assert!((16..=512).contains(&max), "{max}");
+        for text in [
+            " ".repeat(5000),
+            "-".repeat(5000),
+            "你好，世界！".repeat(500),
+            "The KV cache holds the keys and values. ".repeat(200),
+            "\n\n\t\t".repeat(1000),
+        ] {
+            let ids = t.encode(&text).unwrap();
+            assert!(
+                ids.len() >= text.len() / max,
+                "{} tokens for {} bytes",
+                ids.len(),
+                text.len()
+            );
+            let widest = ids
+                .iter()
+                .map(|&id| t.decode(&[id], false).unwrap().len())
+                .max()
+                .unwrap();
+            assert!(widest <= max, "{widest} > {max}");
+        }
+    }
+
+    #[test]
     fn invalid_tokenizer_json_is_an_error() {
         let err = Tokenizer::from_bytes(b"{\"not\": \"a tokenizer\"}").unwrap_err();
         assert!(matches!(err, InputError::TokenizerJson(_)), "{err}");

@@ -40,6 +40,11 @@ pub struct Frontend {
     pub max_image_tokens: usize,
     /// Preprocessed images by mm hash (`--mm-processor-cache-gb`).
     pub processor_cache: Mutex<ProcessorCache<Arc<ProcessedImage>>>,
+    /// Longest prompt plus output (`max_model_len`): texts that cannot fit are refused before
+    /// they are tokenized.
+    pub max_model_len: usize,
+    /// See [`Tokenizer::max_token_bytes`].
+    max_token_bytes: usize,
 }
 
 fn usage(msg: impl Into<String>) -> anyhow::Error {
@@ -86,7 +91,6 @@ impl Frontend {
         let settings = ProcessorSettings::new(&ckpt.config, ckpt.preprocessor_json.as_deref())
             .map_err(|e| usage(format!("preprocessor_config.json: {e}")))?;
         Ok(Frontend {
-            tokenizer,
             template,
             settings,
             image_pad: ckpt.config.tokens.image,
@@ -94,6 +98,9 @@ impl Frontend {
             limit_images: usize::MAX,
             max_image_tokens: usize::MAX,
             processor_cache: Mutex::new(ProcessorCache::new(0)),
+            max_model_len: usize::MAX,
+            max_token_bytes: tokenizer.max_token_bytes(),
+            tokenizer,
         })
     }
 
@@ -134,7 +141,7 @@ impl Frontend {
         allow_files: bool,
     ) -> Result<(Request, Vec<[u32; 3]>)> {
         let text = self.template.render(messages, true).map_err(|e| usage(e.to_string()))?;
-        let ids = self.tokenizer.encode(&text).map_err(|e| usage(e.to_string()))?;
+        let ids = self.encode_if_it_can_fit(&text)?;
         let sources = image_sources(messages).map_err(|e| usage(e.to_string()))?;
         if sources.len() > self.limit_images {
             return Err(usage(format!(
@@ -189,13 +196,29 @@ impl Frontend {
 
     /// Tokenizes a plain prompt (no chat template, no images) into an engine request.
     pub fn completion_request(&self, id: &str, prompt: &str, params: SamplingParams) -> Result<Request> {
-        let ids = self.tokenizer.encode(prompt).map_err(|e| usage(e.to_string()))?;
+        let ids = self.encode_if_it_can_fit(prompt)?;
         Ok(Request {
             id: RequestId::from(id),
             prompt: ids,
             images: Vec::new(),
             params: self.with_eos(params),
         })
+    }
+
+    /// Tokenizes `text`, unless its length alone proves it longer than `max_model_len` tokens
+    /// (then it is refused without paying for the tokenizer).
+    fn encode_if_it_can_fit(&self, text: &str) -> Result<Vec<u32>> {
+        let at_least = text.len() / self.max_token_bytes;
+        if at_least > self.max_model_len {
+            return Err(usage(format!(
+                "the prompt has at least {at_least} tokens ({} bytes of text, at most {} bytes per token), \
+                 more than this model's maximum context length of {} tokens",
+                text.len(),
+                self.max_token_bytes,
+                self.max_model_len
+            )));
+        }
+        self.tokenizer.encode(text).map_err(|e| usage(e.to_string()))
     }
 
     /// `params` with the checkpoint's end-of-sequence ids as stop tokens (unless `ignore_eos`).

@@ -282,6 +282,7 @@ pub fn start(a: &EngineArgs) -> Result<Started> {
     req.activation_peak_bytes = Some(profile.activation_peak_bytes);
     let p = plan(&req).map_err(|e| usage(e.to_string()))?;
     frontend.set_processor_cache_bytes(p.processor_cache_bytes);
+    frontend.max_model_len = p.max_model_len;
     if let Some(grid) = spec.image_grid {
         frontend.max_image_tokens = grid.iter().product::<usize>() / (merge * merge);
     }

@@ -250,6 +250,14 @@ fn bad_inputs(server: &Server) {
             400,
             with("response_format", json!({"type": "json_object"})),
         ),
+        (
+            "7 MB of text",
+            400,
+            with(
+                "messages",
+                json!([{"role": "user", "content": "word ".repeat(1_400_000)}]),
+            ),
+        ),
     ];
     for (what, status, body) in cases {
         let r = http(server.port(), "POST", "/v1/chat/completions", &[], &body);
@@ -262,6 +270,7 @@ fn bad_inputs(server: &Server) {
             ("tool_choice", "tool_choice"),
             ("response_format", "response_format"),
             ("huge negative frequency_penalty", "frequency_penalty"),
+            ("7 MB of text", "has at least"),
         ] {
             assert!(what != case || message.contains(says), "{what}: {message}");
         }
@@ -274,6 +283,14 @@ fn bad_inputs(server: &Server) {
     plain["response_format"] = json!({"type": "text"});
     plain["tools"] = json!([]);
     assert_eq!(server.post("/v1/chat/completions", &plain).status, 200);
+    let long = json!({"model": "tiny", "prompt": "word ".repeat(1_400_000), "max_tokens": 1});
+    let r = server.post("/v1/completions", &long);
+    r.assert_error(400, "a 7 MB completion prompt");
+    assert!(
+        r.text().contains("has at least"),
+        "refused before tokenizing: {}",
+        r.text()
+    );
     http(server.port(), "GET", "/v1/chat/completions", &[], b"").assert_error(405, "GET on a POST route");
     http(server.port(), "POST", "/v1/models", &[], b"").assert_error(405, "POST on a GET route");
     let mut huge = b"{\"pad\": \"".to_vec();

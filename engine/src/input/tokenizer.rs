@@ -43,6 +43,20 @@ impl Tokenizer {
     pub fn vocab_size(&self) -> usize {
         self.inner.get_vocab_size(true)
     }
+
+    /// The most bytes of text one token stands for (each id decoded on its own; a lone byte of
+    /// a multi-byte character decodes to U+FFFD, 3 bytes, so this never undercounts). A text of
+    /// `n` bytes has at least `n / max_token_bytes()` tokens, known before encoding it.
+    pub fn max_token_bytes(&self) -> usize {
+        self.inner
+            .get_vocab(true)
+            .values()
+            .filter_map(|&id| self.inner.decode(&[id], false).ok())
+            .map(|text| text.len())
+            .max()
+            .unwrap_or(1)
+            .max(1)
+    }
 }
 
 /// Turns a stream of generated ids into text pieces, holding text back while it ends in an
