@@ -4,6 +4,7 @@ mod bench;
 mod checkpoint;
 mod generate_cmd;
 mod plan_cmd;
+mod preprocess;
 mod random_checkpoint_cmd;
 mod runtime;
 mod serve;

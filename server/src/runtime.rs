@@ -2,6 +2,7 @@
 //! image processor, and the step from OpenAI messages to an engine request.
 
 use crate::checkpoint::Checkpoint;
+use crate::preprocess::PreprocessBudget;
 use crate::UsageError;
 use anyhow::Result;
 use kvlens_engine::backend::cpu::CpuBackend;
@@ -11,6 +12,7 @@ use kvlens_engine::cache::{MmHash, RequestId};
 use kvlens_engine::engine::{ImageInput, Request};
 use kvlens_engine::input::chat::{image_sources, select_chat_template, ChatMessage, ChatTemplate, ImageSource};
 use kvlens_engine::input::image::{decode_image, ProcessedImage, ProcessorSettings};
+use kvlens_engine::input::image_budget::{largest_preprocessing_bytes, preprocessing_bytes};
 use kvlens_engine::input::prompt::expand_image_pads;
 use kvlens_engine::input::tokenizer::Tokenizer;
 use kvlens_engine::memory::ledger::MemoryLedger;
@@ -19,7 +21,12 @@ use kvlens_engine::model::QwenVl;
 use kvlens_engine::sample::SamplingParams;
 use std::path::Path;
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
+
+/// Default host-memory budget of image preprocessing (raised to fit the largest allowed image).
+pub const DEFAULT_PREPROCESS_BYTES: u64 = 1 << 30;
+/// How long an image waits for room in the preprocessing budget before its request is refused.
+const PREPROCESS_WAIT: Duration = Duration::from_secs(60);
 
 /// Everything that turns messages into engine requests and tokens into text.
 #[derive(Debug)]
@@ -45,6 +52,8 @@ pub struct Frontend {
     pub max_model_len: usize,
     /// See [`Tokenizer::max_token_bytes`].
     max_token_bytes: usize,
+    /// Host memory that images being preprocessed may hold at once.
+    pub preprocess_budget: PreprocessBudget,
 }
 
 fn usage(msg: impl Into<String>) -> anyhow::Error {
@@ -74,13 +83,14 @@ pub fn load_cpu(dir: &Path) -> Result<(QwenVl<CpuBackend>, CpuBackend, Frontend)
         weights as f64 / (1u64 << 30) as f64,
         started.elapsed().as_secs_f64()
     );
-    let frontend = Frontend::new(&ckpt)?;
+    let frontend = Frontend::new(&ckpt, backend.ledger().clone())?;
     Ok((model, backend, frontend))
 }
 
 impl Frontend {
-    /// Builds the tokenizer, template and processor settings of a checkpoint.
-    pub fn new(ckpt: &Checkpoint) -> Result<Self> {
+    /// Builds the tokenizer, template and processor settings of a checkpoint; preprocessing
+    /// memory is recorded in `ledger`.
+    pub fn new(ckpt: &Checkpoint, ledger: MemoryLedger) -> Result<Self> {
         let tokenizer =
             Tokenizer::from_bytes(&ckpt.tokenizer_json).map_err(|e| usage(format!("tokenizer.json: {e}")))?;
         let t = &ckpt.template_files;
@@ -92,7 +102,7 @@ impl Frontend {
             .map_err(|e| usage(format!("preprocessor_config.json: {e}")))?;
         Ok(Frontend {
             template,
-            settings,
+            settings: settings.clone(),
             image_pad: ckpt.config.tokens.image,
             eos: ckpt.eos_token_ids.clone(),
             limit_images: usize::MAX,
@@ -101,6 +111,11 @@ impl Frontend {
             max_model_len: usize::MAX,
             max_token_bytes: tokenizer.max_token_bytes(),
             tokenizer,
+            preprocess_budget: PreprocessBudget::new(
+                DEFAULT_PREPROCESS_BYTES.max(largest_preprocessing_bytes(&settings)),
+                ledger,
+                PREPROCESS_WAIT,
+            ),
         })
     }
 
@@ -113,13 +128,23 @@ impl Frontend {
         Ok(())
     }
 
+    /// Sets the preprocessing budget to `bytes`, raised to what the largest image the settings
+    /// accept needs (so every acceptable image fits alone).
+    pub fn set_preprocess_budget(&mut self, bytes: u64) {
+        let bytes = bytes.max(largest_preprocessing_bytes(&self.settings));
+        self.preprocess_budget = self.preprocess_budget.with_capacity(bytes);
+    }
+
     /// Resizes the processor cache (0 turns it off), dropping what it held.
     pub fn set_processor_cache_bytes(&mut self, bytes: u64) {
         self.processor_cache = Mutex::new(ProcessorCache::new(bytes));
     }
 
-    /// Decodes and preprocesses one image, through the processor cache.
+    /// Decodes and preprocesses one image, through the processor cache, within the preprocessing
+    /// budget (a [`crate::preprocess::Busy`] error when it stays full).
     fn image(&self, bytes: &[u8]) -> Result<Arc<ProcessedImage>> {
+        let cost = preprocessing_bytes(bytes, &self.settings).map_err(|e| usage(e.to_string()))?;
+        let _reserved = self.preprocess_budget.reserve(cost)?;
         let decoded = decode_image(bytes, &self.settings).map_err(|e| usage(e.to_string()))?;
         let cache = || self.processor_cache.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(hit) = cache().get(&decoded.mm_hash).cloned() {

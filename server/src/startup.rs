@@ -37,6 +37,10 @@ pub struct EngineArgs {
     /// Memory of the CPU "device" in GiB [default: 40% of the machine's RAM].
     #[arg(long)]
     pub cpu_memory_gib: Option<f64>,
+    /// Host memory, in GiB, that images being decoded and preprocessed may hold at once; more
+    /// images wait (then get a 503) [default: 1, raised to fit the largest allowed image].
+    #[arg(long)]
+    pub preprocess_memory_gib: Option<f64>,
     /// Most requests running at once [default: vLLM's for the device].
     #[arg(long)]
     pub max_num_seqs: Option<usize>,
@@ -248,6 +252,16 @@ pub fn start(a: &EngineArgs) -> Result<Started> {
     }
     frontend.settings.limits = pixels.apply(frontend.settings.limits)?;
     frontend.limit_images = limits.image;
+    let preprocess_bytes = match a.preprocess_memory_gib {
+        Some(g) if g > 0.0 && g.is_finite() => gib_to_bytes(g),
+        Some(g) => return Err(usage(format!("--preprocess-memory-gib must be positive, got {g}"))),
+        None => crate::runtime::DEFAULT_PREPROCESS_BYTES,
+    };
+    frontend.set_preprocess_budget(preprocess_bytes);
+    eprintln!(
+        "INFO Image preprocessing may hold {:.2} GiB of host memory at once (--preprocess-memory-gib)",
+        frontend.preprocess_budget.capacity() as f64 / GIB
+    );
     let cfg = model.cfg.clone();
     let weights = backend.ledger().bytes(kvlens_engine::memory::ledger::Category::Weights);
     let device = device_preset("cpu")

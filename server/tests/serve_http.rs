@@ -849,3 +849,90 @@ fn slow_header_floods_are_timed_out_and_limited() {
     assert!(String::from_utf8_lossy(&seen).starts_with("HTTP/1.1 200"), "{seen:?}");
     assert_eq!(server.get("/health").status, 200);
 }
+
+/// This process's resident memory figure `field` (`VmRSS`, `VmHWM`) of `pid`, in bytes.
+fn proc_status_bytes(pid: u32, field: &str) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let kib: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap_or_else(|| panic!("no {field} in {status}"));
+    kib << 10
+}
+
+/// 8 chats at once, each with the same 36-megapixel PNG that compresses to a few hundred KB (about
+/// 110 MB of pixels to decode each, 0.9 GB together): the preprocessing budget holds the server's
+/// peak resident growth near the budget, every chat is answered (200, or 503 naming the budget),
+/// and the ledger shows no staging bytes afterwards.
+#[test]
+fn a_burst_of_large_images_stays_within_the_preprocessing_budget() {
+    let server = serve(&[
+        "--preprocess-memory-gib",
+        "0.1",
+        "--mm-processor-kwargs",
+        r#"{"max_pixels": 65536}"#,
+    ]);
+    server.wait_ready();
+    let log = server.log();
+    let line = log
+        .lines()
+        .find(|l| l.contains("Image preprocessing may hold"))
+        .unwrap_or_else(|| panic!("{log}"));
+    let budget_gib: f64 = line
+        .split("hold ")
+        .nth(1)
+        .unwrap()
+        .split(' ')
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
+    let img = image::RgbImage::from_fn(6000, 6000, |x, y| {
+        image::Rgb([(x / 1000) as u8 * 40, (y / 1000) as u8 * 40, 90])
+    });
+    let mut png = Vec::new();
+    img.write_to(&mut std::io::Cursor::new(&mut png), image::ImageFormat::Png)
+        .unwrap();
+    assert!(png.len() < 2 << 20, "{} bytes", png.len());
+    let body = image_chat(
+        &format!("data:image/png;base64,{}", base64(&png)),
+        json!({"max_tokens": 1}),
+    );
+    let pid = server.pid();
+    // Warm up once, then measure the peak from here.
+    assert_eq!(server.post("/v1/chat/completions", &body).status, 200);
+    std::fs::write(format!("/proc/{pid}/clear_refs"), "5").unwrap();
+    let before = proc_status_bytes(pid, "VmRSS");
+    let replies: Vec<(u16, String)> = std::thread::scope(|s| {
+        let sent: Vec<_> = (0..8)
+            .map(|_| {
+                s.spawn(|| {
+                    let r = server.post("/v1/chat/completions", &body);
+                    (r.status, r.text())
+                })
+            })
+            .collect();
+        sent.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let growth = proc_status_bytes(pid, "VmHWM").saturating_sub(before);
+    for (status, text) in &replies {
+        assert!(
+            *status == 200 || (*status == 503 && text.contains("memory budget")),
+            "{status} {text}"
+        );
+    }
+    let budget = (budget_gib * f64::from(1u32 << 30)) as u64;
+    println!(
+        "peak resident growth {} MiB with a budget of {} MiB",
+        growth >> 20,
+        budget >> 20
+    );
+    assert!(
+        growth < budget + (100 << 20),
+        "peak resident growth {} MiB, budget {} MiB",
+        growth >> 20,
+        budget >> 20
+    );
+    assert_eq!(ledger(&memory(&server), "staging"), 0);
+}

@@ -4,6 +4,7 @@
 pub mod chat;
 mod error;
 pub mod image;
+pub mod image_budget;
 pub mod prompt;
 pub mod resize;
 pub mod tokenizer;

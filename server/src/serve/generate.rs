@@ -10,6 +10,7 @@ use super::media::resolve_remote_images;
 use super::openai::{ChatRequest, CompletionRequest, Job, Kind, Spec};
 use super::output::{Delta, Output, TokenLogprobs};
 use super::{unix_seconds, App, Ready};
+use crate::preprocess::Busy;
 use crate::runtime::Frontend;
 use axum::body::{Body, Bytes};
 use axum::extract::State;
@@ -90,7 +91,10 @@ pub async fn chat_completions(State(app): State<Arc<App>>, body: Body) -> Respon
         let request = tokio::task::spawn_blocking(move || frontend.request(&engine_id, &messages, params, false))
             .await
             .map_err(|e| ApiError::internal(format!("preprocessing failed: {e}")))?
-            .map_err(|e| ApiError::bad_request(format!("{e:#}")))?
+            .map_err(|e| match e.downcast_ref::<Busy>() {
+                Some(busy) => ApiError::unavailable(busy.0.clone()),
+                None => ApiError::bad_request(format!("{e:#}")),
+            })?
             .0;
         run(ready, Kind::Chat, id, model, request, spec, arrived).await
     };
