@@ -64,6 +64,9 @@ pub struct EngineConfig {
     pub max_num_seqs: usize,
     /// Most tokens per step.
     pub max_num_batched_tokens: usize,
+    /// Most tokens one request computes per step (0 = no cap), see
+    /// [`SchedulerConfig::long_prefill_token_threshold`].
+    pub long_prefill_token_threshold: usize,
     /// Tokens the sampler may return: the tokenizer's vocabulary (the lm_head's rows past it are
     /// padding, never a token). 0 means every row.
     pub vocab_size: usize,
@@ -227,6 +230,7 @@ impl<B: Backend> Engine<B> {
             max_num_seqs: cfg.max_num_seqs,
             max_num_batched_tokens: cfg.max_num_batched_tokens,
             max_num_encoder_input_tokens: cfg.encoder_cache_tokens,
+            long_prefill_token_threshold: cfg.long_prefill_token_threshold,
         };
         Ok(Engine {
             be,

@@ -83,6 +83,7 @@ fn engine_with_vocab(num_blocks: usize, max_num_seqs: usize, vocab_size: usize) 
         max_num_seqs,
         max_num_batched_tokens: 64,
         vocab_size,
+        long_prefill_token_threshold: 0,
     };
     Engine::new(be, model, cfg).unwrap()
 }

@@ -122,6 +122,7 @@ pub fn run(a: &GenerateArgs) -> Result<()> {
         max_num_seqs: 1,
         max_num_batched_tokens: req.prompt.len().max(1),
         vocab_size: front.tokenizer.vocab_size(),
+        long_prefill_token_threshold: 0,
     };
     let mut engine = Engine::new(backend, model, cfg).map_err(|e| UsageError(e.to_string()))?;
     drop(req);

@@ -37,6 +37,14 @@ pub struct EngineArgs {
     /// Memory of the CPU "device" in GiB [default: 40% of the machine's RAM].
     #[arg(long)]
     pub cpu_memory_gib: Option<f64>,
+    /// Most tokens one request computes per step, so one long prompt cannot hold every step
+    /// [default: 0, no cap; 4% of max_model_len when --max-num-partial-prefills is over 1].
+    #[arg(long, default_value_t = 0)]
+    pub long_prefill_token_threshold: usize,
+    /// vLLM's count of prompts prefilled at once; kvlens (like vLLM v1) prefills any number, and
+    /// a value over 1 only sets the default --long-prefill-token-threshold as vLLM does.
+    #[arg(long, default_value_t = 1)]
+    pub max_num_partial_prefills: usize,
     /// Host memory, in GiB, that images being decoded and preprocessed may hold at once; more
     /// images wait (then get a 503) [default: 1, raised to fit the largest allowed image].
     #[arg(long)]
@@ -99,6 +107,16 @@ pub struct Started {
     pub profile: ProfileResult,
     /// The start-up lines as logged.
     pub log_lines: Vec<String>,
+}
+
+/// `--long-prefill-token-threshold`, or vLLM's default of 4% of `max_model_len` when
+/// `--max-num-partial-prefills` is over 1.
+fn long_prefill_token_threshold(a: &EngineArgs, max_model_len: usize) -> usize {
+    if a.long_prefill_token_threshold == 0 && a.max_num_partial_prefills > 1 {
+        max_model_len * 4 / 100
+    } else {
+        a.long_prefill_token_threshold
+    }
 }
 
 fn usage(msg: impl Into<String>) -> anyhow::Error {
@@ -347,6 +365,7 @@ pub fn start(a: &EngineArgs) -> Result<Started> {
         max_num_seqs: p.max_num_seqs,
         max_num_batched_tokens: p.max_num_batched_tokens,
         vocab_size: frontend.tokenizer.vocab_size(),
+        long_prefill_token_threshold: long_prefill_token_threshold(a, p.max_model_len),
     };
     let mut engine = Engine::new(backend, model, engine_cfg).map_err(|e| anyhow::anyhow!("engine: {e}"))?;
     // A test hook: `KVLENS_FAULT=decoder:3` makes the third decoder pass fail (see engine::fault).

@@ -40,6 +40,20 @@ pub struct SchedulerConfig {
     /// Most encoder tokens computed per step (vLLM `max_num_encoder_input_tokens`); images whose
     /// output is already cached cost nothing.
     pub max_num_encoder_input_tokens: usize,
+    /// Most tokens one request computes per step (vLLM `long_prefill_token_threshold`; 0 = no
+    /// cap): a long prompt prefills in chunks and leaves the rest of each step to other requests.
+    pub long_prefill_token_threshold: usize,
+}
+
+impl SchedulerConfig {
+    /// How many of `remaining` tokens one request may compute in a step with `budget` tokens left.
+    fn chunk(&self, remaining: usize, budget: usize) -> usize {
+        let capped = match self.long_prefill_token_threshold {
+            0 => remaining,
+            t => remaining.min(t),
+        };
+        capped.min(budget)
+    }
 }
 
 /// Why the scheduler refused a request or failed.
@@ -239,7 +253,7 @@ impl<T> Scheduler<T> {
         'running: while i < self.running.len() && budget.tokens > 0 {
             let seq = &self.running[i];
             let start = seq.computed();
-            let want = (seq.len() - start).min(budget.tokens);
+            let want = self.cfg.chunk(seq.len() - start, budget.tokens);
             let plan = plan_encoder_inputs(&mut self.enc, seq, start, want, budget.encoder);
             if plan.num_new == 0 {
                 i += 1;
@@ -272,7 +286,7 @@ impl<T> Scheduler<T> {
             debug_assert_eq!(seq.computed(), 0, "waiting requests hold no KV");
             let hit = self.kv.get_computed_blocks(seq.block_hashes(), seq.len());
             let start = hit.num_tokens();
-            let want = (seq.len() - start).min(budget.tokens);
+            let want = self.cfg.chunk(seq.len() - start, budget.tokens);
             let plan = plan_encoder_inputs(&mut self.enc, seq, start, want, budget.encoder);
             if plan.num_new == 0
                 || self

@@ -21,6 +21,7 @@ struct Sizes {
     encoder_budget: usize,
     max_num_seqs: usize,
     max_num_batched_tokens: usize,
+    long_prefill_token_threshold: usize,
 }
 
 impl Default for Sizes {
@@ -34,6 +35,7 @@ impl Default for Sizes {
             encoder_budget: 32,
             max_num_seqs: 8,
             max_num_batched_tokens: 32,
+            long_prefill_token_threshold: 0,
         }
     }
 }
@@ -94,6 +96,7 @@ impl Sim {
             max_num_seqs: sizes.max_num_seqs,
             max_num_batched_tokens: sizes.max_num_batched_tokens,
             max_num_encoder_input_tokens: sizes.encoder_budget,
+            long_prefill_token_threshold: sizes.long_prefill_token_threshold,
         };
         Sim {
             sizes,
@@ -216,6 +219,8 @@ impl Sim {
         let mut encoded = 0;
         for s in &out.scheduled {
             assert!(s.num_new > 0 && seen.insert(s.index), "{s:?}");
+            let threshold = self.sizes.long_prefill_token_threshold;
+            assert!(threshold == 0 || s.num_new <= threshold, "{s:?} over {threshold}");
             let seq = &running[s.index];
             assert_eq!(seq.computed(), s.end());
             assert!(s.end() <= seq.len());
@@ -297,6 +302,26 @@ fn chunked_prefill_then_decode_within_the_token_budget() {
     let out = sim.step();
     assert!(out.scheduled.iter().all(|s| s.num_new == 1));
     sim.run(10);
+    sim.check_drained();
+}
+
+#[test]
+fn a_long_prefill_takes_its_threshold_per_step_and_shorter_requests_run_beside_it() {
+    let mut sim = Sim::new(Sizes {
+        max_num_batched_tokens: 16,
+        long_prefill_token_threshold: 6,
+        ..Sizes::default()
+    });
+    sim.add("long", req(1, 60, vec![]), 2).unwrap();
+    let out = sim.step();
+    assert_eq!((out.scheduled[0].start, out.scheduled[0].num_new), (0, 6));
+    // A short chat arriving during the long prefill runs in the very next step.
+    sim.add("short", req(2, 5, vec![]), 2).unwrap();
+    let out = sim.step();
+    let got: Vec<(usize, usize)> = out.scheduled.iter().map(|s| (s.start, s.num_new)).collect();
+    assert_eq!(got, [(6, 6), (0, 5)]);
+    assert_eq!(sim.emitted[&RequestId::from("short")].len(), 1);
+    sim.run(40);
     sim.check_drained();
 }
 
@@ -619,9 +644,10 @@ mod proptests {
             0..16usize,
             0..16usize,
             any::<bool>(),
+            0..12usize,
         )
             .prop_map(
-                |(bs_log, blocks, mnbt, seqs, extra_cache, extra_budget, prefix_caching)| {
+                |(bs_log, blocks, mnbt, seqs, extra_cache, extra_budget, prefix_caching, threshold)| {
                     let block_size = 1 << (bs_log - 1);
                     Sizes {
                         num_blocks: blocks,
@@ -632,6 +658,7 @@ mod proptests {
                         encoder_budget: 12 + extra_budget,
                         max_num_seqs: seqs,
                         max_num_batched_tokens: mnbt,
+                        long_prefill_token_threshold: threshold,
                     }
                 },
             )
