@@ -555,11 +555,11 @@ impl<B: Backend> Engine<B> {
             let id = seq.id().clone();
             let (prompt, output, data) = seq.split_data_mut();
             let row = &logits[k * vocab..(k + 1) * vocab];
-            let l = match self.cfg.vocab_size {
-                0 => row,
-                n => &row[..n.min(vocab)],
+            let allowed = match self.cfg.vocab_size {
+                0 => vocab,
+                n => n,
             };
-            let s = sample(l, prompt, output, &data.params, &mut data.rng);
+            let s = sample(row, allowed, prompt, output, &data.params, &mut data.rng);
             let event = TokenEvent {
                 id,
                 token: s.token,

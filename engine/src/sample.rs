@@ -153,19 +153,29 @@ fn log_softmax(logits: &[f32]) -> Vec<f32> {
     logits.iter().map(|&l| l - lz).collect()
 }
 
-/// Picks the next token from `logits` given the tokens so far (`prompt` and `output`).
-pub fn sample(logits: &[f32], prompt: &[u32], output: &[u32], p: &SamplingParams, rng: &mut Rng) -> Sampled {
+/// Picks the next token from `logits` given the tokens so far (`prompt` and `output`). Only ids
+/// below `allowed` are chosen or listed (the rest of the row is padding with no token); the
+/// log-probabilities are the model's, normalized over the whole row as transformers does.
+pub fn sample(
+    logits: &[f32],
+    allowed: usize,
+    prompt: &[u32],
+    output: &[u32],
+    p: &SamplingParams,
+    rng: &mut Rng,
+) -> Sampled {
     let logp = log_softmax(logits);
+    let allowed = allowed.clamp(1, logits.len().max(1));
     let mut top: Vec<(u32, f32)> = Vec::new();
     if let Some(k) = p.logprobs.filter(|&k| k > 0) {
-        let mut idx: Vec<usize> = (0..logp.len()).collect();
+        let mut idx: Vec<usize> = (0..allowed).collect();
         let k = k.min(idx.len());
         idx.select_nth_unstable_by(k.saturating_sub(1), |&a, &b| logp[b].total_cmp(&logp[a]));
         idx.truncate(k);
         idx.sort_by(|&a, &b| logp[b].total_cmp(&logp[a]).then(a.cmp(&b)));
         top = idx.into_iter().map(|i| (i as u32, logp[i])).collect();
     }
-    let mut l = logits.to_vec();
+    let mut l = logits[..allowed].to_vec();
     for &(t, b) in &p.logit_bias {
         if let Some(v) = l.get_mut(t as usize) {
             *v += b;
@@ -289,6 +299,7 @@ mod tests {
         let logits = [1.0, 3.0, 2.0, -1.0];
         let s = sample(
             &logits,
+            usize::MAX,
             &[],
             &[],
             &SamplingParams {
@@ -310,12 +321,15 @@ mod tests {
             repetition_penalty: 1.2,
             ..params()
         };
-        assert_eq!(sample(&logits, &[0], &[], &p, &mut Rng::new(0)).token, 1);
+        assert_eq!(sample(&logits, usize::MAX, &[0], &[], &p, &mut Rng::new(0)).token, 1);
         let p = SamplingParams {
             frequency_penalty: 0.05,
             ..params()
         };
-        assert_eq!(sample(&logits, &[], &[0, 0, 0], &p, &mut Rng::new(0)).token, 1);
+        assert_eq!(
+            sample(&logits, usize::MAX, &[], &[0, 0, 0], &p, &mut Rng::new(0)).token,
+            1
+        );
     }
 
     #[test]
@@ -327,10 +341,14 @@ mod tests {
             ..Default::default()
         };
         let a: Vec<u32> = (0..20)
-            .scan(Rng::new(7), |r, _| Some(sample(&logits, &[], &[], &p, r).token))
+            .scan(Rng::new(7), |r, _| {
+                Some(sample(&logits, usize::MAX, &[], &[], &p, r).token)
+            })
             .collect();
         let b: Vec<u32> = (0..20)
-            .scan(Rng::new(7), |r, _| Some(sample(&logits, &[], &[], &p, r).token))
+            .scan(Rng::new(7), |r, _| {
+                Some(sample(&logits, usize::MAX, &[], &[], &p, r).token)
+            })
             .collect();
         assert_eq!(a, b);
         assert!(a.iter().collect::<std::collections::HashSet<_>>().len() > 1);
@@ -339,11 +357,14 @@ mod tests {
         sorted.sort_by(|&x, &y| logits[y].total_cmp(&logits[x]));
         let mut r = Rng::new(1);
         for _ in 0..50 {
-            let t = sample(&logits, &[], &[], &top2, &mut r).token as usize;
+            let t = sample(&logits, usize::MAX, &[], &[], &top2, &mut r).token as usize;
             assert!(t == sorted[0] || t == sorted[1]);
         }
         let tiny_p = SamplingParams { top_p: 1e-6, ..p };
-        assert_eq!(sample(&logits, &[], &[], &tiny_p, &mut r).token as usize, sorted[0]);
+        assert_eq!(
+            sample(&logits, usize::MAX, &[], &[], &tiny_p, &mut r).token as usize,
+            sorted[0]
+        );
     }
 
     #[test]
@@ -402,9 +423,9 @@ mod tests {
             logit_bias: vec![(2, 2.5), (0, -100.0)],
             ..params()
         };
-        assert_eq!(sample(&logits, &[], &[], &p, &mut Rng::new(0)).token, 2);
+        assert_eq!(sample(&logits, usize::MAX, &[], &[], &p, &mut Rng::new(0)).token, 2);
         // The reported log-probability is the model's, before the bias.
-        let s = sample(&logits, &[], &[], &p, &mut Rng::new(0));
+        let s = sample(&logits, usize::MAX, &[], &[], &p, &mut Rng::new(0));
         assert!((s.logprob - log_softmax(&logits)[2]).abs() < 1e-6);
     }
 }

@@ -3,16 +3,23 @@
 //! leaves nothing behind. Random weights of the config's tensor inventory stand in for a checkpoint.
 
 use std::collections::HashMap;
+use std::sync::{Mutex, MutexGuard};
 
 use kvlens_engine::backend::cpu::CpuBackend;
-use kvlens_engine::backend::{RawDType, RawTensor};
+use kvlens_engine::backend::{Backend, RawDType, RawTensor};
 use kvlens_engine::config::ModelConfig;
 use kvlens_engine::engine::{Engine, EngineConfig, FinishReason, ImageInput, Request};
-use kvlens_engine::memory::ledger::MemoryLedger;
+use kvlens_engine::memory::ledger::{Category, MemoryLedger};
 use kvlens_engine::model::inventory::tensor_specs;
 use kvlens_engine::model::weights::TensorSource;
 use kvlens_engine::model::{ModelError, QwenVl};
 use kvlens_engine::sample::SamplingParams;
+
+/// The tests of this file run one at a time: one of them measures the process's resident memory.
+fn serial() -> MutexGuard<'static, ()> {
+    static SERIAL: Mutex<()> = Mutex::new(());
+    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
+}
 
 /// Random f32 tensors under the names and shapes the loader asked for.
 #[derive(Default)]
@@ -150,6 +157,7 @@ fn drain(engine: &mut Engine<CpuBackend>) -> HashMap<String, Vec<u32>> {
 
 #[test]
 fn greedy_tokens_with_preemption_match_each_request_alone() {
+    let _serial = serial();
     let cfg = tiny_config();
     let reqs = [
         request(&cfg, "a", 10, Some((2, "img-a")), 10),
@@ -176,6 +184,7 @@ fn greedy_tokens_with_preemption_match_each_request_alone() {
 
 #[test]
 fn aborting_a_waiting_request_leaves_no_encoder_reference() {
+    let _serial = serial();
     let cfg = tiny_config();
     let mut e = engine(8, 4);
     // a leaves img-x in the encoder cache; b then takes 6 of the 7 blocks.
@@ -201,6 +210,7 @@ fn aborting_a_waiting_request_leaves_no_encoder_reference() {
 
 #[test]
 fn sampling_stays_inside_the_tokenizer_vocabulary() {
+    let _serial = serial();
     let cfg = tiny_config();
     let reqs = [
         request(&cfg, "a", 10, None, 12),
@@ -220,4 +230,95 @@ fn sampling_stays_inside_the_tokenizer_vocabulary() {
     }
     let limited = drain(&mut cut);
     assert!(limited.values().flatten().all(|&t| (t as usize) < top), "{limited:?}");
+}
+
+/// The heap of this test binary, counted: bytes allocated now and the most at once since a reset.
+mod heap {
+    #![allow(unsafe_code)]
+    use std::alloc::{GlobalAlloc, Layout, System};
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    static NOW: AtomicUsize = AtomicUsize::new(0);
+    static PEAK: AtomicUsize = AtomicUsize::new(0);
+
+    struct Counting;
+
+    // SAFETY: every call goes to the system allocator unchanged; only counters are added.
+    unsafe impl GlobalAlloc for Counting {
+        unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+            let now = NOW.fetch_add(layout.size(), Ordering::Relaxed) + layout.size();
+            PEAK.fetch_max(now, Ordering::Relaxed);
+            unsafe { System.alloc(layout) }
+        }
+
+        unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+            let now = NOW.fetch_add(layout.size(), Ordering::Relaxed) + layout.size();
+            PEAK.fetch_max(now, Ordering::Relaxed);
+            unsafe { System.alloc_zeroed(layout) }
+        }
+
+        unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+            NOW.fetch_sub(layout.size(), Ordering::Relaxed);
+            unsafe { System.dealloc(ptr, layout) }
+        }
+
+        unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+            let now = NOW.fetch_add(new_size, Ordering::Relaxed) + new_size;
+            PEAK.fetch_max(now, Ordering::Relaxed);
+            NOW.fetch_sub(layout.size(), Ordering::Relaxed);
+            unsafe { System.realloc(ptr, layout, new_size) }
+        }
+    }
+
+    #[global_allocator]
+    static COUNTING: Counting = Counting;
+
+    /// Starts a new peak at the current level and returns that level.
+    pub fn reset_peak() -> usize {
+        let now = NOW.load(Ordering::Relaxed);
+        PEAK.store(now, Ordering::Relaxed);
+        now
+    }
+
+    /// The most bytes allocated at once since the last reset.
+    pub fn peak() -> usize {
+        PEAK.load(Ordering::Relaxed)
+    }
+}
+
+/// One 3,000-token prefill step: the most heap memory it held at once beyond what it started
+/// with is what the ledger's activations peaked at, within 10 %.
+#[test]
+fn a_long_prefill_s_transient_memory_is_counted_in_the_ledger() {
+    let _serial = serial();
+    let cfg = tiny_config();
+    let n: usize = 3000;
+    let be = CpuBackend::new(MemoryLedger::new());
+    let model = tiny_model(&be);
+    let engine_cfg = EngineConfig {
+        num_blocks: n.div_ceil(4) + 8,
+        block_size: 4,
+        max_model_len: 4096,
+        enable_prefix_caching: false,
+        encoder_cache_tokens: 16,
+        max_num_seqs: 1,
+        max_num_batched_tokens: n,
+        vocab_size: 0,
+        long_prefill_token_threshold: 0,
+    };
+    let mut e = Engine::new(be, model, engine_cfg).unwrap();
+    e.add_request(request(&cfg, "long", n, None, 1)).unwrap();
+    let ledger = e.backend().ledger().clone();
+    ledger.reset_peaks();
+    let before = heap::reset_peak();
+    let events = e.step().unwrap();
+    let growth = (heap::peak() - before) as u64;
+    assert_eq!(events.len(), 1);
+    let counted = ledger.peak(Category::Activations);
+    println!("heap growth {growth} B, activations counted {counted} B");
+    let diff = growth.abs_diff(counted) as f64;
+    assert!(
+        diff <= 0.1 * growth as f64,
+        "heap growth {growth} B, activations counted {counted} B"
+    );
 }

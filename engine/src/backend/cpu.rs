@@ -1,8 +1,11 @@
 //! The CPU backend: candle-core tensors in f32 for dense math, a paged KV cache in host memory with
 //! attention written out over the block tables.
 
+mod attention;
+
 use super::{Activation, BResult, Backend, BackendError, KvLayout, PagedSeq, RawDType, RawTensor};
 use crate::memory::ledger::{Category, Held, MemoryLedger};
+use attention::SeqAttention;
 use candle_core::{DType, Device, Tensor, D};
 use std::sync::Arc;
 
@@ -342,10 +345,6 @@ impl Backend for CpuBackend {
                 "paged_attention: sequences cover {next} of {rows} query rows"
             )));
         }
-        let (keys, values) = (&cache.keys[layer], &cache.values[layer]);
-        let width = kv_heads * d;
-        let group = heads / kv_heads;
-        let scale = 1.0 / (d as f64).sqrt();
         let mut outs = Vec::with_capacity(seqs.len());
         for s in seqs {
             if s.query_start + s.query_len > rows
@@ -356,45 +355,17 @@ impl Backend for CpuBackend {
                     "paged_attention: sequence outside its block table".into(),
                 ));
             }
-            let (n, ctx) = (s.query_len, s.context_len);
-            // Gather this sequence's keys and values from its blocks into contiguous rows.
-            let mut kc = Vec::with_capacity(ctx * width);
-            let mut vc = Vec::with_capacity(ctx * width);
-            for pos in 0..ctx {
-                let slot = s.block_table[pos / block_size] * block_size + pos % block_size;
-                kc.extend_from_slice(&keys[slot * width..(slot + 1) * width]);
-                vc.extend_from_slice(&values[slot * width..(slot + 1) * width]);
-            }
-            // Causal mask: new token i sits at position ctx − n + i and sees positions up to it.
-            let mut mask = vec![0.0f32; group * n * ctx];
-            for g in 0..group {
-                for i in 0..n {
-                    let row = &mut mask[(g * n + i) * ctx..(g * n + i + 1) * ctx];
-                    row[ctx - n + i + 1..].iter_mut().for_each(|m| *m = f32::NEG_INFINITY);
-                }
-            }
-            let f = || -> candle_core::Result<Tensor> {
-                let dev = &Device::Cpu;
-                let k = Tensor::from_vec(kc, (ctx, kv_heads, d), dev)?
-                    .transpose(0, 1)?
-                    .contiguous()?;
-                let v = Tensor::from_vec(vc, (ctx, kv_heads, d), dev)?
-                    .transpose(0, 1)?
-                    .contiguous()?;
-                let qs = q.t.narrow(0, s.query_start, n)?.reshape((n, kv_heads, group, d))?;
-                let qs = qs
-                    .permute((1, 2, 0, 3))?
-                    .contiguous()?
-                    .reshape((kv_heads, group * n, d))?;
-                let mask = Tensor::from_vec(mask, (group * n, ctx), dev)?;
-                let scores = (qs.matmul(&k.t()?)? * scale)?.broadcast_add(&mask)?;
-                let o = softmax_last(&scores)?.matmul(&v)?;
-                o.reshape((kv_heads, group, n, d))?
-                    .permute((2, 0, 1, 3))?
-                    .contiguous()?
-                    .reshape((n, heads * d))
+            let slot_of = |pos: usize| s.block_table[pos / block_size] * block_size + pos % block_size;
+            let seq = SeqAttention {
+                q: q.t.narrow(0, s.query_start, s.query_len).map_err(lib)?,
+                keys: &cache.keys[layer],
+                values: &cache.values[layer],
+                slot_of: &slot_of,
+                context_len: s.context_len,
+                kv_heads,
+                head_dim: d,
             };
-            outs.push(f().map_err(lib)?);
+            outs.push(attention::attend(&seq, &self.ledger, attention::TILES).map_err(lib)?);
         }
         self.act(Tensor::cat(&outs, 0))
     }
