@@ -26,8 +26,9 @@ fn main() -> Result<()> {
         "demo" => demo(&env::args().skip(2).skip_while(|a| a == "--").collect::<Vec<_>>()),
         "golden" => golden(&env::args().skip(2).collect::<Vec<_>>()),
         "bench" => bench(&env::args().skip(2).collect::<Vec<_>>()),
+        "soak" => soak(&env::args().skip(2).skip_while(|a| a == "--").collect::<Vec<_>>()),
         _ => {
-            eprintln!("usage: cargo xtask <task>\n\n  test   fmt check, clippy (warnings denied), all tests, the engine's wasm32 build\n  demo   build the playground and serve it on http://127.0.0.1:8000/ (extra args go to `kvlens serve`)\n  golden regenerate engine/tests/fixtures/golden/ with Hugging Face transformers (extra args go to golden.py)\n  bench  kvlens generate vs transformers on a full-size random Qwen3-VL-2B (extra args go to the script)");
+            eprintln!("usage: cargo xtask <task>\n\n  test   fmt check, clippy (warnings denied), all tests, the engine's wasm32 build\n  demo   build the playground and serve it on http://127.0.0.1:8000/ (extra args go to `kvlens serve`)\n  golden regenerate engine/tests/fixtures/golden/ with Hugging Face transformers (extra args go to golden.py)\n  bench  kvlens generate vs transformers on a full-size random Qwen3-VL-2B (extra args go to the script)\n  soak   kvlens serve on the demo model under 256 streaming clients for 10 minutes, then the leak checks (extra args go to `kvlens bench soak`)");
             std::process::exit(2);
         }
     }
@@ -296,6 +297,57 @@ fn bench(script_args: &[String]) -> Result<()> {
         .arg("--work")
         .arg(cache_dir().join("bench"))
         .args(script_args))
+}
+
+/// `cargo xtask soak`: the release server on the demo model, `kvlens bench soak` against it, then
+/// a clean stop.
+fn soak(soak_args: &[String]) -> Result<()> {
+    ensure_tokenizer()?;
+    run(cargo().args(["build", "--release", "-p", "kvlens"]))?;
+    let kvlens = target_dir().join("release").join("kvlens");
+    let mut server = Command::new(&kvlens)
+        .args([
+            "serve",
+            "--port",
+            "0",
+            "--max-num-seqs",
+            "256",
+            "--playground-dir",
+            "no-playground",
+        ])
+        .stderr(Stdio::piped())
+        .spawn()
+        .context("cannot start kvlens serve")?;
+    let stderr = server.stderr.take().context("no server stderr")?;
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut port = None;
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            if let Some(rest) = line.split("Starting vLLM API server on http://").nth(1) {
+                port = rest.rsplit(':').next().and_then(|p| p.trim().parse::<u16>().ok());
+            }
+            if line.contains("Application startup complete.") {
+                let _ = tx.send(port);
+            }
+            if line.starts_with("ERROR") || line.starts_with("WARNING") {
+                eprintln!("server: {line}");
+            }
+        }
+    });
+    let port = match rx.recv_timeout(std::time::Duration::from_secs(600)) {
+        Ok(Some(port)) => port,
+        _ => {
+            let _ = server.kill();
+            bail!("kvlens serve did not start");
+        }
+    };
+    let result = run(Command::new(&kvlens)
+        .args(["bench", "soak", "--base-url", &format!("http://127.0.0.1:{port}")])
+        .args(soak_args));
+    let _ = Command::new("kill").args(["-TERM", &server.id().to_string()]).status();
+    let status = server.wait()?;
+    eprintln!("kvlens serve exited with {status}");
+    result
 }
 
 /// Regenerates the transformers reference fixtures with tools/golden/golden.py and the built binary.

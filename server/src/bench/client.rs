@@ -103,6 +103,16 @@ impl Http {
         Ok((status, body))
     }
 
+    /// `POST path` with a JSON body: the status and the body, unread, to read as far as wanted.
+    pub async fn open(&self, path: &str, body: Bytes) -> Result<(StatusCode, hyper::body::Incoming)> {
+        let resp = self
+            .client
+            .request(self.request(Method::POST, path, body)?)
+            .await
+            .with_context(|| format!("cannot reach {}", self.url(path)))?;
+        Ok((resp.status(), resp.into_body()))
+    }
+
     /// The first model `/v1/models` lists (what vLLM does without `--model`).
     pub async fn first_model(&self) -> Result<String> {
         let (status, body) = self.get("/v1/models").await?;
@@ -195,12 +205,13 @@ pub async fn wait_for_endpoint(http: &Http, endpoint: &str, payload: Bytes, time
 /// Splits a server-sent-event byte stream into the payloads of its `data:` lines; comments
 /// (`:` lines, often pings) and other fields are skipped.
 #[derive(Debug, Default)]
-struct SseLines {
+pub struct SseLines {
     pending: Vec<u8>,
 }
 
 impl SseLines {
-    fn push(&mut self, bytes: &[u8]) -> Vec<String> {
+    /// Adds received bytes; returns the payloads of the `data:` lines they completed.
+    pub fn push(&mut self, bytes: &[u8]) -> Vec<String> {
         self.pending.extend_from_slice(bytes);
         let mut payloads = Vec::new();
         while let Some(end) = self.pending.iter().position(|&b| b == b'\n') {

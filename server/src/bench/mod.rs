@@ -9,6 +9,7 @@ mod dataset;
 mod metrics;
 mod plot;
 mod serve;
+mod soak;
 mod synth;
 mod timeline;
 mod tokens;
@@ -36,6 +37,9 @@ enum BenchCommand {
     Serve(Box<ServeBenchArgs>),
     /// Redraw the memory timeline of a result saved by `bench serve --save-result`.
     Plot(PlotArgs),
+    /// Soak a kvlens server: many streaming clients for a fixed time (text and images, hang-ups,
+    /// bad input), then check that nothing leaked and memory came back.
+    Soak(soak::SoakArgs),
 }
 
 /// Flags of `kvlens bench plot`.
@@ -143,6 +147,10 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     match &args.command {
         BenchCommand::Serve(a) => bench_serve(a),
         BenchCommand::Plot(a) => replot(a),
+        BenchCommand::Soak(a) => tokio::runtime::Builder::new_multi_thread()
+            .enable_all()
+            .build()?
+            .block_on(soak::run(a)),
     }
 }
 

@@ -46,6 +46,28 @@ pub struct Occupancy {
     pub prefix_cache: PrefixCacheStats,
     /// The preprocessed-image cache (host memory).
     pub processor_cache: ProcessorCacheSnapshot,
+    /// The server process as the operating system sees it.
+    pub process: ProcessMemory,
+}
+
+/// The server process's memory as the operating system counts it.
+#[derive(Debug, Clone, Copy, serde::Serialize)]
+pub struct ProcessMemory {
+    /// Resident set size in bytes (Linux `VmRSS`; absent elsewhere).
+    pub resident_bytes: Option<u64>,
+}
+
+impl ProcessMemory {
+    /// Reads this process's figures now.
+    fn now() -> Self {
+        let resident_bytes = std::fs::read_to_string("/proc/self/status").ok().and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("VmRSS:"))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+                .map(|kib| kib << 10)
+        });
+        ProcessMemory { resident_bytes }
+    }
 }
 
 /// What `/reset_encoder_cache` reports.
@@ -250,6 +272,7 @@ fn occupancy_of(engine: &Engine<CpuBackend>, frontend: &Frontend, seq: u64) -> O
         engine: engine.snapshot(),
         prefix_cache: engine.kv().prefix_cache_stats(),
         processor_cache,
+        process: ProcessMemory::now(),
     }
 }
 
