@@ -936,3 +936,54 @@ fn a_burst_of_large_images_stays_within_the_preprocessing_budget() {
     );
     assert_eq!(ledger(&memory(&server), "staging"), 0);
 }
+
+/// A client that sends a chat with a large image and leaves while it is preprocessed: the request
+/// never reaches the engine (counted as cancelled before the queue), no token is generated for it,
+/// and nothing is left in use.
+#[test]
+fn a_client_that_leaves_before_its_request_is_queued_costs_no_engine_work() {
+    let server = serve(&[]);
+    server.wait_ready();
+    let img = image::RgbImage::from_fn(3000, 3000, |x, y| image::Rgb([(x % 256) as u8, (y % 256) as u8, 7]));
+    let mut png = Vec::new();
+    img.write_to(&mut std::io::Cursor::new(&mut png), image::ImageFormat::Png)
+        .unwrap();
+    let mut body = image_chat(
+        &format!("data:image/png;base64,{}", base64(&png)),
+        json!({"max_tokens": 500}),
+    );
+    body["ignore_eos"] = json!(true);
+    let metrics = |s: &Server| s.get("/metrics").text();
+    let cancelled = |t: &str| metric(t, "kvlens:requests_cancelled_before_queue_total{model_name=\"tiny\"}");
+    let generated = |t: &str| metric(t, "vllm:generation_tokens_total{model_name=\"tiny\"}");
+    let before = metrics(&server);
+    drop(send(
+        server.port(),
+        "POST",
+        "/v1/chat/completions",
+        &[],
+        body.to_string().as_bytes(),
+    ));
+    let deadline = Instant::now() + Duration::from_secs(300);
+    let after = loop {
+        let t = metrics(&server);
+        if cancelled(&t) > cancelled(&before) {
+            break t;
+        }
+        assert!(Instant::now() < deadline, "never counted as cancelled:\n{t}");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert_eq!(cancelled(&after) - cancelled(&before), 1.0);
+    assert_eq!(
+        generated(&after),
+        generated(&before),
+        "no token for a request nobody waits for"
+    );
+    let m = memory(&server);
+    assert_eq!(m["kv"]["num_in_use"], 0, "{}", m["kv"]);
+    assert_eq!(
+        (m["num_running"].as_u64(), m["num_waiting"].as_u64()),
+        (Some(0), Some(0))
+    );
+    assert!(!server.log().contains("Finished request chatcmpl"), "{}", server.log());
+}

@@ -21,7 +21,7 @@ use kvlens_engine::engine::Request;
 use kvlens_engine::input::tokenizer::Tokenizer;
 use std::collections::VecDeque;
 use std::convert::Infallible;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -75,9 +75,32 @@ fn model_name(ready: &Ready, asked: Option<&str>, spec: &Spec) -> Result<String,
     }
 }
 
+/// Counts a request whose client leaves (its handler is dropped) before it reaches the engine;
+/// from the engine on, its [`Subscription`] aborts it instead.
+struct CancelGuard<'a> {
+    app: &'a App,
+    /// Cleared when the request reaches the engine or is answered.
+    pending: &'a AtomicBool,
+}
+
+impl Drop for CancelGuard<'_> {
+    fn drop(&mut self) {
+        if self.pending.load(Ordering::Relaxed) {
+            if let Ok(ready) = self.app.ready() {
+                ready.metrics.cancelled_before_queue();
+            }
+        }
+    }
+}
+
 /// `POST /v1/chat/completions`.
 pub async fn chat_completions(State(app): State<Arc<App>>, body: Body) -> Response {
     let arrived = Instant::now();
+    let pending = AtomicBool::new(true);
+    let _guard = CancelGuard {
+        app: &app,
+        pending: &pending,
+    };
     let answer = async {
         let ready = app.accepting()?;
         let req: ChatRequest = read_json(body).await?;
@@ -96,9 +119,12 @@ pub async fn chat_completions(State(app): State<Arc<App>>, body: Body) -> Respon
                 None => ApiError::bad_request(format!("{e:#}")),
             })?
             .0;
+        pending.store(false, Ordering::Relaxed);
         run(ready, Kind::Chat, id, model, request, spec, arrived).await
     };
-    answer.await.unwrap_or_else(IntoResponse::into_response)
+    let response = answer.await.unwrap_or_else(IntoResponse::into_response);
+    pending.store(false, Ordering::Relaxed);
+    response
 }
 
 /// `POST /v1/completions`.

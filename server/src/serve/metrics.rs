@@ -69,6 +69,8 @@ struct Inner {
     generation_tokens: u64,
     /// Finished requests: stop, length, abort.
     finished: [u64; 3],
+    /// Requests whose client left before they reached the engine.
+    cancelled_before_queue: u64,
 }
 
 /// Request-level figures the engine thread records.
@@ -124,6 +126,7 @@ impl Default for Metrics {
                 prompt_tokens: 0,
                 generation_tokens: 0,
                 finished: [0; 3],
+                cancelled_before_queue: 0,
             }),
         }
     }
@@ -132,6 +135,12 @@ impl Default for Metrics {
 impl Metrics {
     fn with<R>(&self, f: impl FnOnce(&mut Inner) -> R) -> R {
         f(&mut self.inner.lock().unwrap_or_else(|p| p.into_inner()))
+    }
+
+    /// A request whose client left before it reached the engine (while it was read or
+    /// preprocessed).
+    pub fn cancelled_before_queue(&self) {
+        self.with(|m| m.cancelled_before_queue += 1);
     }
 
     /// A request's first token, `ttft` seconds after it arrived.
@@ -195,6 +204,15 @@ impl Metrics {
             for (reason, n) in REASONS.iter().zip(m.finished) {
                 let _ = writeln!(o, "vllm:request_success_total{{finished_reason=\"{reason}\",{l}}} {n}");
             }
+            let help = "Requests whose client left before they reached the engine.";
+            sample(
+                o,
+                "kvlens:requests_cancelled_before_queue",
+                help,
+                "counter",
+                l,
+                m.cancelled_before_queue,
+            );
             let help = "Histogram of time to first token in seconds.";
             m.ttft.write(o, "vllm:time_to_first_token_seconds", help, l);
             let help = "Histogram of inter-token latency in seconds.";
