@@ -329,20 +329,7 @@ fn repeated_image_is_counted_as_reused(server: &Server) {
 fn disconnect_frees_blocks(server: &Server) {
     let body = json!({"model": "tiny", "messages": [{"role": "user", "content": "Tell me a long story."}],
                       "max_tokens": 2000, "temperature": 0, "ignore_eos": true, "stream": true});
-    let mut s = send(
-        server.port(),
-        "POST",
-        "/v1/chat/completions",
-        &[],
-        body.to_string().as_bytes(),
-    );
-    let mut seen = Vec::new();
-    let mut buf = [0u8; 4096];
-    while !String::from_utf8_lossy(&seen).contains("data: {") {
-        let n = s.read(&mut buf).unwrap();
-        assert!(n > 0, "the stream ended early: {}", String::from_utf8_lossy(&seen));
-        seen.extend_from_slice(&buf[..n]);
-    }
+    let (s, _) = open_stream(server, "/v1/chat/completions", &body);
     let during = memory(server);
     assert!(during["kv"]["num_in_use"].as_u64().unwrap() > 0, "{}", during["kv"]);
     drop(s);
@@ -667,13 +654,13 @@ fn http_images_from_allowed_domains_are_fetched() {
 fn long_stream(server: &Server) -> (std::net::TcpStream, Vec<u8>) {
     let body = json!({"model": "tiny", "prompt": "Memory", "max_tokens": 1500, "temperature": 0,
                       "ignore_eos": true, "stream": true});
-    let mut s = send(
-        server.port(),
-        "POST",
-        "/v1/completions",
-        &[],
-        body.to_string().as_bytes(),
-    );
+    open_stream(server, "/v1/completions", &body)
+}
+
+/// POSTs a streamed request and returns the connection and what it read, once the first data
+/// chunk arrived.
+fn open_stream(server: &Server, path: &str, body: &Value) -> (std::net::TcpStream, Vec<u8>) {
+    let mut s = send(server.port(), "POST", path, &[], body.to_string().as_bytes());
     let mut seen = Vec::new();
     let mut buf = [0u8; 4096];
     while !String::from_utf8_lossy(&seen).contains("data: {") {
