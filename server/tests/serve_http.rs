@@ -2,8 +2,8 @@
 //! `/v1/models`, chat completions with an image (whole and streamed, with token ids and usage),
 //! completions with stop strings, bad input answered in OpenAI's error shape while the server
 //! keeps serving, a client that hangs up mid-stream leaving no KV block in use, the resets, the
-//! metrics, the memory stream, `--api-key`, ignored vLLM flags, a clean exit on SIGTERM, and
-//! images resized down to the size the start-up profile measured.
+//! metrics, the memory stream, `--api-key`, ignored vLLM flags, a clean exit on SIGTERM, images
+//! resized down to the size the start-up profile measured and http and https image URLs.
 
 mod common;
 
@@ -11,7 +11,7 @@ use common::{fixture, http, scratch, send, tiny_checkpoint, Server};
 use serde_json::{json, Value};
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 fn checkpoint() -> &'static Path {
@@ -603,30 +603,77 @@ fn images_are_resized_down_to_the_profiled_maximum() {
     assert_eq!(prompt.iter().filter(|&&t| t == IMAGE_PAD).count(), 4);
 }
 
-/// Serves `body` at `/c.png` (404 elsewhere) over HTTP/1.1 on a free port; one thread per client.
-fn image_host(body: Vec<u8>) -> u16 {
-    use std::io::{BufRead, BufReader, Write};
+/// Answers one HTTP/1.1 request on `stream`: the PNG at `/c.png`, a redirect to it at `/moved`, a
+/// redirect to a host that is not allowed at `/away`, 404 elsewhere.
+fn answer_image_request(stream: &mut (impl Read + Write), png: &[u8]) {
+    let mut head = Vec::new();
+    let mut byte = [0u8; 1];
+    while !head.ends_with(b"\r\n\r\n") {
+        match stream.read(&mut byte) {
+            Ok(1) => head.push(byte[0]),
+            _ => return,
+        }
+    }
+    let head = String::from_utf8_lossy(&head).into_owned();
+    let (status, location, payload) = match head.split_whitespace().nth(1).unwrap_or("") {
+        "/c.png" => ("200 OK", "", png),
+        "/moved" => ("302 Found", "Location: /c.png\r\n", &b""[..]),
+        "/away" => ("302 Found", "Location: http://example.com/c.png\r\n", &b""[..]),
+        _ => ("404 Not Found", "", &b""[..]),
+    };
+    let head = format!(
+        "HTTP/1.1 {status}\r\n{location}Content-Length: {}\r\nConnection: close\r\n\r\n",
+        payload.len()
+    );
+    let _ = stream
+        .write_all(head.as_bytes())
+        .and_then(|_| stream.write_all(payload))
+        .and_then(|_| stream.flush());
+}
+
+/// Serves [`answer_image_request`] over HTTP/1.1 on a free port; one thread per client.
+fn image_host(png: Vec<u8>) -> u16 {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let port = listener.local_addr().unwrap().port();
     std::thread::spawn(move || {
         for mut stream in listener.incoming().map_while(Result::ok) {
-            let mut line = String::new();
-            let mut reader = BufReader::new(stream.try_clone().unwrap());
-            reader.read_line(&mut line).unwrap();
-            while reader.read_line(&mut String::new()).unwrap_or(0) > 2 {}
-            let found = line.starts_with("GET /c.png ");
-            let (status, payload) = if found {
-                ("200 OK", &body[..])
-            } else {
-                ("404 Not Found", &b""[..])
-            };
-            let head = format!(
-                "HTTP/1.1 {status}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
-                payload.len()
-            );
-            let _ = stream
-                .write_all(head.as_bytes())
-                .and_then(|_| stream.write_all(payload));
+            answer_image_request(&mut stream, &png);
+        }
+    });
+    port
+}
+
+/// A self-signed certificate for 127.0.0.1 whose subject is `name`.
+fn self_signed(name: &str) -> rcgen::CertifiedKey<rcgen::KeyPair> {
+    let mut params = rcgen::CertificateParams::new(vec!["127.0.0.1".to_string()]).unwrap();
+    params.distinguished_name.push(rcgen::DnType::CommonName, name);
+    let signing_key = rcgen::KeyPair::generate().unwrap();
+    let cert = params.self_signed(&signing_key).unwrap();
+    rcgen::CertifiedKey { cert, signing_key }
+}
+
+/// Serves [`answer_image_request`] over HTTPS with `cert` on a free port of 127.0.0.1.
+fn tls_image_host(png: Vec<u8>, cert: &rcgen::CertifiedKey<rcgen::KeyPair>) -> u16 {
+    let key = rustls::pki_types::PrivateKeyDer::Pkcs8(cert.signing_key.serialize_der().into());
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let config = Arc::new(
+        rustls::ServerConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .unwrap()
+            .with_no_client_auth()
+            .with_single_cert(vec![cert.cert.der().clone()], key)
+            .unwrap(),
+    );
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    std::thread::spawn(move || {
+        for tcp in listener.incoming().map_while(Result::ok) {
+            let _ = tcp.set_read_timeout(Some(Duration::from_secs(30)));
+            let conn = rustls::ServerConnection::new(config.clone()).unwrap();
+            let mut tls = rustls::StreamOwned::new(conn, tcp);
+            answer_image_request(&mut tls, &png);
+            tls.conn.send_close_notify();
+            let _ = tls.flush();
         }
     });
     port
@@ -661,6 +708,64 @@ fn http_images_from_allowed_domains_are_fetched() {
         &image_chat("http://example.com/c.png", json!({})),
     );
     elsewhere.assert_error(400, "a domain that is not allowed");
+}
+
+/// https image URLs are fetched from allowed hosts whose certificate is trusted (here through
+/// `--media-ca-file`), redirects to allowed hosts are followed; a redirect to a host that is not
+/// allowed, a host that is not allowed and an untrusted certificate are 400s that say why.
+#[test]
+fn https_images_from_allowed_domains_are_fetched() {
+    let png = std::fs::read(fixture("golden/images/c_150x150.png")).unwrap();
+    let trusted = self_signed("kvlens test image host");
+    let ca_file = scratch("serve-http-media-ca.pem");
+    std::fs::write(&ca_file, trusted.cert.pem()).unwrap();
+    let port = tls_image_host(png.clone(), &trusted);
+    let untrusted_port = tls_image_host(png, &self_signed("someone else"));
+    let server = serve(&[
+        "--allowed-media-domains",
+        "127.0.0.1",
+        "--media-ca-file",
+        ca_file.to_str().unwrap(),
+    ]);
+    server.wait_ready();
+    let chat = |url: String| server.post("/v1/chat/completions", &image_chat(&url, json!({})));
+    let inline = chat(image_url());
+    assert_eq!(inline.status, 200, "{}", inline.text());
+    for path in ["/c.png", "/moved"] {
+        let fetched = chat(format!("https://127.0.0.1:{port}{path}"));
+        assert_eq!(fetched.status, 200, "{path}: {}", fetched.text());
+        assert_eq!(
+            fetched.json()["prompt_token_ids"],
+            inline.json()["prompt_token_ids"],
+            "{path}"
+        );
+        assert_eq!(
+            fetched.json()["choices"][0]["token_ids"],
+            inline.json()["choices"][0]["token_ids"],
+            "{path}"
+        );
+    }
+    let refused = |url: String, says: &[&str]| {
+        let r = chat(url.clone());
+        r.assert_error(400, &url);
+        for s in says {
+            assert!(r.text().contains(s), "{url}: {}", r.text());
+        }
+    };
+    refused(
+        format!("https://127.0.0.1:{port}/away"),
+        &[
+            "redirected",
+            "http://example.com/c.png",
+            "not in --allowed-media-domains",
+        ],
+    );
+    refused("https://example.com/c.png".into(), &["not in --allowed-media-domains"]);
+    refused(
+        format!("https://127.0.0.1:{untrusted_port}/c.png"),
+        &["cannot fetch the image", "invalid peer certificate", "UnknownIssuer"],
+    );
+    assert_eq!(server.get("/health").status, 200);
 }
 
 /// Starts a long streamed completion and returns the connection once its first chunk arrived.

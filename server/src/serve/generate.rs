@@ -107,7 +107,7 @@ pub async fn chat_completions(State(app): State<Arc<App>>, body: Body) -> Respon
         let spec = req.spec()?;
         let model = model_name(ready, req.common.model.as_deref(), &spec)?;
         let mut messages = req.messages;
-        resolve_remote_images(&mut messages, &app.allowed_media_domains).await?;
+        resolve_remote_images(&mut messages, &app.media).await?;
         let id = new_id("chatcmpl");
         let frontend = ready.frontend.clone();
         let (engine_id, params) = (id.clone(), spec.params.clone());

@@ -50,8 +50,8 @@ pub struct App {
     ready: OnceLock<Ready>,
     /// `--api-key`.
     api_key: Option<String>,
-    /// `--allowed-media-domains`.
-    allowed_media_domains: Vec<String>,
+    /// Fetches the image URLs of `--allowed-media-domains`.
+    media: media::MediaFetcher,
     /// Set on SIGINT/SIGTERM: new requests are refused while those in flight finish.
     draining: AtomicBool,
 }
@@ -112,6 +112,7 @@ pub fn run(args: &ServeArgs) -> Result<()> {
 }
 
 async fn serve(args: &ServeArgs, engine_args: EngineArgs) -> Result<()> {
+    let media = media::MediaFetcher::new(args.allowed_media_domains.clone(), args.media_ca_file.as_deref())?;
     let listener = tokio::net::TcpListener::bind((args.host.as_str(), args.port))
         .await
         .map_err(|e| UsageError(format!("cannot listen on {}:{}: {e}", args.host, args.port)))?;
@@ -125,7 +126,7 @@ async fn serve(args: &ServeArgs, engine_args: EngineArgs) -> Result<()> {
     let app = Arc::new(App {
         ready: OnceLock::new(),
         api_key: args.api_key.clone(),
-        allowed_media_domains: args.allowed_media_domains.clone(),
+        media,
         draining: AtomicBool::new(false),
     });
     let limits = ConnectionLimits {
