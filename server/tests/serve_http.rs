@@ -3,7 +3,8 @@
 //! completions with stop strings, bad input answered in OpenAI's error shape while the server
 //! keeps serving, a client that hangs up mid-stream leaving no KV block in use, the resets, the
 //! metrics, the memory stream, `--api-key`, ignored vLLM flags, a clean exit on SIGTERM, images
-//! resized down to the size the start-up profile measured and http and https image URLs.
+//! resized down to the size the start-up profile measured, http and https image URLs, and
+//! `/tokenize` / `/detokenize`.
 
 mod common;
 
@@ -574,6 +575,9 @@ fn api_key_guards_the_api_and_vllm_only_flags_are_ignored() {
     http(port, "GET", "/server_info", &[], b"").assert_error(401, "server_info without key");
     http(port, "GET", "/v1/memory", &[], b"").assert_error(401, "memory without key");
     http(port, "GET", "/v1/memory/stream", &[], b"").assert_error(401, "memory stream without key");
+    let tokenize = json!({"model": "tiny", "prompt": "hi"}).to_string();
+    http(port, "POST", "/tokenize", &[], tokenize.as_bytes()).assert_error(401, "tokenize without key");
+    http(port, "POST", "/detokenize", &[], br#"{"tokens": [1]}"#).assert_error(401, "detokenize without key");
     for open in ["/health", "/metrics", "/version"] {
         assert_eq!(http(port, "GET", open, &[], b"").status, 200, "{open} stays open");
     }
@@ -585,6 +589,7 @@ fn api_key_guards_the_api_and_vllm_only_flags_are_ignored() {
     );
     assert_eq!(http(port, "POST", "/reset_prefix_cache", &key, b"").status, 200);
     assert_eq!(http(port, "GET", "/server_info", &key, b"").status, 200);
+    assert_eq!(http(port, "POST", "/tokenize", &key, tokenize.as_bytes()).status, 200);
     assert_eq!(server.get("/health").status, 200, "health needs no key");
     assert_eq!(server.get("/metrics").status, 200, "metrics need no key");
     assert_eq!(server.stop("TERM").code(), Some(0));
@@ -766,6 +771,97 @@ fn https_images_from_allowed_domains_are_fetched() {
         &["cannot fetch the image", "invalid peer certificate", "UnknownIssuer"],
     );
     assert_eq!(server.get("/health").status, 200);
+}
+
+/// `/tokenize` counts what the generation endpoints count (a prompt, and a chat with an image whose
+/// placeholders are expanded), without filling the processor cache; `/detokenize` turns the ids
+/// back into the text; both answer in vLLM's shapes and errors.
+#[test]
+fn tokenize_and_detokenize_count_what_generation_counts() {
+    let server = serve(&[]);
+    server.wait_ready();
+    let tokenize = |body: Value| {
+        let r = server.post("/tokenize", &body);
+        assert_eq!(r.status, 200, "{body}: {}", r.text());
+        r.json()
+    };
+    let detokenize = |tokens: &Value| {
+        let r = server.post("/detokenize", &json!({"model": "tiny", "tokens": tokens}));
+        assert_eq!(r.status, 200, "{}", r.text());
+        r.json()["prompt"].as_str().unwrap().to_string()
+    };
+
+    // A chat with an image, tokenized before anything else: the processor cache stays empty.
+    let chat = image_chat(&image_url(), json!({"max_tokens": 1}));
+    let t = tokenize(json!({"model": "tiny", "messages": chat["messages"], "return_token_strs": true}));
+    assert_eq!(memory(&server)["processor_cache"]["bytes_used"], 0);
+    let tokens = ids(&t["tokens"]);
+    assert_eq!(t["count"], tokens.len());
+    assert_eq!(t["max_model_len"], 4096);
+    assert!(tokens.iter().filter(|&&id| id == IMAGE_PAD).count() >= 4, "{tokens:?}");
+    let strs = t["token_strs"].as_array().unwrap();
+    assert_eq!(strs.len(), tokens.len());
+    assert_eq!(
+        strs[tokens.iter().position(|&id| id == IMAGE_PAD).unwrap()],
+        "<|image_pad|>"
+    );
+    let generated = server.post("/v1/chat/completions", &chat).json();
+    assert_eq!(ids(&generated["prompt_token_ids"]), tokens);
+    assert_eq!(generated["usage"]["prompt_tokens"], t["count"]);
+    assert!(detokenize(&t["tokens"]).contains("<|im_start|>user\n<|vision_start|><|image_pad|>"));
+
+    // Without the generation prompt: a strict prefix. Continuing the final message: its text last.
+    let bare = tokenize(json!({"messages": chat["messages"], "add_generation_prompt": false}));
+    assert!(bare["count"].as_u64() < t["count"].as_u64());
+    assert!(tokens.starts_with(&ids(&bare["tokens"])));
+    let started = json!([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "The KV cache"}]);
+    let cont = tokenize(json!({"messages": started, "add_generation_prompt": false,
+                               "continue_final_message": true}));
+    assert!(detokenize(&cont["tokens"]).ends_with("<|im_start|>assistant\nThe KV cache"));
+
+    // A prompt: the completions endpoint's tokens; the text comes back whole.
+    let prompt = "The KV cache holds keys and values, ünïcode and all.";
+    let t = tokenize(json!({"model": "tiny", "prompt": prompt}));
+    assert!(t["token_strs"].is_null());
+    let generated = server
+        .post(
+            "/v1/completions",
+            &json!({"model": "tiny", "prompt": prompt, "max_tokens": 1, "return_token_ids": true}),
+        )
+        .json();
+    assert_eq!(generated["prompt_token_ids"], t["tokens"]);
+    assert_eq!(generated["usage"]["prompt_tokens"], t["count"]);
+    assert_eq!(detokenize(&t["tokens"]), prompt);
+
+    for (path, body, status, says) in [
+        ("/tokenize", json!({"model": "nope", "prompt": "x"}), 404, "nope"),
+        ("/detokenize", json!({"model": "nope", "tokens": [1]}), 404, "nope"),
+        (
+            "/tokenize",
+            json!({"prompt": "x", "messages": []}),
+            400,
+            "either prompt",
+        ),
+        ("/tokenize", json!({"model": "tiny"}), 400, "either prompt"),
+        (
+            "/tokenize",
+            json!({"messages": started, "tools": [{"type": "function"}]}),
+            400,
+            "tools",
+        ),
+        (
+            "/tokenize",
+            json!({"messages": started, "continue_final_message": true}),
+            400,
+            "add_generation_prompt",
+        ),
+        ("/detokenize", json!({"tokens": [999_999]}), 400, "999999"),
+    ] {
+        let r = server.post(path, &body);
+        r.assert_error(status, &format!("{path} {body}"));
+        assert!(r.text().contains(says), "{path} {body}: {}", r.text());
+    }
+    http(server.port(), "GET", "/tokenize", &[], b"").assert_error(405, "GET /tokenize");
 }
 
 /// Starts a long streamed completion and returns the connection once its first chunk arrived.

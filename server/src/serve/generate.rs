@@ -68,6 +68,12 @@ fn model_name(ready: &Ready, asked: Option<&str>, spec: &Spec) -> Result<String,
     spec.params
         .validate_token_ids(ready.frontend.tokenizer.vocab_size())
         .map_err(ApiError::bad_request)?;
+    served_model(ready, asked)
+}
+
+/// The model name a request names (the first served name when it names none); 404 for a name
+/// that is not served.
+pub fn served_model(ready: &Ready, asked: Option<&str>) -> Result<String, ApiError> {
     match asked {
         None => Ok(ready.served_model_names[0].clone()),
         Some(m) if ready.served_model_names.iter().any(|n| n == m) => Ok(m.to_string()),

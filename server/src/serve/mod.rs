@@ -15,6 +15,7 @@ mod memory;
 mod metrics;
 mod openai;
 mod output;
+mod tokenize;
 
 pub use args::{strip_ignored_vllm_flags, ServeArgs};
 
@@ -304,6 +305,8 @@ fn router(app: Arc<App>, playground: &Path) -> Router {
         .route("/v1/models", get(models))
         .route("/v1/chat/completions", post(generate::chat_completions))
         .route("/v1/completions", post(generate::completions))
+        .route("/tokenize", post(tokenize::tokenize))
+        .route("/detokenize", post(tokenize::detokenize))
         .route("/v1/memory", get(memory::memory))
         .route("/v1/memory/stream", get(memory::memory_stream))
         .route("/reset_prefix_cache", post(memory::reset_prefix_cache))
@@ -329,10 +332,13 @@ fn same_secret(a: &[u8], b: &[u8]) -> bool {
 
 /// Paths that stay open with `--api-key`, as in vLLM (the playground's files are open too).
 fn open_path(path: &str) -> bool {
-    !(path.starts_with("/v1") || path.starts_with("/reset_") || path == "/server_info")
+    !(path.starts_with("/v1")
+        || path.starts_with("/reset_")
+        || ["/server_info", "/tokenize", "/detokenize"].contains(&path))
 }
 
-/// With `--api-key`: 401 on /v1/*, the resets and /server_info without `Authorization: Bearer KEY`.
+/// With `--api-key`: 401 on /v1/*, the resets, /server_info and the tokenizer routes without
+/// `Authorization: Bearer KEY`.
 async fn auth(State(app): State<Arc<App>>, req: axum::extract::Request, next: Next) -> Response {
     if let Some(key) = &app.api_key {
         if !open_path(req.uri().path()) {
@@ -359,7 +365,7 @@ async fn method_not_allowed(method: axum::http::Method, uri: Uri) -> ApiError {
 
 async fn no_playground() -> &'static str {
     "kvlens serve: the OpenAI-compatible API is at /v1 (chat/completions, completions, models, memory), \
-     with /health, /metrics, /server_info and /v1/memory/stream beside it. The playground is not built: \
+     with /health, /metrics, /server_info, /tokenize, /detokenize and /v1/memory/stream beside it. The playground is not built: \
      `cargo xtask demo` builds it into dist/ (or pass --playground-dir).\n"
 }
 
