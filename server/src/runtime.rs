@@ -72,6 +72,9 @@ pub struct Prompt {
 pub struct PromptOptions {
     /// The chat template's settings.
     pub render: RenderOptions,
+    /// Add the tokenizer's post-processor tokens (a BOS, …) around the rendered text, which
+    /// already holds the template's own special tokens (vLLM's `add_special_tokens`, off for chats).
+    pub add_special_tokens: bool,
     /// Read local image paths (the command line); the server refuses them.
     pub allow_files: bool,
     /// Leave the processor cache alone (vLLM's `/tokenize` does not fill it).
@@ -192,7 +195,7 @@ impl Frontend {
             .template
             .render_with(messages, options.render)
             .map_err(|e| usage(e.to_string()))?;
-        let ids = self.encode_if_it_can_fit(&text)?;
+        let ids = self.encode_if_it_can_fit(&text, options.add_special_tokens)?;
         let sources = image_sources(messages).map_err(|e| usage(e.to_string()))?;
         if sources.len() > self.limit_images {
             return Err(usage(format!(
@@ -242,6 +245,7 @@ impl Frontend {
                 add_generation_prompt: true,
                 ..RenderOptions::default()
             },
+            add_special_tokens: false,
             allow_files,
             skip_processor_cache: false,
         };
@@ -271,7 +275,7 @@ impl Frontend {
 
     /// Tokenizes a plain prompt (no chat template, no images) into an engine request.
     pub fn completion_request(&self, id: &str, prompt: &str, params: SamplingParams) -> Result<Request> {
-        let ids = self.encode_if_it_can_fit(prompt)?;
+        let ids = self.encode_if_it_can_fit(prompt, false)?;
         Ok(Request {
             id: RequestId::from(id),
             prompt: ids,
@@ -282,7 +286,7 @@ impl Frontend {
 
     /// Tokenizes `text`, unless its length alone proves it longer than `max_model_len` tokens
     /// (then it is refused without paying for the tokenizer).
-    fn encode_if_it_can_fit(&self, text: &str) -> Result<Vec<u32>> {
+    fn encode_if_it_can_fit(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>> {
         let at_least = text.len() / self.max_token_bytes;
         if at_least > self.max_model_len {
             return Err(usage(format!(
@@ -293,7 +297,9 @@ impl Frontend {
                 self.max_model_len
             )));
         }
-        self.tokenizer.encode(text).map_err(|e| usage(e.to_string()))
+        self.tokenizer
+            .encode_with(text, add_special_tokens)
+            .map_err(|e| usage(e.to_string()))
     }
 
     /// `params` with the checkpoint's end-of-sequence ids as stop tokens (unless `ignore_eos`).

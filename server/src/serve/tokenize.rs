@@ -35,11 +35,12 @@ struct TokenizeRequest {
     /// Chat: end inside the last message, for the model to continue it [default: false].
     continue_final_message: Option<bool>,
     /// Also answer each token's vocabulary string.
-    #[serde(default)]
-    return_token_strs: bool,
-    /// Chat settings kvlens cannot apply: refused rather than silently ignored.
+    return_token_strs: Option<bool>,
+    /// Chat: tool definitions, which kvlens cannot render: refused rather than ignored.
     tools: Option<Value>,
+    /// Chat: another template than the server's: refused rather than ignored.
     chat_template: Option<Value>,
+    /// Chat: extra template variables: refused rather than ignored.
     chat_template_kwargs: Option<Value>,
 }
 
@@ -79,17 +80,13 @@ pub async fn tokenize(State(app): State<Arc<App>>, body: Body) -> Response {
                     .map_err(|e| ApiError::bad_request(e.to_string()))?
             }
             (None, Some(mut messages)) => {
-                if req.add_special_tokens == Some(true) {
-                    return Err(ApiError::bad_request(
-                        "add_special_tokens is not supported for chats: the chat template writes the special tokens",
-                    ));
-                }
                 let options = PromptOptions {
                     render: RenderOptions {
                         add_generation_prompt: req.add_generation_prompt.unwrap_or(true),
                         continue_final_message: req.continue_final_message.unwrap_or(false),
                         ..RenderOptions::default()
                     },
+                    add_special_tokens: req.add_special_tokens.unwrap_or(false),
                     allow_files: false,
                     skip_processor_cache: true,
                 };
@@ -107,7 +104,7 @@ pub async fn tokenize(State(app): State<Arc<App>>, body: Body) -> Response {
             }
         };
         let tokenizer = &ready.frontend.tokenizer;
-        let token_strs = req.return_token_strs.then(|| {
+        let token_strs = req.return_token_strs.unwrap_or(false).then(|| {
             tokens
                 .iter()
                 .map(|&id| tokenizer.id_to_token(id).unwrap_or_default())
