@@ -284,9 +284,10 @@ impl Frontend {
         })
     }
 
-    /// Tokenizes `text`, unless its length alone proves it longer than `max_model_len` tokens
-    /// (then it is refused without paying for the tokenizer).
-    fn encode_if_it_can_fit(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>> {
+    /// Tokenizes `text` (with the post-processor's special tokens when `add_special_tokens`),
+    /// unless its length alone proves it longer than `max_model_len` tokens (then it is refused
+    /// without paying for the tokenizer).
+    pub fn encode_if_it_can_fit(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>> {
         let at_least = text.len() / self.max_token_bytes;
         if at_least > self.max_model_len {
             return Err(usage(format!(

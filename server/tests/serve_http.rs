@@ -856,6 +856,12 @@ fn tokenize_and_detokenize_count_what_generation_counts() {
             "add_generation_prompt",
         ),
         ("/detokenize", json!({"tokens": [999_999]}), 400, "999999"),
+        (
+            "/tokenize",
+            json!({"prompt": "cache ".repeat(100_000)}),
+            400,
+            "maximum context length",
+        ),
     ] {
         let r = server.post(path, &body);
         r.assert_error(status, &format!("{path} {body}"));

@@ -99,6 +99,15 @@ impl Drop for CancelGuard<'_> {
     }
 }
 
+/// Why a conversation could not be preprocessed: 503 when the preprocessing budget stayed full
+/// (the server is busy), else 400 (the request is wrong).
+pub fn preprocessing_error(e: anyhow::Error) -> ApiError {
+    match e.downcast_ref::<Busy>() {
+        Some(busy) => ApiError::unavailable(busy.0.clone()),
+        None => ApiError::bad_request(format!("{e:#}")),
+    }
+}
+
 /// `POST /v1/chat/completions`.
 pub async fn chat_completions(State(app): State<Arc<App>>, body: Body) -> Response {
     let arrived = Instant::now();
@@ -120,10 +129,7 @@ pub async fn chat_completions(State(app): State<Arc<App>>, body: Body) -> Respon
         let request = tokio::task::spawn_blocking(move || frontend.request(&engine_id, &messages, params, false))
             .await
             .map_err(|e| ApiError::internal(format!("preprocessing failed: {e}")))?
-            .map_err(|e| match e.downcast_ref::<Busy>() {
-                Some(busy) => ApiError::unavailable(busy.0.clone()),
-                None => ApiError::bad_request(format!("{e:#}")),
-            })?
+            .map_err(preprocessing_error)?
             .0;
         pending.store(false, Ordering::Relaxed);
         run(ready, Kind::Chat, id, model, request, spec, arrived).await

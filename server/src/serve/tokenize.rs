@@ -1,11 +1,13 @@
 //! `POST /tokenize` and `POST /detokenize` in vLLM's shapes. A prompt is tokenized as the
 //! completions endpoint tokenizes it; a chat goes through the chat endpoint's path (allowed remote
 //! images fetched, the template rendered, every image preprocessed and its placeholder expanded to
-//! the image's token count), so `count` is the `usage.prompt_tokens` the same request would get.
-//! Neither fills the processor cache nor reaches the engine.
+//! the image's token count), so `count` is the `usage.prompt_tokens` the same request would get,
+//! within the same guards (a text whose length alone proves it longer than `max_model_len` is
+//! refused untokenized; images wait for the preprocessing budget). Neither fills the processor
+//! cache nor reaches the engine.
 
 use super::errors::{json_response, ApiError};
-use super::generate::{read_json, served_model};
+use super::generate::{preprocessing_error, read_json, served_model};
 use super::media::resolve_remote_images;
 use super::App;
 use crate::runtime::PromptOptions;
@@ -74,10 +76,10 @@ pub async fn tokenize(State(app): State<Arc<App>>, body: Body) -> Response {
         let tokens = match (req.prompt, req.messages) {
             (Some(prompt), None) => {
                 let special = req.add_special_tokens.unwrap_or(true);
-                tokio::task::spawn_blocking(move || frontend.tokenizer.encode_with(&prompt, special))
+                tokio::task::spawn_blocking(move || frontend.encode_if_it_can_fit(&prompt, special))
                     .await
                     .map_err(|e| ApiError::internal(format!("tokenizing failed: {e}")))?
-                    .map_err(|e| ApiError::bad_request(e.to_string()))?
+                    .map_err(|e| ApiError::bad_request(format!("{e:#}")))?
             }
             (None, Some(mut messages)) => {
                 let options = PromptOptions {
@@ -94,7 +96,7 @@ pub async fn tokenize(State(app): State<Arc<App>>, body: Body) -> Response {
                 tokio::task::spawn_blocking(move || frontend.prompt(&messages, options))
                     .await
                     .map_err(|e| ApiError::internal(format!("preprocessing failed: {e}")))?
-                    .map_err(|e| ApiError::bad_request(format!("{e:#}")))?
+                    .map_err(preprocessing_error)?
                     .ids
             }
             _ => {
