@@ -4,7 +4,7 @@
 
 use kvlens_engine::config::{bundled_config, BUNDLED_CONFIGS};
 use kvlens_engine::memory::device::device_presets;
-use kvlens_engine::memory::log_budget::{header_settings, rebuild};
+use kvlens_engine::memory::log_budget::{header_settings, rebuild, DeviceTotal};
 use kvlens_engine::memory::vllm_log::parse_vllm_log;
 use kvlens_engine::memory::{plan, MmLimits, Plan, PlanRequest};
 use leptos::prelude::*;
@@ -50,8 +50,9 @@ fn compute(i: &Inputs) -> Result<(Plan, Vec<String>), String> {
     if log.recognised.is_empty() {
         return Ok((plan(&r).map_err(|e| e.to_string())?, Vec::new()));
     }
-    let budget = rebuild(&log, r).map_err(|e| e.to_string())?;
+    let budget = rebuild(&log, r, DeviceTotal::Preset).map_err(|e| e.to_string())?;
     let mut notes = vec![format!("{} log lines recognised", log.recognised.len())];
+    notes.extend(budget.notes.iter().cloned());
     notes.extend(
         budget
             .checks

@@ -1,8 +1,13 @@
-//! Tests of the vLLM start-up log parser against the sample logs and synthetic variants.
+//! Tests of the vLLM start-up log parser against the sample logs and synthetic variants, and of the
+//! budget rebuilt from a log that prints no total.
 
+use kvlens_engine::config::bundled_config;
+use kvlens_engine::memory::device::device_preset;
+use kvlens_engine::memory::log_budget::{rebuild, DeviceTotal};
 use kvlens_engine::memory::vllm_log::{
     parse_size_to_bytes, parse_vllm_log, LineKind, ParsedLog, Printed, ProfilingFormat,
 };
+use kvlens_engine::memory::{PlanRequest, Source};
 use proptest::prelude::*;
 
 const NEW_8B: &str = include_str!("fixtures/vllm-logs/qwen3-vl-8b-tp2-new-profiling.log");
@@ -148,6 +153,69 @@ fn old_profiling_8b() {
     assert_eq!(cmd.tensor_parallel_size(), Some(2));
     assert_eq!(cmd.max_model_len(), Some(65_536));
     assert_eq!(p.header_notes, vec!["Ascend 910B x2", "older vllm-ascend profiling"]);
+}
+
+/// The old-profiling 8B log without its "total memory" line: its requested memory (57.91 GiB) and
+/// the utilisation of its command (0.95) give the total, whatever the device preset says.
+#[test]
+fn a_log_without_a_total_infers_it_from_requested_and_utilisation() {
+    let trimmed: String = OLD_8B
+        .lines()
+        .filter(|l| !l.contains("total memory"))
+        .map(|l| format!("{l}\n"))
+        .collect();
+    let log = parse_vllm_log(&trimmed);
+    assert_eq!((log.total.as_ref(), log.gpu_memory_utilization), (None, None));
+    let request = || {
+        let cfg = bundled_config("Qwen3-VL-8B-Instruct").unwrap();
+        let mut r = PlanRequest::new("Qwen3-VL-8B-Instruct", cfg, device_preset("h100-80g").unwrap());
+        r.tensor_parallel_size = 2;
+        r.max_model_len = Some(65_536);
+        r
+    };
+    let preset_total = request().device.total_bytes;
+    let requested = gib(5791, 2);
+
+    let b = rebuild(&log, request(), DeviceTotal::Preset).unwrap();
+    let p = &b.plan;
+    assert_eq!(p.total_bytes, (requested as f64 / 0.95).round() as u64);
+    assert_eq!(format!("{:.2}", p.total_bytes as f64 / GIB as f64), "60.96");
+    assert_ne!(p.total_bytes, preset_total);
+    assert_eq!(
+        (p.total_source, p.requested_source),
+        (Some(Source::Derived), Source::FromLog)
+    );
+    assert_eq!((p.requested_bytes, p.gpu_memory_utilization), (requested, 0.95));
+    assert_eq!(p.available_kv_bytes, gib(4333, 2) as i64);
+    assert_eq!(b.notes.len(), 1);
+    assert!(
+        b.notes[0].contains("requested / gpu_memory_utilization = 57.91 GiB / 0.95 = 60.96 GiB"),
+        "{}",
+        b.notes[0]
+    );
+    assert!(b.notes[0].contains("h100-80g"), "{}", b.notes[0]);
+    let formulas: Vec<&str> = b.checks.iter().map(|c| c.formula.as_str()).collect();
+    assert!(!formulas.iter().any(|f| f.starts_with("requested")), "{formulas:?}");
+    assert!(formulas.iter().any(|f| f.contains("old formula")), "{formulas:?}");
+
+    // A stated total is kept, and the log's requested memory is checked against it.
+    let b = rebuild(&log, request(), DeviceTotal::Given).unwrap();
+    assert_eq!(
+        (b.plan.total_bytes, b.plan.total_source),
+        (preset_total, Some(Source::Given))
+    );
+    assert_eq!(b.plan.requested_source, Source::Derived);
+    assert!(b.notes.is_empty());
+    let check = b.checks.iter().find(|c| c.formula.starts_with("requested")).unwrap();
+    assert!(!check.ok, "{check:?}");
+
+    // The whole log prints its total: read, not inferred.
+    let b = rebuild(&parse_vllm_log(OLD_8B), request(), DeviceTotal::Preset).unwrap();
+    assert_eq!(
+        (b.plan.total_bytes, b.plan.total_source),
+        (gib(6096, 2), Some(Source::FromLog))
+    );
+    assert!(b.notes.is_empty());
 }
 
 #[test]

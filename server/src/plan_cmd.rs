@@ -4,7 +4,7 @@ use crate::UsageError;
 use anyhow::Result;
 use kvlens_engine::config::{bundled_config, DType, ImageLimits, ModelConfig};
 use kvlens_engine::memory::device::{device_preset, device_preset_names, gib_to_bytes};
-use kvlens_engine::memory::log_budget::{header_settings, rebuild, what_if, HeaderSettings};
+use kvlens_engine::memory::log_budget::{header_settings, rebuild, what_if, DeviceTotal, HeaderSettings};
 use kvlens_engine::memory::vllm_log::{parse_vllm_log, ParsedLog, ProfilingFormat};
 use kvlens_engine::memory::{plan, MmLimits, Plan, PlanRequest, Source};
 use std::path::{Path, PathBuf};
@@ -223,7 +223,12 @@ pub fn run(a: &PlanArgs) -> Result<()> {
 fn run_from_log(a: &PlanArgs, log: &ParsedLog) -> Result<()> {
     let header = header_settings(log);
     let req = request_from_args(a, &header)?;
-    let budget = rebuild(log, req.clone()).map_err(|e| usage(e.to_string()))?;
+    let total = if a.total_memory_gib.or(header.total_memory_gib).is_some() {
+        DeviceTotal::Given
+    } else {
+        DeviceTotal::Preset
+    };
+    let budget = rebuild(log, req.clone(), total).map_err(|e| usage(e.to_string()))?;
     let answers = a.target_max_model_len.map(|t| what_if(&budget, &req, t));
     if a.json {
         let out = serde_json::json!({
@@ -232,6 +237,7 @@ fn run_from_log(a: &PlanArgs, log: &ParsedLog) -> Result<()> {
             "format": budget.format,
             "plan": budget.plan,
             "checks": budget.checks,
+            "notes": budget.notes,
             "target_max_model_len": a.target_max_model_len,
             "what_if": answers,
         });
@@ -255,7 +261,11 @@ fn run_from_log(a: &PlanArgs, log: &ParsedLog) -> Result<()> {
         }
         None => "no profiling lines: the planner estimates what the log does not say",
     };
-    println!("Formula: {format}\n");
+    println!("Formula: {format}");
+    for note in &budget.notes {
+        println!("{note}");
+    }
+    println!();
     print!("{}", render(&budget.plan));
     println!("\nChecks of the log against itself:");
     for c in &budget.checks {

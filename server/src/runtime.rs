@@ -10,10 +10,12 @@ use kvlens_engine::backend::Backend;
 use kvlens_engine::cache::ProcessorCache;
 use kvlens_engine::cache::{MmHash, RequestId};
 use kvlens_engine::engine::{ImageInput, Request};
-use kvlens_engine::input::chat::{image_sources, select_chat_template, ChatMessage, ChatTemplate, ImageSource};
+use kvlens_engine::input::chat::{
+    image_sources, select_chat_template, ChatMessage, ChatTemplate, ImageSource, RenderOptions,
+};
 use kvlens_engine::input::image::{decode_image, ProcessedImage, ProcessorSettings};
 use kvlens_engine::input::image_budget::{largest_preprocessing_bytes, preprocessing_bytes};
-use kvlens_engine::input::prompt::expand_image_pads;
+use kvlens_engine::input::prompt::{expand_image_pads, ImagePlaceholder};
 use kvlens_engine::input::tokenizer::Tokenizer;
 use kvlens_engine::memory::ledger::MemoryLedger;
 use kvlens_engine::model::weights::SafetensorsFiles;
@@ -54,6 +56,29 @@ pub struct Frontend {
     max_token_bytes: usize,
     /// Host memory that images being preprocessed may hold at once.
     pub preprocess_budget: PreprocessBudget,
+}
+
+/// A conversation as the engine sees it.
+#[derive(Debug)]
+pub struct Prompt {
+    /// Token ids, each image's placeholder expanded to the image's token count.
+    pub ids: Vec<u32>,
+    /// The preprocessed images and where their placeholders sit, in prompt order.
+    pub images: Vec<(Arc<ProcessedImage>, ImagePlaceholder)>,
+}
+
+/// How [`Frontend::prompt`] renders and reads a conversation.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct PromptOptions {
+    /// The chat template's settings.
+    pub render: RenderOptions,
+    /// Add the tokenizer's post-processor tokens (a BOS, …) around the rendered text, which
+    /// already holds the template's own special tokens (vLLM's `add_special_tokens`, off for chats).
+    pub add_special_tokens: bool,
+    /// Read local image paths (the command line); the server refuses them.
+    pub allow_files: bool,
+    /// Leave the processor cache alone (vLLM's `/tokenize` does not fill it).
+    pub skip_processor_cache: bool,
 }
 
 fn usage(msg: impl Into<String>) -> anyhow::Error {
@@ -140,13 +165,19 @@ impl Frontend {
         self.processor_cache = Mutex::new(ProcessorCache::new(bytes));
     }
 
-    /// Decodes and preprocesses one image, through the processor cache, within the preprocessing
-    /// budget (a [`crate::preprocess::Busy`] error when it stays full).
-    fn image(&self, bytes: &[u8]) -> Result<Arc<ProcessedImage>> {
+    /// Decodes and preprocesses one image within the preprocessing budget (a
+    /// [`crate::preprocess::Busy`] error when it stays full), through the processor cache unless
+    /// `skip_cache`.
+    fn image(&self, bytes: &[u8], skip_cache: bool) -> Result<Arc<ProcessedImage>> {
         let cost = preprocessing_bytes(bytes, &self.settings).map_err(|e| usage(e.to_string()))?;
         let _reserved = self.preprocess_budget.reserve(cost)?;
         let decoded = decode_image(bytes, &self.settings).map_err(|e| usage(e.to_string()))?;
         let cache = || self.processor_cache.lock().unwrap_or_else(|p| p.into_inner());
+        if skip_cache {
+            return Ok(Arc::new(
+                decoded.process(&self.settings).map_err(|e| usage(e.to_string()))?,
+            ));
+        }
         if let Some(hit) = cache().get(&decoded.mm_hash).cloned() {
             return Ok(hit);
         }
@@ -156,17 +187,15 @@ impl Frontend {
         Ok(processed)
     }
 
-    /// Renders, tokenizes and preprocesses a conversation into an engine request. Local image paths
-    /// are read only when `allow_files`; remote URLs are refused.
-    pub fn request(
-        &self,
-        id: &str,
-        messages: &[ChatMessage],
-        params: SamplingParams,
-        allow_files: bool,
-    ) -> Result<(Request, Vec<[u32; 3]>)> {
-        let text = self.template.render(messages, true).map_err(|e| usage(e.to_string()))?;
-        let ids = self.encode_if_it_can_fit(&text)?;
+    /// Renders, tokenizes and preprocesses a conversation: the token ids the engine gets, image
+    /// placeholders expanded, and the images. Remote URLs are refused (the server fetches the
+    /// allowed ones first).
+    pub fn prompt(&self, messages: &[ChatMessage], options: PromptOptions) -> Result<Prompt> {
+        let text = self
+            .template
+            .render_with(messages, options.render)
+            .map_err(|e| usage(e.to_string()))?;
+        let ids = self.encode_if_it_can_fit(&text, options.add_special_tokens)?;
         let sources = image_sources(messages).map_err(|e| usage(e.to_string()))?;
         if sources.len() > self.limit_images {
             return Err(usage(format!(
@@ -179,13 +208,13 @@ impl Frontend {
         for src in sources {
             let bytes = match src {
                 ImageSource::Bytes(b) => b,
-                ImageSource::Path(p) if allow_files => {
+                ImageSource::Path(p) if options.allow_files => {
                     std::fs::read(&p).map_err(|e| usage(format!("cannot read image {p}: {e}")))?
                 }
                 ImageSource::Path(p) => return Err(usage(format!("local image paths are not allowed here: {p}"))),
                 ImageSource::Remote(u) => return Err(usage(format!("fetching remote images is not enabled: {u}"))),
             };
-            let image = self.image(&bytes)?;
+            let image = self.image(&bytes, options.skip_processor_cache)?;
             if image.num_tokens > self.max_image_tokens {
                 return Err(usage(format!(
                     "an image of {} tokens exceeds the {} tokens the start-up profile measured",
@@ -196,10 +225,35 @@ impl Frontend {
         }
         let counts: Vec<usize> = processed.iter().map(|p| p.num_tokens).collect();
         let expanded = expand_image_pads(&ids, self.image_pad, &counts).map_err(|e| usage(e.to_string()))?;
-        let grids: Vec<[u32; 3]> = processed.iter().map(|p| p.grid_thw).collect();
-        let images = processed
+        Ok(Prompt {
+            ids: expanded.ids,
+            images: processed.into_iter().zip(expanded.images).collect(),
+        })
+    }
+
+    /// A conversation, with the generation prompt, as an engine request (see [`Frontend::prompt`]);
+    /// local image paths are read only when `allow_files`.
+    pub fn request(
+        &self,
+        id: &str,
+        messages: &[ChatMessage],
+        params: SamplingParams,
+        allow_files: bool,
+    ) -> Result<(Request, Vec<[u32; 3]>)> {
+        let options = PromptOptions {
+            render: RenderOptions {
+                add_generation_prompt: true,
+                ..RenderOptions::default()
+            },
+            add_special_tokens: false,
+            allow_files,
+            skip_processor_cache: false,
+        };
+        let prompt = self.prompt(messages, options)?;
+        let grids: Vec<[u32; 3]> = prompt.images.iter().map(|(p, _)| p.grid_thw).collect();
+        let images = prompt
+            .images
             .into_iter()
-            .zip(&expanded.images)
             .map(|(p, place)| ImageInput {
                 grid_thw: [p.grid_thw[0] as usize, p.grid_thw[1] as usize, p.grid_thw[2] as usize],
                 pixel_values: p.pixel_values.clone(),
@@ -211,7 +265,7 @@ impl Frontend {
         Ok((
             Request {
                 id: RequestId::from(id),
-                prompt: expanded.ids,
+                prompt: prompt.ids,
                 images,
                 params: self.with_eos(params),
             },
@@ -221,7 +275,7 @@ impl Frontend {
 
     /// Tokenizes a plain prompt (no chat template, no images) into an engine request.
     pub fn completion_request(&self, id: &str, prompt: &str, params: SamplingParams) -> Result<Request> {
-        let ids = self.encode_if_it_can_fit(prompt)?;
+        let ids = self.encode_if_it_can_fit(prompt, false)?;
         Ok(Request {
             id: RequestId::from(id),
             prompt: ids,
@@ -230,9 +284,10 @@ impl Frontend {
         })
     }
 
-    /// Tokenizes `text`, unless its length alone proves it longer than `max_model_len` tokens
-    /// (then it is refused without paying for the tokenizer).
-    fn encode_if_it_can_fit(&self, text: &str) -> Result<Vec<u32>> {
+    /// Tokenizes `text` (with the post-processor's special tokens when `add_special_tokens`),
+    /// unless its length alone proves it longer than `max_model_len` tokens (then it is refused
+    /// without paying for the tokenizer).
+    pub fn encode_if_it_can_fit(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>> {
         let at_least = text.len() / self.max_token_bytes;
         if at_least > self.max_model_len {
             return Err(usage(format!(
@@ -243,7 +298,9 @@ impl Frontend {
                 self.max_model_len
             )));
         }
-        self.tokenizer.encode(text).map_err(|e| usage(e.to_string()))
+        self.tokenizer
+            .encode_with(text, add_special_tokens)
+            .map_err(|e| usage(e.to_string()))
     }
 
     /// `params` with the checkpoint's end-of-sequence ids as stop tokens (unless `ignore_eos`).

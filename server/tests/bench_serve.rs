@@ -7,6 +7,8 @@
 //! * Against a vLLM-like mock (what kvlens serve cannot show): no `/v1/memory` means no timeline and
 //!   a note, SSE comments and several tokens per chunk are read as vLLM reads them, and the initial
 //!   single-prompt test run is one more request.
+//! * Without `--tokenizer`: prompt tokens counted by kvlens serve's `/tokenize` equal the local
+//!   tokenizer's; a server without `/tokenize` stops the run with the reason.
 //! * Against nothing: one line on stderr, exit code 1.
 
 mod common;
@@ -234,6 +236,75 @@ fn synthetic_vision_against_kvlens_serve() {
     assert!(replot.status.success(), "{}", String::from_utf8_lossy(&replot.stderr));
     let text = std::fs::read_to_string(&svg).unwrap();
     assert!(text.contains("POST /reset_encoder_cache") && text.contains("encoder cache"));
+}
+
+/// Without `--tokenizer`, against a server whose model name is not a directory, the prompt tokens
+/// are counted by the server's `/tokenize`, to the same figures the checkpoint's tokenizer gives;
+/// against a server without `/tokenize` the benchmark stops and says why.
+#[test]
+fn tokens_are_counted_by_the_server_without_a_tokenizer() {
+    let dir = work_dir("server-tokens");
+    let ckpt = checkpoint();
+    let server = Server::start(ckpt, &[]);
+    server.wait_ready();
+    let run = |tokenizer: Option<&Path>, name: &str| {
+        let result = dir.join(name);
+        let mut cmd = kvlens();
+        cmd.args([
+            "bench",
+            "serve",
+            "--port",
+            &server.port().to_string(),
+            "--model",
+            "tiny",
+        ]);
+        if let Some(t) = tokenizer {
+            cmd.arg("--tokenizer").arg(t);
+        }
+        cmd.args(["--num-prompts", "4", "--output-len", "2", "--ignore-eos", "--seed", "3"])
+            .args([
+                "--ready-check-timeout-sec",
+                "0",
+                "--disable-tqdm",
+                "--save-result",
+                "--result-filename",
+            ])
+            .arg(&result);
+        let stdout = succeed(&mut cmd);
+        (stdout, read_json(&result))
+    };
+    let (local_out, local) = run(Some(ckpt), "local.json");
+    let (served_out, served) = run(None, "served.json");
+    let says = "Counting prompt tokens with the server's /tokenize";
+    assert!(!local_out.contains(says), "{local_out}");
+    assert_eq!(served_out.matches(says).count(), 1, "{served_out}");
+    assert_eq!(served["completed"], 4);
+    for key in [
+        "input_lens",
+        "input_image_lens",
+        "total_input_tokens",
+        "total_input_image_tokens",
+    ] {
+        assert_eq!(served[key], local[key], "{key}");
+    }
+    assert!(numbers(&served, "input_lens").iter().all(|&n| n > 0.0));
+    assert!(numbers(&served, "input_image_lens").iter().all(|&n| n > 0.0));
+    assert_eq!(
+        served["tokenizer_id"],
+        format!("http://127.0.0.1:{}/tokenize", server.port())
+    );
+
+    let mock = Mock::start();
+    let out = kvlens()
+        .args(["bench", "serve", "--port", &mock.port.to_string(), "--model", "m"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("--tokenizer DIR is needed") && stderr.contains("/tokenize answered 404"),
+        "{stderr}"
+    );
 }
 
 /// A vLLM-like server on a raw socket: `/v1/models`, streaming chat completions (a ping comment,

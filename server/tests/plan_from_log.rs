@@ -1,5 +1,5 @@
-//! `kvlens plan --from-log` on the three sample vLLM / vllm-ascend logs, and on `kvlens serve`'s own
-//! start-up log.
+//! `kvlens plan --from-log` on the three sample vLLM / vllm-ascend logs, one trimmed of its total,
+//! and on `kvlens serve`'s own start-up log.
 
 mod common;
 
@@ -61,6 +61,11 @@ fn new_format_8b_log_rebuilds_44_30_gib_and_645120_tokens() {
     let p = &v["plan"];
     assert_eq!(gib2(&p["available_kv_bytes"]), "44.30");
     assert_eq!(gib2(&p["requested_bytes"]), "57.91");
+    // The log prints requested memory and utilisation but no total: 57.91 / 0.95.
+    assert_eq!(
+        (gib2(&p["total_bytes"]).as_str(), p["total_source"].as_str()),
+        ("60.96", Some("derived"))
+    );
     assert_eq!(p["kv_cache_tokens"], 645_120);
     assert_eq!(p["tensor_parallel_size"], 2);
     assert_eq!(p["block_size"], 128);
@@ -105,6 +110,79 @@ fn old_format_8b_log_is_identified_and_reconciled() {
         old[0]["detail"].as_str().unwrap().contains("43.54") && old[0]["detail"].as_str().unwrap().contains("1.40")
     );
     assert!(old[1]["detail"].as_str().unwrap().contains("1.47"));
+}
+
+/// The old-profiling log without its "total memory" line, planned for an H100 preset: the total is
+/// requested / utilisation (60.96 GiB, not the preset's), marked derived, and said in a line;
+/// `--total-memory-gib` keeps a stated total and checks the log's requested memory against it.
+#[test]
+fn a_log_without_a_total_infers_it() {
+    let text = std::fs::read_to_string(fixture("qwen3-vl-8b-tp2-old-profiling.log")).unwrap();
+    let trimmed: String = text
+        .lines()
+        .filter(|l| !l.contains("total memory"))
+        .map(|l| format!("{l}\n"))
+        .collect();
+    let path = common::scratch("old-profiling-without-total.log");
+    std::fs::write(&path, trimmed).unwrap();
+    let run = |extra: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_kvlens"))
+            .args(["plan", "--from-log", path.to_str().unwrap(), "--device", "h100-80g"])
+            .args(extra)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let v: Value = serde_json::from_str(&run(&["--json"])).unwrap();
+    let p = &v["plan"];
+    assert_eq!(gib2(&p["total_bytes"]), "60.96");
+    assert_eq!(
+        (p["total_source"].as_str(), p["requested_source"].as_str()),
+        (Some("derived"), Some("from_log"))
+    );
+    assert_eq!(gib2(&p["requested_bytes"]), "57.91");
+    assert_eq!(gib2(&p["available_kv_bytes"]), "43.33");
+    let notes = v["notes"].as_array().unwrap();
+    assert_eq!(notes.len(), 1);
+    assert!(
+        notes[0].as_str().unwrap().contains("57.91 GiB / 0.95 = 60.96 GiB"),
+        "{notes:?}"
+    );
+
+    let text = run(&[]);
+    assert!(
+        text.contains("The log prints no total memory: total = requested / gpu_memory_utilization"),
+        "{text}"
+    );
+    let row = |label: &str| {
+        text.lines()
+            .find(|l| l.trim_start().starts_with(label))
+            .unwrap()
+            .to_string()
+    };
+    assert!(row("total device memory").ends_with("derived"), "{text}");
+    assert!(row("requested").ends_with("from log"), "{text}");
+
+    let v: Value = serde_json::from_str(&run(&["--json", "--total-memory-gib", "64"])).unwrap();
+    assert_eq!(
+        (
+            gib2(&v["plan"]["total_bytes"]).as_str(),
+            v["plan"]["total_source"].as_str()
+        ),
+        ("64.00", Some("given"))
+    );
+    assert!(v["notes"].as_array().unwrap().is_empty());
+    let requested = v["checks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["formula"].as_str().unwrap().starts_with("requested"))
+        .unwrap();
+    assert_eq!(
+        requested["ok"], false,
+        "64 GiB × 0.95 is not the 57.91 GiB the log printed"
+    );
 }
 
 #[test]

@@ -2,8 +2,9 @@
 //! `/v1/models`, chat completions with an image (whole and streamed, with token ids and usage),
 //! completions with stop strings, bad input answered in OpenAI's error shape while the server
 //! keeps serving, a client that hangs up mid-stream leaving no KV block in use, the resets, the
-//! metrics, the memory stream, `--api-key`, ignored vLLM flags, a clean exit on SIGTERM, and
-//! images resized down to the size the start-up profile measured.
+//! metrics, the memory stream, `--api-key`, ignored vLLM flags, a clean exit on SIGTERM, images
+//! resized down to the size the start-up profile measured, http and https image URLs, and
+//! `/tokenize` / `/detokenize`.
 
 mod common;
 
@@ -11,7 +12,7 @@ use common::{fixture, http, scratch, send, tiny_checkpoint, Server};
 use serde_json::{json, Value};
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 fn checkpoint() -> &'static Path {
@@ -561,6 +562,9 @@ fn api_key_guards_the_api_and_vllm_only_flags_are_ignored() {
     http(port, "GET", "/server_info", &[], b"").assert_error(401, "server_info without key");
     http(port, "GET", "/v1/memory", &[], b"").assert_error(401, "memory without key");
     http(port, "GET", "/v1/memory/stream", &[], b"").assert_error(401, "memory stream without key");
+    let tokenize = json!({"model": "tiny", "prompt": "hi"}).to_string();
+    http(port, "POST", "/tokenize", &[], tokenize.as_bytes()).assert_error(401, "tokenize without key");
+    http(port, "POST", "/detokenize", &[], br#"{"tokens": [1]}"#).assert_error(401, "detokenize without key");
     for open in ["/health", "/metrics", "/version"] {
         assert_eq!(http(port, "GET", open, &[], b"").status, 200, "{open} stays open");
     }
@@ -572,6 +576,7 @@ fn api_key_guards_the_api_and_vllm_only_flags_are_ignored() {
     );
     assert_eq!(http(port, "POST", "/reset_prefix_cache", &key, b"").status, 200);
     assert_eq!(http(port, "GET", "/server_info", &key, b"").status, 200);
+    assert_eq!(http(port, "POST", "/tokenize", &key, tokenize.as_bytes()).status, 200);
     assert_eq!(server.get("/health").status, 200, "health needs no key");
     assert_eq!(server.get("/metrics").status, 200, "metrics need no key");
     assert_eq!(server.stop("TERM").code(), Some(0));
@@ -590,30 +595,77 @@ fn images_are_resized_down_to_the_profiled_maximum() {
     assert_eq!(prompt.iter().filter(|&&t| t == IMAGE_PAD).count(), 4);
 }
 
-/// Serves `body` at `/c.png` (404 elsewhere) over HTTP/1.1 on a free port; one thread per client.
-fn image_host(body: Vec<u8>) -> u16 {
-    use std::io::{BufRead, BufReader, Write};
+/// Answers one HTTP/1.1 request on `stream`: the PNG at `/c.png`, a redirect to it at `/moved`, a
+/// redirect to a host that is not allowed at `/away`, 404 elsewhere.
+fn answer_image_request(stream: &mut (impl Read + Write), png: &[u8]) {
+    let mut head = Vec::new();
+    let mut byte = [0u8; 1];
+    while !head.ends_with(b"\r\n\r\n") {
+        match stream.read(&mut byte) {
+            Ok(1) => head.push(byte[0]),
+            _ => return,
+        }
+    }
+    let head = String::from_utf8_lossy(&head).into_owned();
+    let (status, location, payload) = match head.split_whitespace().nth(1).unwrap_or("") {
+        "/c.png" => ("200 OK", "", png),
+        "/moved" => ("302 Found", "Location: /c.png\r\n", &b""[..]),
+        "/away" => ("302 Found", "Location: http://example.com/c.png\r\n", &b""[..]),
+        _ => ("404 Not Found", "", &b""[..]),
+    };
+    let head = format!(
+        "HTTP/1.1 {status}\r\n{location}Content-Length: {}\r\nConnection: close\r\n\r\n",
+        payload.len()
+    );
+    let _ = stream
+        .write_all(head.as_bytes())
+        .and_then(|_| stream.write_all(payload))
+        .and_then(|_| stream.flush());
+}
+
+/// Serves [`answer_image_request`] over HTTP/1.1 on a free port; one thread per client.
+fn image_host(png: Vec<u8>) -> u16 {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let port = listener.local_addr().unwrap().port();
     std::thread::spawn(move || {
         for mut stream in listener.incoming().map_while(Result::ok) {
-            let mut line = String::new();
-            let mut reader = BufReader::new(stream.try_clone().unwrap());
-            reader.read_line(&mut line).unwrap();
-            while reader.read_line(&mut String::new()).unwrap_or(0) > 2 {}
-            let found = line.starts_with("GET /c.png ");
-            let (status, payload) = if found {
-                ("200 OK", &body[..])
-            } else {
-                ("404 Not Found", &b""[..])
-            };
-            let head = format!(
-                "HTTP/1.1 {status}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
-                payload.len()
-            );
-            let _ = stream
-                .write_all(head.as_bytes())
-                .and_then(|_| stream.write_all(payload));
+            answer_image_request(&mut stream, &png);
+        }
+    });
+    port
+}
+
+/// A self-signed certificate for 127.0.0.1 whose subject is `name`.
+fn self_signed(name: &str) -> rcgen::CertifiedKey<rcgen::KeyPair> {
+    let mut params = rcgen::CertificateParams::new(vec!["127.0.0.1".to_string()]).unwrap();
+    params.distinguished_name.push(rcgen::DnType::CommonName, name);
+    let signing_key = rcgen::KeyPair::generate().unwrap();
+    let cert = params.self_signed(&signing_key).unwrap();
+    rcgen::CertifiedKey { cert, signing_key }
+}
+
+/// Serves [`answer_image_request`] over HTTPS with `cert` on a free port of 127.0.0.1.
+fn tls_image_host(png: Vec<u8>, cert: &rcgen::CertifiedKey<rcgen::KeyPair>) -> u16 {
+    let key = rustls::pki_types::PrivateKeyDer::Pkcs8(cert.signing_key.serialize_der().into());
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let config = Arc::new(
+        rustls::ServerConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .unwrap()
+            .with_no_client_auth()
+            .with_single_cert(vec![cert.cert.der().clone()], key)
+            .unwrap(),
+    );
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    std::thread::spawn(move || {
+        for tcp in listener.incoming().map_while(Result::ok) {
+            let _ = tcp.set_read_timeout(Some(Duration::from_secs(30)));
+            let conn = rustls::ServerConnection::new(config.clone()).unwrap();
+            let mut tls = rustls::StreamOwned::new(conn, tcp);
+            answer_image_request(&mut tls, &png);
+            tls.conn.send_close_notify();
+            let _ = tls.flush();
         }
     });
     port
@@ -648,6 +700,161 @@ fn http_images_from_allowed_domains_are_fetched() {
         &image_chat("http://example.com/c.png", json!({})),
     );
     elsewhere.assert_error(400, "a domain that is not allowed");
+}
+
+/// https image URLs are fetched from allowed hosts whose certificate is trusted (here through
+/// `--media-ca-file`), redirects to allowed hosts are followed; a redirect to a host that is not
+/// allowed, a host that is not allowed and an untrusted certificate are 400s that say why.
+#[test]
+fn https_images_from_allowed_domains_are_fetched() {
+    let png = std::fs::read(fixture("golden/images/c_150x150.png")).unwrap();
+    let trusted = self_signed("kvlens test image host");
+    let ca_file = scratch("serve-http-media-ca.pem");
+    std::fs::write(&ca_file, trusted.cert.pem()).unwrap();
+    let port = tls_image_host(png.clone(), &trusted);
+    let untrusted_port = tls_image_host(png, &self_signed("someone else"));
+    let server = serve(&[
+        "--allowed-media-domains",
+        "127.0.0.1",
+        "--media-ca-file",
+        ca_file.to_str().unwrap(),
+    ]);
+    server.wait_ready();
+    let chat = |url: String| server.post("/v1/chat/completions", &image_chat(&url, json!({})));
+    let inline = chat(image_url());
+    assert_eq!(inline.status, 200, "{}", inline.text());
+    for path in ["/c.png", "/moved"] {
+        let fetched = chat(format!("https://127.0.0.1:{port}{path}"));
+        assert_eq!(fetched.status, 200, "{path}: {}", fetched.text());
+        assert_eq!(
+            fetched.json()["prompt_token_ids"],
+            inline.json()["prompt_token_ids"],
+            "{path}"
+        );
+        assert_eq!(
+            fetched.json()["choices"][0]["token_ids"],
+            inline.json()["choices"][0]["token_ids"],
+            "{path}"
+        );
+    }
+    let refused = |url: String, says: &[&str]| {
+        let r = chat(url.clone());
+        r.assert_error(400, &url);
+        for s in says {
+            assert!(r.text().contains(s), "{url}: {}", r.text());
+        }
+    };
+    refused(
+        format!("https://127.0.0.1:{port}/away"),
+        &[
+            "redirected",
+            "http://example.com/c.png",
+            "not in --allowed-media-domains",
+        ],
+    );
+    refused("https://example.com/c.png".into(), &["not in --allowed-media-domains"]);
+    refused(
+        format!("https://127.0.0.1:{untrusted_port}/c.png"),
+        &["cannot fetch the image", "invalid peer certificate", "UnknownIssuer"],
+    );
+    assert_eq!(server.get("/health").status, 200);
+}
+
+/// `/tokenize` counts what the generation endpoints count (a prompt, and a chat with an image whose
+/// placeholders are expanded), without filling the processor cache; `/detokenize` turns the ids
+/// back into the text; both answer in vLLM's shapes and errors.
+#[test]
+fn tokenize_and_detokenize_count_what_generation_counts() {
+    let server = serve(&[]);
+    server.wait_ready();
+    let tokenize = |body: Value| {
+        let r = server.post("/tokenize", &body);
+        assert_eq!(r.status, 200, "{body}: {}", r.text());
+        r.json()
+    };
+    let detokenize = |tokens: &Value| {
+        let r = server.post("/detokenize", &json!({"model": "tiny", "tokens": tokens}));
+        assert_eq!(r.status, 200, "{}", r.text());
+        r.json()["prompt"].as_str().unwrap().to_string()
+    };
+
+    // A chat with an image, tokenized before anything else: the processor cache stays empty.
+    let chat = image_chat(&image_url(), json!({"max_tokens": 1}));
+    let t = tokenize(json!({"model": "tiny", "messages": chat["messages"], "return_token_strs": true}));
+    assert_eq!(memory(&server)["processor_cache"]["bytes_used"], 0);
+    let tokens = ids(&t["tokens"]);
+    assert_eq!(t["count"], tokens.len());
+    assert_eq!(t["max_model_len"], 4096);
+    assert!(tokens.iter().filter(|&&id| id == IMAGE_PAD).count() >= 4, "{tokens:?}");
+    let strs = t["token_strs"].as_array().unwrap();
+    assert_eq!(strs.len(), tokens.len());
+    assert_eq!(
+        strs[tokens.iter().position(|&id| id == IMAGE_PAD).unwrap()],
+        "<|image_pad|>"
+    );
+    let generated = server.post("/v1/chat/completions", &chat).json();
+    assert_eq!(ids(&generated["prompt_token_ids"]), tokens);
+    assert_eq!(generated["usage"]["prompt_tokens"], t["count"]);
+    assert!(detokenize(&t["tokens"]).contains("<|im_start|>user\n<|vision_start|><|image_pad|>"));
+
+    // Without the generation prompt: a strict prefix. Continuing the final message: its text last.
+    let bare = tokenize(json!({"messages": chat["messages"], "add_generation_prompt": false}));
+    assert!(bare["count"].as_u64() < t["count"].as_u64());
+    assert!(tokens.starts_with(&ids(&bare["tokens"])));
+    let started = json!([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "The KV cache"}]);
+    let cont = tokenize(json!({"messages": started, "add_generation_prompt": false,
+                               "continue_final_message": true}));
+    assert!(detokenize(&cont["tokens"]).ends_with("<|im_start|>assistant\nThe KV cache"));
+
+    // A prompt: the completions endpoint's tokens; the text comes back whole.
+    let prompt = "The KV cache holds keys and values, ünïcode and all.";
+    let t = tokenize(json!({"model": "tiny", "prompt": prompt, "return_token_strs": null}));
+    assert!(t["token_strs"].is_null());
+    let generated = server
+        .post(
+            "/v1/completions",
+            &json!({"model": "tiny", "prompt": prompt, "max_tokens": 1, "return_token_ids": true}),
+        )
+        .json();
+    assert_eq!(generated["prompt_token_ids"], t["tokens"]);
+    assert_eq!(generated["usage"]["prompt_tokens"], t["count"]);
+    assert_eq!(detokenize(&t["tokens"]), prompt);
+
+    for (path, body, status, says) in [
+        ("/tokenize", json!({"model": "nope", "prompt": "x"}), 404, "nope"),
+        ("/detokenize", json!({"model": "nope", "tokens": [1]}), 404, "nope"),
+        (
+            "/tokenize",
+            json!({"prompt": "x", "messages": []}),
+            400,
+            "either prompt",
+        ),
+        ("/tokenize", json!({"model": "tiny"}), 400, "either prompt"),
+        (
+            "/tokenize",
+            json!({"messages": started, "tools": [{"type": "function"}]}),
+            400,
+            "tools",
+        ),
+        (
+            "/tokenize",
+            json!({"messages": started, "continue_final_message": true}),
+            400,
+            "add_generation_prompt",
+        ),
+        ("/detokenize", json!({"tokens": [999_999]}), 400, "999999"),
+        (
+            "/tokenize",
+            json!({"prompt": "cache ".repeat(100_000)}),
+            400,
+            "maximum context length",
+        ),
+    ] {
+        let r = server.post(path, &body);
+        r.assert_error(status, &format!("{path} {body}"));
+        assert!(r.text().contains(says), "{path} {body}: {}", r.text());
+    }
+    http(server.port(), "GET", "/tokenize", &[], b"").assert_error(405, "GET /tokenize");
 }
 
 /// Starts a long streamed completion and returns the connection once its first chunk arrived.

@@ -311,6 +311,9 @@ pub struct RenderOptions {
     pub add_generation_prompt: bool,
     /// Prefix images with `Picture k: ` (Qwen templates' `add_vision_id`).
     pub add_vision_id: bool,
+    /// End the prompt right after the last message's text, so that the model continues that
+    /// message (transformers' `continue_final_message`; not with `add_generation_prompt`).
+    pub continue_final_message: bool,
 }
 
 /// A compiled chat template.
@@ -353,14 +356,53 @@ impl ChatTemplate {
     /// Renders `messages` with explicit options.
     pub fn render_with(&self, messages: &[ChatMessage], options: RenderOptions) -> Result<String, InputError> {
         let template = self.env.get_template(TEMPLATE_NAME).map_err(template_error)?;
-        let messages: Vec<Value> = messages.iter().map(ChatMessage::to_template_value).collect();
+        let values: Vec<Value> = messages.iter().map(ChatMessage::to_template_value).collect();
         let mut ctx = BTreeMap::new();
-        ctx.insert("messages", Value::from(messages));
+        ctx.insert("messages", Value::from(values));
         ctx.insert("add_generation_prompt", Value::from(options.add_generation_prompt));
         ctx.insert("add_vision_id", Value::from(options.add_vision_id));
         ctx.insert("tools", Value::from(()));
-        template.render(Value::from(ctx)).map_err(template_error)
+        let rendered = template.render(Value::from(ctx)).map_err(template_error)?;
+        if options.continue_final_message {
+            return continue_final_message(rendered, messages, options.add_generation_prompt);
+        }
+        Ok(rendered)
     }
+}
+
+/// Cuts `rendered` right after the last message's (last) text, as transformers does for
+/// `continue_final_message`: the whole text when the template kept its spacing, else the text
+/// without its surrounding whitespace.
+fn continue_final_message(
+    mut rendered: String,
+    messages: &[ChatMessage],
+    add_generation_prompt: bool,
+) -> Result<String, InputError> {
+    let refuse = |why: &str| Err(InputError::Template(format!("continue_final_message: {why}")));
+    if add_generation_prompt {
+        return refuse("cannot be combined with add_generation_prompt");
+    }
+    let last = match messages.last().map(|m| &m.content) {
+        None => return refuse("there is no message to continue"),
+        Some(Content::Text(text)) => text.as_str(),
+        Some(Content::Parts(parts)) => match parts.iter().rev().find_map(|p| match p {
+            ContentPart::Text { text } => Some(text.as_str()),
+            _ => None,
+        }) {
+            Some(text) => text,
+            None => return refuse("the final message has no text to continue"),
+        },
+    };
+    let Some(at) = rendered.rfind(last.trim()) else {
+        return refuse("the template does not show the final message's text");
+    };
+    let kept = if last.trim_start() == last && rendered[at..].starts_with(last) {
+        last.len()
+    } else {
+        last.trim().len()
+    };
+    rendered.truncate(at + kept);
+    Ok(rendered)
 }
 
 fn template_error(err: Error) -> InputError {
@@ -555,6 +597,30 @@ mod tests {
     }
 
     #[test]
+    fn continue_final_message_ends_at_its_text() {
+        let (_, q3) = both();
+        let continued = |json: &str, add_generation_prompt: bool| {
+            let options = RenderOptions {
+                add_generation_prompt,
+                continue_final_message: true,
+                ..RenderOptions::default()
+            };
+            q3.render_with(&messages(json), options)
+        };
+        // The template keeps the trailing space, so the prompt keeps it too (as transformers).
+        let m = r#"[{"role":"user","content":"hi"},{"role":"assistant","content":"The cache "}]"#;
+        assert_eq!(
+            continued(m, false).unwrap(),
+            "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nThe cache "
+        );
+        let e = continued(m, true).unwrap_err().to_string();
+        assert!(e.contains("add_generation_prompt"), "{e}");
+        let image_only = r#"[{"role":"user","content":[{"type":"image_url","image_url":{"url":"x"}}]}]"#;
+        let e = continued(image_only, false).unwrap_err().to_string();
+        assert!(e.contains("no text to continue"), "{e}");
+    }
+
+    #[test]
     fn one_image() {
         let (q2, q3) = both();
         let m = messages(
@@ -594,6 +660,7 @@ mod tests {
                 RenderOptions {
                     add_generation_prompt: false,
                     add_vision_id: true,
+                    continue_final_message: false,
                 },
             )
             .unwrap();

@@ -21,8 +21,14 @@ impl Tokenizer {
     /// Token ids of `text`, with special tokens written in the text parsed as themselves and no
     /// BOS/EOS added (what transformers gives for a rendered chat template).
     pub fn encode(&self, text: &str) -> Result<Vec<u32>, InputError> {
+        self.encode_with(text, false)
+    }
+
+    /// [`Tokenizer::encode`], with the special tokens the tokenizer's post-processor adds (such as
+    /// a BOS) when `add_special_tokens` is set, as transformers' `tokenizer(text)` does.
+    pub fn encode_with(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, InputError> {
         self.inner
-            .encode_fast(text, false)
+            .encode_fast(text, add_special_tokens)
             .map(|encoding| encoding.get_ids().to_vec())
             .map_err(|e| InputError::Tokenize(e.to_string()))
     }
@@ -37,6 +43,12 @@ impl Tokenizer {
     /// The id of a token string (`"<|image_pad|>"` → 151655), `None` if it is not in the vocabulary.
     pub fn token_to_id(&self, token: &str) -> Option<u32> {
         self.inner.token_to_id(token)
+    }
+
+    /// The token string of an id as the vocabulary spells it (`"Ġcache"`), as transformers'
+    /// `convert_ids_to_tokens`; `None` outside the vocabulary.
+    pub fn id_to_token(&self, id: u32) -> Option<String> {
+        self.inner.id_to_token(id)
     }
 
     /// Vocabulary size including added tokens.

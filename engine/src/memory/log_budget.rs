@@ -92,17 +92,29 @@ pub struct WhatIf {
     pub detail: String,
 }
 
+/// Where the device total of the request handed to [`rebuild`] came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeviceTotal {
+    /// The device preset's: a log that prints its requested memory and utilisation but no total
+    /// replaces it by `requested / utilisation`.
+    Preset,
+    /// Stated (`--total-memory-gib`, or `--cpu-memory-gib` in a kvlens log's command): kept unless
+    /// the log prints a total, and checked against the log's requested memory.
+    Given,
+}
+
 /// The budget rebuilt from a log.
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct LogBudget {
     /// Which vllm-ascend profiling formula printed the log.
     pub format: Option<ProfilingFormat>,
-    /// The budget with figures read from the log marked [`Source::FromLog`].
+    /// The budget with figures read from the log marked [`Source::FromLog`] and those inferred
+    /// from them [`Source::Derived`].
     pub plan: Plan,
-    /// Whether the total, requested and peak figures were read from the log.
-    pub total_from_log: bool,
     /// Self-consistency checks.
     pub checks: Vec<Check>,
+    /// What was inferred rather than read, in words.
+    pub notes: Vec<String>,
 }
 
 /// A closed interval of byte counts, for sums and differences of printed (rounded) figures.
@@ -158,17 +170,35 @@ fn log_available(log: &ParsedLog) -> Option<&Printed> {
 }
 
 /// Puts the log's figures into the request and computes the plan; then checks the log against
-/// itself. `req` carries the model and settings (from flags, the header, or defaults).
-pub fn rebuild(log: &ParsedLog, mut req: PlanRequest) -> Result<LogBudget, PlanError> {
+/// itself. `req` carries the model and settings (from flags, the header, or defaults); `total`
+/// says whether its device total is a preset's, which a log's own figures may replace.
+pub fn rebuild(log: &ParsedLog, mut req: PlanRequest, total: DeviceTotal) -> Result<LogBudget, PlanError> {
     let format = log.profiling_format();
     if let Some(u) = log.gpu_memory_utilization {
         req.gpu_memory_utilization = u;
     }
-    let mut total_from_log = false;
-    if let Some(t) = &log.total {
+    let mut notes = Vec::new();
+    let total_source = if let Some(t) = &log.total {
         req.device = req.device.with_total_bytes(t.bytes);
-        total_from_log = true;
-    }
+        Some(Source::FromLog)
+    } else if total == DeviceTotal::Given {
+        Some(Source::Given)
+    } else if let Some((requested, util)) = inferable_total(log) {
+        let inferred = (requested.bytes as f64 / util).round() as u64;
+        notes.push(format!(
+            "The log prints no total memory: total = requested / gpu_memory_utilization = {} GiB / {util} = {:.2} GiB \
+             (the {} preset says {:.2} GiB)",
+            requested.text,
+            inferred as f64 / GIB,
+            req.device.name,
+            req.device.total_bytes as f64 / GIB
+        ));
+        req.device = req.device.with_total_bytes(inferred);
+        req.gpu_memory_utilization = util;
+        Some(Source::Derived)
+    } else {
+        None
+    };
     req.weights_bytes = log
         .profiled_weights
         .as_ref()
@@ -187,8 +217,16 @@ pub fn rebuild(log: &ParsedLog, mut req: PlanRequest) -> Result<LogBudget, PlanE
     let available = log_available(log);
     req.kv_cache_memory_bytes = available.map(|p| p.bytes).or(req.kv_cache_memory_bytes);
     let mut p = plan(&req)?;
-    if total_from_log {
-        p.requested_bytes = (p.total_bytes as f64 * p.gpu_memory_utilization).ceil() as u64;
+    p.total_source = total_source;
+    match (total_source, &log.requested) {
+        (Some(Source::FromLog), _) => {
+            p.requested_bytes = (p.total_bytes as f64 * p.gpu_memory_utilization).ceil() as u64;
+        }
+        (Some(Source::Derived), Some(requested)) => {
+            p.requested_bytes = requested.bytes;
+            p.requested_source = Source::FromLog;
+        }
+        _ => {}
     }
     if available.is_some() {
         p.available_kv_source = Source::FromLog;
@@ -214,15 +252,30 @@ pub fn rebuild(log: &ParsedLog, mut req: PlanRequest) -> Result<LogBudget, PlanE
     Ok(LogBudget {
         format,
         plan: p,
-        total_from_log,
         checks,
+        notes,
     })
+}
+
+/// The requested memory and the utilisation of a log that gives both (the utilisation printed or
+/// in its command), from which its device total follows.
+fn inferable_total(log: &ParsedLog) -> Option<(&Printed, f64)> {
+    let util = log
+        .gpu_memory_utilization
+        .or_else(|| log.command.as_ref()?.gpu_memory_utilization())
+        .filter(|u| *u > 0.0 && *u <= 1.0)?;
+    Some((log.requested.as_ref()?, util))
 }
 
 fn self_checks(log: &ParsedLog, p: &Plan) -> Vec<Check> {
     let mut out = Vec::new();
     let util = p.gpu_memory_utilization;
-    if let Some(req) = &log.requested {
+    // An inferred total is requested / util: checking one against the other would prove nothing.
+    if let Some(req) = log
+        .requested
+        .as_ref()
+        .filter(|_| p.total_source != Some(Source::Derived))
+    {
         let computed = (p.total_bytes as f64 * util).ceil() as u64;
         let mut detail = format!(
             "{:.2} GiB × {util} = {:.2} GiB; the log printed {} GiB",

@@ -280,6 +280,10 @@ pub struct Plan {
     pub non_torch_source: Source,
     /// Where the available KV figure came from.
     pub available_kv_source: Source,
+    /// Where the device total came from: `None` for the device preset (or `--total-memory-gib`).
+    pub total_source: Option<Source>,
+    /// Where the requested figure came from (normally derived: `total × util`).
+    pub requested_source: Source,
 }
 
 /// `ceil(a / b)`.
@@ -527,6 +531,8 @@ pub fn plan(req: &PlanRequest) -> Result<Plan, PlanError> {
         } else {
             Source::Derived
         },
+        total_source: None,
+        requested_source: Source::Derived,
     };
     p.activation_peak_bytes = req
         .activation_peak_bytes
@@ -635,12 +641,12 @@ impl Plan {
             (
                 "total device memory".into(),
                 format!("{} GiB", gib(self.total_bytes)),
-                None,
+                self.total_source,
             ),
             (
                 format!("requested (× {})", self.gpu_memory_utilization),
                 format!("{} GiB", gib(self.requested_bytes)),
-                Some(Source::Derived),
+                Some(self.requested_source),
             ),
             (
                 "weights".into(),

@@ -84,18 +84,23 @@ impl Http {
 
     /// `GET path`: the status and the whole body. Fails only when the server cannot be reached.
     pub async fn get(&self, path: &str) -> Result<(StatusCode, Bytes)> {
-        self.call(Method::GET, path).await
+        self.call(Method::GET, path, Bytes::new()).await
     }
 
     /// `POST path` without a body (the reset endpoints), like [`Http::get`].
     pub async fn post(&self, path: &str) -> Result<(StatusCode, Bytes)> {
-        self.call(Method::POST, path).await
+        self.call(Method::POST, path, Bytes::new()).await
     }
 
-    async fn call(&self, method: Method, path: &str) -> Result<(StatusCode, Bytes)> {
+    /// `POST path` with a JSON body, like [`Http::get`].
+    pub async fn post_json(&self, path: &str, body: &Value) -> Result<(StatusCode, Bytes)> {
+        self.call(Method::POST, path, Bytes::from(body.to_string())).await
+    }
+
+    async fn call(&self, method: Method, path: &str, body: Bytes) -> Result<(StatusCode, Bytes)> {
         let resp = self
             .client
-            .request(self.request(method, path, Bytes::new())?)
+            .request(self.request(method, path, body)?)
             .await
             .with_context(|| format!("cannot reach {}", self.url(path)))?;
         let status = resp.status();

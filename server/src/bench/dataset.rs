@@ -3,7 +3,7 @@
 //! (`{"prompt": …, "image": path|URL|null, "output_len": …}` per line).
 
 use super::synth;
-use super::tokens::TextCounter;
+use super::tokens::Counter;
 use crate::UsageError;
 use anyhow::{Context, Result};
 use base64::Engine as _;
@@ -68,7 +68,7 @@ struct Draft {
 }
 
 /// Builds the requests, drawing from `rng`.
-pub fn build(spec: &DatasetSpec, counter: &TextCounter, rng: &mut StdRng) -> Result<Vec<BenchRequest>> {
+pub fn build(spec: &DatasetSpec, counter: &Counter, rng: &mut StdRng) -> Result<Vec<BenchRequest>> {
     let drafts = match spec.name {
         DatasetName::SyntheticVision => synthetic_vision(spec, rng)?,
         DatasetName::Random => random(spec, counter, rng)?,
@@ -133,8 +133,12 @@ fn synthetic_vision(spec: &DatasetSpec, rng: &mut StdRng) -> Result<Vec<Draft>> 
 /// request's index), decoded to text and re-encoded until the text has `input_len` tokens: cut
 /// when longer, topped up with random ids when shorter, at most 10 times
 /// (`gen_prompt_decode_to_target_len`).
-fn random(spec: &DatasetSpec, counter: &TextCounter, rng: &mut StdRng) -> Result<Vec<Draft>> {
-    let tok = &counter.tokenizer;
+fn random(spec: &DatasetSpec, counter: &Counter, rng: &mut StdRng) -> Result<Vec<Draft>> {
+    let tok = counter.tokenizer().ok_or_else(|| {
+        UsageError(
+            "--dataset-name random needs --tokenizer DIR: it draws token ids from the tokenizer's vocabulary".into(),
+        )
+    })?;
     let vocab = tok.vocab_size() as u32;
     let target = spec.random_input_len;
     (0..spec.num_prompts)

@@ -71,7 +71,7 @@ pub struct ServeBenchArgs {
     #[arg(long)]
     model: Option<String>,
     /// Checkpoint directory with tokenizer.json and the chat template, to count prompt tokens as
-    /// vLLM does [default: --model when it is a directory].
+    /// vLLM does [default: --model when it is a directory, else the server's /tokenize].
     #[arg(long)]
     tokenizer: Option<PathBuf>,
     #[arg(long, value_enum, default_value = "synthetic-vision")]
@@ -211,17 +211,30 @@ fn bench_serve(a: &ServeBenchArgs) -> Result<()> {
             }
         }
     })?;
-    let tokenizer = match (&a.tokenizer, Path::new(&model).is_dir()) {
-        (Some(dir), _) => dir.clone(),
-        (None, true) => PathBuf::from(&model),
-        (None, false) => {
-            return Err(usage(format!(
-                "--tokenizer DIR is needed: model {model:?} is not a directory, and prompt tokens are counted \
-                 with the model's tokenizer and chat template as vLLM does"
-            )))
-        }
+    let local = a
+        .tokenizer
+        .clone()
+        .or_else(|| Path::new(&model).is_dir().then(|| PathBuf::from(&model)));
+    let (counter, tokenizer_id) = match local {
+        Some(dir) => (
+            tokens::Counter::Local(Box::new(tokens::TextCounter::load(&dir)?)),
+            dir.display().to_string(),
+        ),
+        None => match runtime.block_on(tokens::ServerCounter::connect(&http, &model, runtime.handle().clone())) {
+            Ok(server) => {
+                println!(
+                    "Counting prompt tokens with the server's /tokenize (no --tokenizer, and model {model:?} is not a directory)"
+                );
+                (tokens::Counter::Server(Box::new(server)), http.url("/tokenize"))
+            }
+            Err(e) => {
+                return Err(usage(format!(
+                    "--tokenizer DIR is needed: model {model:?} is not a directory and {e:#}, and prompt tokens are \
+                     counted with the model's tokenizer and chat template as vLLM does"
+                )))
+            }
+        },
     };
-    let counter = tokens::TextCounter::load(&tokenizer)?;
     let spec = DatasetSpec {
         name: a.dataset_name,
         path: a.dataset_path.clone(),
@@ -275,7 +288,7 @@ fn bench_serve(a: &ServeBenchArgs) -> Result<()> {
         println!("{note}");
     }
     if a.save_result {
-        let mut result = header(a, &model, &tokenizer);
+        let mut result = header(a, &model, &tokenizer_id);
         result.extend(aggregates);
         result.extend(metrics::per_request(&requests, &outcome.outputs, &m));
         result.insert("timeline".into(), serde_json::to_value(timeline)?);
@@ -303,13 +316,13 @@ fn bench_serve(a: &ServeBenchArgs) -> Result<()> {
 }
 
 /// The setup keys vLLM writes before the results.
-fn header(a: &ServeBenchArgs, model: &str, tokenizer: &Path) -> Map<String, Value> {
+fn header(a: &ServeBenchArgs, model: &str, tokenizer_id: &str) -> Map<String, Value> {
     let mut h = Map::new();
     h.insert("date".into(), json!(utc_stamp(now_secs())));
     h.insert("endpoint_type".into(), json!(a.backend));
     h.insert("label".into(), Value::Null);
     h.insert("model_id".into(), json!(model));
-    h.insert("tokenizer_id".into(), json!(tokenizer.display().to_string()));
+    h.insert("tokenizer_id".into(), json!(tokenizer_id));
     h.insert("num_prompts".into(), json!(a.num_prompts));
     let rate = if a.request_rate.is_finite() {
         json!(a.request_rate)

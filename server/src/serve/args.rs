@@ -24,10 +24,14 @@ pub struct ServeArgs {
     #[arg(long, env = "KVLENS_API_KEY", hide_env_values = true)]
     #[serde(skip)]
     pub api_key: Option<String>,
-    /// Hosts whose http:// image URLs are fetched (none by default: send images as data URLs;
-    /// https is not fetched, this build has no TLS).
+    /// Hosts whose http:// and https:// image URLs are fetched (none by default: send images as
+    /// data URLs); at most 64 MiB within 10 s, up to 3 redirects, each to an allowed host.
     #[arg(long, num_args = 1..)]
     pub allowed_media_domains: Vec<String>,
+    /// PEM file of extra root certificates to trust for https image URLs, beside Mozilla's (a
+    /// private CA, or a test's self-signed certificate).
+    #[arg(long, value_name = "PEM")]
+    pub media_ca_file: Option<PathBuf>,
     /// Seconds that requests in flight get to finish after SIGTERM/SIGINT, as in vLLM (new ones are
     /// refused and /health answers 503 meanwhile); 0 aborts them at once. Streams that are cut
     /// end with `finish_reason: "abort"`.

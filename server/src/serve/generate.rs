@@ -68,6 +68,12 @@ fn model_name(ready: &Ready, asked: Option<&str>, spec: &Spec) -> Result<String,
     spec.params
         .validate_token_ids(ready.frontend.tokenizer.vocab_size())
         .map_err(ApiError::bad_request)?;
+    served_model(ready, asked)
+}
+
+/// The model name a request names (the first served name when it names none); 404 for a name
+/// that is not served.
+pub fn served_model(ready: &Ready, asked: Option<&str>) -> Result<String, ApiError> {
     match asked {
         None => Ok(ready.served_model_names[0].clone()),
         Some(m) if ready.served_model_names.iter().any(|n| n == m) => Ok(m.to_string()),
@@ -93,6 +99,15 @@ impl Drop for CancelGuard<'_> {
     }
 }
 
+/// Why a conversation could not be preprocessed: 503 when the preprocessing budget stayed full
+/// (the server is busy), else 400 (the request is wrong).
+pub fn preprocessing_error(e: anyhow::Error) -> ApiError {
+    match e.downcast_ref::<Busy>() {
+        Some(busy) => ApiError::unavailable(busy.0.clone()),
+        None => ApiError::bad_request(format!("{e:#}")),
+    }
+}
+
 /// `POST /v1/chat/completions`.
 pub async fn chat_completions(State(app): State<Arc<App>>, body: Body) -> Response {
     let arrived = Instant::now();
@@ -107,17 +122,14 @@ pub async fn chat_completions(State(app): State<Arc<App>>, body: Body) -> Respon
         let spec = req.spec()?;
         let model = model_name(ready, req.common.model.as_deref(), &spec)?;
         let mut messages = req.messages;
-        resolve_remote_images(&mut messages, &app.allowed_media_domains).await?;
+        resolve_remote_images(&mut messages, &app.media).await?;
         let id = new_id("chatcmpl");
         let frontend = ready.frontend.clone();
         let (engine_id, params) = (id.clone(), spec.params.clone());
         let request = tokio::task::spawn_blocking(move || frontend.request(&engine_id, &messages, params, false))
             .await
             .map_err(|e| ApiError::internal(format!("preprocessing failed: {e}")))?
-            .map_err(|e| match e.downcast_ref::<Busy>() {
-                Some(busy) => ApiError::unavailable(busy.0.clone()),
-                None => ApiError::bad_request(format!("{e:#}")),
-            })?
+            .map_err(preprocessing_error)?
             .0;
         pending.store(false, Ordering::Relaxed);
         run(ready, Kind::Chat, id, model, request, spec, arrived).await

@@ -15,6 +15,7 @@ mod memory;
 mod metrics;
 mod openai;
 mod output;
+mod tokenize;
 
 pub use args::{strip_ignored_vllm_flags, ServeArgs};
 
@@ -50,8 +51,8 @@ pub struct App {
     ready: OnceLock<Ready>,
     /// `--api-key`.
     api_key: Option<String>,
-    /// `--allowed-media-domains`.
-    allowed_media_domains: Vec<String>,
+    /// Fetches the image URLs of `--allowed-media-domains`.
+    media: media::MediaFetcher,
     /// Set on SIGINT/SIGTERM: new requests are refused while those in flight finish.
     draining: AtomicBool,
 }
@@ -112,6 +113,7 @@ pub fn run(args: &ServeArgs) -> Result<()> {
 }
 
 async fn serve(args: &ServeArgs, engine_args: EngineArgs) -> Result<()> {
+    let media = media::MediaFetcher::new(args.allowed_media_domains.clone(), args.media_ca_file.as_deref())?;
     let listener = tokio::net::TcpListener::bind((args.host.as_str(), args.port))
         .await
         .map_err(|e| UsageError(format!("cannot listen on {}:{}: {e}", args.host, args.port)))?;
@@ -125,7 +127,7 @@ async fn serve(args: &ServeArgs, engine_args: EngineArgs) -> Result<()> {
     let app = Arc::new(App {
         ready: OnceLock::new(),
         api_key: args.api_key.clone(),
-        allowed_media_domains: args.allowed_media_domains.clone(),
+        media,
         draining: AtomicBool::new(false),
     });
     let limits = ConnectionLimits {
@@ -303,6 +305,8 @@ fn router(app: Arc<App>, playground: &Path) -> Router {
         .route("/v1/models", get(models))
         .route("/v1/chat/completions", post(generate::chat_completions))
         .route("/v1/completions", post(generate::completions))
+        .route("/tokenize", post(tokenize::tokenize))
+        .route("/detokenize", post(tokenize::detokenize))
         .route("/v1/memory", get(memory::memory))
         .route("/v1/memory/stream", get(memory::memory_stream))
         .route("/reset_prefix_cache", post(memory::reset_prefix_cache))
@@ -328,10 +332,13 @@ fn same_secret(a: &[u8], b: &[u8]) -> bool {
 
 /// Paths that stay open with `--api-key`, as in vLLM (the playground's files are open too).
 fn open_path(path: &str) -> bool {
-    !(path.starts_with("/v1") || path.starts_with("/reset_") || path == "/server_info")
+    !(path.starts_with("/v1")
+        || path.starts_with("/reset_")
+        || ["/server_info", "/tokenize", "/detokenize"].contains(&path))
 }
 
-/// With `--api-key`: 401 on /v1/*, the resets and /server_info without `Authorization: Bearer KEY`.
+/// With `--api-key`: 401 on /v1/*, the resets, /server_info and the tokenizer routes without
+/// `Authorization: Bearer KEY`.
 async fn auth(State(app): State<Arc<App>>, req: axum::extract::Request, next: Next) -> Response {
     if let Some(key) = &app.api_key {
         if !open_path(req.uri().path()) {
@@ -358,7 +365,7 @@ async fn method_not_allowed(method: axum::http::Method, uri: Uri) -> ApiError {
 
 async fn no_playground() -> &'static str {
     "kvlens serve: the OpenAI-compatible API is at /v1 (chat/completions, completions, models, memory), \
-     with /health, /metrics, /server_info and /v1/memory/stream beside it. The playground is not built: \
+     with /health, /metrics, /server_info, /tokenize, /detokenize and /v1/memory/stream beside it. The playground is not built: \
      `cargo xtask demo` builds it into dist/ (or pass --playground-dir).\n"
 }
 
