@@ -7,7 +7,7 @@ mod input {
     use std::io::Cursor;
 
     use kvlens_engine::config::{bundled_config, Family, ImageLimits};
-    use kvlens_engine::input::image::{ProcessorSettings, CLIP_MEAN, CLIP_STD};
+    use kvlens_engine::input::image::{decode_image, ProcessorSettings, CLIP_MEAN, CLIP_STD};
     use kvlens_engine::input::{process_image, ImageSource, InputError};
 
     const FIXTURES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/input");
@@ -187,6 +187,123 @@ mod input {
         out.into_inner()
     }
 
+    /// `img` written in `format` by the image crate's own encoder (WebP: lossless).
+    fn encode(img: &image::DynamicImage, format: image::ImageFormat) -> Vec<u8> {
+        let mut out = Cursor::new(Vec::new());
+        img.write_to(&mut out, format)
+            .unwrap_or_else(|e| panic!("{format:?}: {e}"));
+        out.into_inner()
+    }
+
+    /// A 67 × 45 RGB image of 240 colours (few enough for a GIF palette), no two neighbours alike.
+    fn known_rgb() -> image::RgbImage {
+        image::RgbImage::from_fn(67, 45, |x, y| {
+            let i = (x * 7 + y * 13) % 240;
+            image::Rgb([(i * 17 % 256) as u8, (i * 31 % 256) as u8, (i * 47 % 256) as u8])
+        })
+    }
+
+    /// Every lossless format the engine decodes gives the same pixels, hence the same
+    /// `pixel_values` and mm hash, as the PNG of the same image.
+    #[test]
+    fn webp_gif_bmp_and_tiff_decode_like_the_png() {
+        use image::ImageFormat::{Bmp, Gif, Png, Tiff, WebP};
+        let s = settings();
+        let rgb = image::DynamicImage::ImageRgb8(known_rgb());
+        let reference = process_image(&encode(&rgb, Png), &s).unwrap();
+        for format in [WebP, Gif, Bmp, Tiff] {
+            let out = process_image(&encode(&rgb, format), &s).unwrap_or_else(|e| panic!("{format:?}: {e}"));
+            assert_eq!(out.mm_hash, reference.mm_hash, "{format:?}: decoded pixels differ");
+            assert_eq!(out, reference, "{format:?}");
+        }
+
+        // With alpha: composited onto white the same way whatever carried it (GIF's alpha is
+        // only on/off, so it gets 0 and 255 only).
+        let rgba = |levels: &[u8]| {
+            image::DynamicImage::ImageRgba8(image::RgbaImage::from_fn(67, 45, |x, y| {
+                let image::Rgb([r, g, b]) = *known_rgb().get_pixel(x, y);
+                image::Rgba([r, g, b, levels[((x + y) as usize) % levels.len()]])
+            }))
+        };
+        let partial = rgba(&[0, 77, 128, 255]);
+        let reference = process_image(&encode(&partial, Png), &s).unwrap();
+        for format in [WebP, Bmp, Tiff] {
+            let out = process_image(&encode(&partial, format), &s).unwrap_or_else(|e| panic!("{format:?}: {e}"));
+            assert_eq!(out.mm_hash, reference.mm_hash, "{format:?} with alpha");
+        }
+        let on_off = rgba(&[0, 255]);
+        let gif = process_image(&encode(&on_off, Gif), &s).unwrap();
+        assert_eq!(gif.mm_hash, process_image(&encode(&on_off, Png), &s).unwrap().mm_hash);
+
+        // 16 bits a channel: TIFF and PNG keep the high byte alike.
+        let deep = image::DynamicImage::ImageRgb16(image::ImageBuffer::from_fn(67, 45, |x, y| {
+            image::Rgb([(x * 977) as u16, (y * 1453) as u16, (x * y * 31) as u16])
+        }));
+        assert_eq!(
+            process_image(&encode(&deep, Tiff), &s).unwrap().mm_hash,
+            process_image(&encode(&deep, Png), &s).unwrap().mm_hash,
+            "16-bit TIFF vs PNG"
+        );
+
+        // Float RGBA (TIFF): 0.0–1.0 scaled to 0–255, then alpha composited like 8-bit RGBA.
+        let float = image::DynamicImage::ImageRgba32F(image::ImageBuffer::from_fn(67, 45, |x, y| {
+            image::Rgba([
+                x as f32 / 66.0,
+                y as f32 / 44.0,
+                0.25,
+                if x % 2 == 0 { 1.0 } else { 0.5 },
+            ])
+        }));
+        let as_8bit = image::DynamicImage::ImageRgba8(float.to_rgba8());
+        assert_eq!(
+            process_image(&encode(&float, Tiff), &s).unwrap().mm_hash,
+            process_image(&encode(&as_8bit, Png), &s).unwrap().mm_hash,
+            "float TIFF"
+        );
+    }
+
+    /// Files Pillow wrote (tools/golden/image_formats_reference.py: lossy WebP, animated WebP and
+    /// GIF, GIFs whose first frame leaves part of the canvas uncovered, palette and 1-bit BMP, CMYK,
+    /// 16-bit gray and RGBA TIFF, …) decode to exactly the pixels of transformers' `convert_to_rgb`.
+    #[test]
+    fn other_formats_match_pillow() {
+        let s = settings();
+        let dir = format!("{FIXTURES}/formats");
+        let mut files: Vec<String> = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .filter(|name| !name.ends_with(".rgb.png"))
+            .collect();
+        files.sort();
+        assert_eq!(files.len(), 16, "{files:?}");
+        for name in files {
+            let ours = decode_image(&fixture(&format!("formats/{name}")), &s).unwrap_or_else(|e| panic!("{name}: {e}"));
+            let pillow = decode_image(&fixture(&format!("formats/{name}.rgb.png")), &s).unwrap();
+            assert_eq!(ours.mm_hash, pillow.mm_hash, "{name}: pixels differ from Pillow's");
+        }
+    }
+
+    /// GIF: the first frame is the image, as Pillow's `Image.open` shows it.
+    #[test]
+    fn an_animated_gif_is_its_first_frame() {
+        let s = settings();
+        let first = known_rgb();
+        let second = image::RgbImage::from_pixel(67, 45, image::Rgb([9, 9, 9]));
+        let mut gif = Vec::new();
+        {
+            let mut encoder = image::codecs::gif::GifEncoder::new(&mut gif);
+            for frame in [&first, &second] {
+                let rgba = image::DynamicImage::ImageRgb8(frame.clone()).to_rgba8();
+                encoder.encode_frame(image::Frame::new(rgba)).unwrap();
+            }
+        }
+        let png = encode(&image::DynamicImage::ImageRgb8(first), image::ImageFormat::Png);
+        assert_eq!(
+            process_image(&gif, &s).unwrap().mm_hash,
+            process_image(&png, &s).unwrap().mm_hash
+        );
+    }
+
     fn settings() -> ProcessorSettings {
         ProcessorSettings::for_family(Family::Qwen2Vl, ImageLimits::shipped(Family::Qwen2Vl))
     }
@@ -201,12 +318,12 @@ mod input {
         let err = process_image(b"hello, I am a text file\n", &s).unwrap_err();
         assert_eq!(
             err.to_string(),
-            "image is not a PNG or JPEG file (first bytes: 68 65 6c 6c 6f 2c 20 49)"
+            "image is not a PNG, JPEG, WebP, GIF, BMP or TIFF file (first bytes: 68 65 6c 6c 6f 2c 20 49)"
         );
         let err = process_image(b"", &s).unwrap_err();
         assert_eq!(
             err.to_string(),
-            "image is not a PNG or JPEG file (first bytes: none, the data is empty)"
+            "image is not a PNG, JPEG, WebP, GIF, BMP or TIFF file (first bytes: none, the data is empty)"
         );
 
         let err = process_image(&png_header_only(0, 5), &s).unwrap_err();

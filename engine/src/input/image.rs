@@ -201,7 +201,7 @@ impl std::fmt::Debug for DecodedImage {
     }
 }
 
-/// Decodes a PNG or JPEG and hashes its pixels with the settings.
+/// Decodes a PNG, JPEG, WebP, GIF (first frame), BMP or TIFF and hashes its pixels with the settings.
 pub fn decode_image(bytes: &[u8], settings: &ProcessorSettings) -> Result<DecodedImage, InputError> {
     let rgb = decode_rgb(bytes, settings)?;
     let mut hasher = Sha256::new();
@@ -214,7 +214,7 @@ pub fn decode_image(bytes: &[u8], settings: &ProcessorSettings) -> Result<Decode
     Ok(DecodedImage { rgb, mm_hash })
 }
 
-/// Decodes a PNG or JPEG and turns it into `pixel_values`.
+/// Decodes an image (see [`decode_image`]) and turns it into `pixel_values`.
 pub fn process_image(bytes: &[u8], settings: &ProcessorSettings) -> Result<ProcessedImage, InputError> {
     decode_image(bytes, settings)?.process(settings)
 }
@@ -260,7 +260,14 @@ struct Rgb {
 /// Reads the header, checks the size, decodes and converts to RGB the way transformers does.
 fn decode_rgb(bytes: &[u8], settings: &ProcessorSettings) -> Result<Rgb, InputError> {
     let format = match image::guess_format(bytes) {
-        Ok(f @ (ImageFormat::Png | ImageFormat::Jpeg)) => f,
+        Ok(
+            f @ (ImageFormat::Png
+            | ImageFormat::Jpeg
+            | ImageFormat::WebP
+            | ImageFormat::Gif
+            | ImageFormat::Bmp
+            | ImageFormat::Tiff),
+        ) => f,
         _ => {
             let head: Vec<String> = bytes.iter().take(8).map(|b| format!("{b:02x}")).collect();
             let head = if head.is_empty() {
@@ -299,7 +306,11 @@ fn decode_rgb(bytes: &[u8], settings: &ProcessorSettings) -> Result<Rgb, InputEr
         settings.factor() as u64,
         settings.limits,
     )?;
-    let decoded = reader().decode().map_err(|e| InputError::Decode(e.to_string()))?;
+    // GIF and animated WebP: the first frame, as Pillow's `Image.open` shows it.
+    let mut decoded = reader().decode().map_err(|e| InputError::Decode(e.to_string()))?;
+    if let (ImageFormat::Gif, DynamicImage::ImageRgba8(canvas)) = (format, &mut decoded) {
+        gif_canvas_like_pillow(bytes, canvas)?;
+    }
     if decoded.width() != width || decoded.height() != height {
         return Err(InputError::Decode(format!(
             "decoded size {}x{} differs from the header's {width}x{height}",
@@ -314,9 +325,40 @@ fn decode_rgb(bytes: &[u8], settings: &ProcessorSettings) -> Result<Rgb, InputEr
     })
 }
 
+/// Pillow opens a GIF's first frame on a canvas of palette index 0, or of the transparent index
+/// when the frame has one; the image crate leaves what the frame does not cover transparent (white
+/// once composited). Paints that part with index 0's colour when the frame has no transparent index.
+fn gif_canvas_like_pillow(bytes: &[u8], canvas: &mut image::RgbaImage) -> Result<(), InputError> {
+    let gif_error = |e: gif::DecodingError| InputError::Decode(e.to_string());
+    let mut options = gif::DecodeOptions::new();
+    options.set_color_output(gif::ColorOutput::Indexed);
+    let mut decoder = options.read_info(bytes).map_err(gif_error)?;
+    let global = decoder.global_palette().map(<[u8]>::to_vec);
+    let Some(frame) = decoder.next_frame_info().map_err(gif_error)? else {
+        return Ok(());
+    };
+    let (left, top) = (u32::from(frame.left), u32::from(frame.top));
+    let (right, bottom) = (left + u32::from(frame.width), top + u32::from(frame.height));
+    let covers = left == 0 && top == 0 && right >= canvas.width() && bottom >= canvas.height();
+    if frame.transparent.is_some() || covers {
+        return Ok(());
+    }
+    let fill = match frame.palette.as_deref().or(global.as_deref()) {
+        Some([r, g, b, ..]) => image::Rgba([*r, *g, *b, 255]),
+        _ => image::Rgba([0, 0, 0, 255]),
+    };
+    for (x, y, pixel) in canvas.enumerate_pixels_mut() {
+        if !(left..right).contains(&x) || !(top..bottom).contains(&y) {
+            *pixel = fill;
+        }
+    }
+    Ok(())
+}
+
 /// RGB8 the way transformers' `convert_to_rgb` + Pillow produce it: alpha is composited onto
-/// white with Pillow's `alpha_composite` arithmetic; 16-bit channels keep their high byte,
-/// except 16-bit grayscale, which Pillow clips to 255 (`I;16` → `RGB`).
+/// white with Pillow's `alpha_composite` arithmetic; 16-bit channels keep their high byte, as
+/// Pillow's 16-bit PNG and TIFF unpackers do, except 16-bit grayscale, which Pillow opens as
+/// `I;16` and clips to 255 when converting.
 fn to_rgb_like_transformers(image: DynamicImage) -> Vec<u8> {
     match image {
         DynamicImage::ImageRgb8(img) => img.into_raw(),
@@ -326,11 +368,7 @@ fn to_rgb_like_transformers(image: DynamicImage) -> Vec<u8> {
             .chunks_exact(2)
             .flat_map(|la| [composite_on_white(la[0], la[1]); 3])
             .collect(),
-        DynamicImage::ImageRgba8(img) => img
-            .into_raw()
-            .chunks_exact(4)
-            .flat_map(|p| [0, 1, 2].map(|c| composite_on_white(p[c], p[3])))
-            .collect(),
+        DynamicImage::ImageRgba8(img) => rgba_on_white(&img.into_raw()),
         DynamicImage::ImageLuma16(img) => img.into_raw().iter().flat_map(|&v| [v.min(255) as u8; 3]).collect(),
         DynamicImage::ImageLumaA16(img) => img
             .into_raw()
@@ -343,8 +381,21 @@ fn to_rgb_like_transformers(image: DynamicImage) -> Vec<u8> {
             .chunks_exact(4)
             .flat_map(|p| [0, 1, 2].map(|c| composite_on_white((p[c] >> 8) as u8, (p[3] >> 8) as u8)))
             .collect(),
+        // Float RGBA (TIFF): Pillow opens no multi-channel float image (only single-channel `F`),
+        // so these take the image crate's 0.0–1.0 → 0–255 conversion, then alpha is composited
+        // like 8-bit RGBA.
+        img @ DynamicImage::ImageRgba32F(_) => rgba_on_white(&img.to_rgba8().into_raw()),
+        // Float RGB (TIFF) likewise; `DynamicImage` is non-exhaustive, so a variant a later image
+        // release adds takes the same conversion.
         other => other.to_rgb8().into_raw(),
     }
+}
+
+/// Interleaved RGBA8 composited onto white, as RGB8.
+fn rgba_on_white(rgba: &[u8]) -> Vec<u8> {
+    rgba.chunks_exact(4)
+        .flat_map(|p| [0, 1, 2].map(|c| composite_on_white(p[c], p[3])))
+        .collect()
 }
 
 /// One channel of Pillow's `alpha_composite(white, src)`.
