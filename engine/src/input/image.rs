@@ -10,7 +10,7 @@
 
 use std::io::Cursor;
 
-use image::{DynamicImage, ImageFormat, ImageReader, Limits};
+use image::{DynamicImage, ImageError, ImageFormat, ImageReader, Limits};
 use sha2::{Digest, Sha256};
 
 use super::resize::smart_resize;
@@ -257,6 +257,37 @@ struct Rgb {
     pixels: Vec<u8>,
 }
 
+/// Bytes per pixel of the widest image the decoders return for integer samples: RGBA with 16 bits
+/// a channel (16-bit PNG and TIFF).
+const MAX_DECODED_BYTES_PER_PIXEL: u64 = 8;
+/// Decoder working memory allowed on top of that: inflate windows, row, palette and strip buffers.
+const DECODER_MARGIN_BYTES: u64 = 16 << 20;
+
+/// The `image` crate's allocation limit for one image: the widest decoded image at the pixel
+/// limit plus [`DECODER_MARGIN_BYTES`] (528 MiB at the default 64 megapixels). It covers the output
+/// buffer and the buffers of the decoders that honour it (PNG, GIF, TIFF); a TIFF decodes into a
+/// buffer of its own before copying, so its two copies share this budget.
+fn decoder_limits(max_decoded_pixels: u64) -> Limits {
+    let mut limits = Limits::default();
+    limits.max_alloc = Some(
+        max_decoded_pixels
+            .saturating_mul(MAX_DECODED_BYTES_PER_PIXEL)
+            .saturating_add(DECODER_MARGIN_BYTES),
+    );
+    limits
+}
+
+/// A decoder failure as an [`InputError::Decode`]; running into the allocation limit says so.
+fn decode_error(err: ImageError, limits: &Limits) -> InputError {
+    match (&err, limits.max_alloc) {
+        (ImageError::Limits(_), Some(max)) => InputError::Decode(format!(
+            "{err}: decoding needs more than the {} MiB allowed for one image",
+            max >> 20
+        )),
+        _ => InputError::Decode(err.to_string()),
+    }
+}
+
 /// Reads the header, checks the size, decodes and converts to RGB the way transformers does.
 fn decode_rgb(bytes: &[u8], settings: &ProcessorSettings) -> Result<Rgb, InputError> {
     let format = match image::guess_format(bytes) {
@@ -278,14 +309,13 @@ fn decode_rgb(bytes: &[u8], settings: &ProcessorSettings) -> Result<Rgb, InputEr
             return Err(InputError::NotAnImage(head));
         }
     };
+    let limits = decoder_limits(settings.max_decoded_pixels);
     let reader = || {
         let mut r = ImageReader::with_format(Cursor::new(bytes), format);
-        r.limits(Limits::no_limits());
+        r.limits(limits.clone());
         r
     };
-    let (width, height) = reader()
-        .into_dimensions()
-        .map_err(|e| InputError::Decode(e.to_string()))?;
+    let (width, height) = reader().into_dimensions().map_err(|e| decode_error(e, &limits))?;
     if width == 0 || height == 0 {
         return Err(InputError::EmptyImage { width, height });
     }
@@ -306,8 +336,13 @@ fn decode_rgb(bytes: &[u8], settings: &ProcessorSettings) -> Result<Rgb, InputEr
         settings.factor() as u64,
         settings.limits,
     )?;
+    if format == ImageFormat::Jpeg && !jpeg_reaches_end_marker(bytes) {
+        return Err(InputError::Decode(
+            "the JPEG data ends before its end-of-image marker (the file is truncated)".into(),
+        ));
+    }
     // GIF and animated WebP: the first frame, as Pillow's `Image.open` shows it.
-    let mut decoded = reader().decode().map_err(|e| InputError::Decode(e.to_string()))?;
+    let mut decoded = reader().decode().map_err(|e| decode_error(e, &limits))?;
     if let (ImageFormat::Gif, DynamicImage::ImageRgba8(canvas)) = (format, &mut decoded) {
         gif_canvas_like_pillow(bytes, canvas)?;
     }
@@ -323,6 +358,47 @@ fn decode_rgb(bytes: &[u8], settings: &ProcessorSettings) -> Result<Rgb, InputEr
         height,
         pixels: to_rgb_like_transformers(decoded),
     })
+}
+
+/// Whether a JPEG's markers run to its end-of-image marker. Pillow (libjpeg) refuses a JPEG cut
+/// before it ("image file is truncated"); zune-jpeg, as the image crate runs it, fills the missing
+/// part in. Segments are skipped by their length, so thumbnails inside them are passed over;
+/// entropy-coded data runs to the next `0xFF` that is neither a stuffed `0x00` nor a restart
+/// marker; stray bytes between markers are skipped, as libjpeg skips them.
+fn jpeg_reaches_end_marker(bytes: &[u8]) -> bool {
+    let next_ff = |from: usize| Some(from + bytes.get(from..)?.iter().position(|&b| b == 0xff)?);
+    // After the start-of-image marker.
+    let mut at = 2;
+    while let Some(ff) = next_ff(at) {
+        let Some(&marker) = bytes.get(ff + 1) else {
+            return false;
+        };
+        at = ff + 2;
+        match marker {
+            0xd9 => return true,
+            // A fill byte before a marker.
+            0xff => at -= 1,
+            // Markers without a length (TEM, the restart markers) and stray stuffed zeros.
+            0x00 | 0x01 | 0xd0..=0xd7 => {}
+            _ => {
+                let Some(&[hi, lo]) = bytes.get(at..at + 2) else {
+                    return false;
+                };
+                at += usize::from(u16::from_be_bytes([hi, lo]));
+                if marker == 0xda {
+                    // The scan's data: to the next real marker.
+                    let Some(end) = bytes.get(at..).and_then(|scan| {
+                        scan.windows(2)
+                            .position(|w| w[0] == 0xff && !matches!(w[1], 0x00 | 0xd0..=0xd7 | 0xff))
+                    }) else {
+                        return false;
+                    };
+                    at += end;
+                }
+            }
+        }
+    }
+    false
 }
 
 /// Pillow opens a GIF's first frame on a canvas of palette index 0, or of the transparent index
