@@ -210,6 +210,9 @@ pub enum ConfigError {
     /// Values that cannot describe a working model.
     #[error("config.json: {0}")]
     Invalid(String),
+    /// A `--mm-processor-kwargs` value that cannot be applied.
+    #[error("invalid --mm-processor-kwargs: {0}")]
+    ProcessorKwargs(String),
     /// An unknown bundled model name.
     #[error("unknown model {name:?}; known models: {known}")]
     UnknownModel {
@@ -681,6 +684,49 @@ impl ImageLimits {
     }
 }
 
+/// `--mm-processor-kwargs` as kvlens reads it: a JSON object whose pixel bounds (`min_pixels` /
+/// `max_pixels`, or `size.shortest_edge` / `size.longest_edge`) replace a checkpoint's.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct ProcessorKwargs {
+    overrides: Value,
+    /// Keys kvlens does not read, as given (the caller reports them as ignored).
+    pub ignored: Vec<String>,
+}
+
+impl ProcessorKwargs {
+    /// Parses the flag's value: a JSON object whose pixel bounds, when given, are non-negative integers.
+    pub fn parse(json: &str) -> Result<Self, ConfigError> {
+        let invalid = |why: String| ConfigError::ProcessorKwargs(why);
+        let overrides: Value = serde_json::from_str(json).map_err(|e| invalid(format!("not JSON ({e})")))?;
+        let obj = overrides
+            .as_object()
+            .ok_or_else(|| invalid("it must be a JSON object".into()))?;
+        let ignored = obj
+            .keys()
+            .filter(|key| !matches!(key.as_str(), "min_pixels" | "max_pixels" | "size"))
+            .cloned()
+            .collect();
+        let size = obj.get("size");
+        for (key, edge) in [("min_pixels", "shortest_edge"), ("max_pixels", "longest_edge")] {
+            let given = obj.get(key).or_else(|| size.and_then(|s| s.get(edge)));
+            if given.is_some_and(|x| x.as_u64().is_none()) {
+                return Err(invalid(format!("{key} must be a positive integer")));
+            }
+        }
+        Ok(ProcessorKwargs { overrides, ignored })
+    }
+
+    /// `limits` with these overrides (unchanged for the default, empty kwargs).
+    pub fn apply(&self, limits: ImageLimits) -> Result<ImageLimits, ConfigError> {
+        if self.overrides.is_null() {
+            return Ok(limits);
+        }
+        limits
+            .overridden_by(&self.overrides)
+            .map_err(ConfigError::ProcessorKwargs)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -745,6 +791,31 @@ mod tests {
             err.contains("Qwen3-VL-32B-Instruct") && err.contains("Qwen9-VL"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn processor_kwargs_override_pixel_limits_and_reject_nonsense() {
+        let l = ImageLimits {
+            min_pixels: 10,
+            max_pixels: 100,
+        };
+        let apply = |json: &str| ProcessorKwargs::parse(json).and_then(|k| k.apply(l));
+        assert_eq!(apply(r#"{"max_pixels": 50}"#).unwrap().max_pixels, 50);
+        let both = apply(r#"{"size": {"shortest_edge": 20, "longest_edge": 40}}"#).unwrap();
+        assert_eq!((both.min_pixels, both.max_pixels), (20, 40));
+        assert_eq!(ProcessorKwargs::default().apply(l).unwrap(), l);
+        let kwargs = ProcessorKwargs::parse(r#"{"max_pixels": 50, "do_resize": false, "fps": 2}"#).unwrap();
+        assert_eq!(kwargs.ignored, ["do_resize", "fps"]);
+        assert_eq!(
+            apply(r#"{"min_pixels": 101}"#).unwrap_err().to_string(),
+            "invalid --mm-processor-kwargs: min_pixels 101 must not exceed max_pixels 100"
+        );
+        assert_eq!(
+            ProcessorKwargs::parse(r#"{"max_pixels": -1}"#).unwrap_err().to_string(),
+            "invalid --mm-processor-kwargs: max_pixels must be a positive integer"
+        );
+        assert!(ProcessorKwargs::parse("[1]").is_err());
+        assert!(ProcessorKwargs::parse("{max_pixels").is_err());
     }
 
     #[test]
