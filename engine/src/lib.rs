@@ -7,6 +7,8 @@ pub mod backend;
 pub mod cache;
 pub mod config;
 pub mod engine;
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod input;
 pub mod memory;
 pub mod model;
