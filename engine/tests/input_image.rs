@@ -486,7 +486,8 @@ mod input {
     }
 
     /// What the header does not show is bounded by the decoders' allocation limit: a GIF whose
-    /// first frame is far larger than its 1 × 1 screen, and a TIFF whose one strip claims 2 GiB.
+    /// first frame is far larger than its 1 × 1 screen, and a TIFF whose one strip claims 2 GiB;
+    /// and a TIFF tag claiming more values than the file holds is refused before the header is read.
     #[test]
     fn decoders_allocate_within_the_limit() {
         let s = settings();
@@ -494,7 +495,7 @@ mod input {
         // The last IFD entry, StripByteCounts, ends 4 bytes before the next-IFD offset.
         let at = strip_bomb.len() - 8;
         strip_bomb[at..at + 4].copy_from_slice(&0x7fff_ffffu32.to_le_bytes());
-        for (name, bytes) in [("GIF", gif((1, 1), (65_535, 65_535))), ("TIFF", strip_bomb)] {
+        for (name, bytes) in [("GIF", gif((1, 1), (65_535, 65_535))), ("TIFF strip", strip_bomb)] {
             let (result, peak) = alloc_meter::peak_bytes(|| process_image(&bytes, &s));
             let err = result.expect_err(name);
             assert!(matches!(err, InputError::Decode(_)), "{name}: {err}");
@@ -505,6 +506,18 @@ mod input {
             );
             assert!(peak < 1 << 20, "{name}: {peak} bytes allocated");
         }
+        // Found by the image fuzz target: a tag that claims 2^22 values made the TIFF decoder
+        // reserve over 100 MiB while reading the header, before any limit applied.
+        let mut tag_bomb = tiff(1, 1, &[0]);
+        // BitsPerSample, the third entry: its value count.
+        let count = 8 + 2 + 2 * 12 + 4;
+        tag_bomb[count..count + 4].copy_from_slice(&(1u32 << 22).to_le_bytes());
+        let (result, peak) = alloc_meter::peak_bytes(|| process_image(&tag_bomb, &s));
+        assert!(peak < 1 << 20, "TIFF tag: {peak} bytes allocated");
+        assert_eq!(
+            result.expect_err("a TIFF tag claiming 2^22 values").to_string(),
+            "cannot decode image: a TIFF tag claims more values than the file holds"
+        );
     }
 
     /// Truncated files of every format are a clear decode error (a JPEG cut before its end marker

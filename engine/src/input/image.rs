@@ -309,6 +309,11 @@ fn decode_rgb(bytes: &[u8], settings: &ProcessorSettings) -> Result<Rgb, InputEr
             return Err(InputError::NotAnImage(head));
         }
     };
+    if format == ImageFormat::Tiff && !tiff_values_fit_the_file(bytes) {
+        return Err(InputError::Decode(
+            "a TIFF tag claims more values than the file holds".into(),
+        ));
+    }
     let limits = decoder_limits(settings.max_decoded_pixels);
     let reader = || {
         let mut r = ImageReader::with_format(Cursor::new(bytes), format);
@@ -358,6 +363,56 @@ fn decode_rgb(bytes: &[u8], settings: &ProcessorSettings) -> Result<Rgb, InputEr
         height,
         pixels: to_rgb_like_transformers(decoded),
     })
+}
+
+/// Whether every entry of a TIFF's first directory claims no more value bytes than the file has.
+/// The tiff decoder reads that directory before the image crate hands it the allocation limit,
+/// and reserves room for the values a tag claims (up to 256 MiB, whatever the file's size); a
+/// value cannot be larger than the file holding it, so refusing such entries first keeps what the
+/// header costs proportional to the file. Anything else malformed is left to the decoder.
+fn tiff_values_fit_the_file(bytes: &[u8]) -> bool {
+    let big_endian = bytes.starts_with(b"MM");
+    let read = |at: usize, len: usize| -> Option<u64> {
+        let field = bytes.get(at..at.checked_add(len)?)?;
+        let mut value = [0u8; 8];
+        if big_endian {
+            value[8 - len..].copy_from_slice(field);
+            Some(u64::from_be_bytes(value))
+        } else {
+            value[..len].copy_from_slice(field);
+            Some(u64::from_le_bytes(value))
+        }
+    };
+    // Classic TIFF: 2-byte entry count, 12-byte entries, 4-byte counts; BigTIFF: 8, 20 and 8.
+    let (directory, count_len, entry_len, value_count_len) = match read(2, 2) {
+        Some(42) => (read(4, 4), 2, 12, 4),
+        Some(43) => (read(8, 8), 8, 20, 8),
+        _ => return true,
+    };
+    let Some(directory) = directory.and_then(|d| usize::try_from(d).ok()) else {
+        return true;
+    };
+    let Some(entries) = read(directory, count_len) else {
+        return true;
+    };
+    let file_len = bytes.len() as u64;
+    let mut at = directory.saturating_add(count_len);
+    for _ in 0..entries {
+        let (Some(kind), Some(count)) = (read(at + 2, 2), read(at + 4, value_count_len)) else {
+            return true;
+        };
+        let value_len = match kind {
+            3 | 8 => 2,
+            4 | 9 | 11 | 13 => 4,
+            5 | 10 | 12 | 16..=18 => 8,
+            _ => 1,
+        };
+        if count.saturating_mul(value_len) > file_len {
+            return false;
+        }
+        at = at.saturating_add(entry_len);
+    }
+    true
 }
 
 /// Whether a JPEG's markers run to its end-of-image marker. Pillow (libjpeg) refuses a JPEG cut
