@@ -210,6 +210,9 @@ pub enum ConfigError {
     /// Values that cannot describe a working model.
     #[error("config.json: {0}")]
     Invalid(String),
+    /// A `--mm-processor-kwargs` value that cannot be applied.
+    #[error("invalid --mm-processor-kwargs: {0}")]
+    ProcessorKwargs(String),
     /// An unknown bundled model name.
     #[error("unknown model {name:?}; known models: {known}")]
     UnknownModel {
@@ -480,11 +483,40 @@ impl ModelConfig {
             )));
         }
         let half = t.head_dim / 2;
-        if t.mrope_section.iter().sum::<usize>() != half && !t.mrope_interleaved {
+        let sum = t.mrope_section.iter().try_fold(0usize, |sum, &s| sum.checked_add(s));
+        let longest = t.mrope_section.iter().copied().max().unwrap_or(0);
+        if longest > half || (sum != Some(half) && !t.mrope_interleaved) {
             return Err(ConfigError::Invalid(format!(
                 "mrope_section {:?} does not sum to head_dim/2 = {half}",
                 t.mrope_section
             )));
+        }
+        // What the preprocessing and the encoder derive from the vision sizes must be representable:
+        // the pixels per token side squared, the values per patch row and the encoder output width.
+        let derived: [(&str, &[usize]); 3] = [
+            (
+                "(patch_size × spatial_merge_size)²",
+                &[v.patch_size, v.spatial_merge_size, v.patch_size, v.spatial_merge_size],
+            ),
+            (
+                "values per patch",
+                &[v.in_channels.max(3), v.temporal_patch_size, v.patch_size, v.patch_size],
+            ),
+            (
+                "encoder output width",
+                &[v.out_hidden_size, 1 + v.deepstack_visual_indexes.len()],
+            ),
+        ];
+        for (what, factors) in derived {
+            if factors
+                .iter()
+                .try_fold(1usize, |product, &f| product.checked_mul(f))
+                .is_none()
+            {
+                return Err(ConfigError::Invalid(format!(
+                    "vision sizes too large: {what} overflows"
+                )));
+            }
         }
         Ok(())
     }
@@ -656,8 +688,30 @@ impl ImageLimits {
             .map_err(|why| ConfigError::Invalid(format!("preprocessor_config.json: {why}")))
     }
 
+    /// The largest resized area kvlens accepts: 2^32 pixels (65 536 × 65 536), three orders of
+    /// magnitude above the shipped bounds, so that token and byte counts derived from it fit.
+    pub const MAX_PIXELS: u64 = 1 << 32;
+
+    /// Refuses bounds that cannot hold an image, or exceed [`ImageLimits::MAX_PIXELS`].
+    pub fn check(&self) -> Result<(), String> {
+        if self.min_pixels > self.max_pixels || self.max_pixels == 0 {
+            return Err(format!(
+                "min_pixels {} must not exceed max_pixels {}",
+                self.min_pixels, self.max_pixels
+            ));
+        }
+        if self.max_pixels > Self::MAX_PIXELS {
+            return Err(format!(
+                "max_pixels {} is more than {} (65536 x 65536)",
+                self.max_pixels,
+                Self::MAX_PIXELS
+            ));
+        }
+        Ok(())
+    }
+
     /// These limits with the values a processor JSON object sets (`min_pixels` / `max_pixels`, or
-    /// `size.shortest_edge` / `size.longest_edge`); refuses bounds that cannot hold an image.
+    /// `size.shortest_edge` / `size.longest_edge`), checked (see [`ImageLimits::check`]).
     pub fn overridden_by(mut self, root: &Value) -> Result<Self, String> {
         let size = root.get("size");
         let pick = |old: &str, new: &str| -> Option<u64> {
@@ -671,13 +725,51 @@ impl ImageLimits {
         if let Some(v) = pick("max_pixels", "longest_edge") {
             self.max_pixels = v;
         }
-        if self.min_pixels > self.max_pixels || self.max_pixels == 0 {
-            return Err(format!(
-                "min_pixels {} must not exceed max_pixels {}",
-                self.min_pixels, self.max_pixels
-            ));
-        }
+        self.check()?;
         Ok(self)
+    }
+}
+
+/// `--mm-processor-kwargs` as kvlens reads it: a JSON object whose pixel bounds (`min_pixels` /
+/// `max_pixels`, or `size.shortest_edge` / `size.longest_edge`) replace a checkpoint's.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct ProcessorKwargs {
+    overrides: Value,
+    /// Keys kvlens does not read, as given (the caller reports them as ignored).
+    pub ignored: Vec<String>,
+}
+
+impl ProcessorKwargs {
+    /// Parses the flag's value: a JSON object whose pixel bounds, when given, are non-negative integers.
+    pub fn parse(json: &str) -> Result<Self, ConfigError> {
+        let invalid = |why: String| ConfigError::ProcessorKwargs(why);
+        let overrides: Value = serde_json::from_str(json).map_err(|e| invalid(format!("not JSON ({e})")))?;
+        let obj = overrides
+            .as_object()
+            .ok_or_else(|| invalid("it must be a JSON object".into()))?;
+        let ignored = obj
+            .keys()
+            .filter(|key| !matches!(key.as_str(), "min_pixels" | "max_pixels" | "size"))
+            .cloned()
+            .collect();
+        let size = obj.get("size");
+        for (key, edge) in [("min_pixels", "shortest_edge"), ("max_pixels", "longest_edge")] {
+            let given = obj.get(key).or_else(|| size.and_then(|s| s.get(edge)));
+            if given.is_some_and(|x| x.as_u64().is_none()) {
+                return Err(invalid(format!("{key} must be a positive integer")));
+            }
+        }
+        Ok(ProcessorKwargs { overrides, ignored })
+    }
+
+    /// `limits` with these overrides (unchanged for the default, empty kwargs).
+    pub fn apply(&self, limits: ImageLimits) -> Result<ImageLimits, ConfigError> {
+        if self.overrides.is_null() {
+            return Ok(limits);
+        }
+        limits
+            .overridden_by(&self.overrides)
+            .map_err(ConfigError::ProcessorKwargs)
     }
 }
 
@@ -745,6 +837,78 @@ mod tests {
             err.contains("Qwen3-VL-32B-Instruct") && err.contains("Qwen9-VL"),
             "{err}"
         );
+    }
+
+    /// Found by fuzzing the config harness with large numbers: the mrope sum and the vision size
+    /// products overflowed (a panic in debug builds).
+    #[test]
+    fn sizes_whose_products_overflow_are_refused() {
+        let tiny: Value = serde_json::from_str(include_str!("../../tools/golden/configs/qwen3_vl_tiny.json")).unwrap();
+        let with = |pointer: &str, value: Value| {
+            let mut cfg = tiny.clone();
+            let (parent, key) = pointer.rsplit_once('/').unwrap();
+            let obj = if parent.is_empty() {
+                &mut cfg
+            } else {
+                cfg.pointer_mut(parent).unwrap()
+            };
+            obj[key] = value;
+            ModelConfig::from_value(&cfg).map_err(|e| e.to_string())
+        };
+        assert!(with("/vision_config/patch_size", 14.into()).is_ok());
+        // Interleaved sections need not sum to head_dim/2, but none may exceed it.
+        let huge = serde_json::json!(u64::MAX);
+        let err = with(
+            "/text_config/rope_scaling/mrope_section",
+            serde_json::json!([u64::MAX, 2]),
+        )
+        .unwrap_err();
+        assert!(err.contains("does not sum to head_dim/2"), "{err}");
+        for (pointer, value, needle) in [
+            (
+                "/vision_config/patch_size",
+                serde_json::json!(1u64 << 40),
+                "(patch_size × spatial_merge_size)²",
+            ),
+            (
+                "/vision_config/temporal_patch_size",
+                serde_json::json!(1u64 << 62),
+                "values per patch",
+            ),
+            ("/vision_config/out_hidden_size", huge, "encoder output width"),
+        ] {
+            let err = with(pointer, value).unwrap_err();
+            assert!(err.contains(needle), "{pointer}: {err}");
+        }
+    }
+
+    #[test]
+    fn processor_kwargs_override_pixel_limits_and_reject_nonsense() {
+        let l = ImageLimits {
+            min_pixels: 10,
+            max_pixels: 100,
+        };
+        let apply = |json: &str| ProcessorKwargs::parse(json).and_then(|k| k.apply(l));
+        assert_eq!(apply(r#"{"max_pixels": 50}"#).unwrap().max_pixels, 50);
+        let both = apply(r#"{"size": {"shortest_edge": 20, "longest_edge": 40}}"#).unwrap();
+        assert_eq!((both.min_pixels, both.max_pixels), (20, 40));
+        assert_eq!(ProcessorKwargs::default().apply(l).unwrap(), l);
+        let kwargs = ProcessorKwargs::parse(r#"{"max_pixels": 50, "do_resize": false, "fps": 2}"#).unwrap();
+        assert_eq!(kwargs.ignored, ["do_resize", "fps"]);
+        assert_eq!(
+            apply(r#"{"min_pixels": 101}"#).unwrap_err().to_string(),
+            "invalid --mm-processor-kwargs: min_pixels 101 must not exceed max_pixels 100"
+        );
+        assert_eq!(
+            ProcessorKwargs::parse(r#"{"max_pixels": -1}"#).unwrap_err().to_string(),
+            "invalid --mm-processor-kwargs: max_pixels must be a positive integer"
+        );
+        assert!(apply(&format!(r#"{{"max_pixels": {}}}"#, u64::MAX))
+            .unwrap_err()
+            .to_string()
+            .contains("is more than 4294967296"));
+        assert!(ProcessorKwargs::parse("[1]").is_err());
+        assert!(ProcessorKwargs::parse("{max_pixels").is_err());
     }
 
     #[test]

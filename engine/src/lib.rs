@@ -8,6 +8,8 @@ pub mod cache;
 pub mod config;
 pub mod engine;
 pub mod fault;
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod input;
 pub mod memory;
 pub mod model;

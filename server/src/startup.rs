@@ -9,7 +9,7 @@ use crate::UsageError;
 use anyhow::Result;
 use kvlens_engine::backend::cpu::CpuBackend;
 use kvlens_engine::backend::Backend;
-use kvlens_engine::config::{DType, ImageLimits};
+use kvlens_engine::config::{DType, ImageLimits, ProcessorKwargs};
 use kvlens_engine::engine::{Engine, EngineConfig};
 use kvlens_engine::memory::device::{device_preset, gib_to_bytes};
 use kvlens_engine::memory::planner::{gib, plan, MmLimits, Plan, PlanRequest};
@@ -169,47 +169,6 @@ fn machine_ram_bytes() -> Option<u64> {
     Some(kib * 1024)
 }
 
-/// `--mm-processor-kwargs`: a JSON object whose pixel bounds (`min_pixels` / `max_pixels`, or
-/// `size.shortest_edge` / `size.longest_edge`) replace the checkpoint's; other keys are reported
-/// as ignored.
-#[derive(Debug, Clone, Default, PartialEq)]
-struct PixelOverrides(serde_json::Value);
-
-impl PixelOverrides {
-    fn parse(json: &str) -> Result<Self> {
-        let v: serde_json::Value =
-            serde_json::from_str(json).map_err(|e| usage(format!("--mm-processor-kwargs is not JSON: {e}")))?;
-        let obj = v
-            .as_object()
-            .ok_or_else(|| usage("--mm-processor-kwargs must be a JSON object"))?;
-        for key in obj.keys() {
-            if !matches!(key.as_str(), "min_pixels" | "max_pixels" | "size") {
-                eprintln!("WARNING --mm-processor-kwargs: {key} is ignored (kvlens reads min_pixels and max_pixels)");
-            }
-        }
-        let size = obj.get("size");
-        for (key, edge) in [("min_pixels", "shortest_edge"), ("max_pixels", "longest_edge")] {
-            let given = obj.get(key).or_else(|| size.and_then(|s| s.get(edge)));
-            if given.is_some_and(|x| x.as_u64().is_none()) {
-                return Err(usage(format!(
-                    "--mm-processor-kwargs: {key} must be a positive integer"
-                )));
-            }
-        }
-        Ok(PixelOverrides(v))
-    }
-
-    /// The checkpoint's limits with these overrides.
-    fn apply(&self, limits: ImageLimits) -> Result<ImageLimits> {
-        if self.0.is_null() {
-            return Ok(limits);
-        }
-        limits
-            .overridden_by(&self.0)
-            .map_err(|why| usage(format!("--mm-processor-kwargs: {why}")))
-    }
-}
-
 /// The patch grid of an image with exactly `max_tokens` tokens (the most `smart_resize` can give
 /// under `max_pixels`), as close to square as the count allows: vLLM profiles the "image with most
 /// features", and no real image can have more tokens than this one.
@@ -261,14 +220,19 @@ pub fn start(a: &EngineArgs) -> Result<Started> {
     };
     // Parsed before the (possibly long) load; checked against the checkpoint's limits after it.
     let pixels = match &a.mm_processor_kwargs {
-        Some(json) => PixelOverrides::parse(json)?,
-        None => PixelOverrides::default(),
+        Some(json) => ProcessorKwargs::parse(json).map_err(|e| usage(e.to_string()))?,
+        None => ProcessorKwargs::default(),
     };
+    for key in &pixels.ignored {
+        eprintln!("WARNING --mm-processor-kwargs: {key} is ignored (kvlens reads min_pixels and max_pixels)");
+    }
     let (model, backend, mut frontend) = load_cpu(&model_dir)?;
     if let Some(path) = &a.chat_template {
         frontend.set_chat_template(path)?;
     }
-    frontend.settings.limits = pixels.apply(frontend.settings.limits)?;
+    frontend.settings.limits = pixels
+        .apply(frontend.settings.limits)
+        .map_err(|e| usage(e.to_string()))?;
     frontend.limit_images = limits.image;
     let preprocess_bytes = match a.preprocess_memory_gib {
         Some(g) if g > 0.0 && g.is_finite() => gib_to_bytes(g),
@@ -395,21 +359,5 @@ mod tests {
         assert_eq!(largest_image_grid(1_000, 2), [1, 50, 80]);
         assert_eq!(largest_image_grid(997, 2), [1, 2, 1994]);
         assert_eq!(largest_image_grid(1, 2), [1, 2, 2]);
-    }
-
-    #[test]
-    fn processor_kwargs_override_pixel_limits_and_reject_nonsense() {
-        let l = ImageLimits {
-            min_pixels: 10,
-            max_pixels: 100,
-        };
-        let apply = |json: &str| PixelOverrides::parse(json).and_then(|p| p.apply(l));
-        assert_eq!(apply(r#"{"max_pixels": 50}"#).unwrap().max_pixels, 50);
-        let both = apply(r#"{"size": {"shortest_edge": 20, "longest_edge": 40}}"#).unwrap();
-        assert_eq!((both.min_pixels, both.max_pixels), (20, 40));
-        assert!(apply(r#"{"min_pixels": 101}"#).is_err());
-        assert!(PixelOverrides::parse(r#"{"max_pixels": -1}"#).is_err());
-        assert!(PixelOverrides::parse("[1]").is_err());
-        assert!(PixelOverrides::parse("{max_pixels").is_err());
     }
 }

@@ -129,7 +129,7 @@ fn bad_images_and_prompts_are_one_line_errors() {
     let text_file = text_file.to_str().unwrap();
     assert_usage_error(
         &generate(ckpt, &["--prompt", "hi", "--image", text_file]),
-        "not a PNG or JPEG",
+        "not a PNG, JPEG, WebP, GIF, BMP or TIFF file",
     );
     let empty = scratch("generate-cli-empty.png");
     std::fs::write(&empty, b"").unwrap();

@@ -1,4 +1,4 @@
-//! `cargo xtask demo | test`: the project's own task runner. Each task installs what it needs
+//! `cargo xtask demo | test | fuzz`: the project's own task runner. Each task installs what it needs
 //! (rustup targets, cargo tools, npm packages) when missing and skips what is present.
 
 use anyhow::{bail, Context, Result};
@@ -27,8 +27,9 @@ fn main() -> Result<()> {
         "golden" => golden(&env::args().skip(2).collect::<Vec<_>>()),
         "bench" => bench(&env::args().skip(2).collect::<Vec<_>>()),
         "soak" => soak(&env::args().skip(2).skip_while(|a| a == "--").collect::<Vec<_>>()),
+        "fuzz" => fuzz(env::args().nth(2).as_deref()),
         _ => {
-            eprintln!("usage: cargo xtask <task>\n\n  test   fmt check, clippy (warnings denied), all tests, the engine's wasm32 build\n  demo   build the playground and serve it on http://127.0.0.1:8000/ (extra args go to `kvlens serve`)\n  golden regenerate engine/tests/fixtures/golden/ with Hugging Face transformers (extra args go to golden.py)\n  bench  kvlens generate vs transformers on a full-size random Qwen3-VL-2B (extra args go to the script)\n  soak   kvlens serve on the demo model under 256 streaming clients for 10 minutes, then the leak checks (extra args go to `kvlens bench soak`)");
+            eprintln!("usage: cargo xtask <task>\n\n  test   fmt check, clippy (warnings denied), all tests, the engine's wasm32 build\n  demo   build the playground and serve it on http://127.0.0.1:8000/ (extra args go to `kvlens serve`)\n  golden regenerate engine/tests/fixtures/golden/ with Hugging Face transformers (extra args go to golden.py)\n  bench  kvlens generate vs transformers on a full-size random Qwen3-VL-2B (extra args go to the script)\n  soak   kvlens serve on the demo model under 256 streaming clients for 10 minutes, then the leak checks (extra args go to `kvlens bench soak`)\n  fuzz [ITERATIONS]  every fuzz target in fuzz/ for ITERATIONS inputs each (default {DEFAULT_FUZZ_RUNS})");
             std::process::exit(2);
         }
     }
@@ -360,4 +361,110 @@ fn golden(script_args: &[String]) -> Result<()> {
         .arg("--kvlens")
         .arg(&kvlens)
         .args(script_args))
+}
+
+/// cargo-fuzz, installed under the cache when missing.
+const CARGO_FUZZ_VERSION: &str = "0.13.2";
+/// Inputs per target when `cargo xtask fuzz` is given no count.
+const DEFAULT_FUZZ_RUNS: u64 = 100_000;
+/// libFuzzer's limits for every target: no single allocation above 64 MiB (the image target's
+/// decoders stay under 24 MiB at its 1-megapixel limit), 1 GiB resident with the sanitizer's
+/// shadow memory, 10 s per input (a hang), inputs up to 16 KiB.
+const LIBFUZZER_LIMITS: &[&str] = &[
+    "-malloc_limit_mb=64",
+    "-rss_limit_mb=1024",
+    "-timeout=10",
+    "-max_len=16384",
+    "-print_final_stats=1",
+];
+
+/// The libFuzzer dictionary (fuzz/dicts/) of a target: tokens random mutation rarely spells.
+fn fuzz_dictionary(target: &str) -> Option<&'static str> {
+    match target {
+        "image" => None,
+        "safetensors" => Some("fuzz/dicts/safetensors.dict"),
+        _ => Some("fuzz/dicts/text.dict"),
+    }
+}
+
+/// `cargo xtask fuzz [ITERATIONS]`: builds the targets in fuzz/ with cargo-fuzz (AddressSanitizer,
+/// debug assertions) and runs each for ITERATIONS inputs from its seed corpus, new inputs going
+/// to fuzz/work/ and crashes to fuzz/artifacts/ (neither is committed). The pinned stable
+/// toolchain takes cargo-fuzz's nightly flags with RUSTC_BOOTSTRAP=1.
+fn fuzz(iterations: Option<&str>) -> Result<()> {
+    let runs: u64 = match iterations {
+        Some(n) => n
+            .parse()
+            .with_context(|| format!("ITERATIONS must be a count, got {n:?}"))?,
+        None => DEFAULT_FUZZ_RUNS,
+    };
+    let tools = cache_dir().join("tools");
+    env::set_var(
+        "PATH",
+        format!(
+            "{}:{}",
+            tools.join("bin").display(),
+            env::var("PATH").unwrap_or_default()
+        ),
+    );
+    if !have("cargo-fuzz", "--version", CARGO_FUZZ_VERSION) {
+        run(cargo().args(["install", "--locked", "--root"]).arg(&tools).args([
+            "cargo-fuzz",
+            "--version",
+            CARGO_FUZZ_VERSION,
+        ]))?;
+    }
+    env::set_var("RUSTC_BOOTSTRAP", "1");
+    run(cargo().args(["fuzz", "build"]))?;
+    let listed = cargo()
+        .args(["fuzz", "list"])
+        .output()
+        .context("cannot run cargo fuzz list")?;
+    let targets: Vec<String> = String::from_utf8_lossy(&listed.stdout)
+        .lines()
+        .map(str::trim)
+        .filter(|t| !t.is_empty())
+        .map(str::to_string)
+        .collect();
+    if targets.is_empty() {
+        bail!("cargo fuzz list found no targets in fuzz/");
+    }
+    let mut summary = Vec::new();
+    let mut crashed = Vec::new();
+    for target in &targets {
+        let work = Path::new("fuzz/work").join(target);
+        std::fs::create_dir_all(&work)?;
+        let mut cmd = cargo();
+        cmd.args(["fuzz", "run", target.as_str()])
+            .arg(&work)
+            .arg(Path::new("fuzz/corpus").join(target))
+            .arg("--")
+            .arg(format!("-runs={runs}"))
+            .args(LIBFUZZER_LIMITS);
+        if let Some(dict) = fuzz_dictionary(target) {
+            cmd.arg(format!("-dict={dict}"));
+        }
+        eprintln!("+ {cmd:?}");
+        let started = std::time::Instant::now();
+        let status = cmd.status().with_context(|| format!("cannot start {cmd:?}"))?;
+        let secs = started.elapsed().as_secs_f64();
+        summary.push(if status.success() {
+            format!("{target:<12} {runs} runs in {secs:.1} s, no crash")
+        } else {
+            crashed.push(target.clone());
+            format!("{target:<12} FAILED after {secs:.1} s ({status}): see fuzz/artifacts/{target}/")
+        });
+    }
+    println!("\nfuzz summary:");
+    for line in &summary {
+        println!("  {line}");
+    }
+    if !crashed.is_empty() {
+        bail!(
+            "{} crashed; reproduce with `RUSTC_BOOTSTRAP=1 cargo fuzz run TARGET fuzz/artifacts/TARGET/crash-…`, \
+             fix, and add the input to fuzz/corpus/TARGET/",
+            crashed.join(", ")
+        );
+    }
+    Ok(())
 }

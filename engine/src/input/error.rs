@@ -14,12 +14,11 @@ pub enum InputError {
     /// A `data:` URL kvlens cannot read (no `;base64`, no comma).
     #[error("unsupported image data URL: {0}")]
     DataUrl(String),
-
     /// An image URL that is empty or of a scheme no one can read.
     #[error("unsupported image URL: {0}")]
     ImageUrl(String),
-    /// The bytes are not a PNG or JPEG image.
-    #[error("image is not a PNG or JPEG file (first bytes: {0})")]
+    /// The bytes are not an image in a format kvlens decodes.
+    #[error("image is not a PNG, JPEG, WebP, GIF, BMP or TIFF file (first bytes: {0})")]
     NotAnImage(String),
     /// The image header was read but decoding failed.
     #[error("cannot decode image: {0}")]

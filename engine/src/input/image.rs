@@ -10,7 +10,7 @@
 
 use std::io::Cursor;
 
-use image::{DynamicImage, ImageFormat, ImageReader, Limits};
+use image::{DynamicImage, ImageError, ImageFormat, ImageReader, Limits};
 use sha2::{Digest, Sha256};
 
 use super::resize::smart_resize;
@@ -201,7 +201,7 @@ impl std::fmt::Debug for DecodedImage {
     }
 }
 
-/// Decodes a PNG or JPEG and hashes its pixels with the settings.
+/// Decodes a PNG, JPEG, WebP, GIF (first frame), BMP or TIFF and hashes its pixels with the settings.
 pub fn decode_image(bytes: &[u8], settings: &ProcessorSettings) -> Result<DecodedImage, InputError> {
     let rgb = decode_rgb(bytes, settings)?;
     let mut hasher = Sha256::new();
@@ -214,7 +214,7 @@ pub fn decode_image(bytes: &[u8], settings: &ProcessorSettings) -> Result<Decode
     Ok(DecodedImage { rgb, mm_hash })
 }
 
-/// Decodes a PNG or JPEG and turns it into `pixel_values`.
+/// Decodes an image (see [`decode_image`]) and turns it into `pixel_values`.
 pub fn process_image(bytes: &[u8], settings: &ProcessorSettings) -> Result<ProcessedImage, InputError> {
     decode_image(bytes, settings)?.process(settings)
 }
@@ -257,10 +257,69 @@ struct Rgb {
     pixels: Vec<u8>,
 }
 
-/// Reads the header, checks the size, decodes and converts to RGB the way transformers does.
-fn decode_rgb(bytes: &[u8], settings: &ProcessorSettings) -> Result<Rgb, InputError> {
+/// Bytes per pixel of the widest image the decoders return for integer samples: RGBA with 16 bits
+/// a channel (16-bit PNG and TIFF).
+pub(crate) const MAX_DECODED_BYTES_PER_PIXEL: u64 = 8;
+/// Decoder working memory allowed on top of that: inflate windows, row, palette and strip buffers.
+const DECODER_MARGIN_BYTES: u64 = 16 << 20;
+
+/// The `image` crate's allocation limit for one image: the widest decoded image at the pixel
+/// limit plus [`DECODER_MARGIN_BYTES`] (528 MiB at the default 64 megapixels). It covers the output
+/// buffer and the buffers of the decoders that honour it (PNG, GIF, TIFF); a TIFF decodes into a
+/// buffer of its own before copying, so its two copies share this budget.
+fn decoder_limits(max_decoded_pixels: u64) -> Limits {
+    let mut limits = Limits::default();
+    limits.max_alloc = Some(
+        max_decoded_pixels
+            .saturating_mul(MAX_DECODED_BYTES_PER_PIXEL)
+            .saturating_add(DECODER_MARGIN_BYTES),
+    );
+    limits
+}
+
+/// A decoder failure as an [`InputError::Decode`]; running into the allocation limit says so.
+fn decode_error(err: ImageError, limits: &Limits) -> InputError {
+    match (&err, limits.max_alloc) {
+        (ImageError::Limits(_), Some(max)) => InputError::Decode(format!(
+            "{err}: decoding needs more than the {} MiB allowed for one image",
+            max >> 20
+        )),
+        _ => InputError::Decode(err.to_string()),
+    }
+}
+
+/// What an image's header says, checked against the settings before any pixel is decoded.
+pub(crate) struct Header {
+    /// The file's format.
+    pub format: ImageFormat,
+    /// Width in pixels.
+    pub width: u32,
+    /// Height in pixels.
+    pub height: u32,
+    /// `(height, width)` after `smart_resize`.
+    pub resized: (u64, u64),
+    /// The decoder's allocation limit.
+    limits: Limits,
+}
+
+fn reader<'a>(bytes: &'a [u8], format: ImageFormat, limits: &Limits) -> ImageReader<Cursor<&'a [u8]>> {
+    let mut r = ImageReader::with_format(Cursor::new(bytes), format);
+    r.limits(limits.clone());
+    r
+}
+
+/// Reads and checks the header: a format kvlens decodes, a non-empty size within the pixel limit,
+/// an aspect ratio `smart_resize` accepts.
+pub(crate) fn read_header(bytes: &[u8], settings: &ProcessorSettings) -> Result<Header, InputError> {
     let format = match image::guess_format(bytes) {
-        Ok(f @ (ImageFormat::Png | ImageFormat::Jpeg)) => f,
+        Ok(
+            f @ (ImageFormat::Png
+            | ImageFormat::Jpeg
+            | ImageFormat::WebP
+            | ImageFormat::Gif
+            | ImageFormat::Bmp
+            | ImageFormat::Tiff),
+        ) => f,
         _ => {
             let head: Vec<String> = bytes.iter().take(8).map(|b| format!("{b:02x}")).collect();
             let head = if head.is_empty() {
@@ -271,14 +330,15 @@ fn decode_rgb(bytes: &[u8], settings: &ProcessorSettings) -> Result<Rgb, InputEr
             return Err(InputError::NotAnImage(head));
         }
     };
-    let reader = || {
-        let mut r = ImageReader::with_format(Cursor::new(bytes), format);
-        r.limits(Limits::no_limits());
-        r
-    };
-    let (width, height) = reader()
+    if format == ImageFormat::Tiff && !tiff_values_fit_the_file(bytes) {
+        return Err(InputError::Decode(
+            "a TIFF tag claims more values than the file holds".into(),
+        ));
+    }
+    let limits = decoder_limits(settings.max_decoded_pixels);
+    let (width, height) = reader(bytes, format, &limits)
         .into_dimensions()
-        .map_err(|e| InputError::Decode(e.to_string()))?;
+        .map_err(|e| decode_error(e, &limits))?;
     if width == 0 || height == 0 {
         return Err(InputError::EmptyImage { width, height });
     }
@@ -293,13 +353,42 @@ fn decode_rgb(bytes: &[u8], settings: &ProcessorSettings) -> Result<Rgb, InputEr
         });
     }
     // Refuse impossible aspect ratios before spending time on decoding.
-    smart_resize(
+    let resized = smart_resize(
         u64::from(height),
         u64::from(width),
         settings.factor() as u64,
         settings.limits,
     )?;
-    let decoded = reader().decode().map_err(|e| InputError::Decode(e.to_string()))?;
+    Ok(Header {
+        format,
+        width,
+        height,
+        resized,
+        limits,
+    })
+}
+
+/// Reads the header, checks the size, decodes and converts to RGB the way transformers does.
+fn decode_rgb(bytes: &[u8], settings: &ProcessorSettings) -> Result<Rgb, InputError> {
+    let Header {
+        format,
+        width,
+        height,
+        limits,
+        ..
+    } = read_header(bytes, settings)?;
+    if format == ImageFormat::Jpeg && !jpeg_reaches_end_marker(bytes) {
+        return Err(InputError::Decode(
+            "the JPEG data ends before its end-of-image marker (the file is truncated)".into(),
+        ));
+    }
+    // GIF and animated WebP: the first frame, as Pillow's `Image.open` shows it.
+    let mut decoded = reader(bytes, format, &limits)
+        .decode()
+        .map_err(|e| decode_error(e, &limits))?;
+    if let (ImageFormat::Gif, DynamicImage::ImageRgba8(canvas)) = (format, &mut decoded) {
+        gif_canvas_like_pillow(bytes, canvas)?;
+    }
     if decoded.width() != width || decoded.height() != height {
         return Err(InputError::Decode(format!(
             "decoded size {}x{} differs from the header's {width}x{height}",
@@ -314,9 +403,131 @@ fn decode_rgb(bytes: &[u8], settings: &ProcessorSettings) -> Result<Rgb, InputEr
     })
 }
 
+/// Whether every entry of a TIFF's first directory claims no more value bytes than the file has.
+/// The tiff decoder reads that directory before the image crate hands it the allocation limit,
+/// and reserves room for the values a tag claims (up to 256 MiB, whatever the file's size); a
+/// value cannot be larger than the file holding it, so refusing such entries first keeps what the
+/// header costs proportional to the file. Anything else malformed is left to the decoder.
+fn tiff_values_fit_the_file(bytes: &[u8]) -> bool {
+    let big_endian = bytes.starts_with(b"MM");
+    let read = |at: usize, len: usize| -> Option<u64> {
+        let field = bytes.get(at..at.checked_add(len)?)?;
+        let mut value = [0u8; 8];
+        if big_endian {
+            value[8 - len..].copy_from_slice(field);
+            Some(u64::from_be_bytes(value))
+        } else {
+            value[..len].copy_from_slice(field);
+            Some(u64::from_le_bytes(value))
+        }
+    };
+    // Classic TIFF: 2-byte entry count, 12-byte entries, 4-byte counts; BigTIFF: 8, 20 and 8.
+    let (directory, count_len, entry_len, value_count_len) = match read(2, 2) {
+        Some(42) => (read(4, 4), 2, 12, 4),
+        Some(43) => (read(8, 8), 8, 20, 8),
+        _ => return true,
+    };
+    let Some(directory) = directory.and_then(|d| usize::try_from(d).ok()) else {
+        return true;
+    };
+    let Some(entries) = read(directory, count_len) else {
+        return true;
+    };
+    let file_len = bytes.len() as u64;
+    let mut at = directory.saturating_add(count_len);
+    for _ in 0..entries {
+        let (Some(kind), Some(count)) = (read(at + 2, 2), read(at + 4, value_count_len)) else {
+            return true;
+        };
+        let value_len = match kind {
+            3 | 8 => 2,
+            4 | 9 | 11 | 13 => 4,
+            5 | 10 | 12 | 16..=18 => 8,
+            _ => 1,
+        };
+        if count.saturating_mul(value_len) > file_len {
+            return false;
+        }
+        at = at.saturating_add(entry_len);
+    }
+    true
+}
+
+/// Whether a JPEG's markers run to its end-of-image marker. Pillow (libjpeg) refuses a JPEG cut
+/// before it ("image file is truncated"); zune-jpeg, as the image crate runs it, fills the missing
+/// part in. Segments are skipped by their length, so thumbnails inside them are passed over;
+/// entropy-coded data runs to the next `0xFF` that is neither a stuffed `0x00` nor a restart
+/// marker; stray bytes between markers are skipped, as libjpeg skips them.
+fn jpeg_reaches_end_marker(bytes: &[u8]) -> bool {
+    let next_ff = |from: usize| Some(from + bytes.get(from..)?.iter().position(|&b| b == 0xff)?);
+    // After the start-of-image marker.
+    let mut at = 2;
+    while let Some(ff) = next_ff(at) {
+        let Some(&marker) = bytes.get(ff + 1) else {
+            return false;
+        };
+        at = ff + 2;
+        match marker {
+            0xd9 => return true,
+            // A fill byte before a marker.
+            0xff => at -= 1,
+            // Markers without a length (TEM, the restart markers) and stray stuffed zeros.
+            0x00 | 0x01 | 0xd0..=0xd7 => {}
+            _ => {
+                let Some(&[hi, lo]) = bytes.get(at..at + 2) else {
+                    return false;
+                };
+                at += usize::from(u16::from_be_bytes([hi, lo]));
+                if marker == 0xda {
+                    // The scan's data: to the next real marker.
+                    let Some(end) = bytes.get(at..).and_then(|scan| {
+                        scan.windows(2)
+                            .position(|w| w[0] == 0xff && !matches!(w[1], 0x00 | 0xd0..=0xd7 | 0xff))
+                    }) else {
+                        return false;
+                    };
+                    at += end;
+                }
+            }
+        }
+    }
+    false
+}
+
+/// Pillow opens a GIF's first frame on a canvas of palette index 0, or of the transparent index
+/// when the frame has one; the image crate leaves what the frame does not cover transparent (white
+/// once composited). Paints that part with index 0's colour when the frame has no transparent index.
+fn gif_canvas_like_pillow(bytes: &[u8], canvas: &mut image::RgbaImage) -> Result<(), InputError> {
+    let gif_error = |e: gif::DecodingError| InputError::Decode(e.to_string());
+    let mut options = gif::DecodeOptions::new();
+    options.set_color_output(gif::ColorOutput::Indexed);
+    let mut decoder = options.read_info(bytes).map_err(gif_error)?;
+    let global = decoder.global_palette().map(<[u8]>::to_vec);
+    let Some(frame) = decoder.next_frame_info().map_err(gif_error)? else {
+        return Ok(());
+    };
+    let (left, top) = (u32::from(frame.left), u32::from(frame.top));
+    let (right, bottom) = (left + u32::from(frame.width), top + u32::from(frame.height));
+    let covers = left == 0 && top == 0 && right >= canvas.width() && bottom >= canvas.height();
+    if frame.transparent.is_some() || covers {
+        return Ok(());
+    }
+    let fill = match frame.palette.as_deref().or(global.as_deref()) {
+        Some([r, g, b, ..]) => image::Rgba([*r, *g, *b, 255]),
+        _ => image::Rgba([0, 0, 0, 255]),
+    };
+    for (x, y, pixel) in canvas.enumerate_pixels_mut() {
+        if !(left..right).contains(&x) || !(top..bottom).contains(&y) {
+            *pixel = fill;
+        }
+    }
+    Ok(())
+}
+
 /// RGB8 the way transformers' `convert_to_rgb` + Pillow produce it: alpha is composited onto
-/// white with Pillow's `alpha_composite` arithmetic; 16-bit channels keep their high byte,
-/// except 16-bit grayscale, which Pillow clips to 255 (`I;16` → `RGB`).
+/// white with Pillow's `alpha_composite` arithmetic; 16-bit channels keep their high byte, as
+/// Pillow's 16-bit PNG and TIFF unpackers do, except 16-bit grayscale, which Pillow opens as
+/// `I;16` and clips to 255 when converting.
 fn to_rgb_like_transformers(image: DynamicImage) -> Vec<u8> {
     match image {
         DynamicImage::ImageRgb8(img) => img.into_raw(),
@@ -326,11 +537,7 @@ fn to_rgb_like_transformers(image: DynamicImage) -> Vec<u8> {
             .chunks_exact(2)
             .flat_map(|la| [composite_on_white(la[0], la[1]); 3])
             .collect(),
-        DynamicImage::ImageRgba8(img) => img
-            .into_raw()
-            .chunks_exact(4)
-            .flat_map(|p| [0, 1, 2].map(|c| composite_on_white(p[c], p[3])))
-            .collect(),
+        DynamicImage::ImageRgba8(img) => rgba_on_white(&img.into_raw()),
         DynamicImage::ImageLuma16(img) => img.into_raw().iter().flat_map(|&v| [v.min(255) as u8; 3]).collect(),
         DynamicImage::ImageLumaA16(img) => img
             .into_raw()
@@ -343,8 +550,21 @@ fn to_rgb_like_transformers(image: DynamicImage) -> Vec<u8> {
             .chunks_exact(4)
             .flat_map(|p| [0, 1, 2].map(|c| composite_on_white((p[c] >> 8) as u8, (p[3] >> 8) as u8)))
             .collect(),
+        // Float RGBA (TIFF): Pillow opens no multi-channel float image (only single-channel `F`),
+        // so these take the image crate's 0.0–1.0 → 0–255 conversion, then alpha is composited
+        // like 8-bit RGBA.
+        img @ DynamicImage::ImageRgba32F(_) => rgba_on_white(&img.to_rgba8().into_raw()),
+        // Float RGB (TIFF) likewise; `DynamicImage` is non-exhaustive, so a variant a later image
+        // release adds takes the same conversion.
         other => other.to_rgb8().into_raw(),
     }
+}
+
+/// Interleaved RGBA8 composited onto white, as RGB8.
+fn rgba_on_white(rgba: &[u8]) -> Vec<u8> {
+    rgba.chunks_exact(4)
+        .flat_map(|p| [0, 1, 2].map(|c| composite_on_white(p[c], p[3])))
+        .collect()
 }
 
 /// One channel of Pillow's `alpha_composite(white, src)`.

@@ -3,48 +3,29 @@
 //! waits instead of exhausting memory.
 
 use super::error::InputError;
-use super::image::ProcessorSettings;
-use super::resize::smart_resize;
-use image::ImageReader;
-use std::io::Cursor;
+use super::image::{read_header, ProcessorSettings, MAX_DECODED_BYTES_PER_PIXEL};
 
 /// The most host bytes decoding and preprocessing the image in `bytes` holds at once: the
-/// decoder's RGBA buffer and the RGB copy at the header's size, then at the resized size the RGB
-/// bytes, the normalized floats and the patchified `pixel_values` (each frame repeated
-/// `temporal_patch_size` times). Refuses, as decoding would, images over the pixel limit or with an
-/// impossible shape.
+/// decoder's buffer (at most [`MAX_DECODED_BYTES_PER_PIXEL`] a pixel) and the RGB copy at the
+/// header's size, then at the resized size the RGB bytes, the normalized floats and the
+/// patchified `pixel_values` (each frame repeated `temporal_patch_size` times). Refuses what
+/// decoding would refuse from the header alone, with the same errors.
 pub fn preprocessing_bytes(bytes: &[u8], settings: &ProcessorSettings) -> Result<u64, InputError> {
-    let reader = ImageReader::new(Cursor::new(bytes))
-        .with_guessed_format()
-        .map_err(|e| InputError::Decode(e.to_string()))?;
-    let (width, height) = reader
-        .into_dimensions()
-        .map_err(|e| InputError::Decode(e.to_string()))?;
-    let pixels = u64::from(width) * u64::from(height);
-    if pixels > settings.max_decoded_pixels {
-        return Err(InputError::TooLarge {
-            width,
-            height,
-            pixels,
-            max_pixels: settings.max_decoded_pixels,
-            max_megapixels: settings.max_decoded_pixels >> 20,
-        });
-    }
-    let (rh, rw) = smart_resize(
-        u64::from(height),
-        u64::from(width),
-        settings.factor() as u64,
-        settings.limits,
-    )?;
-    let resized = rh * rw;
-    let frames = settings.temporal_patch_size.max(1) as u64;
-    Ok(pixels * (4 + 3) + resized * (3 + 3 * 4 + 3 * 4 * frames))
+    let header = read_header(bytes, settings)?;
+    let pixels = u64::from(header.width) * u64::from(header.height);
+    Ok(cost(pixels, header.resized.0 * header.resized.1, settings))
 }
 
 /// The cost of the largest image the settings accept (the pixel limit, resized to `max_pixels`).
 pub fn largest_preprocessing_bytes(settings: &ProcessorSettings) -> u64 {
+    cost(settings.max_decoded_pixels, settings.limits.max_pixels, settings)
+}
+
+fn cost(pixels: u64, resized: u64, settings: &ProcessorSettings) -> u64 {
     let frames = settings.temporal_patch_size.max(1) as u64;
-    settings.max_decoded_pixels * (4 + 3) + settings.limits.max_pixels * (3 + 3 * 4 + 3 * 4 * frames)
+    pixels
+        .saturating_mul(MAX_DECODED_BYTES_PER_PIXEL + 3)
+        .saturating_add(resized.saturating_mul(3 + 3 * 4 + 3 * 4 * frames))
 }
 
 #[cfg(test)]
@@ -52,6 +33,8 @@ mod tests {
     use super::*;
     use crate::config::{Family, ImageLimits};
     use crate::input::image::process_image;
+
+    use std::io::Cursor;
 
     fn png(width: u32, height: u32) -> Vec<u8> {
         let img = image::RgbImage::from_fn(width, height, |x, y| image::Rgb([x as u8, y as u8, 7]));
@@ -78,6 +61,9 @@ mod tests {
             preprocessing_bytes(&bytes, &small),
             Err(InputError::TooLarge { .. })
         ));
-        assert!(preprocessing_bytes(b"not an image", &settings).is_err());
+        assert!(matches!(
+            preprocessing_bytes(b"not an image", &settings),
+            Err(InputError::NotAnImage(_))
+        ));
     }
 }

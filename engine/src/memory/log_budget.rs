@@ -155,6 +155,11 @@ fn check(checks: &mut Vec<Check>, formula: &str, ok: bool, detail: String) {
     });
 }
 
+/// The non-KV memory a plan's available KV memory implies: requested − available.
+fn implied_non_kv(p: &Plan) -> i128 {
+    i128::from(p.requested_bytes) - i128::from(p.available_kv_bytes)
+}
+
 /// The smallest of the available-memory figures (vLLM keeps the minimum over ranks).
 fn log_available(log: &ParsedLog) -> Option<&Printed> {
     [
@@ -232,12 +237,12 @@ pub fn rebuild(log: &ParsedLog, mut req: PlanRequest, total: DeviceTotal) -> Res
         p.available_kv_source = Source::FromLog;
         if req.activation_peak_bytes.is_none() && p.requested_bytes > 0 {
             // Old logs print only the result: whatever is not weights or non-torch was the peak.
-            let non_kv = p.requested_bytes as i64 - p.available_kv_bytes;
-            p.activation_peak_bytes = (non_kv - p.weights_bytes as i64 - p.non_torch_bytes as i64).max(0) as u64;
+            let peak = implied_non_kv(&p) - i128::from(p.weights_bytes) - i128::from(p.non_torch_bytes);
+            p.activation_peak_bytes = u64::try_from(peak.max(0)).unwrap_or(u64::MAX);
             p.activation_peak_source = Source::Derived;
         }
     }
-    p.non_kv_bytes = p.weights_bytes + p.activation_peak_bytes + p.non_torch_bytes;
+    p.sum_non_kv();
     if log.profiled_weights.is_some() || log.weights.is_some() {
         p.weights_source = Source::FromLog;
     }
@@ -429,7 +434,9 @@ fn kv_size_checks(log: &ParsedLog, p: &Plan, out: &mut Vec<Check>) {
         );
     }
     if let (Some(len), Some(needed)) = (log.error_max_model_len, &log.error_needed) {
-        let computed = p.num_layers as u64 * len.div_ceil(bs) * p.page_size_bytes;
+        let computed = (p.num_layers as u64)
+            .saturating_mul(len.div_ceil(bs))
+            .saturating_mul(p.page_size_bytes);
         check(
             out,
             "KV needed = layers × cdiv(max_model_len, block) × page",
@@ -465,7 +472,11 @@ fn kv_size_checks(log: &ParsedLog, p: &Plan, out: &mut Vec<Check>) {
 pub fn what_if(budget: &LogBudget, req: &PlanRequest, target: usize) -> Vec<WhatIf> {
     let p = &budget.plan;
     let bs = p.block_size as u64;
-    let needed = |page: u64, layers: usize| layers as u64 * (target as u64).div_ceil(bs) * page;
+    let needed = |page: u64, layers: usize| {
+        (layers as u64)
+            .saturating_mul((target as u64).div_ceil(bs))
+            .saturating_mul(page)
+    };
     let need = needed(p.page_size_bytes, p.num_layers);
     let avail = p.available_kv_bytes.max(0) as u64;
     let mut out = Vec::new();
@@ -482,7 +493,7 @@ pub fn what_if(budget: &LogBudget, req: &PlanRequest, target: usize) -> Vec<What
         return out;
     }
     // Utilization: requested must grow by what is missing.
-    let non_kv = p.requested_bytes as i64 - p.available_kv_bytes;
+    let non_kv = implied_non_kv(p);
     let util = (need as f64 + non_kv as f64) / p.total_bytes as f64;
     let util_up = (util * 100.0).ceil() / 100.0;
     out.push(WhatIf {
@@ -531,9 +542,9 @@ fn replan(p: &Plan, req: &PlanRequest, change: impl Fn(&mut PlanRequest)) -> Opt
     let after = plan(&changed).ok()?;
     // Weights scale with the split; activations and the rest move by the estimated difference.
     let weights = (p.weights_bytes as f64 * after.weights_bytes as f64 / before.weights_bytes.max(1) as f64) as u64;
-    let peak = (p.activation_peak_bytes as i64 + after.activation_peak_bytes as i64
-        - before.activation_peak_bytes as i64)
-        .max(0) as u64;
+    let peak = i128::from(p.activation_peak_bytes) + i128::from(after.activation_peak_bytes)
+        - i128::from(before.activation_peak_bytes);
+    let peak = u64::try_from(peak.max(0)).unwrap_or(u64::MAX);
     change(&mut base);
     base.device = base.device.with_total_bytes(p.total_bytes);
     base.gpu_memory_utilization = p.gpu_memory_utilization;
@@ -630,5 +641,32 @@ fn video_what_if(p: &Plan, req: &PlanRequest, target: usize) -> WhatIf {
                 None => "the planner cannot evaluate it".into(),
             },
         },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::bundled_config;
+    use crate::memory::device_preset;
+    use crate::memory::vllm_log::parse_vllm_log;
+
+    /// Found by the vllm_log fuzz target: printed figures near `u64::MAX` overflowed the sums and
+    /// differences of byte counts (a panic in debug builds); they now saturate.
+    #[test]
+    fn huge_printed_figures_do_not_overflow() {
+        let log = parse_vllm_log(
+            "Loading model weights took 17179869183 GB\n\
+             Initial free memory: 17179869183 GiB; Requested memory: 0.90 (util), 17179869183 GiB\n\
+             Total non KV cache memory: 17179869183 GiB; torch peak memory increase: 17179869183 GiB; \
+             non-torch forward increase memory: 17179869183 GiB; weights memory: 17179869183 GiB.\n\
+             Available KV cache memory: 0.01 GiB\n\
+             GPU KV cache size: 18446744073709551615 tokens\n",
+        );
+        let cfg = bundled_config("Qwen3-VL-8B-Instruct").unwrap();
+        let req = PlanRequest::new("Qwen3-VL-8B-Instruct", cfg, device_preset("h100-80g").unwrap());
+        let budget = rebuild(&log, req.clone(), DeviceTotal::Preset).unwrap();
+        assert_eq!(budget.plan.non_kv_bytes, u64::MAX);
+        assert!(!what_if(&budget, &req, usize::MAX).is_empty());
     }
 }

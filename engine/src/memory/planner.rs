@@ -14,6 +14,9 @@ use super::GIB;
 pub const DEFAULT_MM_LIMIT: usize = 999;
 /// vLLM caps the frames of a profiled Qwen2/2.5-VL video at 14.
 const MAX_VIDEO_FRAMES_QWEN2: usize = 14;
+/// Most tokens (`--max-num-batched-tokens`) or sequences (`--max-num-seqs`) per step the planner
+/// takes: far beyond any device's memory, small enough that every byte count it derives fits 64 bits.
+pub const MAX_PER_STEP: usize = 1 << 31;
 /// Qwen3-VL's shipped video `size.longest_edge` (pixels over all frames).
 const QWEN3_VIDEO_MAX_PIXELS: u64 = 25_165_824;
 
@@ -422,6 +425,7 @@ pub fn plan(req: &PlanRequest) -> Result<Plan, PlanError> {
             t.max_position_embeddings
         ));
     }
+    req.image_limits.check().map_err(PlanError::Invalid)?;
     let block_size = req.block_size.unwrap_or_else(|| req.device.default_block_size());
     if block_size == 0 || block_size > 1024 {
         return invalid(format!("--block-size must be between 1 and 1024, got {block_size}"));
@@ -431,6 +435,11 @@ pub fn plan(req: &PlanRequest) -> Result<Plan, PlanError> {
     let mns = req.max_num_seqs.unwrap_or(default_mns.min(mnbt));
     if mnbt == 0 || mns == 0 {
         return invalid("--max-num-batched-tokens and --max-num-seqs must be positive");
+    }
+    if mnbt > MAX_PER_STEP || mns > MAX_PER_STEP {
+        return invalid(format!(
+            "--max-num-batched-tokens ({mnbt}) and --max-num-seqs ({mns}) must be at most {MAX_PER_STEP}"
+        ));
     }
     if !(req.mm_processor_cache_gb >= 0.0 && req.mm_processor_cache_gb.is_finite()) {
         return invalid(format!(
@@ -461,7 +470,7 @@ pub fn plan(req: &PlanRequest) -> Result<Plan, PlanError> {
     let (budget, items, modality) = encoder_budget(limits, image_tokens, video_tokens, mnbt, mns, max_len);
 
     let deepstack = if m.family.is_qwen3() {
-        (m.vision.deepstack_visual_indexes.len() * mnbt * t.hidden_size) as u64 * act_bytes
+        m.vision.deepstack_visual_indexes.len() as u64 * mnbt as u64 * t.hidden_size as u64 * act_bytes
     } else {
         0
     };
@@ -506,7 +515,7 @@ pub fn plan(req: &PlanRequest) -> Result<Plan, PlanError> {
         encoder_budget_tokens: budget,
         encoder_profile_items: items,
         encoder_output_dim: m.encoder_output_dim(),
-        encoder_cache_bytes: (budget * m.encoder_output_dim()) as u64 * act_bytes,
+        encoder_cache_bytes: budget as u64 * m.encoder_output_dim() as u64 * act_bytes,
         processor_cache_bytes: (req.mm_processor_cache_gb * GIB).round() as u64,
         fits: false,
         estimated_max_model_len: None,
@@ -537,13 +546,18 @@ pub fn plan(req: &PlanRequest) -> Result<Plan, PlanError> {
     p.activation_peak_bytes = req
         .activation_peak_bytes
         .unwrap_or_else(|| estimate_activation_peak(&p, m, tp, act_bytes));
-    p.non_kv_bytes = p.weights_bytes + p.activation_peak_bytes + p.non_torch_bytes;
+    p.sum_non_kv();
     p.available_kv_bytes = match req.kv_cache_memory_bytes {
         Some(b) => i64::try_from(b).unwrap_or(i64::MAX),
-        None => requested as i64 - p.non_kv_bytes as i64,
+        None => clamp_i64(i128::from(requested) - i128::from(p.non_kv_bytes)),
     };
     finish_kv(&mut p);
     Ok(p)
+}
+
+/// `v` clamped into `i64` (byte figures read from a log can be as large as `u64` allows).
+fn clamp_i64(v: i128) -> i64 {
+    i64::try_from(v).unwrap_or(if v < 0 { i64::MIN } else { i64::MAX })
 }
 
 /// Blocks, tokens, concurrency and the fit check from `available_kv_bytes` (§2.2–§2.4).
@@ -603,6 +617,15 @@ pub fn gib(bytes: u64) -> String {
 }
 
 impl Plan {
+    /// Sets `non_kv_bytes` to weights + activation peak + non-torch memory (saturating: figures
+    /// read from a log can be as large as `u64` allows).
+    pub fn sum_non_kv(&mut self) {
+        self.non_kv_bytes = self
+            .weights_bytes
+            .saturating_add(self.activation_peak_bytes)
+            .saturating_add(self.non_torch_bytes);
+    }
+
     /// The lines vLLM logs at start-up for this budget, in order.
     pub fn vllm_log_lines(&self) -> Vec<String> {
         let mut lines = vec![format!(
@@ -896,6 +919,17 @@ mod tests {
             ),
             (Box::new(|r| r.block_size = Some(0)), "--block-size"),
             (Box::new(|r| r.max_num_seqs = Some(0)), "must be positive"),
+            // Found by the mm_flags fuzz target: max_pixels u64::MAX overflowed the encoder cache bytes.
+            (
+                Box::new(|r| r.image_limits.max_pixels = u64::MAX),
+                "is more than 4294967296",
+            ),
+            // Found by the vllm_log fuzz target: a header's --max-num-batched-tokens 2^64 − 1
+            // overflowed the deepstack buffer bytes.
+            (
+                Box::new(|r| r.max_num_batched_tokens = Some(usize::MAX)),
+                "must be at most 2147483648",
+            ),
         ];
         for (mutate, needle) in cases {
             let mut r = base.clone();

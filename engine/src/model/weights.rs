@@ -34,6 +34,11 @@ impl<'a> SafetensorsFiles<'a> {
         }
         Ok(SafetensorsFiles { files, index })
     }
+
+    /// The name of every tensor in the shards.
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        self.index.keys().map(String::as_str)
+    }
 }
 
 impl TensorSource for SafetensorsFiles<'_> {
