@@ -8,15 +8,22 @@ use super::image::{read_header, ProcessorSettings, MAX_DECODED_BYTES_PER_PIXEL};
 /// The most host bytes decoding and preprocessing the image in `bytes` holds at once: the
 /// decoder's buffer (at most [`MAX_DECODED_BYTES_PER_PIXEL`] a pixel) and the RGB copy at the
 /// header's size, then at the resized size the RGB bytes, the normalized floats and the
-/// patchified `pixel_values` (each frame repeated `temporal_patch_size` times). Refuses what
+/// patchified `pixel_values` (each frame repeated `temporal_patch_size` times); a TIFF's decoder
+/// buffer twice. Refuses what
 /// decoding would refuse from the header alone, with the same errors.
 pub fn preprocessing_bytes(bytes: &[u8], settings: &ProcessorSettings) -> Result<u64, InputError> {
     let header = read_header(bytes, settings)?;
     let pixels = u64::from(header.width) * u64::from(header.height);
-    Ok(cost(pixels, header.resized.0 * header.resized.1, settings))
+    let mut bytes = cost(pixels, header.resized.0 * header.resized.1, settings);
+    if header.format == image::ImageFormat::Tiff {
+        // The TIFF decoder fills a buffer of its own before the image's: a second copy.
+        bytes = bytes.saturating_add(pixels.saturating_mul(MAX_DECODED_BYTES_PER_PIXEL));
+    }
+    Ok(bytes)
 }
 
-/// The cost of the largest image the settings accept (the pixel limit, resized to `max_pixels`).
+/// The cost of the largest image the settings accept (the pixel limit, resized to `max_pixels`),
+/// in any format but TIFF (a larger TIFF waits until it is alone in the budget).
 pub fn largest_preprocessing_bytes(settings: &ProcessorSettings) -> u64 {
     cost(settings.max_decoded_pixels, settings.limits.max_pixels, settings)
 }

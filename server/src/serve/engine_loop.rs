@@ -28,7 +28,7 @@ const PUBLISH_INTERVAL: Duration = Duration::from_millis(100);
 pub enum Update {
     /// What a generated token adds to the answer (the last delta carries the finish reason).
     Delta(Delta),
-    /// The request was dropped by the engine (a failed step, or shutdown).
+    /// The request failed (its step failed, or its tokens could not be detokenized).
     Failed(ApiError),
 }
 
@@ -207,7 +207,7 @@ fn engine_error(e: EngineError) -> ApiError {
 /// aborts the request, which returns its KV blocks and encoder references at once.
 #[derive(Debug)]
 pub struct Subscription {
-    /// Tokens as the engine produces them.
+    /// The request's deltas as the engine thread produces them.
     pub updates: tokio_mpsc::UnboundedReceiver<Update>,
     id: RequestId,
     engine: EngineHandle,
@@ -323,12 +323,8 @@ impl EngineLoop {
             }
         }
         // Shutdown: every stream ends with `finish_reason: "abort"`, as vLLM ends aborted requests.
-        self.end_all(|| {
-            Update::Delta(Delta {
-                finish: Some(FinishReason::Abort),
-                ..Delta::default()
-            })
-        });
+        let frontend = self.frontend.clone();
+        self.end_all(|live| Update::Delta(live.output.cut(&frontend.tokenizer, FinishReason::Abort)));
         self.publish(true);
     }
 
@@ -442,7 +438,7 @@ impl EngineLoop {
                 eprintln!("ERROR engine step failed: {e}");
                 // The engine has dropped every request and emptied its caches: tell the clients.
                 let why = ApiError::internal(format!("the engine failed: {e}"));
-                self.end_all(|| Update::Failed(why.clone()));
+                self.end_all(|_| Update::Failed(why.clone()));
             }
         }
     }
@@ -494,14 +490,15 @@ impl EngineLoop {
         }
     }
 
-    /// Aborts every live request, sending each a last update.
-    fn end_all(&mut self, last: impl Fn() -> Update) {
+    /// Aborts every live request, then sends each its last update (counted before the client
+    /// sees the end).
+    fn end_all(&mut self, mut last: impl FnMut(&mut Live) -> Update) {
         let ids: Vec<RequestId> = self.live.keys().cloned().collect();
         for id in ids {
-            if let Some(live) = self.live.get(&id) {
-                let _ = live.updates.send(last());
-            }
+            let Some(live) = self.live.get_mut(&id) else { continue };
+            let (update, updates) = (last(live), live.updates.clone());
             self.abort(&id, FinishReason::Abort);
+            let _ = updates.send(update);
         }
     }
 

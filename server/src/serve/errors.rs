@@ -42,6 +42,14 @@ impl ApiError {
         )
     }
 
+    /// 408: the request body did not arrive in time.
+    pub fn request_timeout(limit: std::time::Duration) -> Self {
+        Self::new(
+            StatusCode::REQUEST_TIMEOUT,
+            format!("the request body did not arrive within {} s", limit.as_secs()),
+        )
+    }
+
     /// 409: the engine refuses the operation in its current state.
     pub fn conflict(message: impl Into<String>) -> Self {
         Self::new(StatusCode::CONFLICT, message)
@@ -79,6 +87,7 @@ impl ApiError {
             StatusCode::UNAUTHORIZED => "AuthenticationError",
             StatusCode::NOT_FOUND => "NotFoundError",
             StatusCode::METHOD_NOT_ALLOWED => "MethodNotAllowed",
+            StatusCode::REQUEST_TIMEOUT => "RequestTimeoutError",
             StatusCode::CONFLICT => "ConflictError",
             StatusCode::PAYLOAD_TOO_LARGE => "RequestEntityTooLargeError",
             StatusCode::SERVICE_UNAVAILABLE => "ServiceUnavailableError",

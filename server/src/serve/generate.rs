@@ -23,7 +23,7 @@ use std::collections::VecDeque;
 use std::convert::Infallible;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 /// Largest request body read.
 pub const MAX_BODY_BYTES: usize = 64 << 20;
@@ -32,23 +32,35 @@ pub const MAX_BODY_BYTES: usize = 64 << 20;
 /// sends its whole body before it reads, sees the 413 rather than a reset connection.
 const DRAIN_BYTES: usize = 1 << 30;
 
-/// Reads a JSON body: 413 over [`MAX_BODY_BYTES`], 400 when it is not valid JSON of type `T`.
+/// How long a client may take to send its request body.
+pub const BODY_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Reads a JSON body: 413 over [`MAX_BODY_BYTES`], 408 when it takes longer than [`BODY_TIMEOUT`]
+/// (a slow body would otherwise hold its connection for good), 400 when it is not valid JSON of
+/// type `T`.
 pub async fn read_json<T: serde::de::DeserializeOwned>(body: Body) -> Result<T, ApiError> {
-    let mut stream = body.into_data_stream();
-    let mut buf = Vec::new();
-    let mut total = 0usize;
-    while let Some(chunk) = stream.next().await {
-        let chunk: Bytes = chunk.map_err(|e| ApiError::bad_request(format!("cannot read the request body: {e}")))?;
-        total += chunk.len();
-        if total <= MAX_BODY_BYTES {
-            buf.extend_from_slice(&chunk);
-        } else if total > DRAIN_BYTES {
-            break;
+    let read = async {
+        let mut stream = body.into_data_stream();
+        let mut buf = Vec::new();
+        let mut total = 0usize;
+        while let Some(chunk) = stream.next().await {
+            let chunk: Bytes =
+                chunk.map_err(|e| ApiError::bad_request(format!("cannot read the request body: {e}")))?;
+            total += chunk.len();
+            if total <= MAX_BODY_BYTES {
+                buf.extend_from_slice(&chunk);
+            } else if total > DRAIN_BYTES {
+                break;
+            }
         }
-    }
-    if total > MAX_BODY_BYTES {
-        return Err(ApiError::too_large(MAX_BODY_BYTES));
-    }
+        if total > MAX_BODY_BYTES {
+            return Err(ApiError::too_large(MAX_BODY_BYTES));
+        }
+        Ok(buf)
+    };
+    let buf = tokio::time::timeout(BODY_TIMEOUT, read)
+        .await
+        .map_err(|_| ApiError::request_timeout(BODY_TIMEOUT))??;
     serde_json::from_slice(&buf).map_err(|e| ApiError::bad_request(format!("invalid request body: {e}")))
 }
 
@@ -81,17 +93,40 @@ pub fn served_model(ready: &Ready, asked: Option<&str>) -> Result<String, ApiErr
     }
 }
 
-/// Counts a request whose client leaves (its handler is dropped) before it reaches the engine;
-/// from the engine on, its [`Subscription`] aborts it instead.
-struct CancelGuard<'a> {
+/// A generation request between its arrival and the engine. While open it is counted in
+/// [`App::before_engine`] (a shutdown drain waits for it); dropped open (its client left, the
+/// handler was dropped) it is counted as cancelled before the queue. From the engine on, its
+/// [`Subscription`] takes over.
+struct BeforeEngine<'a> {
     app: &'a App,
-    /// Cleared when the request reaches the engine or is answered.
-    pending: &'a AtomicBool,
+    /// When the request arrived.
+    arrived: Instant,
+    open: AtomicBool,
 }
 
-impl Drop for CancelGuard<'_> {
+impl<'a> BeforeEngine<'a> {
+    fn new(app: &'a App) -> Self {
+        app.before_engine.fetch_add(1, Ordering::Relaxed);
+        BeforeEngine {
+            app,
+            arrived: Instant::now(),
+            open: AtomicBool::new(true),
+        }
+    }
+
+    /// The engine has the request, or it was answered without it; true if it was still open.
+    fn close(&self) -> bool {
+        let was_open = self.open.swap(false, Ordering::Relaxed);
+        if was_open {
+            self.app.before_engine.fetch_sub(1, Ordering::Relaxed);
+        }
+        was_open
+    }
+}
+
+impl Drop for BeforeEngine<'_> {
     fn drop(&mut self) {
-        if self.pending.load(Ordering::Relaxed) {
+        if self.close() {
             if let Ok(ready) = self.app.ready() {
                 ready.metrics.cancelled_before_queue();
             }
@@ -110,12 +145,7 @@ pub fn preprocessing_error(e: anyhow::Error) -> ApiError {
 
 /// `POST /v1/chat/completions`.
 pub async fn chat_completions(State(app): State<Arc<App>>, body: Body) -> Response {
-    let arrived = Instant::now();
-    let pending = AtomicBool::new(true);
-    let _guard = CancelGuard {
-        app: &app,
-        pending: &pending,
-    };
+    let arrival = BeforeEngine::new(&app);
     let answer = async {
         let ready = app.accepting()?;
         let req: ChatRequest = read_json(body).await?;
@@ -131,17 +161,16 @@ pub async fn chat_completions(State(app): State<Arc<App>>, body: Body) -> Respon
             .map_err(|e| ApiError::internal(format!("preprocessing failed: {e}")))?
             .map_err(preprocessing_error)?
             .0;
-        pending.store(false, Ordering::Relaxed);
-        run(ready, Kind::Chat, id, model, request, spec, arrived).await
+        run(ready, Kind::Chat, id, model, request, spec, &arrival).await
     };
     let response = answer.await.unwrap_or_else(IntoResponse::into_response);
-    pending.store(false, Ordering::Relaxed);
+    arrival.close();
     response
 }
 
 /// `POST /v1/completions`.
 pub async fn completions(State(app): State<Arc<App>>, body: Body) -> Response {
-    let arrived = Instant::now();
+    let arrival = BeforeEngine::new(&app);
     let answer = async {
         let ready = app.accepting()?;
         let req: CompletionRequest = read_json(body).await?;
@@ -155,12 +184,14 @@ pub async fn completions(State(app): State<Arc<App>>, body: Body) -> Response {
             .await
             .map_err(|e| ApiError::internal(format!("tokenizing failed: {e}")))?
             .map_err(|e| ApiError::bad_request(format!("{e:#}")))?;
-        run(ready, Kind::Completion, id, model, request, spec, arrived).await
+        run(ready, Kind::Completion, id, model, request, spec, &arrival).await
     };
-    answer.await.unwrap_or_else(IntoResponse::into_response)
+    let response = answer.await.unwrap_or_else(IntoResponse::into_response);
+    arrival.close();
+    response
 }
 
-/// Queues the request and answers it.
+/// Queues the request (closing its `arrival` once the engine has it) and answers it.
 async fn run(
     ready: &Ready,
     kind: Kind,
@@ -168,7 +199,7 @@ async fn run(
     model: String,
     mut request: Request,
     spec: Spec,
-    arrived: Instant,
+    arrival: &BeforeEngine<'_>,
 ) -> Result<Response, ApiError> {
     // vLLM's default: whatever the context has left.
     request.params.max_tokens = spec
@@ -183,7 +214,9 @@ async fn run(
         logprobs: spec.logprobs,
         return_token_ids: spec.return_token_ids,
     };
-    let sub = ready.engine.add(request, Output::new(spec.stop), arrived).await?;
+    let sub = ready.engine.add(request, Output::new(spec.stop), arrival.arrived).await;
+    arrival.close();
+    let sub = sub?;
     if spec.stream {
         Ok(stream(job, sub, ready.frontend.clone(), spec.include_usage).into_response())
     } else {

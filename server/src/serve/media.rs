@@ -166,13 +166,24 @@ fn host_of(url: &str) -> String {
     let rest = url.split_once("://").map_or("", |(_, rest)| rest);
     let authority = rest.split(['/', '?', '#']).next().unwrap_or("");
     let host = authority.rsplit('@').next().unwrap_or(authority);
+    // An IPv6 literal keeps its brackets' content: `[::1]:8080` → `::1`.
+    if let Some(v6) = host.strip_prefix('[') {
+        return v6.split(']').next().unwrap_or(v6).to_ascii_lowercase();
+    }
     host.split(':').next().unwrap_or(host).to_ascii_lowercase()
 }
 
 /// A redirect's `Location` made absolute against the URL that answered it.
 fn resolve(base: &str, location: &str) -> String {
     let location = location.trim();
-    if location.contains("://") {
+    // Absolute when it starts with a scheme (letters, digits, `+`, `-`, `.` before `://`).
+    let scheme_len = location.find("://").filter(|&i| {
+        i > 0
+            && location[..i]
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || "+-.".contains(c))
+    });
+    if scheme_len.is_some() {
         return location.to_string();
     }
     let (scheme, rest) = base.split_once("://").unwrap_or(("http", base));
@@ -216,6 +227,7 @@ mod tests {
     fn remote_urls_need_an_allowed_host() {
         let fetcher = |allowed: &[&str]| MediaFetcher::new(allowed.iter().map(|d| d.to_string()).collect(), None);
         assert_eq!(host_of("http://user@Example.COM:8080/a.png?x"), "example.com");
+        assert_eq!(host_of("http://[::1]:8080/a.png"), "::1");
         let e = fetcher(&[]).unwrap().check("http://example.com/a.png").unwrap_err();
         assert!(e.message.contains("--allowed-media-domains example.com"), "{e}");
         let allowed = fetcher(&["example.com"]).unwrap();
@@ -233,6 +245,10 @@ mod tests {
         assert_eq!(resolve(base, "/z.png"), "https://a.org:8443/z.png");
         assert_eq!(resolve(base, "dog.png"), "https://a.org:8443/img/dog.png");
         assert_eq!(resolve("http://a.org", "dog.png"), "http://a.org/dog.png");
+        assert_eq!(
+            resolve(base, "/img?u=http://x.org/a.png"),
+            "https://a.org:8443/img?u=http://x.org/a.png"
+        );
     }
 
     #[test]

@@ -36,10 +36,17 @@ use listener::ConnectionLimits;
 use metrics::{Gauges, Metrics};
 use serde_json::json;
 use std::path::Path;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use tokio::sync::{oneshot, watch};
+
+/// How often a shutdown drain looks whether the requests in flight have finished.
+const DRAIN_POLL: Duration = Duration::from_millis(50);
+/// Longest value the duration flags take.
+const MAX_FLAG_DURATION: Duration = Duration::from_secs(24 * 3600);
+/// Largest `--max-connections` (tokio's semaphore holds at most this many permits).
+const MAX_CONNECTIONS: usize = tokio::sync::Semaphore::MAX_PERMITS;
 
 /// How long in-flight connections get to close after SIGINT/SIGTERM.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
@@ -55,6 +62,8 @@ pub struct App {
     media: media::MediaFetcher,
     /// Set on SIGINT/SIGTERM: new requests are refused while those in flight finish.
     draining: AtomicBool,
+    /// Generation requests received and not yet in the engine (read, fetched, preprocessed).
+    before_engine: AtomicUsize,
 }
 
 /// The running engine as the handlers see it.
@@ -129,20 +138,32 @@ async fn serve(args: &ServeArgs, engine_args: EngineArgs) -> Result<()> {
         api_key: args.api_key.clone(),
         media,
         draining: AtomicBool::new(false),
+        before_engine: AtomicUsize::new(0),
     });
-    let limits = ConnectionLimits {
-        max_connections: args.max_connections,
-        header_timeout: Duration::try_from_secs_f64(args.header_timeout)
+    let seconds = |flag: &str, value: f64, zero_ok: bool| {
+        Duration::try_from_secs_f64(value)
             .ok()
-            .filter(|t| !t.is_zero())
+            .filter(|t| (zero_ok || !t.is_zero()) && *t <= MAX_FLAG_DURATION)
             .ok_or_else(|| {
                 UsageError(format!(
-                    "--header-timeout must be positive, got {}",
-                    args.header_timeout
+                    "{flag} must be {} seconds up to one day, got {value}",
+                    if zero_ok { "0 or more" } else { "positive" }
                 ))
-            })?,
+            })
+    };
+    if !(1..=MAX_CONNECTIONS).contains(&args.max_connections) {
+        return Err(UsageError(format!(
+            "--max-connections must be 1 to {MAX_CONNECTIONS}, got {}",
+            args.max_connections
+        ))
+        .into());
+    }
+    let limits = ConnectionLimits {
+        max_connections: args.max_connections,
+        header_timeout: seconds("--header-timeout", args.header_timeout, false)?,
         shutdown_grace: SHUTDOWN_GRACE,
     };
+    let shutdown_timeout = seconds("--shutdown-timeout", args.shutdown_timeout, true)?;
     let (stop_server, stopped) = oneshot::channel::<()>();
     let server = tokio::spawn(listener::serve(
         listener,
@@ -178,7 +199,7 @@ async fn serve(args: &ServeArgs, engine_args: EngineArgs) -> Result<()> {
     signal.await;
     app.draining.store(true, Ordering::Relaxed);
     if let Ok(ready) = app.ready() {
-        drain(ready, args.shutdown_timeout).await;
+        drain(&app, ready, shutdown_timeout).await;
         ready.engine.shutdown();
     }
     let _ = stop_server.send(());
@@ -188,33 +209,36 @@ async fn serve(args: &ServeArgs, engine_args: EngineArgs) -> Result<()> {
     Ok(())
 }
 
-/// Waits up to `timeout_s` seconds (`--shutdown-timeout`) for the requests in flight to finish.
-async fn drain(ready: &Ready, timeout_s: f64) {
-    let mut published = ready.occupancy.clone();
+/// Waits up to `timeout` (`--shutdown-timeout`) for the requests in flight to finish: those in
+/// the engine and those still being read, fetched or preprocessed. A second signal stops waiting.
+async fn drain(app: &App, ready: &Ready, timeout: Duration) {
     // A fresh snapshot each time: the published one may be up to one interval old.
     let idle = || async {
-        ready
-            .engine
-            .snapshot()
-            .await
-            .map_or(true, |o| o.engine.num_running == 0 && o.engine.num_waiting == 0)
+        app.before_engine.load(Ordering::Relaxed) == 0
+            && ready
+                .engine
+                .snapshot()
+                .await
+                .map_or(true, |o| o.engine.num_running == 0 && o.engine.num_waiting == 0)
     };
     if idle().await {
         return;
     }
-    let timeout = Duration::try_from_secs_f64(timeout_s).unwrap_or(Duration::ZERO);
     if !timeout.is_zero() {
-        eprintln!("INFO Shutting down: waiting up to {timeout_s} s for the requests in flight (--shutdown-timeout)");
+        eprintln!(
+            "INFO Shutting down: waiting up to {} s for the requests in flight (--shutdown-timeout)",
+            timeout.as_secs_f64()
+        );
         let finished = async {
-            // The engine publishes after steps and whenever it falls idle.
             while !idle().await {
-                if published.changed().await.is_err() {
-                    return;
-                }
+                tokio::time::sleep(DRAIN_POLL).await;
             }
         };
-        if tokio::time::timeout(timeout, finished).await.is_ok() {
-            return;
+        tokio::select! {
+            done = tokio::time::timeout(timeout, finished) => if done.is_ok() {
+                return;
+            },
+            () = shutdown_signal() => eprintln!("INFO Second signal: not waiting any longer"),
         }
     }
     eprintln!("INFO Shutting down: aborting the requests in flight");
@@ -330,7 +354,9 @@ fn same_secret(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
-/// Paths that stay open with `--api-key`, as in vLLM (the playground's files are open too).
+/// Paths that stay open with `--api-key`: `/health`, `/metrics`, `/version` and the playground's
+/// files. Stricter than vLLM, which guards only `/v1/*`: the resets, `/server_info` and
+/// `/tokenize` change state or reveal the setup.
 fn open_path(path: &str) -> bool {
     !(path.starts_with("/v1")
         || path.starts_with("/reset_")

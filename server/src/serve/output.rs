@@ -114,6 +114,22 @@ impl Output {
         })
     }
 
+    /// Ends the output early with `reason` (the request was stopped from outside): the text held
+    /// back so far, for stop strings or an unfinished character, is released.
+    pub fn cut(&mut self, tokenizer: &Tokenizer, reason: FinishReason) -> Delta {
+        if let Ok(Some(rest)) = self.decoder.finish(tokenizer) {
+            self.text.push_str(&rest);
+        }
+        self.finish = Some(reason);
+        let text = self.text[self.sent..].to_string();
+        self.sent = self.text.len();
+        Delta {
+            text,
+            finish: Some(reason),
+            ..Delta::default()
+        }
+    }
+
     /// Where the first stop string that ends after `from` begins.
     fn find_stop(&self, from: usize) -> Option<usize> {
         self.stop
@@ -202,6 +218,17 @@ mod tests {
         let deltas = feed(&mut out, &tok, b"xSTx", Some(FinishReason::Length));
         assert_eq!(deltas[2].text, "", "ST may start STOP");
         assert_eq!(joined(&deltas), "xSTx");
+    }
+
+    #[test]
+    fn a_cut_output_releases_the_text_it_held_back() {
+        let tok = tokenizer();
+        let mut out = Output::new(vec!["STOP".into()]);
+        let deltas = feed(&mut out, &tok, b"abST", None);
+        assert_eq!(joined(&deltas), "ab", "ST may start STOP");
+        let last = out.cut(&tok, FinishReason::Abort);
+        assert_eq!((last.text.as_str(), last.finish), ("ST", Some(FinishReason::Abort)));
+        assert!(last.token.is_none());
     }
 
     #[test]
