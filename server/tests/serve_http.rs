@@ -998,9 +998,40 @@ fn a_failed_step_fails_its_requests_and_nothing_else() {
 /// line, `/health` is answered all along, and an idle keep-alive connection is closed too.
 #[test]
 fn slow_header_floods_are_timed_out_and_limited() {
-    let server = serve(&["--max-connections", "64", "--header-timeout", "1"]);
+    let server = serve(&[
+        "--max-connections",
+        "64",
+        "--header-timeout",
+        "1",
+        "--body-timeout",
+        "1",
+    ]);
     server.wait_ready();
     let port = server.port();
+    // A body that stops short of its Content-Length gets a 408 once the body deadline passes.
+    let mut slow = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    slow.set_read_timeout(Some(Duration::from_secs(300))).unwrap();
+    slow.write_all(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n\
+          Content-Length: 100\r\n\r\n{\"model\": ",
+    )
+    .unwrap();
+    let mut answer = Vec::new();
+    let mut buf = [0u8; 1024];
+    while !String::from_utf8_lossy(&answer).contains("\r\n\r\n") {
+        let n = slow.read(&mut buf).unwrap();
+        assert!(
+            n > 0,
+            "closed without an answer: {:?}",
+            String::from_utf8_lossy(&answer)
+        );
+        answer.extend_from_slice(&buf[..n]);
+    }
+    assert!(
+        String::from_utf8_lossy(&answer).starts_with("HTTP/1.1 408"),
+        "{:?}",
+        String::from_utf8_lossy(&answer)
+    );
     let flood: Vec<std::net::TcpStream> = (0..300)
         .map(|_| {
             let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
@@ -1180,4 +1211,22 @@ fn a_client_that_leaves_before_its_request_is_queued_costs_no_engine_work() {
         (Some(0), Some(0))
     );
     assert!(!server.log().contains("Finished request chatcmpl"), "{}", server.log());
+}
+
+/// Connection and shutdown flags out of range stop the server at once with one line and exit 2.
+#[test]
+fn out_of_range_guard_flags_are_one_line_errors() {
+    for (flag, value) in [
+        ("--max-connections", "0"),
+        ("--header-timeout", "0"),
+        ("--header-timeout", "1e15"),
+        ("--body-timeout", "NaN"),
+        ("--shutdown-timeout", "inf"),
+        ("--shutdown-timeout", "-1"),
+    ] {
+        let out = common::kvlens(&["serve", "--port", "0", &format!("{flag}={value}")]);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{flag} {value}: {err}");
+        assert!(err.contains(flag), "{flag} {value}: {err}");
+    }
 }

@@ -37,6 +37,9 @@ pub struct ServeArgs {
     /// end with `finish_reason: "abort"`.
     #[arg(long, default_value_t = 0.0)]
     pub shutdown_timeout: f64,
+    /// Seconds a client has to send a request's body; slower bodies get a 408.
+    #[arg(long, default_value_t = 60.0)]
+    pub body_timeout: f64,
     /// Most HTTP connections open at once; past it new connections wait (a log line says so).
     #[arg(long, default_value_t = 1024)]
     pub max_connections: usize,

@@ -46,7 +46,7 @@ impl ApiError {
     pub fn request_timeout(limit: std::time::Duration) -> Self {
         Self::new(
             StatusCode::REQUEST_TIMEOUT,
-            format!("the request body did not arrive within {} s", limit.as_secs()),
+            format!("the request body did not arrive within {} s", limit.as_secs_f64()),
         )
     }
 

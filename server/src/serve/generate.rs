@@ -23,7 +23,7 @@ use std::collections::VecDeque;
 use std::convert::Infallible;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 /// Largest request body read.
 pub const MAX_BODY_BYTES: usize = 64 << 20;
@@ -32,13 +32,10 @@ pub const MAX_BODY_BYTES: usize = 64 << 20;
 /// sends its whole body before it reads, sees the 413 rather than a reset connection.
 const DRAIN_BYTES: usize = 1 << 30;
 
-/// How long a client may take to send its request body.
-pub const BODY_TIMEOUT: Duration = Duration::from_secs(60);
-
-/// Reads a JSON body: 413 over [`MAX_BODY_BYTES`], 408 when it takes longer than [`BODY_TIMEOUT`]
+/// Reads a JSON body: 413 over [`MAX_BODY_BYTES`], 408 when it takes longer than `--body-timeout`
 /// (a slow body would otherwise hold its connection for good), 400 when it is not valid JSON of
 /// type `T`.
-pub async fn read_json<T: serde::de::DeserializeOwned>(body: Body) -> Result<T, ApiError> {
+pub async fn read_json<T: serde::de::DeserializeOwned>(app: &App, body: Body) -> Result<T, ApiError> {
     let read = async {
         let mut stream = body.into_data_stream();
         let mut buf = Vec::new();
@@ -58,9 +55,9 @@ pub async fn read_json<T: serde::de::DeserializeOwned>(body: Body) -> Result<T, 
         }
         Ok(buf)
     };
-    let buf = tokio::time::timeout(BODY_TIMEOUT, read)
+    let buf = tokio::time::timeout(app.body_timeout, read)
         .await
-        .map_err(|_| ApiError::request_timeout(BODY_TIMEOUT))??;
+        .map_err(|_| ApiError::request_timeout(app.body_timeout))??;
     serde_json::from_slice(&buf).map_err(|e| ApiError::bad_request(format!("invalid request body: {e}")))
 }
 
@@ -148,7 +145,7 @@ pub async fn chat_completions(State(app): State<Arc<App>>, body: Body) -> Respon
     let arrival = BeforeEngine::new(&app);
     let answer = async {
         let ready = app.accepting()?;
-        let req: ChatRequest = read_json(body).await?;
+        let req: ChatRequest = read_json(&app, body).await?;
         let spec = req.spec()?;
         let model = model_name(ready, req.common.model.as_deref(), &spec)?;
         let mut messages = req.messages;
@@ -173,7 +170,7 @@ pub async fn completions(State(app): State<Arc<App>>, body: Body) -> Response {
     let arrival = BeforeEngine::new(&app);
     let answer = async {
         let ready = app.accepting()?;
-        let req: CompletionRequest = read_json(body).await?;
+        let req: CompletionRequest = read_json(&app, body).await?;
         let spec = req.spec()?;
         let model = model_name(ready, req.common.model.as_deref(), &spec)?;
         let prompt = req.prompt.into_text()?;

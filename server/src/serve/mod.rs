@@ -64,6 +64,8 @@ pub struct App {
     draining: AtomicBool,
     /// Generation requests received and not yet in the engine (read, fetched, preprocessed).
     before_engine: AtomicUsize,
+    /// `--body-timeout`.
+    body_timeout: Duration,
 }
 
 /// The running engine as the handlers see it.
@@ -133,13 +135,6 @@ async fn serve(args: &ServeArgs, engine_args: EngineArgs) -> Result<()> {
             local.ip()
         );
     }
-    let app = Arc::new(App {
-        ready: OnceLock::new(),
-        api_key: args.api_key.clone(),
-        media,
-        draining: AtomicBool::new(false),
-        before_engine: AtomicUsize::new(0),
-    });
     let seconds = |flag: &str, value: f64, zero_ok: bool| {
         Duration::try_from_secs_f64(value)
             .ok()
@@ -164,6 +159,15 @@ async fn serve(args: &ServeArgs, engine_args: EngineArgs) -> Result<()> {
         shutdown_grace: SHUTDOWN_GRACE,
     };
     let shutdown_timeout = seconds("--shutdown-timeout", args.shutdown_timeout, true)?;
+    let body_timeout = seconds("--body-timeout", args.body_timeout, false)?;
+    let app = Arc::new(App {
+        ready: OnceLock::new(),
+        api_key: args.api_key.clone(),
+        media,
+        draining: AtomicBool::new(false),
+        before_engine: AtomicUsize::new(0),
+        body_timeout,
+    });
     let (stop_server, stopped) = oneshot::channel::<()>();
     let server = tokio::spawn(listener::serve(
         listener,

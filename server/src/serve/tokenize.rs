@@ -59,7 +59,7 @@ struct DetokenizeRequest {
 pub async fn tokenize(State(app): State<Arc<App>>, body: Body) -> Response {
     let answer = async {
         let ready = app.ready()?;
-        let req: TokenizeRequest = read_json(body).await?;
+        let req: TokenizeRequest = read_json(&app, body).await?;
         served_model(ready, req.model.as_deref())?;
         for (field, given) in [
             ("tools", &req.tools),
@@ -129,7 +129,7 @@ pub async fn tokenize(State(app): State<Arc<App>>, body: Body) -> Response {
 pub async fn detokenize(State(app): State<Arc<App>>, body: Body) -> Response {
     let answer = async {
         let ready = app.ready()?;
-        let req: DetokenizeRequest = read_json(body).await?;
+        let req: DetokenizeRequest = read_json(&app, body).await?;
         served_model(ready, req.model.as_deref())?;
         let vocab = ready.frontend.tokenizer.vocab_size();
         if let Some(bad) = req.tokens.iter().find(|&&id| id as usize >= vocab) {
