@@ -1,23 +1,26 @@
-//! The engine: requests in, tokens out, one [`Engine::step`] at a time. Each step asks the
-//! [scheduler](crate::sched) which requests get how many tokens (running ones first, preempting
-//! under KV pressure, then waiting ones; chunked prefill; prefix-cache and encoder-cache reuse),
-//! runs the vision tower for the images it names, runs one batched decoder pass over every
-//! scheduled token, samples where a request reached its end, and reports back what finished. The
-//! engine spawns no threads: its caller drives `step`.
+//! The engine: requests in, tokens out, one step at a time. A step has two halves around its one
+//! asynchronous point (vLLM's `schedule` / `update_from_output`):
+//!
+//! 1. [`Engine::launch`] asks the [scheduler](crate::sched) which requests get how many tokens
+//!    (running ones first, preempting under KV pressure, then waiting ones; chunked prefill;
+//!    prefix-cache and encoder-cache reuse), has the [model runner](crate::runner) encode the images
+//!    it names and record one batched decoder pass, and queues the read of the logits rows.
+//! 2. [`Engine::complete`] takes what was read: samples, applies stop rules, releases what finished.
+//!
+//! [`Engine::step_async`] awaits the read between the two (the browser); [`Engine::step`] blocks on
+//! it (native callers). The engine spawns no threads: its caller drives the steps.
 
-use crate::backend::{Backend, KvLayout, PagedSeq};
+use crate::backend::{block_on, BResult, Backend, BackendError};
 use crate::cache::{
     CacheError, EncoderCacheManager, EncoderCacheSnapshot, KvCacheManager, KvSummary, MmHash, MmSpan, RequestId,
 };
 use crate::fault::{FaultKind, FaultPlan, Faults};
 use crate::memory::ledger::{Category, LedgerEntry};
-use crate::model::rope::{mrope_positions, mrope_tables, ImageSpan};
-use crate::model::text::DecoderInput;
-use crate::model::vision::VisionOutput;
-use crate::model::{ModelError, QwenVl};
+use crate::model::rope::{mrope_positions, ImageSpan};
+use crate::model::ModelError;
+use crate::runner::{BatchSeq, ImageRows, ModelRunner, StepBatch, StepRead};
 use crate::sample::{sample, Rng, SamplingParams};
 use crate::sched::{SchedError, ScheduledSeq, Scheduler, SchedulerConfig};
-use std::collections::HashMap;
 
 /// A preprocessed image placed in a prompt.
 #[derive(Debug, Clone)]
@@ -165,6 +168,12 @@ pub enum EngineError {
     Model(#[from] ModelError),
 }
 
+impl From<BackendError> for EngineError {
+    fn from(e: BackendError) -> Self {
+        EngineError::Model(e.into())
+    }
+}
+
 impl From<SchedError> for EngineError {
     fn from(e: SchedError) -> Self {
         match e {
@@ -195,29 +204,44 @@ impl SeqData {
 /// The engine.
 #[derive(Debug)]
 pub struct Engine<B: Backend> {
-    be: B,
-    model: QwenVl<B>,
+    runner: ModelRunner<B>,
     cfg: EngineConfig,
-    cache: B::KvCache,
     sched: Scheduler<SeqData>,
-    enc_store: HashMap<MmHash, VisionOutput<B>>,
     counters: EngineCounters,
     faults: Faults,
     next_seed: u64,
 }
 
-impl<B: Backend> Engine<B> {
-    /// An engine over a loaded model; allocates the KV cache.
-    pub fn new(be: B, model: QwenVl<B>, cfg: EngineConfig) -> Result<Self, EngineError> {
-        let t = &model.cfg.text;
-        let layout = KvLayout {
-            layers: t.num_hidden_layers,
-            num_blocks: cfg.num_blocks,
-            block_size: cfg.block_size,
-            kv_heads: t.num_key_value_heads,
-            head_dim: t.head_dim,
+/// A step recorded on the device whose read has not completed: [`Engine::complete`] takes it with
+/// the read's result.
+#[derive(Debug)]
+pub struct LaunchedStep {
+    scheduled: Vec<ScheduledSeq>,
+    read: StepRead,
+}
+
+impl LaunchedStep {
+    /// Splits the step into what [`Engine::complete`] needs and the pending read.
+    pub fn into_parts(self) -> (StepMeta, Option<crate::backend::Readback>) {
+        let meta = StepMeta {
+            scheduled: self.scheduled,
+            rows: self.read.rows,
         };
-        let cache = be.alloc_kv(layout).map_err(ModelError::from)?;
+        (meta, self.read.logits)
+    }
+}
+
+/// What a launched step scheduled, by request id, and whose logits rows it reads.
+#[derive(Debug)]
+pub struct StepMeta {
+    scheduled: Vec<ScheduledSeq>,
+    rows: Vec<RequestId>,
+}
+
+impl<B: Backend> Engine<B> {
+    /// An engine over a model runner; allocates the runner's KV cache for `cfg`.
+    pub fn new(mut runner: ModelRunner<B>, cfg: EngineConfig) -> Result<Self, EngineError> {
+        runner.allocate_kv(cfg.num_blocks, cfg.block_size)?;
         let kv = KvCacheManager::new(
             cfg.num_blocks,
             cfg.block_size,
@@ -225,7 +249,7 @@ impl<B: Backend> Engine<B> {
             cfg.enable_prefix_caching,
         )?;
         let mut enc = EncoderCacheManager::new(cfg.encoder_cache_tokens);
-        enc.set_bytes_per_token((model.cfg.encoder_output_dim() * 4) as u64);
+        enc.set_bytes_per_token(runner.encoder_bytes_per_token());
         let sched_cfg = SchedulerConfig {
             max_num_seqs: cfg.max_num_seqs,
             max_num_batched_tokens: cfg.max_num_batched_tokens,
@@ -233,12 +257,9 @@ impl<B: Backend> Engine<B> {
             long_prefill_token_threshold: cfg.long_prefill_token_threshold,
         };
         Ok(Engine {
-            be,
-            model,
+            runner,
             cfg,
-            cache,
             sched: Scheduler::new(sched_cfg, kv, enc),
-            enc_store: HashMap::new(),
             counters: EngineCounters::default(),
             faults: Faults::default(),
             next_seed: 0,
@@ -247,12 +268,17 @@ impl<B: Backend> Engine<B> {
 
     /// The backend (for its ledger).
     pub fn backend(&self) -> &B {
-        &self.be
+        self.runner.backend()
     }
 
     /// The model's config.
     pub fn model_config(&self) -> &crate::config::ModelConfig {
-        &self.model.cfg
+        &self.runner.model().cfg
+    }
+
+    /// The sizes the engine runs with.
+    pub fn config(&self) -> &EngineConfig {
+        &self.cfg
     }
 
     /// Makes the planned operation fail when it comes (see [`crate::fault`]); counting starts now.
@@ -288,7 +314,7 @@ impl<B: Backend> Engine<B> {
     /// Occupancy now: ledger, KV summary, encoder-cache entries, queue lengths, counters.
     pub fn snapshot(&self) -> EngineSnapshot {
         EngineSnapshot {
-            ledger: self.be.ledger().entries(),
+            ledger: self.backend().ledger().entries(),
             kv: self.kv().summary(),
             encoder_cache: self.encoder_cache().snapshot(),
             num_running: self.num_running(),
@@ -305,8 +331,9 @@ impl<B: Backend> Engine<B> {
     /// Queues a request after checking it can ever run.
     pub fn add_request(&mut self, req: Request) -> Result<(), EngineError> {
         req.params.validate().map_err(EngineError::BadRequest)?;
-        let image_token = self.model.cfg.tokens.image;
-        let merge = self.model.cfg.vision.spatial_merge_size;
+        let cfg = &self.runner.model().cfg;
+        let image_token = cfg.tokens.image;
+        let merge = cfg.vision.spatial_merge_size;
         let mut spans = Vec::new();
         let mut placed = Vec::new();
         for img in &req.images {
@@ -346,17 +373,19 @@ impl<B: Backend> Engine<B> {
     }
 
     /// Drops a request wherever it is, returning its KV blocks and encoder references at once.
+    /// Safe while a step is in flight: [`Self::complete`] skips requests no longer running.
     pub fn abort(&mut self, id: &RequestId) -> Result<bool, EngineError> {
         Ok(self.sched.abort(id)?.is_some())
     }
 
     /// Drops every encoder output not in use; returns the bytes released.
     pub fn reset_encoder_cache(&mut self) -> u64 {
-        let before = self.be.ledger().bytes(Category::EncoderCache);
+        let ledger = self.runner.backend().ledger().clone();
+        let before = ledger.bytes(Category::EncoderCache);
         for h in self.sched.reset_encoder_cache() {
-            self.enc_store.remove(&h);
+            self.runner.forget(&h);
         }
-        before.saturating_sub(self.be.ledger().bytes(Category::EncoderCache))
+        before.saturating_sub(ledger.bytes(Category::EncoderCache))
     }
 
     /// Forgets every cached prefix block; refuses while requests hold blocks.
@@ -364,28 +393,120 @@ impl<B: Backend> Engine<B> {
         Ok(self.sched.reset_prefix_cache()?)
     }
 
-    /// Runs one step; returns the tokens generated in it. When the model fails mid-step, every
-    /// request is dropped and both caches are emptied (the step may have hashed blocks it never
-    /// wrote and reserved encoder entries it never filled) before the error is returned.
+    /// Runs one step to its end, blocking on the read (native callers).
     pub fn step(&mut self) -> Result<Vec<TokenEvent>, EngineError> {
+        block_on(self.step_async())
+    }
+
+    /// Runs one step, awaiting the read of its logits: the step's only asynchronous point.
+    pub async fn step_async(&mut self) -> Result<Vec<TokenEvent>, EngineError> {
+        let Some(launched) = self.launch()? else {
+            return Ok(Vec::new());
+        };
+        let (meta, read) = launched.into_parts();
+        let logits = match read {
+            Some(read) => Some(read.await),
+            None => None,
+        };
+        self.complete(meta, logits.transpose())
+    }
+
+    /// The first half of a step: schedules, encodes the images the scheduler named, records the
+    /// decoder pass and queues the read of the logits rows. None when nothing was scheduled. When
+    /// the model fails, every request is dropped and both caches are emptied (the step may have
+    /// hashed blocks it never wrote and reserved encoder entries it never filled) before the error
+    /// is returned.
+    pub fn launch(&mut self) -> Result<Option<LaunchedStep>, EngineError> {
         let out = self.sched.schedule()?;
         for h in &out.freed_mm_hashes {
-            self.enc_store.remove(h);
+            self.runner.forget(h);
         }
         self.counters.num_preemptions += out.preempted.len() as u64;
         if out.scheduled.is_empty() {
-            return Ok(Vec::new());
+            return Ok(None);
         }
-        let computed = self
-            .encode_images(&out.scheduled)
-            .and_then(|()| self.forward(&out.scheduled));
-        match computed {
-            Ok(sampled) => self.finish_step(&out.scheduled, sampled),
+        let recorded = self.encode_images(&out.scheduled).and_then(|()| {
+            self.faults
+                .check(FaultKind::Decoder, 0, self.runner.backend().ledger())?;
+            let batch = self.batch(&out.scheduled);
+            Ok(self.runner.execute(&batch)?)
+        });
+        match recorded {
+            Ok(read) => {
+                self.counters.steps += 1;
+                Ok(Some(LaunchedStep {
+                    scheduled: out.scheduled,
+                    read,
+                }))
+            }
             Err(e) => {
                 self.drop_everything()?;
                 Err(e)
             }
         }
+    }
+
+    /// The second half of a step: counts its work, samples from the logits that were read (None
+    /// when it asked for none), appends the tokens, applies stop rules and lets the scheduler
+    /// release what finished. A failed read drops everything, as a failed launch does.
+    pub fn complete(
+        &mut self,
+        meta: StepMeta,
+        logits: BResult<Option<Vec<f32>>>,
+    ) -> Result<Vec<TokenEvent>, EngineError> {
+        let logits = match logits {
+            Ok(l) => l.unwrap_or_default(),
+            Err(e) => {
+                self.drop_everything()?;
+                return Err(e.into());
+            }
+        };
+        for s in &meta.scheduled {
+            let Some(seq) = self.sched.get(&s.id) else { continue };
+            let prompt_len = seq.prompt().len();
+            self.counters.prompt_tokens_computed += (s.end().min(prompt_len) - s.start.min(prompt_len)) as u64;
+            self.counters.prompt_tokens_cached += s.num_cached as u64;
+        }
+        let vocab = logits.len() / meta.rows.len().max(1);
+        let allowed = match self.cfg.vocab_size {
+            0 => vocab,
+            n => n,
+        };
+        let eos = self.runner.model().cfg.tokens.eos.clone();
+        let mut finished = Vec::new();
+        let mut events = Vec::with_capacity(meta.rows.len());
+        for (k, id) in meta.rows.iter().enumerate() {
+            // Aborted while the step was in flight: nothing to sample for.
+            let Some(seq) = self.sched.get_mut(id) else { continue };
+            let (prompt, output, data) = seq.split_data_mut();
+            let s = sample(
+                &logits[k * vocab..(k + 1) * vocab],
+                allowed,
+                prompt,
+                output,
+                &data.params,
+                &mut data.rng,
+            );
+            self.sched.push_token(id, s.token)?;
+            self.counters.generated_tokens += 1;
+            let seq = self.sched.get(id).expect("pushed above");
+            let p = &seq.data.params;
+            let stop = (!p.ignore_eos && eos.contains(&s.token)) || p.stop_token_ids.contains(&s.token);
+            let length = seq.output().len() >= p.max_tokens || seq.len() >= self.cfg.max_model_len;
+            let finish = (stop || length).then_some(if stop { FinishReason::Stop } else { FinishReason::Length });
+            if finish.is_some() {
+                finished.push(id.clone());
+            }
+            events.push(TokenEvent {
+                id: id.clone(),
+                token: s.token,
+                logprob: s.logprob,
+                top_logprobs: s.top,
+                finish,
+            });
+        }
+        self.sched.finish(&finished)?;
+        Ok(events)
     }
 
     /// Aborts every request and empties the encoder and prefix caches.
@@ -407,7 +528,7 @@ impl<B: Backend> Engine<B> {
     /// Runs the vision tower for the images the scheduler named; counts reused outputs as hits.
     fn encode_images(&mut self, plan: &[ScheduledSeq]) -> Result<(), EngineError> {
         for s in plan {
-            let seq = &self.sched.running()[s.index];
+            let seq = self.sched.get(&s.id).expect("scheduled requests are running");
             if s.num_cached > 0 {
                 let covered = seq
                     .data
@@ -417,190 +538,58 @@ impl<B: Backend> Engine<B> {
                 self.counters.prefix_cached_images += covered.count() as u64;
             }
             for i in seq.images_in(s.start, s.end()) {
+                let img = &seq.data.images[i];
                 if !s.encode.contains(&i) {
                     // Once per use: in the step that reaches the image's first placeholder.
-                    if seq.data.images[i].offset >= s.start {
+                    if img.offset >= s.start {
                         self.counters.encoder_hits += 1;
                     }
                     continue;
                 }
-                let img = &seq.data.images[i];
-                let patches: usize = img.grid_thw.iter().product();
-                let cols = img.pixel_values.len() / patches.max(1);
-                let ledger = self.be.ledger();
-                let bytes = (img.pixel_values.len() * 4) as u64;
+                let ledger = self.runner.backend().ledger();
+                let bytes = img.pixel_values.len() as u64 * self.runner.backend().elem_bytes();
                 self.faults
                     .check(FaultKind::Alloc, bytes, ledger)
-                    .and_then(|()| self.faults.check(FaultKind::VisionTower, 0, ledger))
-                    .map_err(ModelError::from)?;
-                let px = self
-                    .be
-                    .upload(img.pixel_values.clone(), &[patches, cols])
-                    .map_err(ModelError::from)?;
-                let out = self.model.vision.forward(&self.be, &px, &[img.grid_thw])?;
-                // Kept outputs are encoder cache from now on, not transient activations.
-                let out = VisionOutput {
-                    main: self.be.keep(&out.main, Category::EncoderCache),
-                    deepstack: out
-                        .deepstack
-                        .iter()
-                        .map(|d| self.be.keep(d, Category::EncoderCache))
-                        .collect(),
-                };
+                    .and_then(|()| self.faults.check(FaultKind::VisionTower, 0, ledger))?;
+                self.runner.encode(&img.mm_hash, &img.pixel_values, img.grid_thw)?;
                 self.counters.vision_runs += 1;
-                self.enc_store.insert(img.mm_hash.clone(), out);
             }
         }
         Ok(())
     }
 
-    /// One batched decoder pass over every scheduled token; samples for each request whose
-    /// scheduled tokens reach its end, returning `(index in running, event)`.
-    fn forward(&mut self, plan: &[ScheduledSeq]) -> Result<Vec<(usize, TokenEvent)>, EngineError> {
-        self.faults
-            .check(FaultKind::Decoder, 0, self.be.ledger())
-            .map_err(ModelError::from)?;
-        let be = &self.be;
-        let bs = self.cfg.block_size;
-        let running = self.sched.running();
+    /// The step's work by request id: tokens, positions, block tables, image rows and which
+    /// requests sample (those whose scheduled tokens reach their end).
+    fn batch(&self, plan: &[ScheduledSeq]) -> StepBatch {
         let kv = self.sched.kv();
-        let mut ids = Vec::new();
-        let mut positions = Vec::new();
-        let mut slots = Vec::new();
-        let mut image_rows = Vec::new();
-        let mut image_parts = Vec::new();
-        let deep_levels = self.model.cfg.vision.deepstack_visual_indexes.len();
-        let mut deep_parts: Vec<Vec<B::Tensor>> = vec![Vec::new(); deep_levels];
-        let mut last_rows = Vec::new();
-        let mut seqs = Vec::with_capacity(plan.len());
-        for s in plan {
-            let seq = &running[s.index];
-            let table = kv.block_table(seq.id());
-            let row0 = ids.len();
-            for i in s.start..s.end() {
-                ids.push(seq.token_at(i));
-                positions.push(seq.data.position(i));
-                slots.push(table[i / bs] * bs + i % bs);
-            }
-            for i in seq.images_in(s.start, s.end()) {
-                let img = &seq.data.images[i];
-                let entry = self
-                    .enc_store
-                    .get(&img.mm_hash)
-                    .ok_or_else(|| ModelError::Input(format!("encoder output for {} is missing", img.mm_hash)))?;
-                let from = s.start.max(img.offset);
-                let to = s.end().min(img.offset + img.num_tokens);
-                let rows: Vec<usize> = (from - img.offset..to - img.offset).collect();
-                image_parts.push(be.gather_rows(&entry.main, &rows).map_err(ModelError::from)?);
-                for (k, d) in entry.deepstack.iter().enumerate().take(deep_levels) {
-                    deep_parts[k].push(be.gather_rows(d, &rows).map_err(ModelError::from)?);
+        let seqs = plan
+            .iter()
+            .map(|s| {
+                let seq = self.sched.get(&s.id).expect("scheduled requests are running");
+                let images = seq
+                    .images_in(s.start, s.end())
+                    .map(|i| {
+                        let img = &seq.data.images[i];
+                        let from = s.start.max(img.offset);
+                        let to = s.end().min(img.offset + img.num_tokens);
+                        ImageRows {
+                            mm_hash: img.mm_hash.clone(),
+                            rows: from - img.offset..to - img.offset,
+                            at: from - s.start,
+                        }
+                    })
+                    .collect();
+                BatchSeq {
+                    id: s.id.clone(),
+                    tokens: (s.start..s.end()).map(|i| seq.token_at(i)).collect(),
+                    positions: (s.start..s.end()).map(|i| seq.data.position(i)).collect(),
+                    context_len: s.end(),
+                    block_table: kv.block_table(seq.id()).to_vec(),
+                    images,
+                    logit_rows: usize::from(s.end() == seq.len()),
                 }
-                image_rows.extend((from..to).map(|p| row0 + p - s.start));
-            }
-            if s.end() == seq.len() {
-                last_rows.push((s.index, ids.len() - 1));
-            }
-            seqs.push(PagedSeq {
-                query_start: row0,
-                query_len: s.num_new,
-                context_len: s.end(),
-                block_table: table,
-            });
-        }
-        let mut embeds = self.model.text.embed(be, &ids)?;
-        let mut deep = Vec::new();
-        if !image_rows.is_empty() {
-            let feats = be.concat_rows(&image_parts).map_err(ModelError::from)?;
-            embeds = be
-                .scatter_rows(&embeds, &image_rows, &feats, false)
-                .map_err(ModelError::from)?;
-            for parts in &deep_parts {
-                deep.push(be.concat_rows(parts).map_err(ModelError::from)?);
-            }
-        }
-        let (cos, sin) = mrope_tables(&self.model.cfg.text, &positions);
-        let hd = self.model.cfg.text.head_dim;
-        let cos = be.upload(cos, &[ids.len(), hd]).map_err(ModelError::from)?;
-        let sin = be.upload(sin, &[ids.len(), hd]).map_err(ModelError::from)?;
-        let hidden = self.model.text.forward(
-            be,
-            &mut self.cache,
-            DecoderInput {
-                embeds,
-                cos,
-                sin,
-                slots: &slots,
-                seqs: &seqs,
-                deepstack: if deep.is_empty() {
-                    None
-                } else {
-                    Some((&deep, &image_rows))
-                },
-            },
-        )?;
-        self.counters.steps += 1;
-        if last_rows.is_empty() {
-            return Ok(Vec::new());
-        }
-        let rows: Vec<usize> = last_rows.iter().map(|r| r.1).collect();
-        let logits = self
-            .model
-            .text
-            .logits(be, &be.gather_rows(&hidden, &rows).map_err(ModelError::from)?)?;
-        let logits = be.download(&logits).map_err(ModelError::from)?;
-        let vocab = logits.len() / rows.len();
-        let mut sampled = Vec::with_capacity(last_rows.len());
-        for (k, &(index, _)) in last_rows.iter().enumerate() {
-            let seq = &mut self.sched.running_mut()[index];
-            let id = seq.id().clone();
-            let (prompt, output, data) = seq.split_data_mut();
-            let row = &logits[k * vocab..(k + 1) * vocab];
-            let allowed = match self.cfg.vocab_size {
-                0 => vocab,
-                n => n,
-            };
-            let s = sample(row, allowed, prompt, output, &data.params, &mut data.rng);
-            let event = TokenEvent {
-                id,
-                token: s.token,
-                logprob: s.logprob,
-                top_logprobs: s.top,
-                finish: None,
-            };
-            sampled.push((index, event));
-        }
-        Ok(sampled)
-    }
-
-    /// Counts the step's work, appends the sampled tokens, applies stop rules and lets the
-    /// scheduler release what finished.
-    fn finish_step(
-        &mut self,
-        plan: &[ScheduledSeq],
-        sampled: Vec<(usize, TokenEvent)>,
-    ) -> Result<Vec<TokenEvent>, EngineError> {
-        for s in plan {
-            let prompt_len = self.sched.running()[s.index].prompt().len();
-            self.counters.prompt_tokens_computed += (s.end().min(prompt_len) - s.start.min(prompt_len)) as u64;
-            self.counters.prompt_tokens_cached += s.num_cached as u64;
-        }
-        let eos = &self.model.cfg.tokens.eos;
-        let mut finished = Vec::new();
-        let mut events = Vec::with_capacity(sampled.len());
-        for (index, mut e) in sampled {
-            self.sched.push_token(index, e.token)?;
-            self.counters.generated_tokens += 1;
-            let seq = &self.sched.running()[index];
-            let p = &seq.data.params;
-            let stop = (!p.ignore_eos && eos.contains(&e.token)) || p.stop_token_ids.contains(&e.token);
-            let length = seq.output().len() >= p.max_tokens || seq.len() >= self.cfg.max_model_len;
-            if stop || length {
-                e.finish = Some(if stop { FinishReason::Stop } else { FinishReason::Length });
-                finished.push(index);
-            }
-            events.push(e);
-        }
-        self.sched.finish(&finished)?;
-        Ok(events)
+            })
+            .collect();
+        StepBatch { seqs }
     }
 }

@@ -72,7 +72,7 @@ impl Faults {
                 bytes,
                 ledger: ledger_summary(ledger),
             },
-            _ => BackendError::Library(format!("injected fault: {kind:?} operation {}", plan.nth)),
+            _ => BackendError::Injected(format!("{kind:?} operation {}", plan.nth)),
         })
     }
 }

@@ -14,5 +14,6 @@ pub mod input;
 pub mod memory;
 pub mod model;
 pub mod profile;
+pub mod runner;
 pub mod sample;
 pub mod sched;

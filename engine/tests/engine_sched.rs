@@ -6,6 +6,7 @@ use std::collections::HashMap;
 use std::sync::{Mutex, MutexGuard};
 
 use kvlens_engine::backend::cpu::CpuBackend;
+use kvlens_engine::backend::instrumented::{Instrumented, Transfers};
 use kvlens_engine::backend::{Backend, RawDType, RawTensor};
 use kvlens_engine::config::ModelConfig;
 use kvlens_engine::engine::{Engine, EngineConfig, FinishReason, ImageInput, Request};
@@ -13,7 +14,10 @@ use kvlens_engine::memory::ledger::{Category, MemoryLedger};
 use kvlens_engine::model::inventory::tensor_specs;
 use kvlens_engine::model::weights::TensorSource;
 use kvlens_engine::model::{ModelError, QwenVl};
+use kvlens_engine::runner::ModelRunner;
 use kvlens_engine::sample::SamplingParams;
+use std::future::Future;
+use std::task::{Context, Poll, Waker};
 
 /// The tests of this file run one at a time: one of them measures the process's resident memory.
 fn serial() -> MutexGuard<'static, ()> {
@@ -65,13 +69,18 @@ fn tiny_config() -> ModelConfig {
     ModelConfig::from_json(include_str!("../../tools/golden/configs/qwen2_vl_tiny.json")).unwrap()
 }
 
-/// Loads the tiny model with random weights of every tensor the config names.
-fn tiny_model(be: &CpuBackend) -> QwenVl<CpuBackend> {
+/// Loads a model of `cfg` with random weights of every tensor the config names.
+fn random_model<B: Backend>(cfg: ModelConfig, be: &B) -> QwenVl<B> {
     let mut weights = RandomWeights::default();
-    for spec in tensor_specs(&tiny_config()) {
+    for spec in tensor_specs(&cfg) {
         weights.insert(&spec.name, spec.shape);
     }
-    QwenVl::load(tiny_config(), &weights, be, |_, _| {}).unwrap()
+    QwenVl::load(cfg, &weights, be, |_, _| {}).unwrap()
+}
+
+/// The tiny model with random weights.
+fn tiny_model<B: Backend>(be: &B) -> QwenVl<B> {
+    random_model(tiny_config(), be)
 }
 
 fn engine(num_blocks: usize, max_num_seqs: usize) -> Engine<CpuBackend> {
@@ -81,6 +90,16 @@ fn engine(num_blocks: usize, max_num_seqs: usize) -> Engine<CpuBackend> {
 fn engine_with_vocab(num_blocks: usize, max_num_seqs: usize, vocab_size: usize) -> Engine<CpuBackend> {
     let be = CpuBackend::new(MemoryLedger::new());
     let model = tiny_model(&be);
+    engine_over(be, model, num_blocks, max_num_seqs, vocab_size)
+}
+
+fn engine_over<B: Backend>(
+    be: B,
+    model: QwenVl<B>,
+    num_blocks: usize,
+    max_num_seqs: usize,
+    vocab_size: usize,
+) -> Engine<B> {
     let cfg = EngineConfig {
         num_blocks,
         block_size: 4,
@@ -92,7 +111,7 @@ fn engine_with_vocab(num_blocks: usize, max_num_seqs: usize, vocab_size: usize) 
         vocab_size,
         long_prefill_token_threshold: 0,
     };
-    Engine::new(be, model, cfg).unwrap()
+    Engine::new(ModelRunner::new(be, model), cfg).unwrap()
 }
 
 /// A greedy request of `len` prompt tokens, with a 4-token image (a 4×4 patch grid) at `image`.
@@ -127,14 +146,22 @@ fn request(cfg: &ModelConfig, id: &str, len: usize, image: Option<(usize, &str)>
 }
 
 /// Steps until done; returns each request's tokens and checks every request ended once.
-fn drain(engine: &mut Engine<CpuBackend>) -> HashMap<String, Vec<u32>> {
+fn drain<B: Backend>(engine: &mut Engine<B>) -> HashMap<String, Vec<u32>> {
+    drain_with(engine, |e| e.step().unwrap())
+}
+
+/// [`drain`] with each step run by `step`.
+fn drain_with<B: Backend>(
+    engine: &mut Engine<B>,
+    mut step: impl FnMut(&mut Engine<B>) -> Vec<kvlens_engine::engine::TokenEvent>,
+) -> HashMap<String, Vec<u32>> {
     let mut out: HashMap<String, Vec<u32>> = HashMap::new();
     let mut ended = Vec::new();
     for _ in 0..500 {
         if !engine.has_unfinished() {
             break;
         }
-        for e in engine.step().unwrap() {
+        for e in step(engine) {
             assert!(!ended.contains(&e.id), "{} got a token after it finished", e.id);
             out.entry(e.id.to_string()).or_default().push(e.token);
             if e.finish.is_some() {
@@ -180,6 +207,116 @@ fn greedy_tokens_with_preemption_match_each_request_alone() {
     assert!(tight.counters().num_preemptions > 0, "{:?}", tight.counters());
     assert_eq!(together, alone);
     assert!(alone.values().all(|t| t.len() == 10));
+}
+
+/// Eight requests, five with images (two sharing one), in a KV cache too small for all of them.
+fn eight_image_requests(cfg: &ModelConfig) -> Vec<Request> {
+    (0..8)
+        .map(|i| {
+            let id = format!("r{i}");
+            let image = match i % 4 {
+                0 => Some((1, "img-shared")),
+                1 => None,
+                2 => Some((3, ["img-2", "img-6"][i / 4])),
+                _ => Some((0, ["img-3", "img-7"][i / 4])),
+            };
+            request(cfg, &id, 8 + i, image, 6)
+        })
+        .collect()
+}
+
+/// The engine stepped through its asynchronous path with every read held back until the test
+/// releases it: each step stays pending on its read, then completes with the tokens the blocking
+/// path gives, through images and preemption.
+#[test]
+fn held_back_reads_give_the_blocking_path_s_tokens() {
+    let _serial = serial();
+    let cfg = tiny_config();
+    let reqs = eight_image_requests(&cfg);
+    let mut blocking = engine(20, 8);
+    for r in &reqs {
+        blocking.add_request(r.clone()).unwrap();
+    }
+    let want = drain(&mut blocking);
+    assert!(blocking.counters().num_preemptions > 0, "{:?}", blocking.counters());
+
+    let be = Instrumented::new(CpuBackend::new(MemoryLedger::new()));
+    let model = tiny_model(&be);
+    let handle = be.clone();
+    handle.hold_reads();
+    let mut held = engine_over(be, model, 20, 8, 0);
+    for r in &reqs {
+        held.add_request(r.clone()).unwrap();
+    }
+    let mut pending_steps = 0;
+    let got = drain_with(&mut held, |e| {
+        let mut step = std::pin::pin!(e.step_async());
+        let mut cx = Context::from_waker(Waker::noop());
+        loop {
+            match step.as_mut().poll(&mut cx) {
+                Poll::Ready(events) => return events.unwrap(),
+                Poll::Pending => {
+                    assert_eq!(handle.pending_reads(), 1, "a pending step waits on its one read");
+                    pending_steps += 1;
+                    handle.release_reads();
+                }
+            }
+        }
+    });
+    // Every token came out of a step that waited on its read: at least one per generated token.
+    assert!(pending_steps >= 6, "{pending_steps} steps waited on a read");
+    assert_eq!(pending_steps, held.counters().steps, "a step that read nothing waited");
+    assert_eq!(held.counters().num_preemptions, blocking.counters().num_preemptions);
+    assert_eq!(got, want);
+}
+
+/// Host-to-device transfers per step, for a model of `layers` decoder layers and vision blocks.
+fn transfers_per_step(layers: usize) -> Vec<Transfers> {
+    let mut json: serde_json::Value =
+        serde_json::from_str(include_str!("../../tools/golden/configs/qwen2_vl_tiny.json")).unwrap();
+    json["num_hidden_layers"] = layers.into();
+    json["vision_config"]["depth"] = layers.into();
+    let cfg = ModelConfig::from_json(&json.to_string()).unwrap();
+    assert_eq!(cfg.text.num_hidden_layers, layers);
+    let be = Instrumented::new(CpuBackend::new(MemoryLedger::new()));
+    let model = random_model(cfg.clone(), &be);
+    let counter = be.clone();
+    let mut e = engine_over(be, model, 64, 8, 0);
+    for r in eight_image_requests(&cfg) {
+        e.add_request(r).unwrap();
+    }
+    let mut per_step = Vec::new();
+    while e.has_unfinished() {
+        let before = counter.transfers();
+        e.step().unwrap();
+        let after = counter.transfers();
+        per_step.push(Transfers {
+            uploads: after.uploads - before.uploads,
+            index_lists: after.index_lists - before.index_lists,
+            reads: after.reads - before.reads,
+        });
+    }
+    per_step
+}
+
+/// A step's metadata crosses to the device once, not once per layer: the same requests give the
+/// same transfers per step with 2 and with 5 layers, and a decode step uploads cos, sin and the
+/// paged metadata only.
+#[test]
+fn uploads_per_step_do_not_grow_with_the_layers() {
+    let _serial = serial();
+    let two = transfers_per_step(2);
+    let five = transfers_per_step(5);
+    assert_eq!(two, five);
+    let last = two.last().unwrap();
+    assert_eq!(
+        *last,
+        Transfers {
+            uploads: 3,
+            index_lists: 2,
+            reads: 1
+        }
+    );
 }
 
 #[test]
@@ -306,7 +443,7 @@ fn a_long_prefill_s_transient_memory_is_counted_in_the_ledger() {
         vocab_size: 0,
         long_prefill_token_threshold: 0,
     };
-    let mut e = Engine::new(be, model, engine_cfg).unwrap();
+    let mut e = Engine::new(ModelRunner::new(be, model), engine_cfg).unwrap();
     e.add_request(request(&cfg, "long", n, None, 1)).unwrap();
     let ledger = e.backend().ledger().clone();
     ledger.reset_peaks();

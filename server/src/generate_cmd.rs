@@ -124,7 +124,8 @@ pub fn run(a: &GenerateArgs) -> Result<()> {
         vocab_size: front.tokenizer.vocab_size(),
         long_prefill_token_threshold: 0,
     };
-    let mut engine = Engine::new(backend, model, cfg).map_err(|e| UsageError(e.to_string()))?;
+    let runner = kvlens_engine::runner::ModelRunner::new(backend, model);
+    let mut engine = Engine::new(runner, cfg).map_err(|e| UsageError(e.to_string()))?;
     drop(req);
     for k in 0..a.repeat {
         let before = engine.counters();

@@ -14,7 +14,8 @@ use kvlens_engine::engine::{Engine, EngineConfig};
 use kvlens_engine::memory::device::{device_preset, gib_to_bytes};
 use kvlens_engine::memory::planner::{gib, plan, MmLimits, Plan, PlanRequest};
 use kvlens_engine::memory::GIB;
-use kvlens_engine::profile::{profile_run, ProfileResult, ProfileSpec};
+use kvlens_engine::profile::{ProfileResult, ProfileSpec};
+use kvlens_engine::runner::ModelRunner;
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -273,7 +274,8 @@ pub fn start(a: &EngineArgs) -> Result<Started> {
         image_items: draft.encoder_profile_items,
         block_size: draft.block_size,
     };
-    let profile = profile_run(&backend, &model, spec).map_err(|e| anyhow::anyhow!("profile run: {e}"))?;
+    let mut runner = ModelRunner::new(backend, model);
+    let profile = runner.profile(spec).map_err(|e| anyhow::anyhow!("profile run: {e}"))?;
     let profile_s = profiled_at.elapsed().as_secs_f64();
     req.activation_peak_bytes = Some(profile.activation_peak_bytes);
     let p = plan(&req).map_err(|e| usage(e.to_string()))?;
@@ -331,7 +333,7 @@ pub fn start(a: &EngineArgs) -> Result<Started> {
         vocab_size: frontend.tokenizer.vocab_size(),
         long_prefill_token_threshold: long_prefill_token_threshold(a, p.max_model_len),
     };
-    let mut engine = Engine::new(backend, model, engine_cfg).map_err(|e| anyhow::anyhow!("engine: {e}"))?;
+    let mut engine = Engine::new(runner, engine_cfg).map_err(|e| anyhow::anyhow!("engine: {e}"))?;
     // A test hook: `KVLENS_FAULT=decoder:3` makes the third decoder pass fail (see engine::fault).
     if let Some(plan) = std::env::var_os("KVLENS_FAULT") {
         let plan = plan.to_string_lossy().parse().map_err(usage)?;

@@ -3,14 +3,14 @@
 
 mod attention;
 
-use super::{Activation, BResult, Backend, BackendError, KvLayout, PagedSeq, RawDType, RawTensor};
+use super::{ready, Activation, BResult, Backend, BackendError, KvLayout, PagedBatch, RawDType, RawTensor, Readback};
 use crate::memory::ledger::{Category, Held, MemoryLedger};
 use attention::SeqAttention;
 use candle_core::{DType, Device, Tensor, D};
 use std::sync::Arc;
 
 fn lib(e: candle_core::Error) -> BackendError {
-    BackendError::Library(e.to_string())
+    BackendError::Library(Box::new(e))
 }
 
 /// A CPU tensor: an f32 candle tensor plus the ledger entry of the storage it owns.
@@ -53,6 +53,11 @@ impl CpuBackend {
         Ok(self.wrap(t.map_err(lib)?, Category::Activations))
     }
 
+    /// The tensor's values on the host.
+    fn host(t: &CpuTensor) -> BResult<Vec<f32>> {
+        t.t.flatten_all().and_then(|f| f.to_vec1::<f32>()).map_err(lib)
+    }
+
     /// A view sharing its parent's storage (no new ledger entry).
     fn view(parent: &CpuTensor, t: candle_core::Result<Tensor>) -> BResult<CpuTensor> {
         Ok(CpuTensor {
@@ -86,9 +91,15 @@ fn dims2(t: &Tensor) -> BResult<(usize, usize)> {
 impl Backend for CpuBackend {
     type Tensor = CpuTensor;
     type KvCache = CpuKvCache;
+    type Paged = PagedBatch;
+    type Segments = Vec<(usize, usize)>;
 
     fn name(&self) -> &'static str {
         "cpu"
+    }
+
+    fn elem_bytes(&self) -> u64 {
+        4
     }
 
     fn ledger(&self) -> &MemoryLedger {
@@ -114,8 +125,16 @@ impl Backend for CpuBackend {
         self.wrap(t.t.clone(), category)
     }
 
-    fn download(&self, t: &CpuTensor) -> BResult<Vec<f32>> {
-        t.t.flatten_all().and_then(|f| f.to_vec1::<f32>()).map_err(lib)
+    fn read(&self, t: &CpuTensor) -> Readback {
+        ready(Self::host(t))
+    }
+
+    fn upload_paged(&self, batch: PagedBatch) -> BResult<PagedBatch> {
+        Ok(batch)
+    }
+
+    fn upload_segments(&self, segments: &[(usize, usize)]) -> BResult<Vec<(usize, usize)>> {
+        Ok(segments.to_vec())
     }
 
     fn shape(&self, t: &CpuTensor) -> Vec<usize> {
@@ -219,8 +238,8 @@ impl Backend for CpuBackend {
                 idx.len()
             )));
         }
-        let mut data = self.download(x)?;
-        let s = self.download(src)?;
+        let mut data = Self::host(x)?;
+        let s = Self::host(src)?;
         for (i, &r) in idx.iter().enumerate() {
             let dst = &mut data[r * cols..(r + 1) * cols];
             let row = &s[i * cols..(i + 1) * cols];
@@ -244,14 +263,14 @@ impl Backend for CpuBackend {
         k: &CpuTensor,
         v: &CpuTensor,
         heads: usize,
-        segments: &[(usize, usize)],
+        segments: &Vec<(usize, usize)>,
     ) -> BResult<CpuTensor> {
         let (_, cols) = dims2(&q.t)?;
         let d = cols / heads.max(1);
         let scale = 1.0 / (d as f64).sqrt();
         let f = || -> candle_core::Result<Tensor> {
             let mut outs = Vec::with_capacity(segments.len());
-            for &(start, len) in segments {
+            for &(start, len) in segments.iter() {
                 let split = |t: &Tensor, from: usize, n: usize| {
                     t.narrow(0, from, n)?
                         .reshape((n, heads, d))?
@@ -289,11 +308,12 @@ impl Backend for CpuBackend {
         layer: usize,
         k: &CpuTensor,
         v: &CpuTensor,
-        slots: &[usize],
+        batch: &PagedBatch,
     ) -> BResult<()> {
+        let slots = &batch.slots;
         let width = cache.layout.kv_heads * cache.layout.head_dim;
         let capacity = cache.layout.num_blocks * cache.layout.block_size;
-        let (kd, vd) = (self.download(k)?, self.download(v)?);
+        let (kd, vd) = (Self::host(k)?, Self::host(v)?);
         if kd.len() != slots.len() * width || vd.len() != kd.len() || layer >= cache.layout.layers {
             return Err(BackendError::Shape(format!(
                 "write_kv: {} slots for {} values",
@@ -317,8 +337,9 @@ impl Backend for CpuBackend {
         layer: usize,
         q: &CpuTensor,
         heads: usize,
-        seqs: &[PagedSeq<'_>],
+        batch: &PagedBatch,
     ) -> BResult<CpuTensor> {
+        let seqs = &batch.seqs;
         let KvLayout {
             block_size,
             kv_heads,
@@ -332,7 +353,7 @@ impl Backend for CpuBackend {
             )));
         }
         let mut next = 0;
-        for s in seqs {
+        for s in seqs.iter() {
             if s.query_start != next {
                 return Err(BackendError::Shape(
                     "paged_attention: sequences must cover the query rows in order".into(),
@@ -346,7 +367,7 @@ impl Backend for CpuBackend {
             )));
         }
         let mut outs = Vec::with_capacity(seqs.len());
-        for s in seqs {
+        for s in seqs.iter() {
             if s.query_start + s.query_len > rows
                 || s.query_len > s.context_len
                 || s.context_len.div_ceil(block_size) > s.block_table.len()
@@ -373,137 +394,5 @@ impl Backend for CpuBackend {
 
 #[cfg(test)]
 mod tests {
-    use super::*;
-
-    fn t(b: &CpuBackend, data: &[f32], rows: usize, cols: usize) -> CpuTensor {
-        b.upload(data.to_vec(), &[rows, cols]).unwrap()
-    }
-
-    #[test]
-    fn linear_norms_and_activations() {
-        let b = CpuBackend::default();
-        let x = t(&b, &[1.0, 2.0, 3.0, 4.0], 2, 2);
-        let w = t(&b, &[1.0, 0.0, 1.0, 1.0, 0.0, 2.0], 3, 2);
-        let bias = b.upload(vec![0.5, 0.0, -1.0], &[3]).unwrap();
-        assert_eq!(
-            b.download(&b.linear(&x, &w, Some(&bias)).unwrap()).unwrap(),
-            vec![1.5, 3.0, 3.0, 3.5, 7.0, 7.0]
-        );
-        let ones = b.upload(vec![1.0, 1.0], &[2]).unwrap();
-        let rms = b.download(&b.rms_norm(&x, &ones, 0.0).unwrap()).unwrap();
-        let r0 = (2.5f32).sqrt();
-        assert!((rms[0] - 1.0 / r0).abs() < 1e-6 && (rms[1] - 2.0 / r0).abs() < 1e-6);
-        let zeros = b.upload(vec![0.0, 0.0], &[2]).unwrap();
-        let ln = b.download(&b.layer_norm(&x, &ones, &zeros, 0.0).unwrap()).unwrap();
-        assert!((ln[0] + 1.0).abs() < 1e-6 && (ln[1] - 1.0).abs() < 1e-6);
-        let q = b
-            .download(&b.activate(&t(&b, &[1.0], 1, 1), Activation::QuickGelu).unwrap())
-            .unwrap();
-        assert!((q[0] - 1.0 / (1.0 + (-1.702f32).exp())).abs() < 1e-6);
-    }
-
-    #[test]
-    fn paged_attention_matches_dense_causal_attention() {
-        // Two heads sharing one KV head, 5 tokens spread over blocks 3 and 1 of size 4.
-        let b = CpuBackend::default();
-        let layout = KvLayout {
-            layers: 1,
-            num_blocks: 5,
-            block_size: 4,
-            kv_heads: 1,
-            head_dim: 2,
-        };
-        let mut cache = b.alloc_kv(layout).unwrap();
-        assert_eq!(b.ledger().bytes(Category::KvCache), layout.bytes(4));
-        let n = 5;
-        let kv: Vec<f32> = (0..n * 2).map(|i| (i as f32 * 0.37).sin()).collect();
-        let vv: Vec<f32> = (0..n * 2).map(|i| (i as f32 * 0.11).cos()).collect();
-        let q: Vec<f32> = (0..n * 4).map(|i| (i as f32 * 0.23).sin()).collect();
-        let table = [3usize, 1];
-        let slots: Vec<usize> = (0..n).map(|p| table[p / 4] * 4 + p % 4).collect();
-        b.write_kv(&mut cache, 0, &t(&b, &kv, n, 2), &t(&b, &vv, n, 2), &slots)
-            .unwrap();
-        let seq = PagedSeq {
-            query_start: 0,
-            query_len: n,
-            context_len: n,
-            block_table: &table,
-        };
-        let paged = b
-            .download(&b.paged_attention(&cache, 0, &t(&b, &q, n, 4), 2, &[seq]).unwrap())
-            .unwrap();
-        for i in 0..n {
-            for h in 0..2 {
-                let qh = &q[i * 4 + h * 2..i * 4 + h * 2 + 2];
-                let s: Vec<f32> = (0..=i)
-                    .map(|j| (qh[0] * kv[j * 2] + qh[1] * kv[j * 2 + 1]) / 2f32.sqrt())
-                    .collect();
-                let m = s.iter().cloned().fold(f32::MIN, f32::max);
-                let e: Vec<f32> = s.iter().map(|x| (x - m).exp()).collect();
-                let z: f32 = e.iter().sum();
-                for c in 0..2 {
-                    let want: f32 = (0..=i).map(|j| e[j] / z * vv[j * 2 + c]).sum();
-                    assert!((paged[i * 4 + h * 2 + c] - want).abs() < 1e-5);
-                }
-            }
-        }
-        let bad = PagedSeq {
-            query_start: 0,
-            query_len: 5,
-            context_len: 9,
-            block_table: &table,
-        };
-        assert!(b.paged_attention(&cache, 0, &t(&b, &q, n, 4), 2, &[bad]).is_err());
-    }
-
-    #[test]
-    fn chunked_segment_attention_matches_a_direct_softmax() {
-        // 700 rows: more than one query chunk in the first segment.
-        let b = CpuBackend::default();
-        let n = 700;
-        let q: Vec<f32> = (0..n * 2).map(|i| (i as f32 * 0.013).sin()).collect();
-        let k: Vec<f32> = (0..n * 2).map(|i| (i as f32 * 0.029).cos()).collect();
-        let v: Vec<f32> = (0..n * 2).map(|i| (i as f32 * 0.07).sin()).collect();
-        let segs = [(0, 650), (650, 50)];
-        let out = b
-            .download(
-                &b.segment_attention(&t(&b, &q, n, 2), &t(&b, &k, n, 2), &t(&b, &v, n, 2), 1, &segs)
-                    .unwrap(),
-            )
-            .unwrap();
-        for &(start, len) in &segs {
-            for i in (start..start + len).step_by(37) {
-                let s: Vec<f32> = (start..start + len)
-                    .map(|j| (q[i * 2] * k[j * 2] + q[i * 2 + 1] * k[j * 2 + 1]) / 2f32.sqrt())
-                    .collect();
-                let m = s.iter().cloned().fold(f32::MIN, f32::max);
-                let z: f32 = s.iter().map(|x| (x - m).exp()).sum();
-                let want: f32 = s
-                    .iter()
-                    .enumerate()
-                    .map(|(j, x)| (x - m).exp() / z * v[(start + j) * 2])
-                    .sum();
-                assert!((out[i * 2] - want).abs() < 1e-4, "row {i}: {} vs {want}", out[i * 2]);
-            }
-        }
-    }
-
-    #[test]
-    fn rope_rotates_halves_and_segments_stay_apart() {
-        let b = CpuBackend::default();
-        let x = t(&b, &[1.0, 2.0, 3.0, 4.0], 1, 4);
-        let cos = t(&b, &[0.0, 0.0], 1, 2);
-        let sin = t(&b, &[1.0, 1.0], 1, 2);
-        // Two heads of width 2; rotate_half([a, b]) = [-b, a].
-        assert_eq!(
-            b.download(&b.rope(&x, &cos, &sin).unwrap()).unwrap(),
-            vec![-2.0, 1.0, -4.0, 3.0]
-        );
-        let q = t(&b, &[1.0, 1.0, 1.0], 3, 1);
-        let v = t(&b, &[1.0, 2.0, 10.0], 3, 1);
-        let out = b
-            .download(&b.segment_attention(&q, &q, &v, 1, &[(0, 2), (2, 1)]).unwrap())
-            .unwrap();
-        assert_eq!(out, vec![1.5, 1.5, 10.0]);
-    }
+    crate::backend_suite!(super::CpuBackend::default());
 }

@@ -3,8 +3,13 @@
 //! allocation in the [`MemoryLedger`](crate::memory::ledger::MemoryLedger).
 
 pub mod cpu;
+pub mod instrumented;
+mod readback;
+#[doc(hidden)]
+pub mod suite;
 
 use crate::memory::ledger::MemoryLedger;
+pub use readback::{block_on, ready, Readback};
 
 /// Why a backend operation failed.
 #[derive(Debug, thiserror::Error)]
@@ -12,9 +17,12 @@ pub enum BackendError {
     /// Shapes that do not fit the operation.
     #[error("shape error: {0}")]
     Shape(String),
-    /// A failure inside the backend's library.
+    /// A failure inside the backend's library, with the error it came from.
     #[error("backend error: {0}")]
-    Library(String),
+    Library(#[source] Box<dyn std::error::Error + Send + Sync>),
+    /// A failure planted by [`crate::fault`].
+    #[error("injected fault: {0}")]
+    Injected(String),
     /// An allocation the device cannot hold.
     #[error("out of memory allocating {bytes} bytes (ledger: {ledger})")]
     OutOfMemory {
@@ -64,8 +72,8 @@ pub enum Activation {
 }
 
 /// One sequence's part of a paged-attention call.
-#[derive(Debug, Clone)]
-pub struct PagedSeq<'a> {
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PagedSeq {
     /// First row of this sequence in the query tensor.
     pub query_start: usize,
     /// Number of query rows (new tokens this step).
@@ -73,7 +81,17 @@ pub struct PagedSeq<'a> {
     /// Tokens in the KV cache for this sequence after this step's writes (context length).
     pub context_len: usize,
     /// The sequence's block table.
-    pub block_table: &'a [usize],
+    pub block_table: Vec<usize>,
+}
+
+/// A decoder step's attention metadata on the host: built once per step and handed to the backend
+/// once ([`Backend::upload_paged`]), then used by every layer's K/V write and paged attention.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PagedBatch {
+    /// KV slot (`block · block_size + offset`) of every query row.
+    pub slots: Vec<usize>,
+    /// The sequences, covering the query rows in order.
+    pub seqs: Vec<PagedSeq>,
 }
 
 /// Geometry of a paged KV cache.
@@ -105,8 +123,15 @@ pub trait Backend {
     /// The paged KV cache on this backend.
     type KvCache: std::fmt::Debug;
 
+    /// A step's [`PagedBatch`] as the backend's kernels read it.
+    type Paged: std::fmt::Debug;
+    /// The vision tower's attention segments as the backend's kernels read them.
+    type Segments: std::fmt::Debug;
+
     /// Short name (`cpu`, `wgpu`, `cuda`).
     fn name(&self) -> &'static str;
+    /// Bytes per element of the activations and the KV cache it computes in.
+    fn elem_bytes(&self) -> u64;
     /// The ledger every allocation is recorded in.
     fn ledger(&self) -> &MemoryLedger;
 
@@ -116,8 +141,14 @@ pub trait Backend {
     fn upload(&self, data: Vec<f32>, shape: &[usize]) -> BResult<Self::Tensor>;
     /// The same storage, recorded under `category` from now on (e.g. an encoder output that is kept).
     fn keep(&self, t: &Self::Tensor, category: crate::memory::ledger::Category) -> Self::Tensor;
-    /// Copies a tensor to host floats (row-major).
-    fn download(&self, t: &Self::Tensor) -> BResult<Vec<f32>>;
+    /// Queues a copy of a tensor to host floats (row-major). The only operation that waits for the
+    /// device: the copy completes when the returned future does (at once on the CPU; in the
+    /// browser only after control returns to the event loop).
+    fn read(&self, t: &Self::Tensor) -> Readback;
+    /// Hands a step's attention metadata to the device, once per step.
+    fn upload_paged(&self, batch: PagedBatch) -> BResult<Self::Paged>;
+    /// Hands the vision tower's attention segments `(start, len)` in rows to the device.
+    fn upload_segments(&self, segments: &[(usize, usize)]) -> BResult<Self::Segments>;
     /// The tensor's shape.
     fn shape(&self, t: &Self::Tensor) -> Vec<usize>;
 
@@ -154,19 +185,19 @@ pub trait Backend {
         k: &Self::Tensor,
         v: &Self::Tensor,
         heads: usize,
-        segments: &[(usize, usize)],
+        segments: &Self::Segments,
     ) -> BResult<Self::Tensor>;
 
     /// Allocates a zeroed paged KV cache (recorded as kv_cache).
     fn alloc_kv(&self, layout: KvLayout) -> BResult<Self::KvCache>;
-    /// Writes rows of `k`, `v [n, kv_heads·d]` into slots (`block · block_size + offset`) of one layer.
+    /// Writes rows of `k`, `v [n, kv_heads·d]` into the batch's slots of one layer.
     fn write_kv(
         &self,
         cache: &mut Self::KvCache,
         layer: usize,
         k: &Self::Tensor,
         v: &Self::Tensor,
-        slots: &[usize],
+        batch: &Self::Paged,
     ) -> BResult<()>;
     /// Causal attention of `q [n, heads·d]` over each sequence's cached keys and values.
     fn paged_attention(
@@ -175,6 +206,6 @@ pub trait Backend {
         layer: usize,
         q: &Self::Tensor,
         heads: usize,
-        seqs: &[PagedSeq<'_>],
+        batch: &Self::Paged,
     ) -> BResult<Self::Tensor>;
 }

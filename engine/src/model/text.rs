@@ -3,7 +3,7 @@
 
 use super::weights::{Loader, TensorSource};
 use super::ModelError;
-use crate::backend::{Backend, PagedSeq};
+use crate::backend::Backend;
 use crate::config::{ModelConfig, TextConfig};
 
 #[derive(Debug)]
@@ -29,10 +29,8 @@ pub struct DecoderInput<'a, B: Backend> {
     pub cos: B::Tensor,
     /// See `cos`.
     pub sin: B::Tensor,
-    /// KV slot of every token.
-    pub slots: &'a [usize],
-    /// The sequences in this batch.
-    pub seqs: &'a [PagedSeq<'a>],
+    /// The step's slots and block tables, uploaded once for every layer.
+    pub paged: &'a B::Paged,
     /// Qwen3-VL deepstack features with the rows they are added to (prefill only).
     pub deepstack: Option<(&'a [B::Tensor], &'a [usize])>,
 }
@@ -128,8 +126,8 @@ impl<B: Backend> TextModel<B> {
             }
             let q = be.rope(&q, &inp.cos, &inp.sin)?;
             let k = be.rope(&k, &inp.cos, &inp.sin)?;
-            be.write_kv(cache, i, &k, &v, inp.slots)?;
-            let a = be.paged_attention(cache, i, &q, nq, inp.seqs)?;
+            be.write_kv(cache, i, &k, &v, inp.paged)?;
+            let a = be.paged_attention(cache, i, &q, nq, inp.paged)?;
             x = be.add(&x, &be.linear(&a, &layer.o, None)?)?;
             let h = be.rms_norm(&x, &layer.post_norm, eps)?;
             let m = be.silu_mul(&be.linear(&h, &layer.gate, None)?, &be.linear(&h, &layer.up, None)?)?;

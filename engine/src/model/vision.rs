@@ -166,7 +166,7 @@ impl<B: Backend> VisionTower<B> {
         };
         let pos_table = if qwen3 {
             let t = l.matrix(&format!("{p}.pos_embed.weight"), v.num_position_embeddings, e)?;
-            Some(be.download(&t)?)
+            Some(crate::backend::block_on(be.read(&t))?)
         } else {
             None
         };
@@ -273,10 +273,10 @@ impl<B: Backend> VisionTower<B> {
         let (cos, sin) = vision_rotary(grids, self.merge, head_dim);
         let mut cos = be.upload(cos, &[patches, head_dim])?;
         let mut sin = be.upload(sin, &[patches, head_dim])?;
-        let full: Vec<(usize, usize)> = frame_segments(grids);
+        let full = be.upload_segments(&frame_segments(grids))?;
         let unit = self.merge * self.merge;
         // Qwen2.5-VL: the window order of merged cells and the window segments.
-        let mut window: Option<WindowOrder> = None;
+        let mut window: Option<(Vec<usize>, B::Segments)> = None;
         if self.family == Family::Qwen25Vl {
             let (index, segments) = window_index(grids, self.merge, self.window_merged);
             let rows: Vec<usize> = index
@@ -286,14 +286,14 @@ impl<B: Backend> VisionTower<B> {
             x = be.gather_rows(&x, &rows)?;
             cos = be.gather_rows(&cos, &rows)?;
             sin = be.gather_rows(&sin, &rows)?;
-            window = Some((index, segments));
+            window = Some((index, be.upload_segments(&segments)?));
         }
         let mut deep = Vec::new();
         let merged_rows = patches / unit;
         for (i, block) in self.blocks.iter().enumerate() {
             let segs = match &window {
-                Some((_, w)) if !self.fullatt.contains(&i) => w.as_slice(),
-                _ => full.as_slice(),
+                Some((_, w)) if !self.fullatt.contains(&i) => w,
+                _ => &full,
             };
             x = self.block(be, block, &x, &cos, &sin, segs)?;
             if let Some((_, m)) = self.deepstack.iter().find(|(layer, _)| *layer == i) {
@@ -318,7 +318,7 @@ impl<B: Backend> VisionTower<B> {
         x: &B::Tensor,
         cos: &B::Tensor,
         sin: &B::Tensor,
-        segs: &[(usize, usize)],
+        segs: &B::Segments,
     ) -> Result<B::Tensor, ModelError> {
         let e = self.width;
         let h = b.norm1.apply(be, x)?;

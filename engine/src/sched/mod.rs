@@ -67,11 +67,12 @@ pub enum SchedError {
     Cache(#[from] CacheError),
 }
 
-/// One request's share of a step.
+/// One request's share of a step, named by request id (positions in the running list change as
+/// requests finish, so a step in flight never holds one).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ScheduledSeq {
-    /// Its index in [`Scheduler::running`].
-    pub index: usize,
+    /// The request.
+    pub id: RequestId,
     /// First position computed this step (tokens already in the KV cache before it).
     pub start: usize,
     /// Tokens computed this step, positions `start..start + num_new`.
@@ -244,6 +245,9 @@ impl<T> Scheduler<T> {
     /// referenced (vLLM keeps them, which can deadlock).
     pub fn schedule(&mut self) -> Result<SchedulerOutput, CacheError> {
         let mut out = SchedulerOutput::default();
+        // Running-list indices of the scheduled requests, parallel to `out.scheduled`: preemption
+        // only removes requests after the one being scheduled, so these stay valid.
+        let mut indices = Vec::new();
         let mut budget = Budget {
             tokens: self.cfg.max_num_batched_tokens,
             encoder: self.cfg.max_num_encoder_input_tokens,
@@ -278,6 +282,7 @@ impl<T> Scheduler<T> {
                 }
             }
             self.commit(i, start, 0, plan, &mut budget, &mut out)?;
+            indices.push(i);
             i += 1;
         }
 
@@ -305,10 +310,11 @@ impl<T> Scheduler<T> {
             self.running.push(seq);
             let index = self.running.len() - 1;
             self.commit(index, start, start, plan, &mut budget, &mut out)?;
+            indices.push(index);
         }
 
-        for s in &out.scheduled {
-            let seq = &mut self.running[s.index];
+        for (s, &index) in out.scheduled.iter().zip(&indices) {
+            let seq = &mut self.running[index];
             seq.set_computed(s.end());
             // An image repeated later in the same request keeps its entry until that use is done too.
             let in_kv = |h: &MmHash| {
@@ -344,7 +350,7 @@ impl<T> Scheduler<T> {
         budget.tokens -= plan.num_new;
         budget.encoder -= plan.cost;
         out.scheduled.push(ScheduledSeq {
-            index,
+            id: seq.id().clone(),
             start,
             num_new: plan.num_new,
             num_cached,
@@ -364,24 +370,37 @@ impl<T> Scheduler<T> {
         Ok(())
     }
 
-    /// Appends a token sampled for running request `index` (which the step brought to its full
-    /// length) and hashes the blocks it filled.
-    pub fn push_token(&mut self, index: usize, token: TokenId) -> Result<(), CacheError> {
+    /// The running request `id`, if it is running.
+    pub fn get(&self, id: &RequestId) -> Option<&Sequence<T>> {
+        self.running.iter().find(|s| s.id() == id)
+    }
+
+    /// The running request `id`, mutably.
+    pub fn get_mut(&mut self, id: &RequestId) -> Option<&mut Sequence<T>> {
+        self.running.iter_mut().find(|s| s.id() == id)
+    }
+
+    /// Appends a token sampled for running request `id` (which the step brought to its full
+    /// length) and hashes the blocks it filled; false when it is no longer running (aborted while
+    /// the step was in flight).
+    pub fn push_token(&mut self, id: &RequestId, token: TokenId) -> Result<bool, CacheError> {
         let bs = self.kv.block_size();
-        self.running[index].push_token(token, bs)
+        match self.get_mut(id) {
+            Some(seq) => seq.push_token(token, bs).map(|()| true),
+            None => Ok(false),
+        }
     }
 
     /// Removes finished running requests, releasing their KV blocks (cached ones stay reusable)
-    /// and encoder references. Indices are into [`Self::running`]; any order.
-    pub fn finish(&mut self, indices: &[usize]) -> Result<Vec<Sequence<T>>, CacheError> {
-        let mut indices = indices.to_vec();
-        indices.sort_unstable_by(|a, b| b.cmp(a));
-        indices.dedup();
-        let mut done = Vec::with_capacity(indices.len());
-        for i in indices {
-            let seq = self.running.remove(i);
-            self.release(&seq)?;
-            done.push(seq);
+    /// and encoder references; ids not running are skipped.
+    pub fn finish(&mut self, ids: &[RequestId]) -> Result<Vec<Sequence<T>>, CacheError> {
+        let mut done = Vec::with_capacity(ids.len());
+        for id in ids {
+            if let Some(i) = self.running.iter().position(|s| s.id() == id) {
+                let seq = self.running.remove(i);
+                self.release(&seq)?;
+                done.push(seq);
+            }
         }
         Ok(done)
     }

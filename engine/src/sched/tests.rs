@@ -144,14 +144,9 @@ impl Sim {
             assert!(self.encoder_outputs.remove(h), "freed {h} was never computed");
         }
         let bs = self.sizes.block_size;
-        let running = self.sched.running();
-        self.last_ids = out
-            .scheduled
-            .iter()
-            .map(|s| running[s.index].id().to_string())
-            .collect();
+        self.last_ids = out.scheduled.iter().map(|s| s.id.to_string()).collect();
         for s in &out.scheduled {
-            let seq = &running[s.index];
+            let seq = self.sched.get(&s.id).unwrap();
             for &i in &s.encode {
                 assert!(
                     self.encoder_outputs.insert(seq.spans()[i].hash.clone()),
@@ -161,7 +156,7 @@ impl Sim {
         }
         let mut to_sample = Vec::new();
         for s in &out.scheduled {
-            let seq = &running[s.index];
+            let seq = self.sched.get(&s.id).unwrap();
             for i in seq.images_in(s.start, s.end()) {
                 let h = &seq.spans()[i].hash;
                 assert!(
@@ -176,12 +171,12 @@ impl Sim {
                 self.slots.insert(table[p / bs] * bs + p % bs, slot_of(seq, p));
             }
             if s.end() == seq.len() {
-                to_sample.push(s.index);
+                to_sample.push(s.id.clone());
             }
         }
         let mut finished = Vec::new();
-        for index in to_sample {
-            let seq = &self.sched.running()[index];
+        for id in to_sample {
+            let seq = self.sched.get(&id).unwrap();
             let table = self.sched.kv().block_table(seq.id());
             for p in 0..seq.len() {
                 assert_eq!(
@@ -192,17 +187,13 @@ impl Sim {
                 );
             }
             let token = fake_token(seq);
-            let id = seq.id().clone();
-            self.sched.push_token(index, token).unwrap();
+            assert!(self.sched.push_token(&id, token).unwrap());
             let emitted = self.emitted.entry(id.clone()).or_default();
             emitted.push(token);
-            assert_eq!(
-                emitted.as_slice(),
-                self.sched.running()[index].output(),
-                "emitted twice or lost"
-            );
-            if emitted.len() >= self.sched.running()[index].data {
-                finished.push(index);
+            let seq = self.sched.get(&id).unwrap();
+            assert_eq!(emitted.as_slice(), seq.output(), "emitted twice or lost");
+            if emitted.len() >= seq.data {
+                finished.push(id);
             }
         }
         self.sched.finish(&finished).unwrap();
@@ -218,10 +209,10 @@ impl Sim {
         let mut seen = HashSet::new();
         let mut encoded = 0;
         for s in &out.scheduled {
-            assert!(s.num_new > 0 && seen.insert(s.index), "{s:?}");
+            assert!(s.num_new > 0 && seen.insert(s.id.clone()), "{s:?}");
             let threshold = self.sizes.long_prefill_token_threshold;
             assert!(threshold == 0 || s.num_new <= threshold, "{s:?} over {threshold}");
-            let seq = &running[s.index];
+            let seq = self.sched.get(&s.id).unwrap();
             assert_eq!(seq.computed(), s.end());
             assert!(s.end() <= seq.len());
             encoded += s.encode.iter().map(|&i| seq.spans()[i].length).sum::<usize>();

@@ -1,0 +1,193 @@
+//! The operation tests every backend must pass, written once over [`Backend`]. A backend runs the
+//! whole suite with one line in its test module: `crate::backend_suite!(MyBackend::new());`.
+//! Tolerances are those of f32 accumulation.
+
+use super::{block_on, Activation, Backend, KvLayout, PagedBatch, PagedSeq};
+use crate::memory::ledger::Category;
+
+/// Declares one `#[test]` per suite function for the backend `$make` builds.
+#[macro_export]
+macro_rules! backend_suite {
+    ($make:expr) => {
+        $crate::backend_suite!(@tests $make;
+            linear_norms_and_activations,
+            paged_attention_matches_dense_causal_attention,
+            chunked_segment_attention_matches_a_direct_softmax,
+            rope_rotates_halves_and_segments_stay_apart,
+            rows_gather_scatter_and_concat);
+    };
+    (@tests $make:expr; $($name:ident),*) => {
+        $(
+            #[test]
+            fn $name() {
+                $crate::backend::suite::$name(&$make);
+            }
+        )*
+    };
+}
+
+fn t<B: Backend>(b: &B, data: &[f32], rows: usize, cols: usize) -> B::Tensor {
+    b.upload(data.to_vec(), &[rows, cols]).unwrap()
+}
+
+fn host<B: Backend>(b: &B, t: &B::Tensor) -> Vec<f32> {
+    block_on(b.read(t)).unwrap()
+}
+
+fn close(got: &[f32], want: &[f32], tol: f32) {
+    assert_eq!(got.len(), want.len());
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert!((g - w).abs() <= tol, "element {i}: {g} vs {w}");
+    }
+}
+
+/// Linear with bias, RMSNorm, LayerNorm and an activation against hand-computed values.
+pub fn linear_norms_and_activations<B: Backend>(b: &B) {
+    let x = t(b, &[1.0, 2.0, 3.0, 4.0], 2, 2);
+    let w = t(b, &[1.0, 0.0, 1.0, 1.0, 0.0, 2.0], 3, 2);
+    let bias = b.upload(vec![0.5, 0.0, -1.0], &[3]).unwrap();
+    close(
+        &host(b, &b.linear(&x, &w, Some(&bias)).unwrap()),
+        &[1.5, 3.0, 3.0, 3.5, 7.0, 7.0],
+        1e-6,
+    );
+    let ones = b.upload(vec![1.0, 1.0], &[2]).unwrap();
+    let rms = host(b, &b.rms_norm(&x, &ones, 0.0).unwrap());
+    let r0 = (2.5f32).sqrt();
+    close(&rms[..2], &[1.0 / r0, 2.0 / r0], 1e-6);
+    let zeros = b.upload(vec![0.0, 0.0], &[2]).unwrap();
+    let ln = host(b, &b.layer_norm(&x, &ones, &zeros, 0.0).unwrap());
+    close(&ln[..2], &[-1.0, 1.0], 1e-5);
+    let q = host(b, &b.activate(&t(b, &[1.0], 1, 1), Activation::QuickGelu).unwrap());
+    close(&q, &[1.0 / (1.0 + (-1.702f32).exp())], 1e-6);
+}
+
+/// Two heads sharing one KV head, 5 tokens spread over blocks 3 and 1 of size 4, against a dense
+/// causal softmax; a context past the block table is refused.
+pub fn paged_attention_matches_dense_causal_attention<B: Backend>(b: &B) {
+    let layout = KvLayout {
+        layers: 1,
+        num_blocks: 5,
+        block_size: 4,
+        kv_heads: 1,
+        head_dim: 2,
+    };
+    let mut cache = b.alloc_kv(layout).unwrap();
+    assert_eq!(b.ledger().bytes(Category::KvCache), layout.bytes(b.elem_bytes()));
+    let n = 5;
+    let kv: Vec<f32> = (0..n * 2).map(|i| (i as f32 * 0.37).sin()).collect();
+    let vv: Vec<f32> = (0..n * 2).map(|i| (i as f32 * 0.11).cos()).collect();
+    let q: Vec<f32> = (0..n * 4).map(|i| (i as f32 * 0.23).sin()).collect();
+    let table = vec![3usize, 1];
+    let batch = |context_len| PagedBatch {
+        slots: (0..n).map(|p| table[p / 4] * 4 + p % 4).collect(),
+        seqs: vec![PagedSeq {
+            query_start: 0,
+            query_len: n,
+            context_len,
+            block_table: table.clone(),
+        }],
+    };
+    let meta = b.upload_paged(batch(n)).unwrap();
+    b.write_kv(&mut cache, 0, &t(b, &kv, n, 2), &t(b, &vv, n, 2), &meta)
+        .unwrap();
+    let paged = host(b, &b.paged_attention(&cache, 0, &t(b, &q, n, 4), 2, &meta).unwrap());
+    for i in 0..n {
+        for h in 0..2 {
+            let qh = &q[i * 4 + h * 2..i * 4 + h * 2 + 2];
+            let s: Vec<f32> = (0..=i)
+                .map(|j| (qh[0] * kv[j * 2] + qh[1] * kv[j * 2 + 1]) / 2f32.sqrt())
+                .collect();
+            let m = s.iter().cloned().fold(f32::MIN, f32::max);
+            let e: Vec<f32> = s.iter().map(|x| (x - m).exp()).collect();
+            let z: f32 = e.iter().sum();
+            for c in 0..2 {
+                let want: f32 = (0..=i).map(|j| e[j] / z * vv[j * 2 + c]).sum();
+                assert!((paged[i * 4 + h * 2 + c] - want).abs() < 1e-5);
+            }
+        }
+    }
+    let bad = b.upload_paged(batch(9)).unwrap();
+    assert!(b.paged_attention(&cache, 0, &t(b, &q, n, 4), 2, &bad).is_err());
+}
+
+/// 700 rows, more than one query chunk in the first segment, against a direct softmax.
+pub fn chunked_segment_attention_matches_a_direct_softmax<B: Backend>(b: &B) {
+    let n = 700;
+    let q: Vec<f32> = (0..n * 2).map(|i| (i as f32 * 0.013).sin()).collect();
+    let k: Vec<f32> = (0..n * 2).map(|i| (i as f32 * 0.029).cos()).collect();
+    let v: Vec<f32> = (0..n * 2).map(|i| (i as f32 * 0.07).sin()).collect();
+    let segs = [(0, 650), (650, 50)];
+    let meta = b.upload_segments(&segs).unwrap();
+    let out = host(
+        b,
+        &b.segment_attention(&t(b, &q, n, 2), &t(b, &k, n, 2), &t(b, &v, n, 2), 1, &meta)
+            .unwrap(),
+    );
+    for &(start, len) in &segs {
+        for i in (start..start + len).step_by(37) {
+            let s: Vec<f32> = (start..start + len)
+                .map(|j| (q[i * 2] * k[j * 2] + q[i * 2 + 1] * k[j * 2 + 1]) / 2f32.sqrt())
+                .collect();
+            let m = s.iter().cloned().fold(f32::MIN, f32::max);
+            let z: f32 = s.iter().map(|x| (x - m).exp()).sum();
+            let want: f32 = s
+                .iter()
+                .enumerate()
+                .map(|(j, x)| (x - m).exp() / z * v[(start + j) * 2])
+                .sum();
+            assert!((out[i * 2] - want).abs() < 1e-4, "row {i}: {} vs {want}", out[i * 2]);
+        }
+    }
+}
+
+/// Rotate-half rotary embedding per head, and segments that do not see each other.
+pub fn rope_rotates_halves_and_segments_stay_apart<B: Backend>(b: &B) {
+    let x = t(b, &[1.0, 2.0, 3.0, 4.0], 1, 4);
+    let cos = t(b, &[0.0, 0.0], 1, 2);
+    let sin = t(b, &[1.0, 1.0], 1, 2);
+    // Two heads of width 2; rotate_half([a, b]) = [-b, a].
+    close(
+        &host(b, &b.rope(&x, &cos, &sin).unwrap()),
+        &[-2.0, 1.0, -4.0, 3.0],
+        1e-6,
+    );
+    let q = t(b, &[1.0, 1.0, 1.0], 3, 1);
+    let v = t(b, &[1.0, 2.0, 10.0], 3, 1);
+    let segs = b.upload_segments(&[(0, 2), (2, 1)]).unwrap();
+    let out = host(b, &b.segment_attention(&q, &q, &v, 1, &segs).unwrap());
+    close(&out, &[1.5, 1.5, 10.0], 1e-6);
+}
+
+/// Row gathers, scatters (replacing and adding), concatenation, column slices and embeddings.
+pub fn rows_gather_scatter_and_concat<B: Backend>(b: &B) {
+    let x = t(b, &[0.0, 1.0, 2.0, 3.0, 4.0, 5.0], 3, 2);
+    close(
+        &host(b, &b.gather_rows(&x, &[2, 0]).unwrap()),
+        &[4.0, 5.0, 0.0, 1.0],
+        0.0,
+    );
+    let src = t(b, &[10.0, 20.0], 1, 2);
+    close(
+        &host(b, &b.scatter_rows(&x, &[1], &src, false).unwrap()),
+        &[0.0, 1.0, 10.0, 20.0, 4.0, 5.0],
+        0.0,
+    );
+    close(
+        &host(b, &b.scatter_rows(&x, &[1], &src, true).unwrap()),
+        &[0.0, 1.0, 12.0, 23.0, 4.0, 5.0],
+        0.0,
+    );
+    close(
+        &host(b, &b.concat_rows(&[src.clone(), x.clone()]).unwrap()),
+        &[10.0, 20.0, 0.0, 1.0, 2.0, 3.0, 4.0, 5.0],
+        0.0,
+    );
+    close(&host(b, &b.narrow_cols(&x, 1, 1).unwrap()), &[1.0, 3.0, 5.0], 0.0);
+    close(
+        &host(b, &b.embedding(&x, &[2, 2, 1]).unwrap()),
+        &[4.0, 5.0, 4.0, 5.0, 2.0, 3.0],
+        0.0,
+    );
+    assert_eq!(b.shape(&b.reshape(&x, 2, 3).unwrap()), vec![2, 3]);
+}

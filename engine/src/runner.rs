@@ -1,0 +1,251 @@
+//! The model runner: it owns the loaded model, the paged KV cache tensors and the kept encoder
+//! outputs, and executes one step batch whose sequences are named by request id (vLLM's
+//! `GPUModelRunner`). The engine decides what a step computes; the runner records it on the backend
+//! and queues the one read the step needs. The start-up profile is a dummy batch through the same
+//! path ([`crate::profile`]).
+
+use crate::backend::{Backend, KvLayout, PagedBatch, PagedSeq, Readback};
+use crate::cache::{MmHash, RequestId};
+use crate::memory::ledger::Category;
+use crate::model::rope::mrope_tables;
+use crate::model::text::DecoderInput;
+use crate::model::vision::VisionOutput;
+use crate::model::{ModelError, QwenVl};
+use std::collections::HashMap;
+use std::ops::Range;
+
+/// Rows of a kept encoder output that one step merges into its token embeddings.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ImageRows {
+    /// The encoder output's content hash.
+    pub mm_hash: MmHash,
+    /// Rows of the encoder output (placeholder positions relative to the image's first one).
+    pub rows: Range<usize>,
+    /// Index, among the sequence's tokens this step, of the first of those rows.
+    pub at: usize,
+}
+
+/// One request's share of a step.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BatchSeq {
+    /// The request.
+    pub id: RequestId,
+    /// Token ids computed this step.
+    pub tokens: Vec<u32>,
+    /// Their M-RoPE positions.
+    pub positions: Vec<[i64; 3]>,
+    /// Tokens in the KV cache after this step (this step's included).
+    pub context_len: usize,
+    /// The request's KV block table.
+    pub block_table: Vec<usize>,
+    /// Image features that replace placeholder embeddings.
+    pub images: Vec<ImageRows>,
+    /// How many of its last rows the step returns logits for (1 where the request samples).
+    pub logit_rows: usize,
+}
+
+/// What one step computes, in batch order.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct StepBatch {
+    /// The scheduled requests.
+    pub seqs: Vec<BatchSeq>,
+}
+
+/// A step recorded on the device: the ids whose logits rows it reads back, in row order, and the
+/// read itself.
+pub struct StepRead {
+    /// One entry per logits row (a request appears `logit_rows` times).
+    pub rows: Vec<RequestId>,
+    /// The logits `[rows, vocab]` once the device has produced them; None when no row was asked for.
+    pub logits: Option<Readback>,
+}
+
+impl std::fmt::Debug for StepRead {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StepRead")
+            .field("rows", &self.rows)
+            .field("logits", &self.logits.as_ref().map(|_| "pending read"))
+            .finish()
+    }
+}
+
+/// The model, its KV cache and the encoder outputs it keeps, on one backend.
+#[derive(Debug)]
+pub struct ModelRunner<B: Backend> {
+    be: B,
+    model: QwenVl<B>,
+    kv: Option<(KvLayout, B::KvCache)>,
+    encoder_outputs: HashMap<MmHash, VisionOutput<B>>,
+}
+
+impl<B: Backend> ModelRunner<B> {
+    /// A runner over a loaded model, with no KV cache yet ([`Self::allocate_kv`]).
+    pub fn new(be: B, model: QwenVl<B>) -> Self {
+        ModelRunner {
+            be,
+            model,
+            kv: None,
+            encoder_outputs: HashMap::new(),
+        }
+    }
+
+    /// The backend.
+    pub fn backend(&self) -> &B {
+        &self.be
+    }
+
+    /// The model.
+    pub fn model(&self) -> &QwenVl<B> {
+        &self.model
+    }
+
+    /// The KV cache's geometry for `num_blocks` blocks of `block_size` tokens.
+    pub fn kv_layout(&self, num_blocks: usize, block_size: usize) -> KvLayout {
+        let t = &self.model.cfg.text;
+        KvLayout {
+            layers: t.num_hidden_layers,
+            num_blocks,
+            block_size,
+            kv_heads: t.num_key_value_heads,
+            head_dim: t.head_dim,
+        }
+    }
+
+    /// Replaces the KV cache with a zeroed one of `num_blocks` blocks (the old one is freed first).
+    pub fn allocate_kv(&mut self, num_blocks: usize, block_size: usize) -> Result<KvLayout, ModelError> {
+        self.kv = None;
+        let layout = self.kv_layout(num_blocks, block_size);
+        self.kv = Some((layout, self.be.alloc_kv(layout)?));
+        Ok(layout)
+    }
+
+    /// The current KV cache's geometry, if one is allocated.
+    pub fn layout(&self) -> Option<KvLayout> {
+        self.kv.as_ref().map(|(l, _)| *l)
+    }
+
+    /// Hands the KV cache to the caller (the profile swaps in a scratch one).
+    pub(crate) fn take_kv(&mut self) -> Option<(KvLayout, B::KvCache)> {
+        self.kv.take()
+    }
+
+    /// Puts back a KV cache taken with [`Self::take_kv`].
+    pub(crate) fn restore_kv(&mut self, kv: Option<(KvLayout, B::KvCache)>) {
+        self.kv = kv;
+    }
+
+    /// Bytes per encoder-output token as kept (main features and deepstack levels).
+    pub fn encoder_bytes_per_token(&self) -> u64 {
+        self.model.cfg.encoder_output_dim() as u64 * self.be.elem_bytes()
+    }
+
+    /// Runs the vision tower on one image and keeps its output under `mm_hash`, recorded as
+    /// encoder cache.
+    pub fn encode(&mut self, mm_hash: &MmHash, pixel_values: &[f32], grid_thw: [usize; 3]) -> Result<(), ModelError> {
+        let patches: usize = grid_thw.iter().product();
+        let cols = pixel_values.len() / patches.max(1);
+        let px = self.be.upload(pixel_values.to_vec(), &[patches, cols])?;
+        let out = self.model.vision.forward(&self.be, &px, &[grid_thw])?;
+        // Kept outputs are encoder cache from now on, not transient activations.
+        let kept = VisionOutput {
+            main: self.be.keep(&out.main, Category::EncoderCache),
+            deepstack: out
+                .deepstack
+                .iter()
+                .map(|d| self.be.keep(d, Category::EncoderCache))
+                .collect(),
+        };
+        self.encoder_outputs.insert(mm_hash.clone(), kept);
+        Ok(())
+    }
+
+    /// Drops a kept encoder output.
+    pub fn forget(&mut self, mm_hash: &MmHash) {
+        self.encoder_outputs.remove(mm_hash);
+    }
+
+    /// Records one decoder pass over the batch (image rows merged in, deepstack added, K/V written
+    /// into the cache) and queues the read of the logits rows the batch asks for.
+    pub fn execute(&mut self, batch: &StepBatch) -> Result<StepRead, ModelError> {
+        let be = &self.be;
+        let (layout, cache) = self
+            .kv
+            .as_mut()
+            .ok_or_else(|| ModelError::Input("the runner has no KV cache".into()))?;
+        let bs = layout.block_size;
+        let deep_levels = self.model.cfg.vision.deepstack_visual_indexes.len();
+        let (mut ids, mut positions, mut paged) = (Vec::new(), Vec::new(), PagedBatch::default());
+        let (mut image_rows, mut image_parts) = (Vec::new(), Vec::new());
+        let mut deep_parts: Vec<Vec<B::Tensor>> = vec![Vec::new(); deep_levels];
+        let (mut logit_rows, mut row_ids) = (Vec::new(), Vec::new());
+        for s in &batch.seqs {
+            let row0 = ids.len();
+            let n = s.tokens.len();
+            let start = s.context_len.checked_sub(n).filter(|_| s.positions.len() == n);
+            let Some(start) = start else {
+                return Err(ModelError::Input(format!("request {}: inconsistent step batch", s.id)));
+            };
+            ids.extend_from_slice(&s.tokens);
+            positions.extend_from_slice(&s.positions);
+            for p in start..s.context_len {
+                let block = s.block_table.get(p / bs).ok_or_else(|| {
+                    ModelError::Input(format!("request {}: position {p} outside its block table", s.id))
+                })?;
+                paged.slots.push(block * bs + p % bs);
+            }
+            for img in &s.images {
+                let entry = self
+                    .encoder_outputs
+                    .get(&img.mm_hash)
+                    .ok_or_else(|| ModelError::Input(format!("encoder output for {} is missing", img.mm_hash)))?;
+                let rows: Vec<usize> = img.rows.clone().collect();
+                image_parts.push(be.gather_rows(&entry.main, &rows)?);
+                for (k, d) in entry.deepstack.iter().enumerate().take(deep_levels) {
+                    deep_parts[k].push(be.gather_rows(d, &rows)?);
+                }
+                image_rows.extend((0..rows.len()).map(|r| row0 + img.at + r));
+            }
+            let k = s.logit_rows.min(n);
+            logit_rows.extend(row0 + n - k..row0 + n);
+            row_ids.extend(std::iter::repeat_n(s.id.clone(), k));
+            paged.seqs.push(PagedSeq {
+                query_start: row0,
+                query_len: n,
+                context_len: s.context_len,
+                block_table: s.block_table.clone(),
+            });
+        }
+        let mut embeds = self.model.text.embed(be, &ids)?;
+        let mut deep = Vec::new();
+        if !image_rows.is_empty() {
+            let feats = be.concat_rows(&image_parts)?;
+            embeds = be.scatter_rows(&embeds, &image_rows, &feats, false)?;
+            for parts in &deep_parts {
+                deep.push(be.concat_rows(parts)?);
+            }
+        }
+        let t = &self.model.cfg.text;
+        let (cos, sin) = mrope_tables(t, &positions);
+        let cos = be.upload(cos, &[ids.len(), t.head_dim])?;
+        let sin = be.upload(sin, &[ids.len(), t.head_dim])?;
+        let paged = be.upload_paged(paged)?;
+        let hidden = self.model.text.forward(
+            be,
+            cache,
+            DecoderInput {
+                embeds,
+                cos,
+                sin,
+                paged: &paged,
+                deepstack: (!deep.is_empty()).then_some((&deep[..], &image_rows[..])),
+            },
+        )?;
+        let logits = if logit_rows.is_empty() {
+            None
+        } else {
+            let logits = self.model.text.logits(be, &be.gather_rows(&hidden, &logit_rows)?)?;
+            Some(be.read(&logits))
+        };
+        Ok(StepRead { rows: row_ids, logits })
+    }
+}
