@@ -9,6 +9,7 @@ mod random_checkpoint_cmd;
 mod runtime;
 mod serve;
 mod startup;
+mod vllm_flags;
 
 use clap::{Parser, Subcommand};
 
