@@ -271,7 +271,7 @@ fn bench_serve(a: &ServeBenchArgs) -> Result<()> {
     let count = |text: &str| {
         counter.count(text).unwrap_or_else(|e| {
             if !warned.swap(true, std::sync::atomic::Ordering::Relaxed) {
-                eprintln!("WARNING cannot count output tokens ({e:#}): counted as 0");
+                tracing::warn!("cannot count output tokens ({e:#}): counted as 0");
             }
             0
         })

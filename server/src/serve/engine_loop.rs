@@ -368,7 +368,7 @@ impl EngineLoop {
     fn abort(&mut self, id: &RequestId, reason: FinishReason) {
         if self.live.contains_key(id) {
             if let Err(e) = self.engine.abort(id) {
-                eprintln!("ERROR aborting {id}: {e}");
+                tracing::error!("aborting {id}: {e}");
             }
             self.finish(id, reason);
             self.dirty = true;
@@ -380,8 +380,8 @@ impl EngineLoop {
         if let Some(live) = self.live.remove(id) {
             let e2e = live.arrived.elapsed().as_secs_f64();
             self.metrics.finished(reason, e2e);
-            eprintln!(
-                "INFO Finished request {id}: {}, {} prompt + {} generated tokens in {e2e:.2} s",
+            tracing::info!(
+                "Finished request {id}: {}, {} prompt + {} generated tokens in {e2e:.2} s",
                 reason.as_str(),
                 live.prompt_len,
                 live.generated
@@ -398,7 +398,7 @@ impl EngineLoop {
                 }
             }
             Err(e) => {
-                eprintln!("ERROR engine step failed: {e}");
+                tracing::error!("engine step failed: {e}");
                 // The engine has dropped every request and emptied its caches: tell the clients.
                 let why = ApiError::internal(format!("the engine failed: {e}"));
                 self.end_all(|_| Update::Failed(why.clone()));
