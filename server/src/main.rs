@@ -3,12 +3,14 @@
 mod bench;
 mod checkpoint;
 mod generate_cmd;
+mod logging;
 mod plan_cmd;
 mod preprocess;
 mod random_checkpoint_cmd;
 mod runtime;
 mod serve;
 mod startup;
+mod vllm_flags;
 
 use clap::{Parser, Subcommand};
 
@@ -53,6 +55,7 @@ impl std::fmt::Display for UsageError {
 impl std::error::Error for UsageError {}
 
 fn main() -> ExitCode {
+    logging::init();
     let cli = Cli::parse_from(serve::strip_ignored_vllm_flags(std::env::args_os().collect()));
     let result = match cli.command {
         Command::Bench(args) => bench::run(&args),

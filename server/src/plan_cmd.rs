@@ -1,12 +1,13 @@
 //! `kvlens plan`: the start-up budget as a table, vLLM-style log lines, or JSON.
 
+use crate::vllm_flags::{non_negative, VllmFlags};
 use crate::UsageError;
 use anyhow::Result;
-use kvlens_engine::config::{bundled_config, DType, ImageLimits, ModelConfig};
+use kvlens_engine::config::{bundled_config, ImageLimits, ModelConfig};
 use kvlens_engine::memory::device::{device_preset, device_preset_names, gib_to_bytes};
 use kvlens_engine::memory::log_budget::{header_settings, rebuild, what_if, DeviceTotal, HeaderSettings};
 use kvlens_engine::memory::vllm_log::{parse_vllm_log, ParsedLog, ProfilingFormat};
-use kvlens_engine::memory::{plan, MmLimits, Plan, PlanRequest, Source};
+use kvlens_engine::memory::{plan, Plan, PlanRequest, Source};
 use std::path::{Path, PathBuf};
 
 /// Flags as `vllm serve` spells them, plus the device and measured overrides.
@@ -27,29 +28,8 @@ pub struct PlanArgs {
     /// [default: 1]
     #[arg(long, short = 't')]
     pub tensor_parallel_size: Option<usize>,
-    #[arg(long)]
-    pub max_model_len: Option<usize>,
-    /// [default: 0.9]
-    #[arg(long)]
-    pub gpu_memory_utilization: Option<f64>,
-    #[arg(long)]
-    pub max_num_batched_tokens: Option<usize>,
-    #[arg(long)]
-    pub max_num_seqs: Option<usize>,
-    /// KV block size in tokens (default: 16, or 128 on Ascend).
-    #[arg(long)]
-    pub block_size: Option<usize>,
-    /// `image=N,video=M` or JSON such as '{"image": 4, "video": 0}'.
-    #[arg(long)]
-    pub limit_mm_per_prompt: Option<String>,
-    #[arg(long, default_value_t = 4.0, value_parser = non_negative)]
-    pub mm_processor_cache_gb: f64,
-    /// auto, bfloat16, float16, float32, fp8, fp8_e4m3, fp8_e5m2.
-    #[arg(long, default_value = "auto")]
-    pub kv_cache_dtype: String,
-    /// auto, bfloat16, float16, float32.
-    #[arg(long, default_value = "auto")]
-    pub dtype: String,
+    #[command(flatten)]
+    pub vllm: VllmFlags,
     /// Fixed KV cache size (GiB), as vLLM's --kv-cache-memory: the utilization rule is skipped.
     #[arg(long, value_parser = non_negative)]
     pub kv_cache_memory_gib: Option<f64>,
@@ -73,26 +53,8 @@ pub struct PlanArgs {
     pub json: bool,
 }
 
-fn non_negative(s: &str) -> Result<f64, String> {
-    match s.parse::<f64>() {
-        Ok(v) if v.is_finite() && v >= 0.0 => Ok(v),
-        Ok(v) => Err(format!("must be a non-negative size, got {v}")),
-        Err(_) => Err(format!("{s:?} is not a number")),
-    }
-}
-
 fn usage(msg: impl Into<String>) -> anyhow::Error {
     UsageError(msg.into()).into()
-}
-
-/// `--FLAG VALUE` as a dtype: None for `auto` (the checkpoint's), else a known name.
-pub(crate) fn parse_dtype(flag: &str, value: &str) -> Result<Option<DType>> {
-    if value.eq_ignore_ascii_case("auto") {
-        return Ok(None);
-    }
-    DType::parse(value)
-        .map(Some)
-        .ok_or_else(|| usage(format!("--{flag}: unknown dtype {value:?}")))
 }
 
 /// Loads a bundled config by name or a checkpoint directory's config.json (+ preprocessor limits).
@@ -140,24 +102,7 @@ pub fn request_from_args(a: &PlanArgs, header: &HeaderSettings) -> Result<PlanRe
     let mut r = PlanRequest::new(name, cfg, device);
     r.image_limits = limits;
     r.tensor_parallel_size = a.tensor_parallel_size.or(header.tensor_parallel_size).unwrap_or(1);
-    r.max_model_len = a.max_model_len.or(header.max_model_len);
-    r.gpu_memory_utilization = a
-        .gpu_memory_utilization
-        .or(header.gpu_memory_utilization)
-        .unwrap_or(0.9);
-    r.max_num_batched_tokens = a.max_num_batched_tokens.or(header.max_num_batched_tokens);
-    r.max_num_seqs = a.max_num_seqs.or(header.max_num_seqs);
-    r.block_size = a.block_size.or(header.block_size);
-    if let Some(l) = a.limit_mm_per_prompt.as_ref().or(header.limit_mm_per_prompt.as_ref()) {
-        r.limit_mm_per_prompt = MmLimits::parse(l).map_err(|e| usage(e.to_string()))?;
-    }
-    r.mm_processor_cache_gb = a.mm_processor_cache_gb;
-    let kv_dtype = match (a.kv_cache_dtype.as_str(), &header.kv_cache_dtype) {
-        ("auto", Some(h)) => h.as_str(),
-        (flag, _) => flag,
-    };
-    r.kv_cache_dtype = parse_dtype("kv-cache-dtype", kv_dtype)?;
-    r.dtype = parse_dtype("dtype", &a.dtype)?;
+    a.vllm.apply(&mut r, header)?;
     r.kv_cache_memory_bytes = a.kv_cache_memory_gib.map(gib_to_bytes);
     r.weights_bytes = a.weights_gib.map(gib_to_bytes);
     r.activation_peak_bytes = a.activation_peak_gib.map(gib_to_bytes);

@@ -2,9 +2,9 @@
 //! images on the backend, size the KV cache from what is left (the planner's formulas with the
 //! measured figures), allocate it, and log the same lines as vLLM.
 
-use crate::plan_cmd::parse_dtype;
 use crate::random_checkpoint_cmd::{self, RandomCheckpointArgs, WeightDtype};
 use crate::runtime::{load_cpu, Frontend};
+use crate::vllm_flags::{parse_dtype, VllmFlags};
 use crate::UsageError;
 use anyhow::Result;
 use kvlens_engine::backend::cpu::CpuBackend;
@@ -12,6 +12,7 @@ use kvlens_engine::backend::Backend;
 use kvlens_engine::config::{DType, ImageLimits, ProcessorKwargs};
 use kvlens_engine::engine::{Engine, EngineConfig};
 use kvlens_engine::memory::device::{device_preset, gib_to_bytes};
+use kvlens_engine::memory::log_budget::HeaderSettings;
 use kvlens_engine::memory::planner::{gib, plan, MmLimits, Plan, PlanRequest};
 use kvlens_engine::memory::GIB;
 use kvlens_engine::profile::{ProfileResult, ProfileSpec};
@@ -29,12 +30,9 @@ pub struct EngineArgs {
     /// Model name(s) the API answers to [default: the --model argument].
     #[arg(long, num_args = 1..)]
     pub served_model_name: Vec<String>,
-    /// Longest prompt plus output [default: the model's max_position_embeddings].
-    #[arg(long)]
-    pub max_model_len: Option<usize>,
-    /// Share of the device memory the engine may use.
-    #[arg(long, default_value_t = 0.9)]
-    pub gpu_memory_utilization: f64,
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub vllm: VllmFlags,
     /// Memory of the CPU "device" in GiB [default: 40% of the machine's RAM].
     #[arg(long)]
     pub cpu_memory_gib: Option<f64>,
@@ -50,36 +48,15 @@ pub struct EngineArgs {
     /// images wait (then get a 503) [default: 1, raised to fit the largest allowed image].
     #[arg(long)]
     pub preprocess_memory_gib: Option<f64>,
-    /// Most requests running at once [default: vLLM's for the device].
-    #[arg(long)]
-    pub max_num_seqs: Option<usize>,
-    /// Most tokens per engine step [default: vLLM's for the device].
-    #[arg(long)]
-    pub max_num_batched_tokens: Option<usize>,
-    /// Tokens per KV block [default: 16].
-    #[arg(long)]
-    pub block_size: Option<usize>,
     /// Reuse KV blocks across requests (on by default).
     #[arg(long, overrides_with = "no_enable_prefix_caching")]
     pub enable_prefix_caching: bool,
     /// Turn prefix caching off.
     #[arg(long)]
     pub no_enable_prefix_caching: bool,
-    /// Host memory of the preprocessed-image cache in GiB (0 turns it off).
-    #[arg(long, default_value_t = 4.0)]
-    pub mm_processor_cache_gb: f64,
-    /// Items per prompt, e.g. '{"image": 2, "video": 0}' or image=2.
-    #[arg(long)]
-    pub limit_mm_per_prompt: Option<String>,
     /// Image processor overrides as JSON, e.g. '{"max_pixels": 1003520}'.
     #[arg(long)]
     pub mm_processor_kwargs: Option<String>,
-    /// Weights dtype (auto, float32, bfloat16, float16); the CPU backend computes in float32.
-    #[arg(long, default_value = "auto")]
-    pub dtype: String,
-    /// KV cache dtype (auto = the compute dtype).
-    #[arg(long, default_value = "auto")]
-    pub kv_cache_dtype: String,
     /// Seed of requests that give none.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
@@ -187,17 +164,17 @@ pub fn start(a: &EngineArgs) -> Result<Started> {
             a.backend
         )));
     }
-    let dtype = parse_dtype("dtype", &a.dtype)?;
-    let kv_dtype = parse_dtype("kv-cache-dtype", &a.kv_cache_dtype)?;
+    let dtype = parse_dtype("dtype", &a.vllm.dtype)?;
+    let kv_dtype = parse_dtype("kv-cache-dtype", &a.vllm.kv_cache_dtype)?;
     for (flag, d, given) in [
-        ("--dtype", dtype, &a.dtype),
-        ("--kv-cache-dtype", kv_dtype, &a.kv_cache_dtype),
+        ("--dtype", dtype, &a.vllm.dtype),
+        ("--kv-cache-dtype", kv_dtype, &a.vllm.kv_cache_dtype),
     ] {
         if d.is_some_and(|d| d != DType::F32) {
             eprintln!("WARNING {flag} {given}: the CPU backend computes and stores in float32");
         }
     }
-    let limits = match &a.limit_mm_per_prompt {
+    let limits = match &a.vllm.limit_mm_per_prompt {
         Some(s) => MmLimits::parse(s).map_err(|e| usage(e.to_string()))?,
         None => MmLimits::default(),
     };
@@ -252,13 +229,8 @@ pub fn start(a: &EngineArgs) -> Result<Started> {
         .with_total_bytes(total);
     let mut req = PlanRequest::new(served_model_names[0].clone(), cfg.clone(), device);
     req.image_limits = frontend.settings.limits;
-    req.max_model_len = a.max_model_len;
-    req.gpu_memory_utilization = a.gpu_memory_utilization;
-    req.max_num_batched_tokens = a.max_num_batched_tokens;
-    req.max_num_seqs = a.max_num_seqs;
-    req.block_size = a.block_size;
+    a.vllm.apply(&mut req, &HeaderSettings::default())?;
     req.limit_mm_per_prompt = MmLimits { video: 0, ..limits };
-    req.mm_processor_cache_gb = a.mm_processor_cache_gb;
     req.dtype = Some(DType::F32);
     req.kv_cache_dtype = Some(DType::F32);
     req.weights_bytes = Some(weights);

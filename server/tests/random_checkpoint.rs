@@ -1,5 +1,6 @@
 //! `kvlens random-checkpoint` end to end: determinism, the safetensors layout against the engine's parameter
-//! inventory and docs/qwen-vl.md §6 shapes, config round trips, the small files, and user mistakes (exit 2).
+//! inventory and transformers' shapes (`SHAPES`), config round trips, the small files, and user mistakes
+//! (exit 2).
 
 use kvlens_engine::config::{DType, Family, ImageLimits, ModelConfig};
 use kvlens_engine::memory::weights::param_counts;
@@ -140,7 +141,10 @@ fn same_seed_same_bytes_other_seed_other_bytes() {
 /// A tensor name and its shape; `None`: the tensor must be absent.
 type Expected = (&'static str, Option<&'static [usize]>);
 
-/// Per family, from docs/qwen-vl.md §6 with the tiny configs' sizes.
+/// Per family, the tensors that transformers' modules declare, with the tiny configs' sizes:
+/// <https://github.com/huggingface/transformers/blob/main/src/transformers/models/qwen2_vl/modeling_qwen2_vl.py>,
+/// <https://github.com/huggingface/transformers/blob/main/src/transformers/models/qwen2_5_vl/modeling_qwen2_5_vl.py>,
+/// <https://github.com/huggingface/transformers/blob/main/src/transformers/models/qwen3_vl/modeling_qwen3_vl.py>.
 const SHAPES: &[(&str, &[Expected])] = &[
     (
         "qwen2_vl",

@@ -1,7 +1,9 @@
 //! `kvlens bench serve`: `vllm bench serve` for any OpenAI-compatible chat server (kvlens, vLLM, …):
 //! the same arrival process, per-request timing, aggregates, result block and result JSON
-//! (../shared/docs/vllm-memory.md §8), plus the image tokens of the input, a `synthetic-vision`
-//! dataset, and — against kvlens — a memory timeline from `/v1/memory` that can be plotted.
+//! (vLLM's <https://github.com/vllm-project/vllm/blob/main/vllm/benchmarks/serve.py> and
+//! <https://github.com/vllm-project/vllm/blob/main/vllm/benchmarks/lib/endpoint_request_func.py>),
+//! plus the image tokens of the input, a `synthetic-vision` dataset, and — against kvlens — a
+//! memory timeline from `/v1/memory` that can be plotted.
 
 mod arrival;
 mod client;
@@ -271,7 +273,7 @@ fn bench_serve(a: &ServeBenchArgs) -> Result<()> {
     let count = |text: &str| {
         counter.count(text).unwrap_or_else(|e| {
             if !warned.swap(true, std::sync::atomic::Ordering::Relaxed) {
-                eprintln!("WARNING cannot count output tokens ({e:#}): counted as 0");
+                tracing::warn!("cannot count output tokens ({e:#}): counted as 0");
             }
             0
         })

@@ -109,7 +109,7 @@ const IGNORED_SWITCHES: &[&str] = &[
 pub fn strip_ignored_vllm_flags(args: Vec<OsString>) -> Vec<OsString> {
     let (kept, ignored) = split_ignored(args);
     for flag in ignored {
-        eprintln!("WARNING {flag}: a vLLM flag that does not apply to kvlens; ignored");
+        tracing::warn!("{flag}: a vLLM flag that does not apply to kvlens; ignored");
     }
     kept
 }

@@ -7,12 +7,13 @@
 
 use super::errors::ApiError;
 use super::metrics::Metrics;
+use super::occupancy::{Occupancy, ProcessMemory};
 use super::output::{Delta, Output};
 use crate::runtime::Frontend;
 use kvlens_engine::backend::cpu::CpuBackend;
 use kvlens_engine::backend::Backend;
-use kvlens_engine::cache::{PrefixCacheStats, ProcessorCacheSnapshot, RequestId};
-use kvlens_engine::engine::{Engine, EngineError, EngineSnapshot, FinishReason, Request, TokenEvent};
+use kvlens_engine::cache::RequestId;
+use kvlens_engine::engine::{Engine, EngineError, FinishReason, Request, TokenEvent};
 use kvlens_engine::memory::ledger::Category;
 use std::collections::HashMap;
 use std::sync::mpsc;
@@ -30,44 +31,6 @@ pub enum Update {
     Delta(Delta),
     /// The request failed (its step failed, or its tokens could not be detokenized).
     Failed(ApiError),
-}
-
-/// The engine's occupancy at one moment, as `/v1/memory` and `/v1/memory/stream` send it.
-#[derive(Debug, Clone, serde::Serialize)]
-pub struct Occupancy {
-    /// Counts published snapshots (fresh ones for `/v1/memory` repeat the last number).
-    pub seq: u64,
-    /// Unix time in seconds.
-    pub time: f64,
-    /// Ledger, KV summary, encoder cache, queue lengths, counters.
-    #[serde(flatten)]
-    pub engine: EngineSnapshot,
-    /// Prefix-cache lookups and hits (tokens) so far.
-    pub prefix_cache: PrefixCacheStats,
-    /// The preprocessed-image cache (host memory).
-    pub processor_cache: ProcessorCacheSnapshot,
-    /// The server process as the operating system sees it.
-    pub process: ProcessMemory,
-}
-
-/// The server process's memory as the operating system counts it.
-#[derive(Debug, Clone, Copy, serde::Serialize)]
-pub struct ProcessMemory {
-    /// Resident set size in bytes (Linux `VmRSS`; absent elsewhere).
-    pub resident_bytes: Option<u64>,
-}
-
-impl ProcessMemory {
-    /// Reads this process's figures now.
-    fn now() -> Self {
-        let resident_bytes = std::fs::read_to_string("/proc/self/status").ok().and_then(|s| {
-            s.lines()
-                .find_map(|l| l.strip_prefix("VmRSS:"))
-                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
-                .map(|kib| kib << 10)
-        });
-        ProcessMemory { resident_bytes }
-    }
 }
 
 /// What `/reset_encoder_cache` reports.
@@ -405,7 +368,7 @@ impl EngineLoop {
     fn abort(&mut self, id: &RequestId, reason: FinishReason) {
         if self.live.contains_key(id) {
             if let Err(e) = self.engine.abort(id) {
-                eprintln!("ERROR aborting {id}: {e}");
+                tracing::error!("aborting {id}: {e}");
             }
             self.finish(id, reason);
             self.dirty = true;
@@ -417,8 +380,8 @@ impl EngineLoop {
         if let Some(live) = self.live.remove(id) {
             let e2e = live.arrived.elapsed().as_secs_f64();
             self.metrics.finished(reason, e2e);
-            eprintln!(
-                "INFO Finished request {id}: {}, {} prompt + {} generated tokens in {e2e:.2} s",
+            tracing::info!(
+                "Finished request {id}: {}, {} prompt + {} generated tokens in {e2e:.2} s",
                 reason.as_str(),
                 live.prompt_len,
                 live.generated
@@ -435,7 +398,7 @@ impl EngineLoop {
                 }
             }
             Err(e) => {
-                eprintln!("ERROR engine step failed: {e}");
+                tracing::error!("engine step failed: {e}");
                 // The engine has dropped every request and emptied its caches: tell the clients.
                 let why = ApiError::internal(format!("the engine failed: {e}"));
                 self.end_all(|_| Update::Failed(why.clone()));

@@ -49,8 +49,8 @@ pub async fn serve(listener: TcpListener, app: Router, limits: ConnectionLimits,
             Err(_) => {
                 if warned.is_none_or(|t| t.elapsed() >= WARN_INTERVAL) {
                     warned = Some(Instant::now());
-                    eprintln!(
-                        "WARNING {} connections open (--max-connections): new connections wait until one closes; \
+                    tracing::warn!(
+                        "{} connections open (--max-connections): new connections wait until one closes; \
                      {} closed so far for sending no complete request within {} s (--header-timeout)",
                         limits.max_connections,
                         timed_out.load(Ordering::Relaxed),
@@ -71,7 +71,7 @@ pub async fn serve(listener: TcpListener, app: Router, limits: ConnectionLimits,
                 Ok((stream, _)) => stream,
                 Err(e) => {
                     // Out of file descriptors and the like: wait a little instead of spinning.
-                    eprintln!("WARNING cannot accept a connection: {e}");
+                    tracing::warn!("cannot accept a connection: {e}");
                     tokio::time::sleep(Duration::from_millis(100)).await;
                     continue;
                 }
@@ -95,8 +95,8 @@ pub async fn serve(listener: TcpListener, app: Router, limits: ConnectionLimits,
         .await
         .is_err()
     {
-        eprintln!(
-            "WARNING connections still open {} s after the signal; closing them",
+        tracing::warn!(
+            "connections still open {} s after the signal; closing them",
             limits.shutdown_grace.as_secs()
         );
     }

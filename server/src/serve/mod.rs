@@ -13,6 +13,7 @@ mod listener;
 mod media;
 mod memory;
 mod metrics;
+mod occupancy;
 mod openai;
 mod output;
 mod tokenize;
@@ -30,10 +31,11 @@ use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
-use engine_loop::{EngineHandle, EngineLoop, Occupancy};
+use engine_loop::{EngineHandle, EngineLoop};
 use errors::{json_response, ApiError};
 use listener::ConnectionLimits;
 use metrics::{Gauges, Metrics};
+use occupancy::Occupancy;
 use serde_json::json;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -130,8 +132,8 @@ async fn serve(args: &ServeArgs, engine_args: EngineArgs) -> Result<()> {
         .map_err(|e| UsageError(format!("cannot listen on {}:{}: {e}", args.host, args.port)))?;
     let local = listener.local_addr()?;
     if !local.ip().is_loopback() && args.api_key.is_none() {
-        eprintln!(
-            "WARNING listening on {} without --api-key: anyone who can reach this address can use the API",
+        tracing::warn!(
+            "listening on {} without --api-key: anyone who can reach this address can use the API",
             local.ip()
         );
     }
@@ -177,7 +179,7 @@ async fn serve(args: &ServeArgs, engine_args: EngineArgs) -> Result<()> {
             let _ = stopped.await;
         },
     ));
-    eprintln!("INFO Starting vLLM API server on http://{local}");
+    tracing::info!("Starting vLLM API server on http://{local}");
     let mut flags = serde_json::to_value(args)?;
     flags["api_key"] = json!(args.api_key.as_ref().map(|_| "<set>"));
     let loading = spawn_engine(engine_args, flags)?;
@@ -186,14 +188,14 @@ async fn serve(args: &ServeArgs, engine_args: EngineArgs) -> Result<()> {
     let loaded = tokio::select! {
         loaded = loading => loaded.unwrap_or_else(|_| Err(anyhow::anyhow!("the engine thread ended during start-up"))),
         () = &mut signal => {
-            eprintln!("INFO Shutting down while the model loads");
+            tracing::info!("Shutting down while the model loads");
             return Ok(());
         }
     };
     match loaded {
         Ok(ready) => {
             let _ = app.ready.set(ready);
-            eprintln!("INFO Application startup complete.");
+            tracing::info!("Application startup complete.");
         }
         Err(e) => {
             let _ = stop_server.send(());
@@ -208,7 +210,7 @@ async fn serve(args: &ServeArgs, engine_args: EngineArgs) -> Result<()> {
     }
     let _ = stop_server.send(());
     if let Err(e) = server.await {
-        eprintln!("WARNING the HTTP server task failed: {e}");
+        tracing::warn!("the HTTP server task failed: {e}");
     }
     Ok(())
 }
@@ -229,8 +231,8 @@ async fn drain(app: &App, ready: &Ready, timeout: Duration) {
         return;
     }
     if !timeout.is_zero() {
-        eprintln!(
-            "INFO Shutting down: waiting up to {} s for the requests in flight (--shutdown-timeout)",
+        tracing::info!(
+            "Shutting down: waiting up to {} s for the requests in flight (--shutdown-timeout)",
             timeout.as_secs_f64()
         );
         let finished = async {
@@ -242,10 +244,10 @@ async fn drain(app: &App, ready: &Ready, timeout: Duration) {
             done = tokio::time::timeout(timeout, finished) => if done.is_ok() {
                 return;
             },
-            () = shutdown_signal() => eprintln!("INFO Second signal: not waiting any longer"),
+            () = shutdown_signal() => tracing::info!("Second signal: not waiting any longer"),
         }
     }
-    eprintln!("INFO Shutting down: aborting the requests in flight");
+    tracing::info!("Shutting down: aborting the requests in flight");
 }
 
 /// Starts the engine on its own thread; the receiver gets the ready engine or the start-up error.
