@@ -10,15 +10,15 @@
 //! [`Engine::step_async`] awaits the read between the two (the browser); [`Engine::step`] blocks on
 //! it (native callers). The engine spawns no threads: its caller drives the steps.
 
-use crate::backend::{block_on, BResult, Backend, BackendError};
+use crate::backend::{block_on, BResult, BackendError};
 use crate::cache::{
     CacheError, EncoderCacheManager, EncoderCacheSnapshot, KvCacheManager, KvSummary, MmHash, MmSpan, RequestId,
 };
 use crate::fault::{FaultKind, FaultPlan, Faults};
-use crate::memory::ledger::{Category, LedgerEntry};
+use crate::memory::ledger::{Category, LedgerEntry, MemoryLedger};
 use crate::model::rope::{mrope_positions, ImageSpan};
 use crate::model::ModelError;
-use crate::runner::{BatchSeq, ImageRows, ModelRunner, StepBatch, StepRead};
+use crate::runner::{BatchSeq, ImageRows, StepBatch, StepRead, StepRunner};
 use crate::sample::{sample, Rng, SamplingParams};
 use crate::sched::{SchedError, ScheduledSeq, Scheduler, SchedulerConfig};
 
@@ -201,10 +201,10 @@ impl SeqData {
     }
 }
 
-/// The engine.
+/// The engine, over a model runner on any backend.
 #[derive(Debug)]
-pub struct Engine<B: Backend> {
-    runner: ModelRunner<B>,
+pub struct Engine {
+    runner: Box<dyn StepRunner>,
     cfg: EngineConfig,
     sched: Scheduler<SeqData>,
     counters: EngineCounters,
@@ -238,9 +238,11 @@ pub struct StepMeta {
     rows: Vec<RequestId>,
 }
 
-impl<B: Backend> Engine<B> {
-    /// An engine over a model runner; allocates the runner's KV cache for `cfg`.
-    pub fn new(mut runner: ModelRunner<B>, cfg: EngineConfig) -> Result<Self, EngineError> {
+impl Engine {
+    /// An engine over a model runner (a [`crate::runner::ModelRunner`] on some backend); allocates
+    /// the runner's KV cache for `cfg`.
+    pub fn new(runner: impl StepRunner + 'static, cfg: EngineConfig) -> Result<Self, EngineError> {
+        let mut runner: Box<dyn StepRunner> = Box::new(runner);
         runner.allocate_kv(cfg.num_blocks, cfg.block_size)?;
         let kv = KvCacheManager::new(
             cfg.num_blocks,
@@ -266,14 +268,19 @@ impl<B: Backend> Engine<B> {
         })
     }
 
-    /// The backend (for its ledger).
-    pub fn backend(&self) -> &B {
-        self.runner.backend()
+    /// The ledger the backend records every allocation in.
+    pub fn ledger(&self) -> &MemoryLedger {
+        self.runner.ledger()
+    }
+
+    /// The backend's short name (`cpu`, `wgpu`, `cuda`).
+    pub fn backend_name(&self) -> &'static str {
+        self.runner.backend_name()
     }
 
     /// The model's config.
     pub fn model_config(&self) -> &crate::config::ModelConfig {
-        &self.runner.model().cfg
+        self.runner.model_config()
     }
 
     /// The sizes the engine runs with.
@@ -314,7 +321,7 @@ impl<B: Backend> Engine<B> {
     /// Occupancy now: ledger, KV summary, encoder-cache entries, queue lengths, counters.
     pub fn snapshot(&self) -> EngineSnapshot {
         EngineSnapshot {
-            ledger: self.backend().ledger().entries(),
+            ledger: self.ledger().entries(),
             kv: self.kv().summary(),
             encoder_cache: self.encoder_cache().snapshot(),
             num_running: self.num_running(),
@@ -331,7 +338,7 @@ impl<B: Backend> Engine<B> {
     /// Queues a request after checking it can ever run.
     pub fn add_request(&mut self, req: Request) -> Result<(), EngineError> {
         req.params.validate().map_err(EngineError::BadRequest)?;
-        let cfg = &self.runner.model().cfg;
+        let cfg = self.runner.model_config();
         let image_token = cfg.tokens.image;
         let merge = cfg.vision.spatial_merge_size;
         let mut spans = Vec::new();
@@ -380,7 +387,7 @@ impl<B: Backend> Engine<B> {
 
     /// Drops every encoder output not in use; returns the bytes released.
     pub fn reset_encoder_cache(&mut self) -> u64 {
-        let ledger = self.runner.backend().ledger().clone();
+        let ledger = self.runner.ledger().clone();
         let before = ledger.bytes(Category::EncoderCache);
         for h in self.sched.reset_encoder_cache() {
             self.runner.forget(&h);
@@ -426,8 +433,7 @@ impl<B: Backend> Engine<B> {
             return Ok(None);
         }
         let recorded = self.encode_images(&out.scheduled).and_then(|()| {
-            self.faults
-                .check(FaultKind::Decoder, 0, self.runner.backend().ledger())?;
+            self.faults.check(FaultKind::Decoder, 0, self.runner.ledger())?;
             let batch = self.batch(&out.scheduled);
             Ok(self.runner.execute(&batch)?)
         });
@@ -472,7 +478,7 @@ impl<B: Backend> Engine<B> {
             0 => vocab,
             n => n,
         };
-        let eos = self.runner.model().cfg.tokens.eos.clone();
+        let eos = self.runner.model_config().tokens.eos.clone();
         let mut finished = Vec::new();
         let mut events = Vec::with_capacity(meta.rows.len());
         for (k, id) in meta.rows.iter().enumerate() {
@@ -546,8 +552,8 @@ impl<B: Backend> Engine<B> {
                     }
                     continue;
                 }
-                let ledger = self.runner.backend().ledger();
-                let bytes = img.pixel_values.len() as u64 * self.runner.backend().elem_bytes();
+                let ledger = self.runner.ledger();
+                let bytes = img.pixel_values.len() as u64 * self.runner.elem_bytes();
                 self.faults
                     .check(FaultKind::Alloc, bytes, ledger)
                     .and_then(|()| self.faults.check(FaultKind::VisionTower, 0, ledger))?;

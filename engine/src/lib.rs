@@ -4,6 +4,7 @@
 //! It compiles for native targets and for `wasm32-unknown-unknown`.
 
 pub mod backend;
+pub mod builder;
 pub mod cache;
 pub mod config;
 pub mod engine;

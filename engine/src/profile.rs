@@ -6,7 +6,7 @@
 use crate::backend::Backend;
 use crate::memory::ledger::Category;
 use crate::model::ModelError;
-use crate::runner::{BatchSeq, ImageRows, ModelRunner, StepBatch};
+use crate::runner::{BatchSeq, ImageRows, ModelRunner, StepBatch, StepRunner};
 
 /// What to profile.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -6,7 +6,8 @@
 
 use crate::backend::{Backend, KvLayout, PagedBatch, PagedSeq, Readback};
 use crate::cache::{MmHash, RequestId};
-use crate::memory::ledger::Category;
+use crate::config::ModelConfig;
+use crate::memory::ledger::{Category, MemoryLedger};
 use crate::model::rope::mrope_tables;
 use crate::model::text::DecoderInput;
 use crate::model::vision::VisionOutput;
@@ -111,14 +112,6 @@ impl<B: Backend> ModelRunner<B> {
         }
     }
 
-    /// Replaces the KV cache with a zeroed one of `num_blocks` blocks (the old one is freed first).
-    pub fn allocate_kv(&mut self, num_blocks: usize, block_size: usize) -> Result<KvLayout, ModelError> {
-        self.kv = None;
-        let layout = self.kv_layout(num_blocks, block_size);
-        self.kv = Some((layout, self.be.alloc_kv(layout)?));
-        Ok(layout)
-    }
-
     /// The current KV cache's geometry, if one is allocated.
     pub fn layout(&self) -> Option<KvLayout> {
         self.kv.as_ref().map(|(l, _)| *l)
@@ -133,15 +126,62 @@ impl<B: Backend> ModelRunner<B> {
     pub(crate) fn restore_kv(&mut self, kv: Option<(KvLayout, B::KvCache)>) {
         self.kv = kv;
     }
+}
 
+/// What the engine needs of a model runner, without the backend's types: the engine holds its
+/// runner as `Box<dyn StepRunner>`, so callers choose the backend at run time.
+pub trait StepRunner: std::fmt::Debug {
+    /// The ledger the backend records every allocation in.
+    fn ledger(&self) -> &MemoryLedger;
+    /// The backend's short name.
+    fn backend_name(&self) -> &'static str;
+    /// Bytes per element of the backend's activations and KV cache.
+    fn elem_bytes(&self) -> u64;
+    /// The model's config.
+    fn model_config(&self) -> &ModelConfig;
+    /// Replaces the KV cache with a zeroed one of `num_blocks` blocks (the old one is freed first).
+    fn allocate_kv(&mut self, num_blocks: usize, block_size: usize) -> Result<KvLayout, ModelError>;
     /// Bytes per encoder-output token as kept (main features and deepstack levels).
-    pub fn encoder_bytes_per_token(&self) -> u64 {
+    fn encoder_bytes_per_token(&self) -> u64;
+    /// Runs the vision tower on one image and keeps its output under `mm_hash`, recorded as
+    /// encoder cache.
+    fn encode(&mut self, mm_hash: &MmHash, pixel_values: &[f32], grid_thw: [usize; 3]) -> Result<(), ModelError>;
+    /// Drops a kept encoder output.
+    fn forget(&mut self, mm_hash: &MmHash);
+    /// Records one decoder pass over the batch (image rows merged in, deepstack added, K/V written
+    /// into the cache) and queues the read of the logits rows the batch asks for.
+    fn execute(&mut self, batch: &StepBatch) -> Result<StepRead, ModelError>;
+}
+
+impl<B: Backend> StepRunner for ModelRunner<B> {
+    fn ledger(&self) -> &MemoryLedger {
+        self.be.ledger()
+    }
+
+    fn backend_name(&self) -> &'static str {
+        self.be.name()
+    }
+
+    fn elem_bytes(&self) -> u64 {
+        self.be.elem_bytes()
+    }
+
+    fn model_config(&self) -> &ModelConfig {
+        &self.model.cfg
+    }
+
+    fn allocate_kv(&mut self, num_blocks: usize, block_size: usize) -> Result<KvLayout, ModelError> {
+        self.kv = None;
+        let layout = self.kv_layout(num_blocks, block_size);
+        self.kv = Some((layout, self.be.alloc_kv(layout)?));
+        Ok(layout)
+    }
+
+    fn encoder_bytes_per_token(&self) -> u64 {
         self.model.cfg.encoder_output_dim() as u64 * self.be.elem_bytes()
     }
 
-    /// Runs the vision tower on one image and keeps its output under `mm_hash`, recorded as
-    /// encoder cache.
-    pub fn encode(&mut self, mm_hash: &MmHash, pixel_values: &[f32], grid_thw: [usize; 3]) -> Result<(), ModelError> {
+    fn encode(&mut self, mm_hash: &MmHash, pixel_values: &[f32], grid_thw: [usize; 3]) -> Result<(), ModelError> {
         let patches: usize = grid_thw.iter().product();
         let cols = pixel_values.len() / patches.max(1);
         let px = self.be.upload(pixel_values.to_vec(), &[patches, cols])?;
@@ -159,14 +199,11 @@ impl<B: Backend> ModelRunner<B> {
         Ok(())
     }
 
-    /// Drops a kept encoder output.
-    pub fn forget(&mut self, mm_hash: &MmHash) {
+    fn forget(&mut self, mm_hash: &MmHash) {
         self.encoder_outputs.remove(mm_hash);
     }
 
-    /// Records one decoder pass over the batch (image rows merged in, deepstack added, K/V written
-    /// into the cache) and queues the read of the logits rows the batch asks for.
-    pub fn execute(&mut self, batch: &StepBatch) -> Result<StepRead, ModelError> {
+    fn execute(&mut self, batch: &StepBatch) -> Result<StepRead, ModelError> {
         let be = &self.be;
         let (layout, cache) = self
             .kv

@@ -83,11 +83,11 @@ fn tiny_model<B: Backend>(be: &B) -> QwenVl<B> {
     random_model(tiny_config(), be)
 }
 
-fn engine(num_blocks: usize, max_num_seqs: usize) -> Engine<CpuBackend> {
+fn engine(num_blocks: usize, max_num_seqs: usize) -> Engine {
     engine_with_vocab(num_blocks, max_num_seqs, 0)
 }
 
-fn engine_with_vocab(num_blocks: usize, max_num_seqs: usize, vocab_size: usize) -> Engine<CpuBackend> {
+fn engine_with_vocab(num_blocks: usize, max_num_seqs: usize, vocab_size: usize) -> Engine {
     let be = CpuBackend::new(MemoryLedger::new());
     let model = tiny_model(&be);
     engine_over(be, model, num_blocks, max_num_seqs, vocab_size)
@@ -99,7 +99,7 @@ fn engine_over<B: Backend>(
     num_blocks: usize,
     max_num_seqs: usize,
     vocab_size: usize,
-) -> Engine<B> {
+) -> Engine {
     let cfg = EngineConfig {
         num_blocks,
         block_size: 4,
@@ -146,14 +146,14 @@ fn request(cfg: &ModelConfig, id: &str, len: usize, image: Option<(usize, &str)>
 }
 
 /// Steps until done; returns each request's tokens and checks every request ended once.
-fn drain<B: Backend>(engine: &mut Engine<B>) -> HashMap<String, Vec<u32>> {
+fn drain(engine: &mut Engine) -> HashMap<String, Vec<u32>> {
     drain_with(engine, |e| e.step().unwrap())
 }
 
 /// [`drain`] with each step run by `step`.
-fn drain_with<B: Backend>(
-    engine: &mut Engine<B>,
-    mut step: impl FnMut(&mut Engine<B>) -> Vec<kvlens_engine::engine::TokenEvent>,
+fn drain_with(
+    engine: &mut Engine,
+    mut step: impl FnMut(&mut Engine) -> Vec<kvlens_engine::engine::TokenEvent>,
 ) -> HashMap<String, Vec<u32>> {
     let mut out: HashMap<String, Vec<u32>> = HashMap::new();
     let mut ended = Vec::new();
@@ -445,7 +445,7 @@ fn a_long_prefill_s_transient_memory_is_counted_in_the_ledger() {
     };
     let mut e = Engine::new(ModelRunner::new(be, model), engine_cfg).unwrap();
     e.add_request(request(&cfg, "long", n, None, 1)).unwrap();
-    let ledger = e.backend().ledger().clone();
+    let ledger = e.ledger().clone();
     ledger.reset_peaks();
     let before = heap::reset_peak();
     let events = e.step().unwrap();

@@ -1,11 +1,17 @@
 //! `kvlens generate`: one conversation through the engine on the CPU, streamed or as JSON.
 
 use crate::runtime::{load_cpu, Frontend};
+use crate::startup::cpu_memory_bytes;
 use crate::UsageError;
 use anyhow::Result;
-use kvlens_engine::engine::{Engine, EngineConfig, FinishReason};
+use kvlens_engine::builder::{build_engine, EngineOptions};
+use kvlens_engine::config::ImageLimits;
+use kvlens_engine::engine::{Engine, FinishReason};
 use kvlens_engine::input::chat::{ChatMessage, Content, ContentPart, ImageUrl};
 use kvlens_engine::input::tokenizer::IncrementalDecoder;
+use kvlens_engine::memory::device::device_preset;
+use kvlens_engine::memory::planner::{MmLimits, PlanRequest};
+use kvlens_engine::runner::ModelRunner;
 use kvlens_engine::sample::SamplingParams;
 use std::io::Write;
 use std::path::PathBuf;
@@ -109,23 +115,39 @@ pub fn run(a: &GenerateArgs) -> Result<()> {
     params.validate().map_err(UsageError)?;
     let (req, grids) = front.request("generate-0", &msgs, params, true)?;
     let template = req.clone();
-    let max_len = model.cfg.text.max_position_embeddings;
-    let block_size = 16;
     let prompt_ids = req.prompt.clone();
-    let need = (req.prompt.len() + a.max_tokens).min(max_len);
-    let cfg = EngineConfig {
-        num_blocks: need.div_ceil(block_size) + 2,
-        block_size,
-        max_model_len: max_len,
-        enable_prefix_caching: !a.no_enable_prefix_caching,
-        encoder_cache_tokens: req.images.iter().map(|i| i.num_tokens).sum::<usize>().max(1),
-        max_num_seqs: 1,
-        max_num_batched_tokens: req.prompt.len().max(1),
-        vocab_size: front.tokenizer.vocab_size(),
-        long_prefill_token_threshold: 0,
+    // Sized by the server's start-up code, for this one conversation: one sequence, the whole
+    // prompt in one step, its images as the largest the profile runs.
+    let cfg = model.cfg.clone();
+    let device = device_preset("cpu")
+        .ok_or_else(|| anyhow::anyhow!("the cpu device preset is missing"))?
+        .with_total_bytes(cpu_memory_bytes(None)?);
+    let mut plan_req = PlanRequest::new("generate", cfg.clone(), device);
+    let patch = cfg.vision.patch_size as u64;
+    let largest = grids.iter().map(|g| u64::from(g[1] * g[2]) * patch * patch).max();
+    plan_req.image_limits = ImageLimits {
+        min_pixels: front.settings.limits.min_pixels.min(largest.unwrap_or(u64::MAX)),
+        max_pixels: largest.unwrap_or(front.settings.limits.max_pixels),
     };
-    let runner = kvlens_engine::runner::ModelRunner::new(backend, model);
-    let mut engine = Engine::new(runner, cfg).map_err(|e| UsageError(e.to_string()))?;
+    plan_req.limit_mm_per_prompt = MmLimits {
+        image: grids.len(),
+        video: 0,
+    };
+    plan_req.max_model_len = Some((req.prompt.len() + a.max_tokens).min(cfg.text.max_position_embeddings));
+    plan_req.max_num_batched_tokens = Some(req.prompt.len().max(1));
+    plan_req.max_num_seqs = Some(1);
+    plan_req.non_torch_bytes = Some(0);
+    let opts = EngineOptions {
+        enable_prefix_caching: !a.no_enable_prefix_caching,
+        long_prefill_token_threshold: 0,
+        max_num_partial_prefills: 1,
+        vocab_size: front.tokenizer.vocab_size(),
+    };
+    let clock = Instant::now();
+    let (mut engine, _) = build_engine(ModelRunner::new(backend, model), plan_req, opts, &|| {
+        clock.elapsed().as_secs_f64()
+    })
+    .map_err(|e| UsageError(e.to_string()))?;
     drop(req);
     for k in 0..a.repeat {
         let before = engine.counters();
@@ -185,7 +207,7 @@ impl Run {
 }
 
 /// Steps the engine until its one request finishes, streaming text unless `quiet`.
-fn run_once<B: kvlens_engine::backend::Backend>(engine: &mut Engine<B>, front: &Frontend, quiet: bool) -> Result<Run> {
+fn run_once(engine: &mut Engine, front: &Frontend, quiet: bool) -> Result<Run> {
     let started = Instant::now();
     let mut run = Run::default();
     let mut decoder = IncrementalDecoder::new(true);

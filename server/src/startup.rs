@@ -7,15 +7,15 @@ use crate::runtime::{load_cpu, Frontend};
 use crate::vllm_flags::{parse_dtype, VllmFlags};
 use crate::UsageError;
 use anyhow::Result;
-use kvlens_engine::backend::cpu::CpuBackend;
-use kvlens_engine::backend::Backend;
+use kvlens_engine::backend::BackendKind;
+use kvlens_engine::builder::{build_engine, BuildError, EngineOptions};
 use kvlens_engine::config::{DType, ImageLimits, ProcessorKwargs};
-use kvlens_engine::engine::{Engine, EngineConfig};
+use kvlens_engine::engine::Engine;
 use kvlens_engine::memory::device::{device_preset, gib_to_bytes};
 use kvlens_engine::memory::log_budget::HeaderSettings;
-use kvlens_engine::memory::planner::{gib, plan, MmLimits, Plan, PlanRequest};
+use kvlens_engine::memory::planner::{MmLimits, Plan, PlanRequest};
 use kvlens_engine::memory::GIB;
-use kvlens_engine::profile::{ProfileResult, ProfileSpec};
+use kvlens_engine::profile::ProfileResult;
 use kvlens_engine::runner::ModelRunner;
 use std::path::PathBuf;
 use std::time::Instant;
@@ -63,16 +63,16 @@ pub struct EngineArgs {
     /// A Jinja chat template file replacing the checkpoint's.
     #[arg(long)]
     pub chat_template: Option<PathBuf>,
-    /// Compute backend.
-    #[arg(long, default_value = "cpu", value_parser = ["cpu", "wgpu", "cuda"])]
-    pub backend: String,
+    /// Compute backend: cpu, wgpu or cuda (those this build holds).
+    #[arg(long, default_value = "cpu")]
+    pub backend: BackendKind,
 }
 
 /// A started engine and everything the server reports about how it was sized.
 #[derive(Debug)]
 pub struct Started {
     /// The engine, KV cache allocated.
-    pub engine: Engine<CpuBackend>,
+    pub engine: Engine,
     /// Tokenizer, template and image processing.
     pub frontend: Frontend,
     /// Names the API answers to (the first is reported).
@@ -85,16 +85,6 @@ pub struct Started {
     pub profile: ProfileResult,
     /// The start-up lines as logged.
     pub log_lines: Vec<String>,
-}
-
-/// `--long-prefill-token-threshold`, or vLLM's default of 4% of `max_model_len` when
-/// `--max-num-partial-prefills` is over 1.
-fn long_prefill_token_threshold(a: &EngineArgs, max_model_len: usize) -> usize {
-    if a.long_prefill_token_threshold == 0 && a.max_num_partial_prefills > 1 {
-        max_model_len * 4 / 100
-    } else {
-        a.long_prefill_token_threshold
-    }
 }
 
 fn usage(msg: impl Into<String>) -> anyhow::Error {
@@ -147,23 +137,18 @@ fn machine_ram_bytes() -> Option<u64> {
     Some(kib * 1024)
 }
 
-/// The patch grid of an image with exactly `max_tokens` tokens (the most `smart_resize` can give
-/// under `max_pixels`), as close to square as the count allows: vLLM profiles the "image with most
-/// features", and no real image can have more tokens than this one.
-fn largest_image_grid(max_tokens: usize, merge: usize) -> [usize; 3] {
-    let t = max_tokens.max(1);
-    let a = (1..=t.isqrt()).rev().find(|a| t.is_multiple_of(*a)).unwrap_or(1);
-    [1, a * merge, t / a * merge]
+/// Memory of the CPU "device": `--cpu-memory-gib`, or 40% of the machine's RAM.
+pub fn cpu_memory_bytes(gib: Option<f64>) -> Result<u64> {
+    match gib {
+        Some(g) if g > 0.0 && g.is_finite() => Ok(gib_to_bytes(g)),
+        Some(g) => Err(usage(format!("--cpu-memory-gib must be positive, got {g}"))),
+        None => Ok(machine_ram_bytes().unwrap_or(8 << 30) / 5 * 2),
+    }
 }
 
 /// Loads, profiles and sizes the engine; prints vLLM's start-up lines to stderr.
 pub fn start(a: &EngineArgs) -> Result<Started> {
-    if a.backend != "cpu" {
-        return Err(usage(format!(
-            "--backend {} is not built yet: this build runs on the CPU backend (--backend cpu)",
-            a.backend
-        )));
-    }
+    a.backend.ensure_built().map_err(usage)?;
     let dtype = parse_dtype("dtype", &a.vllm.dtype)?;
     let kv_dtype = parse_dtype("kv-cache-dtype", &a.vllm.kv_cache_dtype)?;
     for (flag, d, given) in [
@@ -190,12 +175,7 @@ pub fn start(a: &EngineArgs) -> Result<Started> {
     } else {
         a.served_model_name.clone()
     };
-    let ram = machine_ram_bytes().unwrap_or(8 << 30);
-    let total = match a.cpu_memory_gib {
-        Some(g) if g > 0.0 && g.is_finite() => gib_to_bytes(g),
-        Some(g) => return Err(usage(format!("--cpu-memory-gib must be positive, got {g}"))),
-        None => ram / 5 * 2,
-    };
+    let total = cpu_memory_bytes(a.cpu_memory_gib)?;
     // Parsed before the (possibly long) load; checked against the checkpoint's limits after it.
     let pixels = match &a.mm_processor_kwargs {
         Some(json) => ProcessorKwargs::parse(json).map_err(|e| usage(e.to_string()))?,
@@ -222,90 +202,61 @@ pub fn start(a: &EngineArgs) -> Result<Started> {
         "INFO Image preprocessing may hold {:.2} GiB of host memory at once (--preprocess-memory-gib)",
         frontend.preprocess_budget.capacity() as f64 / GIB
     );
-    let cfg = model.cfg.clone();
-    let weights = backend.ledger().bytes(kvlens_engine::memory::ledger::Category::Weights);
     let device = device_preset("cpu")
         .ok_or_else(|| anyhow::anyhow!("the cpu device preset is missing"))?
         .with_total_bytes(total);
-    let mut req = PlanRequest::new(served_model_names[0].clone(), cfg.clone(), device);
+    let mut req = PlanRequest::new(served_model_names[0].clone(), model.cfg.clone(), device);
     req.image_limits = frontend.settings.limits;
     a.vllm.apply(&mut req, &HeaderSettings::default())?;
     req.limit_mm_per_prompt = MmLimits { video: 0, ..limits };
-    req.dtype = Some(DType::F32);
-    req.kv_cache_dtype = Some(DType::F32);
-    req.weights_bytes = Some(weights);
+    // Nothing else shares the CPU "device": all of it is free before the weights load.
     req.non_torch_bytes = Some(0);
-    // First pass: the budgets the profile run needs (the activation figure is replaced below).
-    let draft = plan(&req).map_err(|e| usage(e.to_string()))?;
-    let merge = cfg.vision.spatial_merge_size;
-    let profiled_at = Instant::now();
-    let spec = ProfileSpec {
-        num_tokens: draft.max_num_batched_tokens,
-        num_sampled: draft.max_num_seqs.min(draft.max_num_batched_tokens),
-        image_grid: (draft.encoder_profile_items > 0).then(|| largest_image_grid(draft.max_tokens_per_image, merge)),
-        image_items: draft.encoder_profile_items,
-        block_size: draft.block_size,
+    let opts = EngineOptions {
+        enable_prefix_caching: !a.no_enable_prefix_caching,
+        long_prefill_token_threshold: a.long_prefill_token_threshold,
+        max_num_partial_prefills: a.max_num_partial_prefills,
+        vocab_size: frontend.tokenizer.vocab_size(),
     };
-    let mut runner = ModelRunner::new(backend, model);
-    let profile = runner.profile(spec).map_err(|e| anyhow::anyhow!("profile run: {e}"))?;
-    let profile_s = profiled_at.elapsed().as_secs_f64();
-    req.activation_peak_bytes = Some(profile.activation_peak_bytes);
-    let p = plan(&req).map_err(|e| usage(e.to_string()))?;
+    let clock = Instant::now();
+    let built = build_engine(ModelRunner::new(backend, model), req, opts, &|| {
+        clock.elapsed().as_secs_f64()
+    });
+    let (mut engine, report) = match built {
+        Ok(built) => built,
+        Err(BuildError::Budget { error, log_lines }) => {
+            for line in &log_lines {
+                tracing::info!("{line}");
+            }
+            return Err(usage(error));
+        }
+        Err(e @ BuildError::Plan(_)) => return Err(usage(e.to_string())),
+        Err(e) => return Err(e.into()),
+    };
+    let p = report.plan;
     frontend.set_processor_cache_bytes(p.processor_cache_bytes);
     frontend.max_model_len = p.max_model_len;
-    if let Some(grid) = spec.image_grid {
-        frontend.max_image_tokens = grid.iter().product::<usize>() / (merge * merge);
+    if let Some(tokens) = report.max_image_tokens {
+        frontend.max_image_tokens = tokens;
     }
-    let mut log_lines = vec![
-        // The resolved settings as a command line, so `kvlens plan --from-log` can rebuild this budget.
-        format!(
-            "kvlens serve {} --max-model-len {} --max-num-batched-tokens {} --max-num-seqs {} --block-size {} \
-             --gpu-memory-utilization {} --cpu-memory-gib {:.6} --dtype float32 --kv-cache-dtype float32 \
-             --limit-mm-per-prompt image={},video=0",
-            model_dir.display(),
-            p.max_model_len,
-            p.max_num_batched_tokens,
-            p.max_num_seqs,
-            p.block_size,
-            p.gpu_memory_utilization,
-            total as f64 / GIB,
-            limits.image
-        ),
-        // Nothing else shares the CPU "device": all of it is free before the weights load.
-        format!(
-            "Initial free memory: {} GiB; Requested memory: {:.2} (util), {} GiB",
-            gib(total),
-            p.gpu_memory_utilization,
-            gib(p.requested_bytes)
-        ),
-        format!(
-            "Memory profiling takes {profile_s:.2} seconds. Total non KV cache memory: {} GiB; torch peak memory increase: {} GiB; non-torch forward increase memory: {} GiB; weights memory: {} GiB.",
-            gib(p.non_kv_bytes),
-            gib(p.activation_peak_bytes),
-            gib(p.non_torch_bytes),
-            gib(p.weights_bytes)
-        ),
-    ];
-    // The weights line was printed while loading.
-    log_lines.extend(p.vllm_log_lines().into_iter().skip(1));
+    // The resolved settings as a command line, so `kvlens plan --from-log` can rebuild this budget.
+    let mut log_lines = vec![format!(
+        "kvlens serve {} --max-model-len {} --max-num-batched-tokens {} --max-num-seqs {} --block-size {} \
+         --gpu-memory-utilization {} --cpu-memory-gib {:.6} --dtype float32 --kv-cache-dtype float32 \
+         --limit-mm-per-prompt image={},video=0",
+        model_dir.display(),
+        p.max_model_len,
+        p.max_num_batched_tokens,
+        p.max_num_seqs,
+        p.block_size,
+        p.gpu_memory_utilization,
+        total as f64 / GIB,
+        limits.image
+    )];
+    log_lines.extend(report.log_lines);
     for line in &log_lines {
-        eprintln!("INFO {line}");
+        tracing::info!("{line}");
     }
-    if let Some(err) = &p.error {
-        return Err(usage(err.clone()));
-    }
-    let engine_cfg = EngineConfig {
-        num_blocks: usize::try_from(p.num_gpu_blocks).map_err(|_| usage("KV cache too large"))?,
-        block_size: p.block_size,
-        max_model_len: p.max_model_len,
-        enable_prefix_caching: !a.no_enable_prefix_caching,
-        encoder_cache_tokens: p.encoder_budget_tokens.max(1),
-        max_num_seqs: p.max_num_seqs,
-        max_num_batched_tokens: p.max_num_batched_tokens,
-        vocab_size: frontend.tokenizer.vocab_size(),
-        long_prefill_token_threshold: long_prefill_token_threshold(a, p.max_model_len),
-    };
-    let mut engine = Engine::new(runner, engine_cfg).map_err(|e| anyhow::anyhow!("engine: {e}"))?;
+    let profile = report.profile;
     // A test hook: `KVLENS_FAULT=decoder:3` makes the third decoder pass fail (see engine::fault).
     if let Some(plan) = std::env::var_os("KVLENS_FAULT") {
         let plan = plan.to_string_lossy().parse().map_err(usage)?;
@@ -321,17 +272,4 @@ pub fn start(a: &EngineArgs) -> Result<Started> {
         profile,
         log_lines,
     })
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn largest_grid_has_exactly_the_token_budget() {
-        assert_eq!(largest_image_grid(16_384, 2), [1, 256, 256]);
-        assert_eq!(largest_image_grid(1_000, 2), [1, 50, 80]);
-        assert_eq!(largest_image_grid(997, 2), [1, 2, 1994]);
-        assert_eq!(largest_image_grid(1, 2), [1, 2, 2]);
-    }
 }

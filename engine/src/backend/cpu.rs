@@ -98,8 +98,8 @@ impl Backend for CpuBackend {
         "cpu"
     }
 
-    fn elem_bytes(&self) -> u64 {
-        4
+    fn dtype(&self) -> crate::config::DType {
+        crate::config::DType::F32
     }
 
     fn ledger(&self) -> &MemoryLedger {

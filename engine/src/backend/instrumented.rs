@@ -115,8 +115,8 @@ impl<B: Backend> Backend for Instrumented<B> {
     fn name(&self) -> &'static str {
         self.inner.name()
     }
-    fn elem_bytes(&self) -> u64 {
-        self.inner.elem_bytes()
+    fn dtype(&self) -> crate::config::DType {
+        self.inner.dtype()
     }
     fn ledger(&self) -> &MemoryLedger {
         self.inner.ledger()

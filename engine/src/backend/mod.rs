@@ -116,8 +116,70 @@ impl KvLayout {
     }
 }
 
+/// A compute backend by name, as `--backend` takes it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum BackendKind {
+    /// candle on the CPU.
+    Cpu,
+    /// Our WGSL kernels on Vulkan, Metal, DX12 or WebGPU.
+    Wgpu,
+    /// NVIDIA GPUs.
+    Cuda,
+}
+
+impl BackendKind {
+    /// Every backend, built into this binary or not.
+    pub const ALL: [BackendKind; 3] = [BackendKind::Cpu, BackendKind::Wgpu, BackendKind::Cuda];
+
+    /// The name `--backend` takes.
+    pub fn name(self) -> &'static str {
+        match self {
+            BackendKind::Cpu => "cpu",
+            BackendKind::Wgpu => "wgpu",
+            BackendKind::Cuda => "cuda",
+        }
+    }
+
+    /// Whether this build holds the backend.
+    pub fn is_built(self) -> bool {
+        matches!(self, BackendKind::Cpu)
+    }
+
+    /// Ok when this build holds the backend, else what the user can do instead.
+    pub fn ensure_built(self) -> Result<(), String> {
+        if self.is_built() {
+            return Ok(());
+        }
+        let built: Vec<&str> = Self::ALL.iter().filter(|k| k.is_built()).map(|k| k.name()).collect();
+        Err(format!(
+            "--backend {}: this kvlens build has no {} backend (it has: {}); use --backend cpu",
+            self.name(),
+            self.name(),
+            built.join(", ")
+        ))
+    }
+}
+
+impl std::str::FromStr for BackendKind {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        Self::ALL
+            .into_iter()
+            .find(|k| k.name().eq_ignore_ascii_case(s))
+            .ok_or_else(|| format!("unknown backend {s:?} (cpu, wgpu or cuda)"))
+    }
+}
+
+impl std::fmt::Display for BackendKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
 /// The operations of a Qwen-VL forward pass. Row-major 2-D tensors `[rows, cols]` unless stated.
-pub trait Backend {
+pub trait Backend: std::fmt::Debug + 'static {
     /// A tensor on this backend.
     type Tensor: Clone + std::fmt::Debug;
     /// The paged KV cache on this backend.
@@ -130,8 +192,12 @@ pub trait Backend {
 
     /// Short name (`cpu`, `wgpu`, `cuda`).
     fn name(&self) -> &'static str;
-    /// Bytes per element of the activations and the KV cache it computes in.
-    fn elem_bytes(&self) -> u64;
+    /// The dtype its activations and KV cache are computed and stored in.
+    fn dtype(&self) -> crate::config::DType;
+    /// Bytes per element of [`Self::dtype`].
+    fn elem_bytes(&self) -> u64 {
+        self.dtype().size_bytes()
+    }
     /// The ledger every allocation is recorded in.
     fn ledger(&self) -> &MemoryLedger;
 
@@ -208,4 +274,18 @@ pub trait Backend {
         heads: usize,
         batch: &Self::Paged,
     ) -> BResult<Self::Tensor>;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::BackendKind;
+
+    #[test]
+    fn backend_names_parse_and_a_missing_backend_says_what_the_build_has() {
+        assert_eq!("CUDA".parse::<BackendKind>(), Ok(BackendKind::Cuda));
+        assert!("tpu".parse::<BackendKind>().unwrap_err().contains("cpu, wgpu or cuda"));
+        assert_eq!(BackendKind::Cpu.ensure_built(), Ok(()));
+        let err = BackendKind::Wgpu.ensure_built().unwrap_err();
+        assert!(err.contains("no wgpu backend (it has: cpu)"), "{err}");
+    }
 }

@@ -10,8 +10,6 @@ use super::metrics::Metrics;
 use super::occupancy::{Occupancy, ProcessMemory};
 use super::output::{Delta, Output};
 use crate::runtime::Frontend;
-use kvlens_engine::backend::cpu::CpuBackend;
-use kvlens_engine::backend::Backend;
 use kvlens_engine::cache::RequestId;
 use kvlens_engine::engine::{Engine, EngineError, FinishReason, Request, TokenEvent};
 use kvlens_engine::memory::ledger::Category;
@@ -206,7 +204,7 @@ struct Live {
 /// The engine thread's state.
 #[derive(Debug)]
 pub struct EngineLoop {
-    engine: Engine<CpuBackend>,
+    engine: Engine,
     frontend: Arc<Frontend>,
     metrics: Arc<Metrics>,
     rx: mpsc::Receiver<Command>,
@@ -223,7 +221,7 @@ fn unix_time() -> f64 {
         .map_or(0.0, |d| d.as_secs_f64())
 }
 
-fn occupancy_of(engine: &Engine<CpuBackend>, frontend: &Frontend, seq: u64) -> Occupancy {
+fn occupancy_of(engine: &Engine, frontend: &Frontend, seq: u64) -> Occupancy {
     let processor_cache = frontend
         .processor_cache
         .lock()
@@ -242,7 +240,7 @@ fn occupancy_of(engine: &Engine<CpuBackend>, frontend: &Frontend, seq: u64) -> O
 impl EngineLoop {
     /// The loop over a started engine, the handle that commands it and the snapshot channel.
     pub fn new(
-        engine: Engine<CpuBackend>,
+        engine: Engine,
         frontend: Arc<Frontend>,
         metrics: Arc<Metrics>,
     ) -> (Self, EngineHandle, watch::Receiver<Arc<Occupancy>>) {
@@ -338,7 +336,7 @@ impl EngineLoop {
             }
             Command::ResetEncoderCache(reply) => {
                 let freed_bytes = self.engine.reset_encoder_cache();
-                let encoder_cache_bytes = self.engine.backend().ledger().bytes(Category::EncoderCache);
+                let encoder_cache_bytes = self.engine.ledger().bytes(Category::EncoderCache);
                 let _ = reply.send(EncoderReset {
                     freed_bytes,
                     encoder_cache_bytes,

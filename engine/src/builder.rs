@@ -1,0 +1,163 @@
+//! Start-up as vLLM does it, for every caller (`kvlens serve`, `kvlens generate`, the playground):
+//! plan the budgets with the measured weights, profile one full dummy batch plus the largest
+//! allowed images on the backend, re-plan with the measured activation peak, size the KV cache
+//! from what is left and build the engine. vLLM's start-up log lines come back as data; the caller
+//! prints them (or draws them).
+
+use crate::backend::Backend;
+use crate::engine::{Engine, EngineConfig, EngineError};
+use crate::memory::ledger::Category;
+use crate::memory::planner::{gib, plan, Plan, PlanRequest};
+use crate::model::ModelError;
+use crate::profile::{ProfileResult, ProfileSpec};
+use crate::runner::ModelRunner;
+
+/// Engine settings the planner does not decide.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EngineOptions {
+    /// Reuse KV blocks across requests.
+    pub enable_prefix_caching: bool,
+    /// Most tokens one request computes per step (0 = no cap, or vLLM's default when
+    /// `max_num_partial_prefills` is over 1).
+    pub long_prefill_token_threshold: usize,
+    /// vLLM's count of prompts prefilled at once: kvlens (like vLLM v1) prefills any number, and a
+    /// value over 1 only sets the default threshold to 4% of `max_model_len`, as vLLM does.
+    pub max_num_partial_prefills: usize,
+    /// Tokens the sampler may return (the tokenizer's vocabulary; 0 = every logits row).
+    pub vocab_size: usize,
+}
+
+/// How the engine was sized.
+#[derive(Debug, Clone)]
+pub struct StartupReport {
+    /// The budget with the measured weights and activation peak.
+    pub plan: Plan,
+    /// What the profile run measured.
+    pub profile: ProfileResult,
+    /// Most tokens one image may have: the largest image the profile ran (None without images).
+    pub max_image_tokens: Option<usize>,
+    /// vLLM's start-up lines from "Initial free memory" on (the weights line is the loader's).
+    pub log_lines: Vec<String>,
+}
+
+/// Why start-up failed.
+#[derive(Debug, thiserror::Error)]
+pub enum BuildError {
+    /// The settings do not plan (a usage error).
+    #[error("{0}")]
+    Plan(String),
+    /// The profile run failed.
+    #[error("profile run: {0}")]
+    Profile(#[source] ModelError),
+    /// The budget leaves no room (e.g. no KV cache); the lines were logged up to the failure.
+    #[error("{error}")]
+    Budget {
+        /// vLLM's message.
+        error: String,
+        /// The start-up lines so far.
+        log_lines: Vec<String>,
+    },
+    /// The engine could not be built.
+    #[error("engine: {0}")]
+    Engine(#[source] EngineError),
+}
+
+/// The patch grid of an image with exactly `max_tokens` tokens (the most `smart_resize` can give
+/// under `max_pixels`), as close to square as the count allows: vLLM profiles the "image with most
+/// features", and no real image can have more tokens than this one.
+pub fn largest_image_grid(max_tokens: usize, merge: usize) -> [usize; 3] {
+    let t = max_tokens.max(1);
+    let a = (1..=t.isqrt()).rev().find(|a| t.is_multiple_of(*a)).unwrap_or(1);
+    [1, a * merge, t / a * merge]
+}
+
+/// Sizes and builds the engine over a loaded model. `req` holds the device and the user's flags;
+/// its weights, dtypes and activation peak are filled in here from the backend. `seconds` is a
+/// clock (the engine has none of its own) used to time the profile run.
+pub fn build_engine<B: Backend>(
+    mut runner: ModelRunner<B>,
+    mut req: PlanRequest,
+    opts: EngineOptions,
+    seconds: &dyn Fn() -> f64,
+) -> Result<(Engine, StartupReport), BuildError> {
+    let be = runner.backend();
+    req.weights_bytes = Some(be.ledger().bytes(Category::Weights));
+    req.dtype = Some(be.dtype());
+    req.kv_cache_dtype = Some(be.dtype());
+    // First pass: the budgets the profile run needs (the activation figure is replaced below).
+    let draft = plan(&req).map_err(|e| BuildError::Plan(e.to_string()))?;
+    let merge = req.model.vision.spatial_merge_size;
+    let spec = ProfileSpec {
+        num_tokens: draft.max_num_batched_tokens,
+        num_sampled: draft.max_num_seqs.min(draft.max_num_batched_tokens),
+        image_grid: (draft.encoder_profile_items > 0).then(|| largest_image_grid(draft.max_tokens_per_image, merge)),
+        image_items: draft.encoder_profile_items,
+        block_size: draft.block_size,
+    };
+    let started = seconds();
+    let profile = runner.profile(spec).map_err(BuildError::Profile)?;
+    let profile_s = seconds() - started;
+    req.activation_peak_bytes = Some(profile.activation_peak_bytes);
+    let p = plan(&req).map_err(|e| BuildError::Plan(e.to_string()))?;
+    let total = req.device.total_bytes;
+    let mut log_lines = vec![
+        format!(
+            "Initial free memory: {} GiB; Requested memory: {:.2} (util), {} GiB",
+            gib(total),
+            p.gpu_memory_utilization,
+            gib(p.requested_bytes)
+        ),
+        format!(
+            "Memory profiling takes {profile_s:.2} seconds. Total non KV cache memory: {} GiB; torch peak memory increase: {} GiB; non-torch forward increase memory: {} GiB; weights memory: {} GiB.",
+            gib(p.non_kv_bytes),
+            gib(p.activation_peak_bytes),
+            gib(p.non_torch_bytes),
+            gib(p.weights_bytes)
+        ),
+    ];
+    // The weights line was printed while loading.
+    log_lines.extend(p.vllm_log_lines().into_iter().skip(1));
+    if let Some(error) = &p.error {
+        return Err(BuildError::Budget {
+            error: error.clone(),
+            log_lines,
+        });
+    }
+    let num_blocks = usize::try_from(p.num_gpu_blocks).map_err(|_| BuildError::Plan("KV cache too large".into()))?;
+    let cfg = EngineConfig {
+        num_blocks,
+        block_size: p.block_size,
+        max_model_len: p.max_model_len,
+        enable_prefix_caching: opts.enable_prefix_caching,
+        encoder_cache_tokens: p.encoder_budget_tokens.max(1),
+        max_num_seqs: p.max_num_seqs,
+        max_num_batched_tokens: p.max_num_batched_tokens,
+        vocab_size: opts.vocab_size,
+        long_prefill_token_threshold: if opts.long_prefill_token_threshold == 0 && opts.max_num_partial_prefills > 1 {
+            p.max_model_len * 4 / 100
+        } else {
+            opts.long_prefill_token_threshold
+        },
+    };
+    let engine = Engine::new(runner, cfg).map_err(BuildError::Engine)?;
+    let report = StartupReport {
+        plan: p,
+        profile,
+        max_image_tokens: spec.image_grid.map(|g| g.iter().product::<usize>() / (merge * merge)),
+        log_lines,
+    };
+    Ok((engine, report))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn largest_grid_has_exactly_the_token_budget() {
+        assert_eq!(largest_image_grid(16_384, 2), [1, 256, 256]);
+        assert_eq!(largest_image_grid(1_000, 2), [1, 50, 80]);
+        assert_eq!(largest_image_grid(997, 2), [1, 2, 1994]);
+        assert_eq!(largest_image_grid(1, 2), [1, 2, 2]);
+    }
+}
