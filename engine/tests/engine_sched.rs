@@ -10,7 +10,7 @@ use kvlens_engine::backend::{Backend, RawDType, RawTensor};
 use kvlens_engine::config::ModelConfig;
 use kvlens_engine::engine::{Engine, EngineConfig, FinishReason, ImageInput, Request};
 use kvlens_engine::memory::ledger::{Category, MemoryLedger};
-use kvlens_engine::model::inventory::tensor_specs;
+use kvlens_engine::model::spec::tensor_specs;
 use kvlens_engine::model::weights::TensorSource;
 use kvlens_engine::model::{ModelError, QwenVl};
 use kvlens_engine::sample::SamplingParams;

@@ -9,7 +9,7 @@
 use crate::UsageError;
 use anyhow::{Context, Result};
 use kvlens_engine::config::{bundled_config, Family, ImageLimits, ModelConfig, BUNDLED_CONFIGS};
-use kvlens_engine::model::inventory::{tensor_specs, Init, TensorSpec};
+use kvlens_engine::model::spec::{tensor_specs, Init, TensorSpec};
 use serde_json::{json, Map, Value};
 use std::fs::File;
 use std::io::{BufWriter, Write};

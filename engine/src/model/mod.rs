@@ -1,7 +1,7 @@
 //! The Qwen-VL forward pass, written once against [`Backend`](crate::backend::Backend).
 
-pub mod inventory;
 pub mod rope;
+pub mod spec;
 pub mod text;
 pub mod vision;
 pub mod weights;
