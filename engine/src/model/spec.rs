@@ -2,7 +2,7 @@
 //! its name, shape, dtype and tensor-parallel layout. The loaders ([`super::vision`], [`super::text`])
 //! take names and shapes from [`VisionSpec`] and [`TextSpec`], the planner
 //! ([`crate::memory::weights`]) counts each rank's parameters from [`tensor_specs`], and
-//! `kvlens random-checkpoint` writes that list.
+//! `kvlens random-checkpoint` writes that list ([`super::random_weights`]).
 //!
 //! Names and shapes are those of transformers' modules (`modeling_qwen2_vl.py`,
 //! `modeling_qwen2_5_vl.py`, `modeling_qwen3_vl.py`, `modeling_qwen3_vl_moe.py` under

@@ -209,4 +209,44 @@ mod tests {
         assert_eq!(spellings("model.language_model.norm.weight")[1], "model.norm.weight");
         assert_eq!(spellings("lm_head.weight"), vec!["lm_head.weight"]);
     }
+
+    /// A checkpoint written from the specs, with one tensor dropped or reshaped.
+    fn load_error(edit: impl Fn(&mut Vec<TensorSpec>)) -> String {
+        use crate::backend::cpu::CpuBackend;
+        use crate::memory::ledger::MemoryLedger;
+        use crate::model::{random_weights::RandomInit, spec::tensor_specs, QwenVl};
+        let cfg =
+            crate::config::ModelConfig::from_json(include_str!("../../../tools/golden/configs/qwen2_vl_tiny.json"))
+                .unwrap();
+        let mut specs = tensor_specs(&cfg);
+        edit(&mut specs);
+        let mut bytes = Vec::new();
+        RandomInit { seed: 0, std: 0.5 }
+            .write_safetensors(&mut bytes, &specs, |_| {})
+            .unwrap();
+        let shards = [("model.safetensors".to_string(), bytes.as_slice())];
+        let source = SafetensorsFiles::parse(&shards).unwrap();
+        let be = CpuBackend::new(MemoryLedger::new());
+        QwenVl::load(cfg, &source, &be, |_, _| {}).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn a_missing_or_misshapen_tensor_is_named() {
+        let missing = load_error(|s| s.retain(|t| t.name != "visual.blocks.1.mlp.fc2.bias"));
+        assert_eq!(
+            missing,
+            "checkpoint: tensor visual.blocks.1.mlp.fc2.bias is missing from the checkpoint"
+        );
+        let reshaped = load_error(|s| {
+            let t = s
+                .iter_mut()
+                .find(|t| t.name == "model.layers.0.self_attn.k_proj.weight")
+                .unwrap();
+            t.shape = vec![8, 32];
+        });
+        assert_eq!(
+            reshaped,
+            "checkpoint: tensor model.layers.0.self_attn.k_proj.weight has shape [8, 32], the config implies [16, 32]"
+        );
+    }
 }
