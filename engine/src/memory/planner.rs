@@ -378,7 +378,8 @@ fn estimate_activation_peak(p: &Plan, model: &ModelConfig, tp: usize, act_bytes:
     let patches = items * item_tokens * merge;
     let e = v.hidden_size as u64;
     let patch_in = v.patch_dim() as u64;
-    let ups = if model.family == Family::Qwen25Vl { 3 } else { 2 };
+    // The MLP's intermediate activations: its up projections and their product or activation.
+    let ups = 1 + v.mlp.up_projections() as u64;
     let vit_layer = (4 * e / tp).max(ups * v.intermediate_size as u64 / tp);
     let vit = patches * (patch_in + 2 * e + vit_layer) * act_bytes + kept_outputs;
     vit.max(kept_outputs + decoder + sampler)
@@ -469,11 +470,7 @@ pub fn plan(req: &PlanRequest) -> Result<Plan, PlanError> {
     };
     let (budget, items, modality) = encoder_budget(limits, image_tokens, video_tokens, mnbt, mns, max_len);
 
-    let deepstack = if m.family.is_qwen3() {
-        m.vision.deepstack_visual_indexes.len() as u64 * mnbt as u64 * t.hidden_size as u64 * act_bytes
-    } else {
-        0
-    };
+    let deepstack = m.vision.deepstack_visual_indexes.len() as u64 * mnbt as u64 * t.hidden_size as u64 * act_bytes;
     let estimated_weights: u64 = weight_bytes_per_rank(m, tp, act_bytes)
         .iter()
         .map(|(_, b)| b)
