@@ -724,7 +724,8 @@ fn normalize(pixels: &[u8], settings: &ProcessorSettings) -> [Vec<f32>; 3] {
 }
 
 /// `pixel_values` of one still image: the frame repeated `T` times, rows in merge-window order,
-/// each row `(C, T, P, P)` (docs/qwen-vl.md §3.3).
+/// each row `(C, T, P, P)` (as `Qwen2VLImageProcessor._preprocess` in
+/// <https://github.com/huggingface/transformers/blob/main/src/transformers/models/qwen2_vl/image_processing_qwen2_vl.py>).
 fn patchify(planes: &[Vec<f32>; 3], height: usize, width: usize, settings: &ProcessorSettings) -> Vec<f32> {
     let (p, m, t) = (settings.patch_size, settings.merge_size, settings.temporal_patch_size);
     let (gh, gw) = (height / p, width / p);
