@@ -276,7 +276,7 @@ impl<'a> Builder<'a> {
         t
     }
 
-    /// `{prefix}.weight`, drawn as a matrix.
+    /// `{prefix}.weight`, drawn from `N(0, std²)`.
     fn weight(&mut self, prefix: &str, shape: &[usize], shard: Shard, group: &'static str) -> TensorSpec {
         self.tensor(format!("{prefix}.weight"), shape, shard, group, Init::Normal)
     }
@@ -292,6 +292,7 @@ impl<'a> Builder<'a> {
         )
     }
 
+    /// `{prefix}.weight [out, in]` and `{prefix}.bias [out]` with their layouts and groups.
     fn affine(
         &mut self,
         prefix: &str,
@@ -311,11 +312,12 @@ impl<'a> Builder<'a> {
         self.affine(prefix, out, inp, [Shard::Split(0); 2], [group; 2])
     }
 
-    /// Row-parallel `[out, in]` split by columns, its bias replicated (and counted in `bias_group`).
+    /// Row-parallel `[out, in]` split by columns, its bias replicated; `groups` of weight and bias.
     fn row(&mut self, prefix: &str, out: usize, inp: usize, groups: [&'static str; 2]) -> Affine {
         self.affine(prefix, out, inp, [Shard::Split(1), Shard::Replicated], groups)
     }
 
+    /// A vision norm `[dim]`: weight, and a bias for LayerNorm.
     fn norm(&mut self, prefix: &str, dim: usize, kind: VisionNorm, group: &'static str) -> NormSpec {
         let weight = self.norm_weight(prefix, dim, group);
         match kind {
