@@ -48,6 +48,80 @@ impl Family {
     }
 }
 
+/// Where a checkpoint keeps the tensors of its two towers. The prefixes are written here once;
+/// the loader accepts either layout whatever the family (see [`crate::model::weights`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CheckpointLayout {
+    /// `visual.*` and `model.*`: Qwen2-VL and Qwen2.5-VL as published.
+    Flat,
+    /// `model.visual.*` and `model.language_model.*`: Qwen3-VL, and the module tree of newer transformers.
+    Nested,
+}
+
+impl CheckpointLayout {
+    /// Both layouts.
+    pub const ALL: [CheckpointLayout; 2] = [CheckpointLayout::Flat, CheckpointLayout::Nested];
+
+    /// Prefix of the vision tower's tensors.
+    pub fn vision_prefix(self) -> &'static str {
+        match self {
+            CheckpointLayout::Flat => "visual",
+            CheckpointLayout::Nested => "model.visual",
+        }
+    }
+
+    /// Prefix of the language model's tensors (all but `lm_head`).
+    pub fn text_prefix(self) -> &'static str {
+        match self {
+            CheckpointLayout::Flat => "model",
+            CheckpointLayout::Nested => "model.language_model",
+        }
+    }
+}
+
+/// The normalisation layers of a vision tower (its blocks and mergers).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum VisionNorm {
+    /// LayerNorm with weight and bias (Qwen2-VL, Qwen3-VL).
+    LayerNorm,
+    /// RMSNorm, weight only (Qwen2.5-VL).
+    RmsNorm,
+}
+
+/// The MLP of a vision block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum VisionMlp {
+    /// `fc1` → QuickGELU → `fc2` (Qwen2-VL).
+    Fc,
+    /// `down_proj(silu(gate_proj) · up_proj)` (Qwen2.5-VL).
+    Gated,
+    /// `linear_fc1` → tanh GELU → `linear_fc2` (Qwen3-VL).
+    LinearFc,
+}
+
+impl VisionMlp {
+    /// Projections from the tower's width up to the MLP width (2 when gated, else 1).
+    pub fn up_projections(self) -> usize {
+        match self {
+            VisionMlp::Gated => 2,
+            VisionMlp::Fc | VisionMlp::LinearFc => 1,
+        }
+    }
+}
+
+/// The naming of the patch merger (its shape is the same in every family).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum VisionMerger {
+    /// `ln_q`, `mlp.0`, `mlp.2` (Qwen2-VL, Qwen2.5-VL).
+    Sequential,
+    /// `norm`, `linear_fc1`, `linear_fc2` (Qwen3-VL, also its deepstack mergers).
+    LinearFc,
+}
+
 /// Element type of weights, activations or the KV cache.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "lowercase")]
@@ -157,10 +231,18 @@ pub struct VisionConfig {
     pub fullatt_block_indexes: Vec<usize>,
     /// Qwen3-VL blocks whose outputs feed the deepstack mergers.
     pub deepstack_visual_indexes: Vec<usize>,
-    /// Qwen3-VL learned position table size (2304 = 48²), 0 otherwise.
+    /// Rows of the learned position table (Qwen3-VL: 2304 = 48²); 0 for towers without one.
     pub num_position_embeddings: usize,
     /// Qwen2.5-VL video time scale.
     pub tokens_per_second: usize,
+    /// Normalisation of blocks and mergers.
+    pub norm: VisionNorm,
+    /// MLP of each block.
+    pub mlp: VisionMlp,
+    /// Naming of the patch merger.
+    pub merger: VisionMerger,
+    /// The patch embedding has a bias (Qwen3-VL).
+    pub patch_bias: bool,
 }
 
 /// Special token ids the model needs.
@@ -183,6 +265,8 @@ pub struct TokenIds {
 pub struct ModelConfig {
     /// Which family.
     pub family: Family,
+    /// Where its checkpoint keeps each tower's tensors.
+    pub layout: CheckpointLayout,
     /// Language model settings.
     pub text: TextConfig,
     /// Vision tower settings.
@@ -437,8 +521,14 @@ impl ModelConfig {
             vision_end: id("vision_end_token_id", 151653),
             eos,
         };
+        let layout = if family.is_qwen3() {
+            CheckpointLayout::Nested
+        } else {
+            CheckpointLayout::Flat
+        };
         let cfg = ModelConfig {
             family,
+            layout,
             text,
             vision,
             tie_word_embeddings,
@@ -617,6 +707,10 @@ fn parse_vision(family: Family, v: &Fields<'_>, text_hidden: usize) -> Result<Vi
                 deepstack_visual_indexes: Vec::new(),
                 num_position_embeddings: 0,
                 tokens_per_second: 0,
+                norm: VisionNorm::LayerNorm,
+                mlp: VisionMlp::Fc,
+                merger: VisionMerger::Sequential,
+                patch_bias: false,
             }
         }
         Family::Qwen25Vl => VisionConfig {
@@ -634,6 +728,10 @@ fn parse_vision(family: Family, v: &Fields<'_>, text_hidden: usize) -> Result<Vi
             deepstack_visual_indexes: Vec::new(),
             num_position_embeddings: 0,
             tokens_per_second: v.usize_or("tokens_per_second", 2)?,
+            norm: VisionNorm::RmsNorm,
+            mlp: VisionMlp::Gated,
+            merger: VisionMerger::Sequential,
+            patch_bias: false,
         },
         Family::Qwen3Vl | Family::Qwen3VlMoe => VisionConfig {
             depth: v.usize_or("depth", 27)?,
@@ -650,6 +748,10 @@ fn parse_vision(family: Family, v: &Fields<'_>, text_hidden: usize) -> Result<Vi
             deepstack_visual_indexes: v.usize_list_or("deepstack_visual_indexes", &[8, 16, 24])?,
             num_position_embeddings: v.usize_or("num_position_embeddings", 2304)?,
             tokens_per_second: 0,
+            norm: VisionNorm::LayerNorm,
+            mlp: VisionMlp::LinearFc,
+            merger: VisionMerger::LinearFc,
+            patch_bias: true,
         },
     })
 }

@@ -1,19 +1,20 @@
 //! The engine with a tiny random-weight Qwen2-VL on the CPU backend: preemption under KV pressure
 //! gives the same greedy tokens as running each request alone, and an aborted waiting request
-//! leaves nothing behind. Random weights of the config's tensor inventory stand in for a checkpoint.
+//! leaves nothing behind. An in-memory random checkpoint of the config's tensor specs stands in for one on disk.
 
 use std::collections::HashMap;
 use std::sync::{Mutex, MutexGuard};
 
 use kvlens_engine::backend::cpu::CpuBackend;
 use kvlens_engine::backend::instrumented::{Instrumented, Transfers};
-use kvlens_engine::backend::{Backend, RawDType, RawTensor};
+use kvlens_engine::backend::Backend;
 use kvlens_engine::config::ModelConfig;
 use kvlens_engine::engine::{Engine, EngineConfig, FinishReason, ImageInput, Request};
 use kvlens_engine::memory::ledger::{Category, MemoryLedger};
-use kvlens_engine::model::inventory::tensor_specs;
-use kvlens_engine::model::weights::TensorSource;
-use kvlens_engine::model::{ModelError, QwenVl};
+use kvlens_engine::model::random_weights::RandomInit;
+use kvlens_engine::model::spec::tensor_specs;
+use kvlens_engine::model::weights::SafetensorsFiles;
+use kvlens_engine::model::QwenVl;
 use kvlens_engine::runner::ModelRunner;
 use kvlens_engine::sample::SamplingParams;
 use std::future::Future;
@@ -25,34 +26,7 @@ fn serial() -> MutexGuard<'static, ()> {
     SERIAL.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// Random f32 tensors under the names and shapes the loader asked for.
-#[derive(Default)]
-struct RandomWeights {
-    tensors: HashMap<String, (Vec<usize>, Vec<u8>)>,
-}
-
-impl RandomWeights {
-    fn insert(&mut self, name: &str, shape: Vec<usize>) {
-        let n: usize = shape.iter().product();
-        let seed = name.bytes().fold(0x9e37_79b9_7f4a_7c15u64, |h, b| {
-            (h ^ b as u64).wrapping_mul(0x100_0000_01b3)
-        });
-        let data = random_f32(seed, n).into_iter().flat_map(f32::to_le_bytes).collect();
-        self.tensors.insert(name.to_string(), (shape, data));
-    }
-}
-
-impl TensorSource for RandomWeights {
-    fn raw(&self, name: &str) -> Result<Option<RawTensor<'_>>, ModelError> {
-        Ok(self.tensors.get(name).map(|(shape, data)| RawTensor {
-            dtype: RawDType::F32,
-            shape: shape.clone(),
-            data,
-        }))
-    }
-}
-
-/// Uniform values in [-0.5, 0.5) from a xorshift generator.
+/// Uniform values in [-0.5, 0.5) from a xorshift generator (the pixels of test images).
 fn random_f32(seed: u64, n: usize) -> Vec<f32> {
     let mut s = seed | 1;
     (0..n)
@@ -69,12 +43,14 @@ fn tiny_config() -> ModelConfig {
     ModelConfig::from_json(include_str!("../../tools/golden/configs/qwen2_vl_tiny.json")).unwrap()
 }
 
-/// Loads a model of `cfg` with random weights of every tensor the config names.
+/// Loads a model of `cfg` from a random checkpoint written in memory (std 0.5).
 fn random_model<B: Backend>(cfg: ModelConfig, be: &B) -> QwenVl<B> {
-    let mut weights = RandomWeights::default();
-    for spec in tensor_specs(&cfg) {
-        weights.insert(&spec.name, spec.shape);
-    }
+    let mut bytes = Vec::new();
+    RandomInit { seed: 0, std: 0.5 }
+        .write_safetensors(&mut bytes, &tensor_specs(&cfg), |_| {})
+        .unwrap();
+    let shards = [("model.safetensors".to_string(), bytes.as_slice())];
+    let weights = SafetensorsFiles::parse(&shards).unwrap();
     QwenVl::load(cfg, &weights, be, |_, _| {}).unwrap()
 }
 

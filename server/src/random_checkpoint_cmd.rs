@@ -2,14 +2,16 @@
 //!
 //! The files are those of the published checkpoints (config.json in the family's layout, safetensors with the
 //! official on-disk tensor names, generation, preprocessor and tokenizer configs, the chat template, tokenizer.json),
-//! so transformers, vLLM and kvlens load them as they load the real thing. Values come from a seeded SplitMix64
-//! stream per tensor (so they do not depend on the tensor order or the sharding) and are streamed to disk: the
-//! safetensors header is written first from the known shapes, then each tensor in turn.
+//! so transformers, vLLM and kvlens load them as they load the real thing. The tensors are the engine's
+//! [`tensor_specs`] and their bytes come from [`kvlens_engine::model::random_weights`], streamed to disk shard by
+//! shard.
 
 use crate::UsageError;
 use anyhow::{Context, Result};
-use kvlens_engine::config::{bundled_config, Family, ImageLimits, ModelConfig, BUNDLED_CONFIGS};
-use kvlens_engine::model::inventory::{tensor_specs, Init, TensorSpec};
+use kvlens_engine::config::{bundled_config, DType, Family, ImageLimits, ModelConfig, BUNDLED_CONFIGS};
+use kvlens_engine::input::default_template;
+use kvlens_engine::model::random_weights::{safetensors_header, RandomInit, INIT_STD};
+use kvlens_engine::model::spec::{tensor_specs, TensorSpec};
 use serde_json::{json, Map, Value};
 use std::fs::File;
 use std::io::{BufWriter, Write};
@@ -20,8 +22,6 @@ use std::path::{Path, PathBuf};
 pub const SHARD_BYTES: u64 = 2 << 30;
 /// Show a progress bar above this many bytes of weights.
 const PROGRESS_BYTES: u64 = 100_000_000;
-/// Standard deviation of matrices, embeddings and biases when the config has no `initializer_range`.
-const INIT_STD: f64 = 0.02;
 
 /// The config's `initializer_range` (text_config first, then top level), else [`INIT_STD`].
 fn init_std(raw: &Value) -> f64 {
@@ -31,8 +31,6 @@ fn init_std(raw: &Value) -> f64 {
         .filter(|v| v.is_finite() && *v > 0.0)
         .unwrap_or(INIT_STD)
 }
-/// Norm weights are `1 + NORM_NOISE · N(0, 1)` so that they are not the identity.
-const NORM_NOISE: f64 = 0.1;
 
 /// Element type of the written weights.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -46,11 +44,11 @@ pub enum WeightDtype {
 }
 
 impl WeightDtype {
-    fn safetensors_name(self) -> &'static str {
+    fn dtype(self) -> DType {
         match self {
-            WeightDtype::Bf16 => "BF16",
-            WeightDtype::F16 => "F16",
-            WeightDtype::F32 => "F32",
+            WeightDtype::Bf16 => DType::Bf16,
+            WeightDtype::F16 => DType::F16,
+            WeightDtype::F32 => DType::F32,
         }
     }
 
@@ -59,21 +57,6 @@ impl WeightDtype {
             WeightDtype::Bf16 => "bfloat16",
             WeightDtype::F16 => "float16",
             WeightDtype::F32 => "float32",
-        }
-    }
-
-    fn size_bytes(self) -> u64 {
-        match self {
-            WeightDtype::Bf16 | WeightDtype::F16 => 2,
-            WeightDtype::F32 => 4,
-        }
-    }
-
-    fn push_le(self, v: f32, out: &mut Vec<u8>) {
-        match self {
-            WeightDtype::Bf16 => out.extend_from_slice(&half::bf16::from_f32(v).to_le_bytes()),
-            WeightDtype::F16 => out.extend_from_slice(&half::f16::from_f32(v).to_le_bytes()),
-            WeightDtype::F32 => out.extend_from_slice(&v.to_le_bytes()),
         }
     }
 }
@@ -142,14 +125,18 @@ fn usage(msg: impl Into<String>) -> anyhow::Error {
 pub fn run(args: &RandomCheckpointArgs) -> Result<()> {
     let (name, raw) = load_config_source(&args.config)?;
     let cfg = ModelConfig::from_value(&raw).map_err(|e| usage(format!("{name}: {e}")))?;
-    if cfg.family == Family::Qwen3VlMoe {
+    if cfg.text.moe.is_some() {
         return Err(usage(format!(
             "{name}: qwen3_vl_moe checkpoints are not supported yet (expert tensors); \
              use a dense Qwen2-VL, Qwen2.5-VL or Qwen3-VL config"
         )));
     }
+    let cfg = ModelConfig {
+        dtype: args.dtype.dtype(),
+        ..cfg
+    };
     let specs = tensor_specs(&cfg);
-    let files = plan_files(&specs, args.dtype, args.shard_size);
+    let files = plan_files(&specs, args.shard_size)?;
     if args.dry_run {
         print_summary(&name, &cfg, args.dtype, &specs, &files);
         return Ok(());
@@ -177,12 +164,13 @@ pub fn run(args: &RandomCheckpointArgs) -> Result<()> {
         &out.join("tokenizer_config.json"),
         &tokenizer_config(cfg.text.max_position_embeddings),
     )?;
-    std::fs::write(out.join("chat_template.jinja"), chat_template(cfg.family))
+    std::fs::write(out.join("chat_template.jinja"), default_template(cfg.family))
         .with_context(|| format!("writing {}", out.join("chat_template.jinja").display()))?;
     std::fs::copy(&tokenizer, out.join("tokenizer.json"))
         .with_context(|| format!("copying {} into {}", tokenizer.display(), out.display()))?;
 
-    write_weights(out, &specs, &files, args.dtype, args.seed, std)?;
+    let init = RandomInit { seed: args.seed, std };
+    write_weights(out, &specs, &files, &init)?;
     let total: u64 = files.iter().map(FilePlan::total_bytes).sum();
     println!(
         "wrote {} ({}, {} tensors, {} parameters, {} bytes of weights in {} file{}, seed {})",
@@ -504,14 +492,6 @@ fn tokenizer_config(model_max_length: usize) -> Value {
     })
 }
 
-fn chat_template(family: Family) -> &'static str {
-    if family.is_qwen3() {
-        include_str!("../../engine/src/input/templates/qwen3_vl.jinja")
-    } else {
-        include_str!("../../engine/src/input/templates/qwen2_vl.jinja")
-    }
-}
-
 // ---------------------------------------------------------------------------------------------------------------
 // safetensors files
 
@@ -532,13 +512,12 @@ impl FilePlan {
 
 /// Splits the tensors (in order) into files of at most `shard_bytes` of data (a larger tensor gets a file of its
 /// own) and builds each header.
-fn plan_files(specs: &[TensorSpec], dtype: WeightDtype, shard_bytes: u64) -> Vec<FilePlan> {
-    let elem = dtype.size_bytes();
+fn plan_files(specs: &[TensorSpec], shard_bytes: u64) -> Result<Vec<FilePlan>> {
     let mut ranges: Vec<Range<usize>> = Vec::new();
     let mut start = 0;
     let mut bytes = 0u64;
     for (k, spec) in specs.iter().enumerate() {
-        let b = spec.numel() * elem;
+        let b = spec.numel() * spec.dtype.size_bytes();
         if k > start && bytes + b > shard_bytes {
             ranges.push(start..k);
             start = k;
@@ -557,36 +536,15 @@ fn plan_files(specs: &[TensorSpec], dtype: WeightDtype, shard_bytes: u64) -> Vec
             } else {
                 format!("model-{:05}-of-{n:05}.safetensors", k + 1)
             };
-            let (header, data_bytes) = safetensors_header(&specs[range.clone()], dtype);
-            FilePlan {
+            let (header, data_bytes) = safetensors_header(&specs[range.clone()])?;
+            Ok(FilePlan {
                 name,
                 header,
                 tensors: range,
                 data_bytes,
-            }
+            })
         })
         .collect()
-}
-
-/// The JSON header (tensors in the given order, data back to back), padded with spaces to a multiple of 8.
-fn safetensors_header(specs: &[TensorSpec], dtype: WeightDtype) -> (Vec<u8>, u64) {
-    let mut header = String::from(r#"{"__metadata__":{"format":"pt"}"#);
-    let mut offset = 0u64;
-    for spec in specs {
-        let end = offset + spec.numel() * dtype.size_bytes();
-        header.push(',');
-        header.push_str(&Value::String(spec.name.clone()).to_string());
-        header.push(':');
-        header.push_str(
-            &json!({"dtype": dtype.safetensors_name(), "shape": spec.shape, "data_offsets": [offset, end]}).to_string(),
-        );
-        offset = end;
-    }
-    header.push('}');
-    while !header.len().is_multiple_of(8) {
-        header.push(' ');
-    }
-    (header.into_bytes(), offset)
 }
 
 fn print_summary(name: &str, cfg: &ModelConfig, dtype: WeightDtype, specs: &[TensorSpec], files: &[FilePlan]) {
@@ -606,14 +564,7 @@ fn print_summary(name: &str, cfg: &ModelConfig, dtype: WeightDtype, specs: &[Ten
     }
 }
 
-fn write_weights(
-    out: &Path,
-    specs: &[TensorSpec],
-    files: &[FilePlan],
-    dtype: WeightDtype,
-    seed: u64,
-    std: f64,
-) -> Result<()> {
+fn write_weights(out: &Path, specs: &[TensorSpec], files: &[FilePlan], init: &RandomInit) -> Result<()> {
     let total: u64 = files.iter().map(|f| f.data_bytes).sum();
     let bar = if total > PROGRESS_BYTES {
         let bar = indicatif::ProgressBar::new(total);
@@ -633,9 +584,7 @@ fn write_weights(
         let mut w = BufWriter::with_capacity(1 << 20, file);
         w.write_all(&(f.header.len() as u64).to_le_bytes())?;
         w.write_all(&f.header)?;
-        for spec in &specs[f.tensors.clone()] {
-            write_tensor(&mut w, spec, dtype, seed, std, &bar)?;
-        }
+        init.write_tensors(&mut w, &specs[f.tensors.clone()], |n| bar.inc(n))?;
         w.flush().with_context(|| format!("writing {}", path.display()))?;
     }
     bar.finish_and_clear();
@@ -650,133 +599,20 @@ fn write_weights(
     Ok(())
 }
 
-/// Elements generated and written per step.
-const CHUNK: u64 = 1 << 18;
-
-fn write_tensor(
-    w: &mut impl Write,
-    spec: &TensorSpec,
-    dtype: WeightDtype,
-    seed: u64,
-    std: f64,
-    bar: &indicatif::ProgressBar,
-) -> Result<()> {
-    let mut normal = Normal::new(SplitMix64::for_tensor(seed, &spec.name));
-    let mut buf = Vec::with_capacity((CHUNK * dtype.size_bytes()) as usize);
-    let mut left = spec.numel();
-    while left > 0 {
-        let n = left.min(CHUNK);
-        buf.clear();
-        for _ in 0..n {
-            let z = normal.sample();
-            let v = match spec.init {
-                Init::Normal => std * z,
-                Init::NormWeight => 1.0 + NORM_NOISE * z,
-            };
-            dtype.push_le(v as f32, &mut buf);
-        }
-        w.write_all(&buf)?;
-        bar.inc(buf.len() as u64);
-        left -= n;
-    }
-    Ok(())
-}
-
-// ---------------------------------------------------------------------------------------------------------------
-// Random numbers
-
-/// SplitMix64 (Steele, Lea & Flood 2014): a tiny, fast generator with good statistical quality.
-#[derive(Debug, Clone)]
-struct SplitMix64(u64);
-
-impl SplitMix64 {
-    /// The stream of one tensor: the seed mixed with an FNV-1a hash of its name.
-    fn for_tensor(seed: u64, name: &str) -> Self {
-        let hash = name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
-            (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
-        });
-        let mut mixer = SplitMix64(seed ^ hash);
-        SplitMix64(mixer.next_u64())
-    }
-
-    fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in the open interval (0, 1).
-    fn uniform(&mut self) -> f64 {
-        ((self.next_u64() >> 11) as f64 + 0.5) / (1u64 << 53) as f64
-    }
-}
-
-/// Standard normal samples by the Box–Muller transform (two per pair of uniforms).
-#[derive(Debug)]
-struct Normal {
-    rng: SplitMix64,
-    spare: Option<f64>,
-}
-
-impl Normal {
-    fn new(rng: SplitMix64) -> Self {
-        Normal { rng, spare: None }
-    }
-
-    fn sample(&mut self) -> f64 {
-        if let Some(z) = self.spare.take() {
-            return z;
-        }
-        let r = (-2.0 * self.rng.uniform().ln()).sqrt();
-        let (sin, cos) = (std::f64::consts::TAU * self.rng.uniform()).sin_cos();
-        self.spare = Some(r * sin);
-        r * cos
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kvlens_engine::memory::weights::param_counts;
-
-    #[test]
-    fn inventory_matches_the_engine_for_every_dense_bundled_config() {
-        for (name, _) in BUNDLED_CONFIGS {
-            let cfg = bundled_config(name).unwrap();
-            if cfg.family == Family::Qwen3VlMoe {
-                continue;
-            }
-            let specs = tensor_specs(&cfg);
-            let total: u64 = specs.iter().map(TensorSpec::numel).sum();
-            assert_eq!(total, param_counts(&cfg).total, "{name}");
-            let mut names: Vec<&str> = specs.iter().map(|s| s.name.as_str()).collect();
-            names.sort_unstable();
-            names.dedup();
-            assert_eq!(names.len(), specs.len(), "{name}: duplicate names");
-        }
-    }
 
     #[test]
     fn shards_stay_under_the_limit_and_cover_every_tensor() {
         let cfg = bundled_config("Qwen2.5-VL-7B-Instruct").unwrap();
         let specs = tensor_specs(&cfg);
-        let files = plan_files(&specs, WeightDtype::Bf16, SHARD_BYTES);
+        let files = plan_files(&specs, SHARD_BYTES).unwrap();
         assert!(files.len() > 1);
         assert!(files.iter().all(|f| f.data_bytes <= SHARD_BYTES));
         assert_eq!(files.iter().map(|f| f.tensors.len()).sum::<usize>(), specs.len());
         assert_eq!(files[1].name, format!("model-00002-of-{:05}.safetensors", files.len()));
         assert!(files.iter().all(|f| f.header.len() % 8 == 0));
-    }
-
-    #[test]
-    fn normals_have_the_right_moments() {
-        let mut n = Normal::new(SplitMix64::for_tensor(7, "x"));
-        let xs: Vec<f64> = (0..200_000).map(|_| n.sample()).collect();
-        let mean = xs.iter().sum::<f64>() / xs.len() as f64;
-        let var = xs.iter().map(|x| (x - mean) * (x - mean)).sum::<f64>() / xs.len() as f64;
-        assert!(mean.abs() < 0.01 && (var - 1.0).abs() < 0.02, "{mean} {var}");
     }
 
     #[test]

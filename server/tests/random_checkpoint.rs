@@ -1,5 +1,5 @@
 //! `kvlens random-checkpoint` end to end: determinism, the safetensors layout against the engine's parameter
-//! inventory and transformers' shapes (`SHAPES`), config round trips, the small files, and user mistakes
+//! counts and the published tensor names, config round trips, the small files, and user mistakes
 //! (exit 2).
 
 use kvlens_engine::config::{DType, Family, ImageLimits, ModelConfig};
@@ -141,10 +141,9 @@ fn same_seed_same_bytes_other_seed_other_bytes() {
 /// A tensor name and its shape; `None`: the tensor must be absent.
 type Expected = (&'static str, Option<&'static [usize]>);
 
-/// Per family, the tensors that transformers' modules declare, with the tiny configs' sizes:
-/// <https://github.com/huggingface/transformers/blob/main/src/transformers/models/qwen2_vl/modeling_qwen2_vl.py>,
-/// <https://github.com/huggingface/transformers/blob/main/src/transformers/models/qwen2_5_vl/modeling_qwen2_5_vl.py>,
-/// <https://github.com/huggingface/transformers/blob/main/src/transformers/models/qwen3_vl/modeling_qwen3_vl.py>.
+/// Per family, tensor names as the published checkpoints spell them (the `model.safetensors.index.json` of
+/// https://huggingface.co/Qwen/Qwen2-VL-2B-Instruct, Qwen2.5-VL-3B-Instruct, Qwen3-VL-2B-Instruct), with the shapes
+/// the tiny configs give them.
 const SHAPES: &[(&str, &[Expected])] = &[
     (
         "qwen2_vl",

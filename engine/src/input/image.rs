@@ -62,20 +62,11 @@ impl ProcessorSettings {
     /// `config.json`; a preprocessor file that disagrees with them is an error.
     pub fn new(config: &ModelConfig, preprocessor_json: Option<&str>) -> Result<Self, InputError> {
         let family = config.family;
-        let (default_mean, default_std) = if family.is_qwen3() {
-            ([0.5; 3], [0.5; 3])
-        } else {
-            (CLIP_MEAN, CLIP_STD)
-        };
         let mut settings = ProcessorSettings {
-            limits: ImageLimits::shipped(family),
             patch_size: config.vision.patch_size,
             merge_size: config.vision.spatial_merge_size,
             temporal_patch_size: config.vision.temporal_patch_size,
-            image_mean: default_mean,
-            image_std: default_std,
-            rescale_factor: 1.0 / 255.0,
-            max_decoded_pixels: DEFAULT_MAX_DECODED_PIXELS,
+            ..Self::for_family(family, ImageLimits::shipped(family))
         };
         let Some(text) = preprocessor_json else {
             return Ok(settings);
@@ -733,7 +724,8 @@ fn normalize(pixels: &[u8], settings: &ProcessorSettings) -> [Vec<f32>; 3] {
 }
 
 /// `pixel_values` of one still image: the frame repeated `T` times, rows in merge-window order,
-/// each row `(C, T, P, P)` (docs/qwen-vl.md §3.3).
+/// each row `(C, T, P, P)` (as `Qwen2VLImageProcessor._preprocess` in
+/// <https://github.com/huggingface/transformers/blob/main/src/transformers/models/qwen2_vl/image_processing_qwen2_vl.py>).
 fn patchify(planes: &[Vec<f32>; 3], height: usize, width: usize, settings: &ProcessorSettings) -> Vec<f32> {
     let (p, m, t) = (settings.patch_size, settings.merge_size, settings.temporal_patch_size);
     let (gh, gw) = (height / p, width / p);

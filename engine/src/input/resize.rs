@@ -59,7 +59,8 @@ mod tests {
     use super::*;
     use crate::config::Family;
 
-    /// The worked values of docs/qwen-vl.md §3.1 (run with transformers 4.57.1).
+    /// Sizes `smart_resize` of transformers 4.57.1 gives
+    /// (<https://github.com/huggingface/transformers/blob/v4.57.1/src/transformers/models/qwen2_vl/image_processing_qwen2_vl.py>).
     #[test]
     fn matches_transformers_worked_values() {
         let q2 = ImageLimits::shipped(Family::Qwen2Vl);

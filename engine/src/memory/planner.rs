@@ -1,4 +1,6 @@
-//! The start-up budget vLLM computes, reproduced (docs: vllm-memory.md §1–§3, §10, §11).
+//! The start-up budget vLLM computes, reproduced (docs/MEMORY.md; vLLM's `determine_available_memory`
+//! in <https://github.com/vllm-project/vllm/blob/main/vllm/v1/worker/gpu_worker.py> and the KV cache
+//! sizing in <https://github.com/vllm-project/vllm/blob/main/vllm/v1/core/kv_cache_utils.py>).
 //!
 //! `requested = total × util`; `non_kv = weights + activation_peak + non_torch`;
 //! `available_kv = requested − non_kv` (or `--kv-cache-memory`); `num_blocks = available // page // layers`;
@@ -317,7 +319,9 @@ pub fn max_tokens_per_video(model: &ModelConfig, limits: ImageLimits, max_model_
     }
 }
 
-/// The encoder budget and profile (§3.2, §3.4): (budget tokens, items, modality, largest item).
+/// The encoder budget and profile (vLLM's `compute_encoder_budget` in
+/// <https://github.com/vllm-project/vllm/blob/main/vllm/v1/core/encoder_cache_manager.py>):
+/// (budget tokens, items, modality, largest item).
 fn encoder_budget(
     limits: MmLimits,
     image_tokens: usize,
@@ -347,7 +351,8 @@ fn encoder_budget(
     (budget, encoder_items.min(decoder_items).max(1), Some(modality))
 }
 
-/// Transient peak of vLLM's profile run on one rank (an estimate, §1.5): the larger of the vision
+/// Transient peak of vLLM's profile run on one rank (an estimate of `profile_run` in
+/// <https://github.com/vllm-project/vllm/blob/main/vllm/v1/worker/gpu_model_runner.py>): the larger of the vision
 /// tower over the profiled items and the kept encoder outputs plus the decoder's dummy batch and the
 /// sampler's logits.
 fn estimate_activation_peak(p: &Plan, model: &ModelConfig, tp: usize, act_bytes: u64) -> u64 {
@@ -378,7 +383,8 @@ fn estimate_activation_peak(p: &Plan, model: &ModelConfig, tp: usize, act_bytes:
     let patches = items * item_tokens * merge;
     let e = v.hidden_size as u64;
     let patch_in = v.patch_dim() as u64;
-    let ups = if model.family == Family::Qwen25Vl { 3 } else { 2 };
+    // The MLP's intermediate activations: its up projections and their product or activation.
+    let ups = 1 + v.mlp.up_projections() as u64;
     let vit_layer = (4 * e / tp).max(ups * v.intermediate_size as u64 / tp);
     let vit = patches * (patch_in + 2 * e + vit_layer) * act_bytes + kept_outputs;
     vit.max(kept_outputs + decoder + sampler)
@@ -469,11 +475,7 @@ pub fn plan(req: &PlanRequest) -> Result<Plan, PlanError> {
     };
     let (budget, items, modality) = encoder_budget(limits, image_tokens, video_tokens, mnbt, mns, max_len);
 
-    let deepstack = if m.family.is_qwen3() {
-        m.vision.deepstack_visual_indexes.len() as u64 * mnbt as u64 * t.hidden_size as u64 * act_bytes
-    } else {
-        0
-    };
+    let deepstack = m.vision.deepstack_visual_indexes.len() as u64 * mnbt as u64 * t.hidden_size as u64 * act_bytes;
     let estimated_weights: u64 = weight_bytes_per_rank(m, tp, act_bytes)
         .iter()
         .map(|(_, b)| b)
@@ -560,7 +562,8 @@ fn clamp_i64(v: i128) -> i64 {
     i64::try_from(v).unwrap_or(if v < 0 { i64::MIN } else { i64::MAX })
 }
 
-/// Blocks, tokens, concurrency and the fit check from `available_kv_bytes` (§2.2–§2.4).
+/// Blocks, tokens, concurrency and the fit check from `available_kv_bytes` (as in
+/// <https://github.com/vllm-project/vllm/blob/main/vllm/v1/core/kv_cache_utils.py>).
 pub fn finish_kv(p: &mut Plan) {
     let per_block_all_layers = p.page_size_bytes * p.num_layers as u64;
     let bs = p.block_size as u64;

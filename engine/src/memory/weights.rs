@@ -1,33 +1,11 @@
-//! Parameter inventory of a Qwen-VL checkpoint: how many parameters each part has and how vLLM
-//! splits them across tensor-parallel ranks (column/row-parallel layers split, norms, patch embedding
-//! and row-parallel biases replicated, KV heads replicated when there are fewer than ranks).
+//! Parameters per tensor-parallel rank, counted from the model's [`TensorSpec`](crate::model::spec::TensorSpec)
+//! list: how many each part has and how vLLM splits them across ranks (column/row-parallel layers
+//! split, norms, patch embedding and row-parallel biases replicated, KV heads replicated when there
+//! are fewer than ranks).
 
-use crate::config::{Family, ModelConfig};
-
-/// Which part of the model a parameter group belongs to.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Part {
-    /// The vision tower, its merger and deepstack mergers.
-    Vision,
-    /// Decoder layers and the final norm.
-    Text,
-    /// Token embedding matrix.
-    Embedding,
-    /// Output head (only when untied).
-    LmHead,
-}
-
-/// How a parameter group is laid out across tensor-parallel ranks.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Shard {
-    /// Every rank holds all of it.
-    Replicated,
-    /// Split evenly; each rank holds `ceil(numel / tp)`.
-    Split,
-    /// KV projections: each rank holds `max(1, kv_heads / tp)` of the `kv_heads` heads.
-    KvHeads(usize),
-}
+use crate::config::ModelConfig;
+use crate::model::spec::tensor_specs;
+pub use crate::model::spec::{Part, Shard};
 
 /// A group of parameters with one sharding rule.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -38,17 +16,18 @@ pub struct ParamGroup {
     pub name: &'static str,
     /// Parameters in the whole model.
     pub numel: u64,
-    /// How ranks share it.
+    /// How ranks share it (its first tensor's layout; a group's tensors are all replicated, all
+    /// split, or all K/V heads).
     pub shard: Shard,
 }
 
 impl ParamGroup {
-    /// Parameters one of `tp` ranks holds.
+    /// Parameters one of `tp` ranks holds: a split group's total is divided as one, `ceil(numel / tp)`.
     pub fn numel_per_rank(&self, tp: usize) -> u64 {
         let tp = tp.max(1) as u64;
         match self.shard {
             Shard::Replicated => self.numel,
-            Shard::Split => self.numel.div_ceil(tp),
+            Shard::Split(_) => self.numel.div_ceil(tp),
             Shard::KvHeads(heads) => {
                 let heads = heads.max(1) as u64;
                 self.numel / heads * (heads / tp).max(1)
@@ -72,15 +51,25 @@ pub struct ParamCounts {
     pub total: u64,
 }
 
-/// Lists every parameter group of the model.
+/// Lists every parameter group of the model: its tensors summed by [`TensorSpec::group`](crate::model::spec::TensorSpec::group),
+/// in order of first appearance.
 pub fn param_groups(cfg: &ModelConfig) -> Vec<ParamGroup> {
-    let mut g = Vec::new();
-    vision_groups(cfg, &mut g);
-    text_groups(cfg, &mut g);
-    g
+    let mut groups: Vec<ParamGroup> = Vec::new();
+    for t in tensor_specs(cfg) {
+        match groups.iter_mut().find(|g| g.name == t.group) {
+            Some(g) => g.numel += t.numel(),
+            None => groups.push(ParamGroup {
+                part: t.part,
+                name: t.group,
+                numel: t.numel(),
+                shard: t.shard,
+            }),
+        }
+    }
+    groups
 }
 
-/// Parameter counts by part (the totals of docs/qwen-vl.md §5).
+/// Parameter counts by part.
 pub fn param_counts(cfg: &ModelConfig) -> ParamCounts {
     let mut c = ParamCounts::default();
     for grp in param_groups(cfg) {
@@ -114,113 +103,14 @@ pub fn weight_bytes_per_rank(cfg: &ModelConfig, tp: usize, dtype_bytes: u64) -> 
     out
 }
 
-fn push(g: &mut Vec<ParamGroup>, part: Part, name: &'static str, numel: usize, shard: Shard) {
-    g.push(ParamGroup {
-        part,
-        name,
-        numel: numel as u64,
-        shard,
-    });
-}
-
-fn vision_groups(cfg: &ModelConfig, g: &mut Vec<ParamGroup>) {
-    use Shard::{Replicated, Split};
-    let v = &cfg.vision;
-    let (e, i, out) = (v.hidden_size, v.intermediate_size, v.out_hidden_size);
-    let patch_in = v.patch_dim();
-    let qwen3 = cfg.family.is_qwen3();
-    let rms = cfg.family == Family::Qwen25Vl;
-    let norm = if rms { e } else { 2 * e };
-    let merged = e * v.spatial_merge_size * v.spatial_merge_size;
-    let p = Part::Vision;
-
-    push(
-        g,
-        p,
-        "patch_embed",
-        e * patch_in + if qwen3 { e } else { 0 },
-        Replicated,
-    );
-    if qwen3 {
-        push(g, p, "pos_embed", v.num_position_embeddings * e, Replicated);
-    }
-    let d = v.depth;
-    push(g, p, "blocks.norm", d * 2 * norm, Replicated);
-    push(g, p, "blocks.attn.qkv", d * (3 * e * e + 3 * e), Split);
-    push(g, p, "blocks.attn.proj", d * e * e, Split);
-    push(g, p, "blocks.attn.proj.bias", d * e, Replicated);
-    let up_projections = if cfg.family == Family::Qwen25Vl { 2 } else { 1 };
-    push(g, p, "blocks.mlp.up", d * up_projections * (i * e + i), Split);
-    push(g, p, "blocks.mlp.down", d * e * i, Split);
-    push(g, p, "blocks.mlp.down.bias", d * e, Replicated);
-
-    let mergers = 1 + v.deepstack_visual_indexes.len();
-    // The main merger normalises before merging (width E); deepstack mergers after (width 4E).
-    let merger_norm = if rms { e } else { 2 * e };
-    push(
-        g,
-        p,
-        "merger.norm",
-        merger_norm + v.deepstack_visual_indexes.len() * 2 * merged,
-        Replicated,
-    );
-    push(g, p, "merger.fc1", mergers * (merged * merged + merged), Split);
-    push(g, p, "merger.fc2", mergers * merged * out, Split);
-    push(g, p, "merger.fc2.bias", mergers * out, Replicated);
-}
-
-fn text_groups(cfg: &ModelConfig, g: &mut Vec<ParamGroup>) {
-    use Shard::{KvHeads, Replicated, Split};
-    let t = &cfg.text;
-    let (h, hd, nq, nkv, l) = (
-        t.hidden_size,
-        t.head_dim,
-        t.num_attention_heads,
-        t.num_key_value_heads,
-        t.num_hidden_layers,
-    );
-    let bias = usize::from(t.attention_bias);
-    let p = Part::Text;
-    push(g, p, "layers.norm", l * 2 * h, Replicated);
-    push(g, p, "layers.q_proj", l * (h * nq * hd + bias * nq * hd), Split);
-    push(
-        g,
-        p,
-        "layers.kv_proj",
-        l * 2 * (h * nkv * hd + bias * nkv * hd),
-        KvHeads(nkv),
-    );
-    push(g, p, "layers.o_proj", l * nq * hd * h, Split);
-    if t.qk_norm {
-        push(g, p, "layers.qk_norm", l * 2 * hd, Replicated);
-    }
-    match &t.moe {
-        Some(m) => {
-            push(g, p, "layers.router", l * m.num_experts * h, Replicated);
-            push(
-                g,
-                p,
-                "layers.experts",
-                l * m.num_experts * 3 * h * m.moe_intermediate_size,
-                Split,
-            );
-        }
-        None => push(g, p, "layers.mlp", l * 3 * h * t.intermediate_size, Split),
-    }
-    push(g, p, "norm", h, Replicated);
-    push(g, Part::Embedding, "embed_tokens", t.vocab_size * h, Split);
-    if !cfg.tie_word_embeddings {
-        push(g, Part::LmHead, "lm_head", t.vocab_size * h, Split);
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::config::bundled_config;
 
-    /// docs/qwen-vl.md §5.1: (name, vision, text, embed, lm_head, total), validated there against
-    /// safetensors indexes and meta-device instantiation in transformers.
+    /// (name, vision, text, embed, lm_head, total) of the published checkpoints; each total is what
+    /// the model's safetensors index gives, `metadata.total_size` / 2 (bf16), at
+    /// `https://huggingface.co/Qwen/<name>/blob/main/model.safetensors.index.json`.
     const TABLE: &[(&str, u64, u64, u64, u64, u64)] = &[
         (
             "Qwen2-VL-2B-Instruct",

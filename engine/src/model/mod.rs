@@ -1,7 +1,8 @@
 //! The Qwen-VL forward pass, written once against [`Backend`](crate::backend::Backend).
 
-pub mod inventory;
+pub mod random_weights;
 pub mod rope;
+pub mod spec;
 pub mod text;
 pub mod vision;
 pub mod weights;

@@ -1,6 +1,10 @@
-//! The Qwen2 and Qwen3 decoders (qwen-vl.md §2.1, §2.5–§2.7) with paged attention over the KV
-//! cache's block tables.
+//! The Qwen2 and Qwen3 decoders with paged attention over the KV cache's block tables, as
+//! transformers writes them: `Qwen2_5_VLTextModel` in
+//! <https://github.com/huggingface/transformers/blob/main/src/transformers/models/qwen2_5_vl/modeling_qwen2_5_vl.py>
+//! and `Qwen3VLTextModel` in
+//! <https://github.com/huggingface/transformers/blob/main/src/transformers/models/qwen3_vl/modeling_qwen3_vl.py>.
 
+use super::spec::{Projection, TextMlpSpec, TextSpec};
 use super::weights::{Loader, TensorSource};
 use super::ModelError;
 use crate::backend::Backend;
@@ -46,59 +50,46 @@ pub struct TextModel<B: Backend> {
 }
 
 impl<B: Backend> TextModel<B> {
-    /// Loads the decoder's weights.
+    /// Loads the decoder's weights, named and shaped by its [`TextSpec`].
     pub fn load<S: TensorSource>(cfg: &ModelConfig, l: &Loader<'_, '_, S, B>) -> Result<Self, ModelError> {
-        let t = &cfg.text;
-        let p = if cfg.family.is_qwen3() {
-            "model.language_model"
-        } else {
-            "model"
+        let spec = TextSpec::new(cfg);
+        let proj = |p: &Projection| -> Result<(B::Tensor, Option<B::Tensor>), ModelError> {
+            Ok((l.load(&p.weight)?, p.bias.as_ref().map(|b| l.load(b)).transpose()?))
         };
-        let (h, hd, nq, nkv) = (t.hidden_size, t.head_dim, t.num_attention_heads, t.num_key_value_heads);
-        let proj = |name: &str, out: usize| -> Result<(B::Tensor, Option<B::Tensor>), ModelError> {
-            let w = l.matrix(&format!("{name}.weight"), out, h)?;
-            let b = if t.attention_bias {
-                Some(l.vector(&format!("{name}.bias"), out)?)
-            } else {
-                None
+        let mut layers = Vec::with_capacity(spec.layers.len());
+        for s in &spec.layers {
+            let TextMlpSpec::Dense { gate, up, down } = &s.mlp else {
+                return Err(ModelError::Unsupported(
+                    "mixture-of-experts decoders are not supported yet".into(),
+                ));
             };
-            Ok((w, b))
-        };
-        let mut layers = Vec::with_capacity(t.num_hidden_layers);
-        for i in 0..t.num_hidden_layers {
-            let b = format!("{p}.layers.{i}");
-            let qk_norm = if t.qk_norm {
-                Some((
-                    l.vector(&format!("{b}.self_attn.q_norm.weight"), hd)?,
-                    l.vector(&format!("{b}.self_attn.k_norm.weight"), hd)?,
-                ))
-            } else {
-                None
+            let qk_norm = match &s.qk_norm {
+                Some((q, k)) => Some((l.load(q)?, l.load(k)?)),
+                None => None,
             };
             layers.push(Layer {
-                input_norm: l.vector(&format!("{b}.input_layernorm.weight"), h)?,
-                post_norm: l.vector(&format!("{b}.post_attention_layernorm.weight"), h)?,
-                q: proj(&format!("{b}.self_attn.q_proj"), nq * hd)?,
-                k: proj(&format!("{b}.self_attn.k_proj"), nkv * hd)?,
-                v: proj(&format!("{b}.self_attn.v_proj"), nkv * hd)?,
-                o: l.matrix(&format!("{b}.self_attn.o_proj.weight"), h, nq * hd)?,
+                input_norm: l.load(&s.input_layernorm)?,
+                post_norm: l.load(&s.post_attention_layernorm)?,
+                q: proj(&s.q)?,
+                k: proj(&s.k)?,
+                v: proj(&s.v)?,
+                o: l.load(&s.o)?,
                 qk_norm,
-                gate: l.matrix(&format!("{b}.mlp.gate_proj.weight"), t.intermediate_size, h)?,
-                up: l.matrix(&format!("{b}.mlp.up_proj.weight"), t.intermediate_size, h)?,
-                down: l.matrix(&format!("{b}.mlp.down_proj.weight"), h, t.intermediate_size)?,
+                gate: l.load(gate)?,
+                up: l.load(up)?,
+                down: l.load(down)?,
             });
         }
         // Tied models ship no lm_head; a missing lm_head is treated as tied too.
-        let lm_head = if !cfg.tie_word_embeddings && l.has("lm_head.weight")? {
-            Some(l.matrix("lm_head.weight", t.vocab_size, h)?)
-        } else {
-            None
+        let lm_head = match &spec.lm_head {
+            Some(head) if l.has(head)? => Some(l.load(head)?),
+            _ => None,
         };
         Ok(TextModel {
-            cfg: t.clone(),
-            embed: l.matrix(&format!("{p}.embed_tokens.weight"), t.vocab_size, h)?,
+            cfg: cfg.text.clone(),
+            embed: l.load(&spec.embed_tokens)?,
             layers,
-            norm: l.vector(&format!("{p}.norm.weight"), h)?,
+            norm: l.load(&spec.norm)?,
             lm_head,
         })
     }

@@ -1,11 +1,15 @@
-//! The vision towers of Qwen2-VL, Qwen2.5-VL and Qwen3-VL (docs: qwen-vl.md §1): patch embedding
-//! as one matmul, 2-D rotary, Qwen2.5-VL window attention, Qwen3-VL's interpolated position
-//! embedding and deepstack mergers, and the patch merger.
+//! The vision towers of Qwen2-VL, Qwen2.5-VL and Qwen3-VL: patch embedding as one matmul, 2-D
+//! rotary, Qwen2.5-VL window attention, Qwen3-VL's interpolated position embedding and deepstack
+//! mergers, and the patch merger, as transformers writes them (`Qwen2VisionTransformerPretrainedModel`,
+//! `Qwen2_5_VisionTransformerPretrainedModel`, `Qwen3VLVisionModel` in `modeling_qwen2_vl.py`,
+//! `modeling_qwen2_5_vl.py`, `modeling_qwen3_vl.py` under
+//! <https://github.com/huggingface/transformers/tree/main/src/transformers/models>).
 
+use super::spec::{Affine, MergerSpec, NormSpec, VisionMlpSpec, VisionSpec};
 use super::weights::{Loader, TensorSource};
 use super::ModelError;
 use crate::backend::{Activation, Backend};
-use crate::config::{Family, ModelConfig};
+use crate::config::{Family, ModelConfig, VisionMlp};
 
 /// A normalisation layer of the vision tower.
 #[derive(Debug)]
@@ -15,20 +19,13 @@ enum Norm<B: Backend> {
 }
 
 impl<B: Backend> Norm<B> {
-    fn load<S: TensorSource>(
-        l: &Loader<'_, '_, S, B>,
-        prefix: &str,
-        dim: usize,
-        rms: bool,
-    ) -> Result<Self, ModelError> {
-        let w = l.vector(&format!("{prefix}.weight"), dim)?;
-        Ok(if rms {
-            Norm::Rms { w }
-        } else {
-            Norm::Layer {
-                w,
-                b: l.vector(&format!("{prefix}.bias"), dim)?,
-            }
+    fn load<S: TensorSource>(l: &Loader<'_, '_, S, B>, spec: &NormSpec) -> Result<Self, ModelError> {
+        Ok(match spec {
+            NormSpec::Layer(a) => Norm::Layer {
+                w: l.load(&a.weight)?,
+                b: l.load(&a.bias)?,
+            },
+            NormSpec::Rms(w) => Norm::Rms { w: l.load(w)? },
         })
     }
 
@@ -48,15 +45,10 @@ struct Linear<B: Backend> {
 }
 
 impl<B: Backend> Linear<B> {
-    fn load<S: TensorSource>(
-        l: &Loader<'_, '_, S, B>,
-        prefix: &str,
-        out: usize,
-        inp: usize,
-    ) -> Result<Self, ModelError> {
+    fn load<S: TensorSource>(l: &Loader<'_, '_, S, B>, spec: &Affine) -> Result<Self, ModelError> {
         Ok(Linear {
-            w: l.matrix(&format!("{prefix}.weight"), out, inp)?,
-            b: l.vector(&format!("{prefix}.bias"), out)?,
+            w: l.load(&spec.weight)?,
+            b: l.load(&spec.bias)?,
         })
     }
 
@@ -137,102 +129,64 @@ pub struct VisionTower<B: Backend> {
     window_merged: usize,
 }
 
-fn block_prefix(family: Family) -> &'static str {
-    if family.is_qwen3() {
-        "model.visual"
-    } else {
-        "visual"
+impl<B: Backend> Merger<B> {
+    fn load<S: TensorSource>(
+        l: &Loader<'_, '_, S, B>,
+        spec: &MergerSpec,
+        post_shuffle: bool,
+    ) -> Result<Self, ModelError> {
+        Ok(Merger {
+            norm: Norm::load(l, &spec.norm)?,
+            post_shuffle,
+            fc1: Linear::load(l, &spec.fc1)?,
+            fc2: Linear::load(l, &spec.fc2)?,
+        })
     }
 }
 
 impl<B: Backend> VisionTower<B> {
-    /// Loads the tower's weights.
+    /// Loads the tower's weights, named and shaped by its [`VisionSpec`]. The learned position
+    /// table is read straight to the host, where it is interpolated.
     pub fn load<S: TensorSource>(cfg: &ModelConfig, l: &Loader<'_, '_, S, B>, be: &B) -> Result<Self, ModelError> {
         let v = &cfg.vision;
-        let fam = cfg.family;
-        let p = block_prefix(fam);
-        let e = v.hidden_size;
-        let patch_in = v.patch_dim();
-        let patch_w = l.get(
-            &format!("{p}.patch_embed.proj.weight"),
-            &[e, v.in_channels, v.temporal_patch_size, v.patch_size, v.patch_size],
-        )?;
-        let patch_w = be.reshape(&patch_w, e, patch_in)?;
-        let qwen3 = fam.is_qwen3();
-        let patch_b = if qwen3 {
-            Some(l.vector(&format!("{p}.patch_embed.proj.bias"), e)?)
-        } else {
-            None
-        };
-        let pos_table = if qwen3 {
-            let t = l.matrix(&format!("{p}.pos_embed.weight"), v.num_position_embeddings, e)?;
-            Some(crate::backend::block_on(be.read(&t))?)
-        } else {
-            None
-        };
-        let rms = fam == Family::Qwen25Vl;
-        let mut blocks = Vec::with_capacity(v.depth);
-        for i in 0..v.depth {
-            let b = format!("{p}.blocks.{i}");
-            let i_v = v.intermediate_size;
-            let mlp = match fam {
-                Family::Qwen2Vl => Mlp::Plain {
-                    fc1: Linear::load(l, &format!("{b}.mlp.fc1"), i_v, e)?,
-                    fc2: Linear::load(l, &format!("{b}.mlp.fc2"), e, i_v)?,
-                    act: Activation::QuickGelu,
+        let spec = VisionSpec::new(cfg);
+        let patch_w = be.reshape(&l.load(&spec.patch_weight)?, v.hidden_size, v.patch_dim())?;
+        let patch_b = spec.patch_bias.as_ref().map(|b| l.load(b)).transpose()?;
+        let pos_table = spec.pos_embed.as_ref().map(|t| l.host(t)).transpose()?;
+        let mut blocks = Vec::with_capacity(spec.blocks.len());
+        for b in &spec.blocks {
+            let mlp = match &b.mlp {
+                VisionMlpSpec::Plain { fc1, fc2 } => Mlp::Plain {
+                    fc1: Linear::load(l, fc1)?,
+                    fc2: Linear::load(l, fc2)?,
+                    act: if v.mlp == VisionMlp::Fc {
+                        Activation::QuickGelu
+                    } else {
+                        Activation::GeluTanh
+                    },
                 },
-                Family::Qwen25Vl => Mlp::Gated {
-                    gate: Linear::load(l, &format!("{b}.mlp.gate_proj"), i_v, e)?,
-                    up: Linear::load(l, &format!("{b}.mlp.up_proj"), i_v, e)?,
-                    down: Linear::load(l, &format!("{b}.mlp.down_proj"), e, i_v)?,
-                },
-                Family::Qwen3Vl | Family::Qwen3VlMoe => Mlp::Plain {
-                    fc1: Linear::load(l, &format!("{b}.mlp.linear_fc1"), i_v, e)?,
-                    fc2: Linear::load(l, &format!("{b}.mlp.linear_fc2"), e, i_v)?,
-                    act: Activation::GeluTanh,
+                VisionMlpSpec::Gated { gate, up, down } => Mlp::Gated {
+                    gate: Linear::load(l, gate)?,
+                    up: Linear::load(l, up)?,
+                    down: Linear::load(l, down)?,
                 },
             };
             blocks.push(Block {
-                norm1: Norm::load(l, &format!("{b}.norm1"), e, rms)?,
-                norm2: Norm::load(l, &format!("{b}.norm2"), e, rms)?,
-                qkv: Linear::load(l, &format!("{b}.attn.qkv"), 3 * e, e)?,
-                proj: Linear::load(l, &format!("{b}.attn.proj"), e, e)?,
+                norm1: Norm::load(l, &b.norm1)?,
+                norm2: Norm::load(l, &b.norm2)?,
+                qkv: Linear::load(l, &b.qkv)?,
+                proj: Linear::load(l, &b.proj)?,
                 mlp,
             });
         }
-        let merged = e * v.spatial_merge_size * v.spatial_merge_size;
-        let out = v.out_hidden_size;
-        let merger = if qwen3 {
-            Merger {
-                norm: Norm::load(l, &format!("{p}.merger.norm"), e, false)?,
-                post_shuffle: false,
-                fc1: Linear::load(l, &format!("{p}.merger.linear_fc1"), merged, merged)?,
-                fc2: Linear::load(l, &format!("{p}.merger.linear_fc2"), out, merged)?,
-            }
-        } else {
-            Merger {
-                norm: Norm::load(l, &format!("{p}.merger.ln_q"), e, rms)?,
-                post_shuffle: false,
-                fc1: Linear::load(l, &format!("{p}.merger.mlp.0"), merged, merged)?,
-                fc2: Linear::load(l, &format!("{p}.merger.mlp.2"), out, merged)?,
-            }
-        };
-        let mut deepstack = Vec::new();
-        for (k, &layer) in v.deepstack_visual_indexes.iter().enumerate() {
-            let d = format!("{p}.deepstack_merger_list.{k}");
-            deepstack.push((
-                layer,
-                Merger {
-                    norm: Norm::load(l, &format!("{d}.norm"), merged, false)?,
-                    post_shuffle: true,
-                    fc1: Linear::load(l, &format!("{d}.linear_fc1"), merged, merged)?,
-                    fc2: Linear::load(l, &format!("{d}.linear_fc2"), out, merged)?,
-                },
-            ));
+        let merger = Merger::load(l, &spec.merger, false)?;
+        let mut deepstack = Vec::with_capacity(spec.deepstack.len());
+        for (&layer, d) in v.deepstack_visual_indexes.iter().zip(&spec.deepstack) {
+            deepstack.push((layer, Merger::load(l, d, true)?));
         }
         Ok(VisionTower {
-            family: fam,
-            width: e,
+            family: cfg.family,
+            width: v.hidden_size,
             heads: v.num_heads,
             merge: v.spatial_merge_size,
             patch_w,

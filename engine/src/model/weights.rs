@@ -1,9 +1,11 @@
 //! Checkpoint tensors: safetensors files handed in as bytes (memory-mapped by the caller), looked
-//! up under either spelling transformers has used (`visual.*` / `model.layers.*` as published, or
-//! `model.visual.*` / `model.language_model.*`), checked against the shapes the config implies.
+//! up under either [`CheckpointLayout`]'s prefixes whatever the family (transformers has saved both),
+//! checked against the shapes of the model's [`TensorSpec`]s.
 
+use super::spec::TensorSpec;
 use super::ModelError;
 use crate::backend::{Backend, RawDType, RawTensor};
+use crate::config::CheckpointLayout;
 use std::collections::HashMap;
 
 /// Where checkpoint tensors come from.
@@ -67,22 +69,50 @@ impl TensorSource for SafetensorsFiles<'_> {
     }
 }
 
-/// The other spellings a published tensor name may have.
+/// The spellings a tensor name may have: as given, and under the other [`CheckpointLayout`]'s
+/// prefix (the longest matching prefix decides the tower, so `model.visual.x` is a vision tensor).
 fn spellings(name: &str) -> Vec<String> {
     let mut out = vec![name.to_string()];
-    if let Some(rest) = name.strip_prefix("visual.") {
-        out.push(format!("model.visual.{rest}"));
-    } else if let Some(rest) = name.strip_prefix("model.visual.") {
-        out.push(format!("visual.{rest}"));
-    } else if let Some(rest) = name.strip_prefix("model.language_model.") {
-        out.push(format!("model.{rest}"));
-    } else if let Some(rest) = name.strip_prefix("model.") {
-        out.push(format!("model.language_model.{rest}"));
+    let towers: [fn(CheckpointLayout) -> &'static str; 2] =
+        [CheckpointLayout::vision_prefix, CheckpointLayout::text_prefix];
+    let matched = towers
+        .iter()
+        .flat_map(|prefix| CheckpointLayout::ALL.map(|layout| (prefix, layout)))
+        .filter_map(|(prefix, layout)| {
+            let rest = name.strip_prefix(prefix(layout))?.strip_prefix('.')?;
+            Some((prefix, layout, rest))
+        })
+        .max_by_key(|(prefix, layout, _)| prefix(*layout).len());
+    if let Some((prefix, layout, rest)) = matched {
+        for other in CheckpointLayout::ALL.into_iter().filter(|l| *l != layout) {
+            out.push(format!("{}.{rest}", prefix(other)));
+        }
     }
     out
 }
 
-/// Loads named tensors onto a backend, checking their shapes.
+/// Converts checkpoint bytes to host floats (f16 and bf16 widen exactly).
+fn host_f32(raw: &RawTensor<'_>) -> Vec<f32> {
+    match raw.dtype {
+        RawDType::F32 => raw
+            .data
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect(),
+        RawDType::F16 => raw
+            .data
+            .chunks_exact(2)
+            .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
+            .collect(),
+        RawDType::Bf16 => raw
+            .data
+            .chunks_exact(2)
+            .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
+            .collect(),
+    }
+}
+
+/// Loads the tensors of a [`TensorSpec`] list onto a backend, checking their shapes.
 #[derive(Debug)]
 pub struct Loader<'s, 'b, S, B> {
     source: &'s S,
@@ -106,9 +136,9 @@ impl<'s, 'b, S: TensorSource, B: Backend> Loader<'s, 'b, S, B> {
         self.loaded.get()
     }
 
-    /// Whether a tensor exists under any spelling.
-    pub fn has(&self, name: &str) -> Result<bool, ModelError> {
-        for n in spellings(name) {
+    /// Whether the checkpoint has `spec` under any spelling.
+    pub fn has(&self, spec: &TensorSpec) -> Result<bool, ModelError> {
+        for n in spellings(&spec.name) {
             if self.source.raw(&n)?.is_some() {
                 return Ok(true);
             }
@@ -116,8 +146,23 @@ impl<'s, 'b, S: TensorSource, B: Backend> Loader<'s, 'b, S, B> {
         Ok(false)
     }
 
-    /// Loads `name` (any spelling), requiring exactly `shape`.
+    /// Loads `name` (any spelling) onto the backend, requiring exactly `shape`.
     pub fn get(&self, name: &str, shape: &[usize]) -> Result<B::Tensor, ModelError> {
+        Ok(self.backend.load_weight(self.raw(name, shape)?)?)
+    }
+
+    /// Loads `spec` (any spelling) onto the backend.
+    pub fn load(&self, spec: &TensorSpec) -> Result<B::Tensor, ModelError> {
+        self.get(&spec.name, &spec.shape)
+    }
+
+    /// Reads `spec` (any spelling) into host floats, without the backend.
+    pub fn host(&self, spec: &TensorSpec) -> Result<Vec<f32>, ModelError> {
+        Ok(host_f32(&self.raw(&spec.name, &spec.shape)?))
+    }
+
+    /// The checkpoint's bytes of `name`, checked against `shape` and counted as loaded.
+    fn raw(&self, name: &str, shape: &[usize]) -> Result<RawTensor<'s>, ModelError> {
         for n in spellings(name) {
             if let Some(raw) = self.source.raw(&n)? {
                 if raw.shape != shape {
@@ -136,26 +181,14 @@ impl<'s, 'b, S: TensorSource, B: Backend> Loader<'s, 'b, S, B> {
                         raw.data.len()
                     )));
                 }
-                let bytes = raw.data.len() as u64;
-                let t = self.backend.load_weight(raw)?;
                 let (count, total) = self.loaded.get();
-                self.loaded.set((count + 1, total + bytes));
-                return Ok(t);
+                self.loaded.set((count + 1, total + raw.data.len() as u64));
+                return Ok(raw);
             }
         }
         Err(ModelError::Checkpoint(format!(
             "tensor {name} is missing from the checkpoint"
         )))
-    }
-
-    /// Loads a 1-D tensor of `len` elements.
-    pub fn vector(&self, name: &str, len: usize) -> Result<B::Tensor, ModelError> {
-        self.get(name, &[len])
-    }
-
-    /// Loads a `[out, in]` matrix.
-    pub fn matrix(&self, name: &str, out: usize, inp: usize) -> Result<B::Tensor, ModelError> {
-        self.get(name, &[out, inp])
     }
 }
 
@@ -175,5 +208,45 @@ mod tests {
         );
         assert_eq!(spellings("model.language_model.norm.weight")[1], "model.norm.weight");
         assert_eq!(spellings("lm_head.weight"), vec!["lm_head.weight"]);
+    }
+
+    /// A checkpoint written from the specs, with one tensor dropped or reshaped.
+    fn load_error(edit: impl Fn(&mut Vec<TensorSpec>)) -> String {
+        use crate::backend::cpu::CpuBackend;
+        use crate::memory::ledger::MemoryLedger;
+        use crate::model::{random_weights::RandomInit, spec::tensor_specs, QwenVl};
+        let cfg =
+            crate::config::ModelConfig::from_json(include_str!("../../../tools/golden/configs/qwen2_vl_tiny.json"))
+                .unwrap();
+        let mut specs = tensor_specs(&cfg);
+        edit(&mut specs);
+        let mut bytes = Vec::new();
+        RandomInit { seed: 0, std: 0.5 }
+            .write_safetensors(&mut bytes, &specs, |_| {})
+            .unwrap();
+        let shards = [("model.safetensors".to_string(), bytes.as_slice())];
+        let source = SafetensorsFiles::parse(&shards).unwrap();
+        let be = CpuBackend::new(MemoryLedger::new());
+        QwenVl::load(cfg, &source, &be, |_, _| {}).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn a_missing_or_misshapen_tensor_is_named() {
+        let missing = load_error(|s| s.retain(|t| t.name != "visual.blocks.1.mlp.fc2.bias"));
+        assert_eq!(
+            missing,
+            "checkpoint: tensor visual.blocks.1.mlp.fc2.bias is missing from the checkpoint"
+        );
+        let reshaped = load_error(|s| {
+            let t = s
+                .iter_mut()
+                .find(|t| t.name == "model.layers.0.self_attn.k_proj.weight")
+                .unwrap();
+            t.shape = vec![8, 32];
+        });
+        assert_eq!(
+            reshaped,
+            "checkpoint: tensor model.layers.0.self_attn.k_proj.weight has shape [8, 32], the config implies [16, 32]"
+        );
     }
 }

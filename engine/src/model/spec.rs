@@ -1,0 +1,617 @@
+//! The architecture, written once: every tensor of a Qwen-VL checkpoint from the config alone, with
+//! its name, shape, dtype and tensor-parallel layout. The loaders ([`super::vision`], [`super::text`])
+//! take names and shapes from [`VisionSpec`] and [`TextSpec`], the planner
+//! ([`crate::memory::weights`]) counts each rank's parameters from [`tensor_specs`], and
+//! `kvlens random-checkpoint` writes that list ([`super::random_weights`]).
+//!
+//! Names and shapes are those of transformers' modules (`modeling_qwen2_vl.py`,
+//! `modeling_qwen2_5_vl.py`, `modeling_qwen3_vl.py`, `modeling_qwen3_vl_moe.py` under
+//! <https://github.com/huggingface/transformers/tree/main/src/transformers/models>); the
+//! tensor-parallel layout is vLLM's (<https://github.com/vllm-project/vllm/blob/main/vllm/model_executor/models/qwen2_5_vl.py>
+//! and its siblings): column-parallel layers split by output rows with their biases, row-parallel
+//! layers split by input columns with their biases replicated, K/V heads replicated when there are
+//! fewer than ranks, norms and the patch embedding replicated.
+
+use crate::config::{DType, ModelConfig, VisionMerger, VisionMlp, VisionNorm};
+
+/// Which part of the model a tensor belongs to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Part {
+    /// The vision tower, its merger and deepstack mergers.
+    Vision,
+    /// Decoder layers and the final norm.
+    Text,
+    /// Token embedding matrix.
+    Embedding,
+    /// Output head (only when untied).
+    LmHead,
+}
+
+/// How a tensor is laid out across tensor-parallel ranks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Shard {
+    /// Every rank holds all of it.
+    Replicated,
+    /// Split evenly along this dimension.
+    Split(usize),
+    /// K/V projections: split along dimension 0 in whole heads of this many, each rank keeping at
+    /// least one (heads are replicated when there are fewer than ranks).
+    KvHeads(usize),
+}
+
+/// How a random checkpoint draws a tensor's values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Init {
+    /// `N(0, initializer_range²)`: matrices, embeddings, biases.
+    Normal,
+    /// `1 + small noise`: norm weights.
+    NormWeight,
+}
+
+/// One tensor of the checkpoint.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TensorSpec {
+    /// On-disk name, in the family's published layout.
+    pub name: String,
+    /// Shape.
+    pub shape: Vec<usize>,
+    /// Element type (the config's).
+    pub dtype: DType,
+    /// Tensor-parallel layout.
+    pub shard: Shard,
+    /// Part of the model.
+    pub part: Part,
+    /// The planner's parameter group: the tensors whose parameters it adds up before splitting them
+    /// across ranks.
+    pub group: &'static str,
+    /// How random checkpoints draw it.
+    pub init: Init,
+}
+
+impl TensorSpec {
+    /// Number of elements.
+    pub fn numel(&self) -> u64 {
+        self.shape.iter().map(|&d| d as u64).product()
+    }
+}
+
+/// A layer with a weight and a bias.
+#[derive(Debug, Clone)]
+pub struct Affine {
+    /// `weight`.
+    pub weight: TensorSpec,
+    /// `bias`.
+    pub bias: TensorSpec,
+}
+
+/// A projection whose bias depends on the config (the decoder's q/k/v).
+#[derive(Debug, Clone)]
+pub struct Projection {
+    /// `weight [out, in]`.
+    pub weight: TensorSpec,
+    /// `bias [out]`, when the config has one.
+    pub bias: Option<TensorSpec>,
+}
+
+/// A normalisation layer of the vision tower.
+#[derive(Debug, Clone)]
+pub enum NormSpec {
+    /// LayerNorm: weight and bias.
+    Layer(Affine),
+    /// RMSNorm: weight only.
+    Rms(TensorSpec),
+}
+
+/// The MLP of a vision block.
+#[derive(Debug, Clone)]
+pub enum VisionMlpSpec {
+    /// Two layers with an activation between them.
+    Plain {
+        /// Up projection.
+        fc1: Affine,
+        /// Down projection.
+        fc2: Affine,
+    },
+    /// `down(silu(gate) · up)`.
+    Gated {
+        /// Gate projection.
+        gate: Affine,
+        /// Up projection.
+        up: Affine,
+        /// Down projection.
+        down: Affine,
+    },
+}
+
+/// One vision block.
+#[derive(Debug, Clone)]
+pub struct VisionBlockSpec {
+    /// Norm before attention.
+    pub norm1: NormSpec,
+    /// Norm before the MLP.
+    pub norm2: NormSpec,
+    /// Fused q/k/v projection.
+    pub qkv: Affine,
+    /// Attention output projection.
+    pub proj: Affine,
+    /// The MLP.
+    pub mlp: VisionMlpSpec,
+}
+
+/// A patch merger (the main one or a deepstack one).
+#[derive(Debug, Clone)]
+pub struct MergerSpec {
+    /// Its norm.
+    pub norm: NormSpec,
+    /// First layer.
+    pub fc1: Affine,
+    /// Second layer, to the decoder's width.
+    pub fc2: Affine,
+}
+
+/// The vision tower's tensors.
+#[derive(Debug, Clone)]
+pub struct VisionSpec {
+    /// Patch embedding `[E, C, T, P, P]`.
+    pub patch_weight: TensorSpec,
+    /// Its bias, when the family has one.
+    pub patch_bias: Option<TensorSpec>,
+    /// Learned position table `[positions, E]`, when the family has one.
+    pub pos_embed: Option<TensorSpec>,
+    /// The blocks.
+    pub blocks: Vec<VisionBlockSpec>,
+    /// The main merger.
+    pub merger: MergerSpec,
+    /// Deepstack mergers, in the order of `deepstack_visual_indexes`.
+    pub deepstack: Vec<MergerSpec>,
+}
+
+/// The MLP of a decoder layer.
+#[derive(Debug, Clone)]
+pub enum TextMlpSpec {
+    /// SwiGLU: gate, up, down.
+    Dense {
+        /// `gate_proj [I, H]`.
+        gate: TensorSpec,
+        /// `up_proj [I, H]`.
+        up: TensorSpec,
+        /// `down_proj [H, I]`.
+        down: TensorSpec,
+    },
+    /// Mixture of experts with fused expert weights.
+    Experts {
+        /// Router `[experts, H]`.
+        router: TensorSpec,
+        /// Gate and up projections of every expert `[experts, H, 2·I]`.
+        gate_up: TensorSpec,
+        /// Down projections of every expert `[experts, I, H]`.
+        down: TensorSpec,
+    },
+}
+
+/// One decoder layer.
+#[derive(Debug, Clone)]
+pub struct LayerSpec {
+    /// RMSNorm before attention.
+    pub input_layernorm: TensorSpec,
+    /// Query projection.
+    pub q: Projection,
+    /// Key projection.
+    pub k: Projection,
+    /// Value projection.
+    pub v: Projection,
+    /// Output projection.
+    pub o: TensorSpec,
+    /// Per-head RMSNorm weights of q and k, when the decoder has them.
+    pub qk_norm: Option<(TensorSpec, TensorSpec)>,
+    /// The MLP.
+    pub mlp: TextMlpSpec,
+    /// RMSNorm before the MLP.
+    pub post_attention_layernorm: TensorSpec,
+}
+
+/// The language model's tensors.
+#[derive(Debug, Clone)]
+pub struct TextSpec {
+    /// Token embedding `[V, H]`.
+    pub embed_tokens: TensorSpec,
+    /// Decoder layers.
+    pub layers: Vec<LayerSpec>,
+    /// Final RMSNorm.
+    pub norm: TensorSpec,
+    /// Output head `[V, H]`, unless tied to the embedding.
+    pub lm_head: Option<TensorSpec>,
+}
+
+/// Every tensor of the checkpoint, in the order `kvlens random-checkpoint` writes them.
+pub fn tensor_specs(cfg: &ModelConfig) -> Vec<TensorSpec> {
+    let mut out = Vec::new();
+    vision(cfg, &mut out);
+    text(cfg, &mut out);
+    out
+}
+
+impl VisionSpec {
+    /// The vision tower of `cfg`.
+    pub fn new(cfg: &ModelConfig) -> Self {
+        vision(cfg, &mut Vec::new())
+    }
+}
+
+impl TextSpec {
+    /// The language model of `cfg`.
+    pub fn new(cfg: &ModelConfig) -> Self {
+        text(cfg, &mut Vec::new())
+    }
+}
+
+/// Appends every tensor it creates to `out`, in order.
+struct Builder<'a> {
+    out: &'a mut Vec<TensorSpec>,
+    dtype: DType,
+    part: Part,
+}
+
+impl<'a> Builder<'a> {
+    fn new(out: &'a mut Vec<TensorSpec>, cfg: &ModelConfig, part: Part) -> Self {
+        Builder {
+            out,
+            dtype: cfg.dtype,
+            part,
+        }
+    }
+
+    fn tensor(&mut self, name: String, shape: &[usize], shard: Shard, group: &'static str, init: Init) -> TensorSpec {
+        let t = TensorSpec {
+            name,
+            shape: shape.to_vec(),
+            dtype: self.dtype,
+            shard,
+            part: self.part,
+            group,
+            init,
+        };
+        self.out.push(t.clone());
+        t
+    }
+
+    /// `{prefix}.weight`, drawn from `N(0, std²)`.
+    fn weight(&mut self, prefix: &str, shape: &[usize], shard: Shard, group: &'static str) -> TensorSpec {
+        self.tensor(format!("{prefix}.weight"), shape, shard, group, Init::Normal)
+    }
+
+    /// A norm weight `[dim]`, replicated.
+    fn norm_weight(&mut self, prefix: &str, dim: usize, group: &'static str) -> TensorSpec {
+        self.tensor(
+            format!("{prefix}.weight"),
+            &[dim],
+            Shard::Replicated,
+            group,
+            Init::NormWeight,
+        )
+    }
+
+    /// `{prefix}.weight [out, in]` and `{prefix}.bias [out]` with their layouts and groups.
+    fn affine(
+        &mut self,
+        prefix: &str,
+        out: usize,
+        inp: usize,
+        shards: [Shard; 2],
+        groups: [&'static str; 2],
+    ) -> Affine {
+        Affine {
+            weight: self.weight(prefix, &[out, inp], shards[0], groups[0]),
+            bias: self.tensor(format!("{prefix}.bias"), &[out], shards[1], groups[1], Init::Normal),
+        }
+    }
+
+    /// Column-parallel `[out, in]` with a bias, both split by rows.
+    fn column(&mut self, prefix: &str, out: usize, inp: usize, group: &'static str) -> Affine {
+        self.affine(prefix, out, inp, [Shard::Split(0); 2], [group; 2])
+    }
+
+    /// Row-parallel `[out, in]` split by columns, its bias replicated; `groups` of weight and bias.
+    fn row(&mut self, prefix: &str, out: usize, inp: usize, groups: [&'static str; 2]) -> Affine {
+        self.affine(prefix, out, inp, [Shard::Split(1), Shard::Replicated], groups)
+    }
+
+    /// A vision norm `[dim]`: weight, and a bias for LayerNorm.
+    fn norm(&mut self, prefix: &str, dim: usize, kind: VisionNorm, group: &'static str) -> NormSpec {
+        let weight = self.norm_weight(prefix, dim, group);
+        match kind {
+            VisionNorm::RmsNorm => NormSpec::Rms(weight),
+            VisionNorm::LayerNorm => NormSpec::Layer(Affine {
+                weight,
+                bias: self.tensor(format!("{prefix}.bias"), &[dim], Shard::Replicated, group, Init::Normal),
+            }),
+        }
+    }
+
+    /// A merger from `norm_dim` (normalised) through `merged` to `out`, named as `names`.
+    fn merger(&mut self, prefix: &str, names: [&str; 3], dims: [usize; 3], norm: VisionNorm) -> MergerSpec {
+        let [norm_dim, merged, out] = dims;
+        MergerSpec {
+            norm: self.norm(&format!("{prefix}.{}", names[0]), norm_dim, norm, "merger.norm"),
+            fc1: self.column(&format!("{prefix}.{}", names[1]), merged, merged, "merger.fc1"),
+            fc2: self.row(
+                &format!("{prefix}.{}", names[2]),
+                out,
+                merged,
+                ["merger.fc2", "merger.fc2.bias"],
+            ),
+        }
+    }
+
+    /// A decoder projection `[out, in]` with the config's optional bias.
+    fn projection(
+        &mut self,
+        prefix: &str,
+        out: usize,
+        inp: usize,
+        bias: bool,
+        shard: Shard,
+        group: &'static str,
+    ) -> Projection {
+        Projection {
+            weight: self.weight(prefix, &[out, inp], shard, group),
+            bias: bias.then(|| self.tensor(format!("{prefix}.bias"), &[out], shard, group, Init::Normal)),
+        }
+    }
+}
+
+/// Names of a merger's norm and two layers.
+fn merger_names(kind: VisionMerger) -> [&'static str; 3] {
+    match kind {
+        VisionMerger::Sequential => ["ln_q", "mlp.0", "mlp.2"],
+        VisionMerger::LinearFc => ["norm", "linear_fc1", "linear_fc2"],
+    }
+}
+
+fn vision(cfg: &ModelConfig, out: &mut Vec<TensorSpec>) -> VisionSpec {
+    let v = &cfg.vision;
+    let mut b = Builder::new(out, cfg, Part::Vision);
+    let p = cfg.layout.vision_prefix();
+    let (e, i, o) = (v.hidden_size, v.intermediate_size, v.out_hidden_size);
+    let merged = e * v.spatial_merge_size * v.spatial_merge_size;
+    let patch = format!("{p}.patch_embed.proj");
+    let patch_weight = b.weight(
+        &patch,
+        &[e, v.in_channels, v.temporal_patch_size, v.patch_size, v.patch_size],
+        Shard::Replicated,
+        "patch_embed",
+    );
+    let patch_bias = v.patch_bias.then(|| {
+        b.tensor(
+            format!("{patch}.bias"),
+            &[e],
+            Shard::Replicated,
+            "patch_embed",
+            Init::Normal,
+        )
+    });
+    let pos_embed = (v.num_position_embeddings > 0).then(|| {
+        b.weight(
+            &format!("{p}.pos_embed"),
+            &[v.num_position_embeddings, e],
+            Shard::Replicated,
+            "pos_embed",
+        )
+    });
+    let mut blocks = Vec::with_capacity(v.depth);
+    for n in 0..v.depth {
+        let k = format!("{p}.blocks.{n}");
+        let down = ["blocks.mlp.down", "blocks.mlp.down.bias"];
+        blocks.push(VisionBlockSpec {
+            norm1: b.norm(&format!("{k}.norm1"), e, v.norm, "blocks.norm"),
+            norm2: b.norm(&format!("{k}.norm2"), e, v.norm, "blocks.norm"),
+            qkv: b.column(&format!("{k}.attn.qkv"), 3 * e, e, "blocks.attn.qkv"),
+            proj: b.row(
+                &format!("{k}.attn.proj"),
+                e,
+                e,
+                ["blocks.attn.proj", "blocks.attn.proj.bias"],
+            ),
+            mlp: match v.mlp {
+                VisionMlp::Gated => VisionMlpSpec::Gated {
+                    gate: b.column(&format!("{k}.mlp.gate_proj"), i, e, "blocks.mlp.up"),
+                    up: b.column(&format!("{k}.mlp.up_proj"), i, e, "blocks.mlp.up"),
+                    down: b.row(&format!("{k}.mlp.down_proj"), e, i, down),
+                },
+                VisionMlp::Fc | VisionMlp::LinearFc => {
+                    let (fc1, fc2) = if v.mlp == VisionMlp::Fc {
+                        ("fc1", "fc2")
+                    } else {
+                        ("linear_fc1", "linear_fc2")
+                    };
+                    VisionMlpSpec::Plain {
+                        fc1: b.column(&format!("{k}.mlp.{fc1}"), i, e, "blocks.mlp.up"),
+                        fc2: b.row(&format!("{k}.mlp.{fc2}"), e, i, down),
+                    }
+                }
+            },
+        });
+    }
+    // The main merger normalises before the 2×2 shuffle (width E), deepstack mergers after (4E).
+    let merger = b.merger(&format!("{p}.merger"), merger_names(v.merger), [e, merged, o], v.norm);
+    let deepstack = (0..v.deepstack_visual_indexes.len())
+        .map(|k| {
+            b.merger(
+                &format!("{p}.deepstack_merger_list.{k}"),
+                merger_names(VisionMerger::LinearFc),
+                [merged, merged, o],
+                v.norm,
+            )
+        })
+        .collect();
+    VisionSpec {
+        patch_weight,
+        patch_bias,
+        pos_embed,
+        blocks,
+        merger,
+        deepstack,
+    }
+}
+
+fn text(cfg: &ModelConfig, out: &mut Vec<TensorSpec>) -> TextSpec {
+    use Shard::{KvHeads, Replicated, Split};
+    let t = &cfg.text;
+    let mut b = Builder::new(out, cfg, Part::Embedding);
+    let p = cfg.layout.text_prefix();
+    let (h, hd, nq, nkv, i) = (
+        t.hidden_size,
+        t.head_dim,
+        t.num_attention_heads,
+        t.num_key_value_heads,
+        t.intermediate_size,
+    );
+    let embed_tokens = b.weight(
+        &format!("{p}.embed_tokens"),
+        &[t.vocab_size, h],
+        Split(0),
+        "embed_tokens",
+    );
+    b.part = Part::Text;
+    let mut layers = Vec::with_capacity(t.num_hidden_layers);
+    for n in 0..t.num_hidden_layers {
+        let k = format!("{p}.layers.{n}");
+        let a = format!("{k}.self_attn");
+        let bias = t.attention_bias;
+        layers.push(LayerSpec {
+            input_layernorm: b.norm_weight(&format!("{k}.input_layernorm"), h, "layers.norm"),
+            q: b.projection(&format!("{a}.q_proj"), nq * hd, h, bias, Split(0), "layers.q_proj"),
+            k: b.projection(
+                &format!("{a}.k_proj"),
+                nkv * hd,
+                h,
+                bias,
+                KvHeads(nkv),
+                "layers.kv_proj",
+            ),
+            v: b.projection(
+                &format!("{a}.v_proj"),
+                nkv * hd,
+                h,
+                bias,
+                KvHeads(nkv),
+                "layers.kv_proj",
+            ),
+            o: b.weight(&format!("{a}.o_proj"), &[h, nq * hd], Split(1), "layers.o_proj"),
+            qk_norm: t.qk_norm.then(|| {
+                (
+                    b.norm_weight(&format!("{a}.q_norm"), hd, "layers.qk_norm"),
+                    b.norm_weight(&format!("{a}.k_norm"), hd, "layers.qk_norm"),
+                )
+            }),
+            mlp: match &t.moe {
+                None => TextMlpSpec::Dense {
+                    gate: b.weight(&format!("{k}.mlp.gate_proj"), &[i, h], Split(0), "layers.mlp"),
+                    up: b.weight(&format!("{k}.mlp.up_proj"), &[i, h], Split(0), "layers.mlp"),
+                    down: b.weight(&format!("{k}.mlp.down_proj"), &[h, i], Split(1), "layers.mlp"),
+                },
+                Some(m) => {
+                    let (n_e, mi) = (m.num_experts, m.moe_intermediate_size);
+                    let experts = format!("{k}.mlp.experts");
+                    TextMlpSpec::Experts {
+                        router: b.weight(&format!("{k}.mlp.gate"), &[n_e, h], Replicated, "layers.router"),
+                        gate_up: b.tensor(
+                            format!("{experts}.gate_up_proj"),
+                            &[n_e, h, 2 * mi],
+                            Split(2),
+                            "layers.experts",
+                            Init::Normal,
+                        ),
+                        down: b.tensor(
+                            format!("{experts}.down_proj"),
+                            &[n_e, mi, h],
+                            Split(1),
+                            "layers.experts",
+                            Init::Normal,
+                        ),
+                    }
+                }
+            },
+            post_attention_layernorm: b.norm_weight(&format!("{k}.post_attention_layernorm"), h, "layers.norm"),
+        });
+    }
+    let norm = b.norm_weight(&format!("{p}.norm"), h, "norm");
+    b.part = Part::LmHead;
+    let lm_head = (!cfg.tie_word_embeddings).then(|| b.weight("lm_head", &[t.vocab_size, h], Split(0), "lm_head"));
+    TextSpec {
+        embed_tokens,
+        layers,
+        norm,
+        lm_head,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::{bundled_config, BUNDLED_CONFIGS};
+    use crate::memory::weights::weight_bytes_per_rank;
+    use std::collections::HashMap;
+
+    #[test]
+    fn names_are_unique_and_groups_keep_one_layout_kind() {
+        for (name, _) in BUNDLED_CONFIGS {
+            let specs = tensor_specs(&bundled_config(name).unwrap());
+            let mut names: Vec<&str> = specs.iter().map(|s| s.name.as_str()).collect();
+            names.sort_unstable();
+            names.dedup();
+            assert_eq!(names.len(), specs.len(), "{name}: duplicate names");
+            let mut kinds: HashMap<&str, std::mem::Discriminant<Shard>> = HashMap::new();
+            for t in &specs {
+                let kind = *kinds.entry(t.group).or_insert(std::mem::discriminant(&t.shard));
+                assert_eq!(kind, std::mem::discriminant(&t.shard), "{name}: {}", t.name);
+            }
+        }
+    }
+
+    /// Where `tp` divides every split dimension, splitting tensor by tensor along its dimension (as
+    /// vLLM does) holds exactly what the planner's groups give each rank.
+    #[test]
+    fn per_tensor_shards_add_up_to_the_planner_s_figures() {
+        let mut checked = 0;
+        for (name, _) in BUNDLED_CONFIGS {
+            let cfg = bundled_config(name).unwrap();
+            let specs = tensor_specs(&cfg);
+            for tp in [1usize, 2, 4, 8] {
+                let divides = |t: &TensorSpec| match t.shard {
+                    Shard::Split(d) => t.shape[d].is_multiple_of(tp),
+                    Shard::Replicated | Shard::KvHeads(_) => true,
+                };
+                if !specs.iter().all(divides) {
+                    continue;
+                }
+                let per_tensor: u64 = specs
+                    .iter()
+                    .map(|t| match t.shard {
+                        Shard::Replicated => t.numel(),
+                        Shard::Split(_) => t.numel() / tp as u64,
+                        Shard::KvHeads(heads) => t.numel() / heads as u64 * (heads / tp).max(1) as u64,
+                    })
+                    .sum();
+                let planner: u64 = weight_bytes_per_rank(&cfg, tp, 1).iter().map(|(_, b)| b).sum();
+                assert_eq!(per_tensor, planner, "{name} at tp {tp}");
+                checked += 1;
+            }
+        }
+        assert!(checked >= 2 * BUNDLED_CONFIGS.len(), "{checked}");
+    }
+
+    #[test]
+    fn typed_views_hold_the_listed_tensors() {
+        let cfg = bundled_config("Qwen3-VL-2B-Instruct").unwrap();
+        let (vision, text) = (VisionSpec::new(&cfg), TextSpec::new(&cfg));
+        let specs = tensor_specs(&cfg);
+        assert_eq!(specs[0], vision.patch_weight);
+        assert_eq!(specs[0].name, "model.visual.patch_embed.proj.weight");
+        assert_eq!(vision.deepstack.len(), 3);
+        let embed = specs.iter().position(|t| *t == text.embed_tokens).unwrap();
+        assert_eq!(specs[embed].name, "model.language_model.embed_tokens.weight");
+        assert_eq!(specs.last(), Some(&text.norm), "tied: no lm_head");
+    }
+}
