@@ -21,6 +21,7 @@ use kvlens_engine::input::image::{process_image, ProcessorSettings};
 use kvlens_engine::memory::ledger::MemoryLedger;
 use kvlens_engine::model::weights::SafetensorsFiles;
 use kvlens_engine::model::QwenVl;
+use kvlens_engine::runner::ModelRunner;
 use kvlens_engine::sample::SamplingParams;
 use serde_json::Value;
 use wasm_bindgen_test::{wasm_bindgen_test, wasm_bindgen_test_configure};
@@ -61,7 +62,7 @@ fn ids(v: &Value, key: &str) -> Vec<u32> {
 }
 
 #[wasm_bindgen_test]
-fn greedy_tokens_match_native_generate() {
+async fn greedy_tokens_match_native_generate() {
     let expected: Value = serde_json::from_str(EXPECTED).expect("generate's JSON");
     let prompt = ids(&expected, "prompt_token_ids");
     let want = ids(&expected, "token_ids");
@@ -100,7 +101,7 @@ fn greedy_tokens_match_native_generate() {
         long_prefill_token_threshold: 0,
         vocab_size,
     };
-    let mut engine = Engine::new(backend, model, engine_cfg).expect("the engine");
+    let mut engine = Engine::new(ModelRunner::new(backend, model), engine_cfg).expect("the engine");
     let request = Request {
         id: RequestId::from("browser-0"),
         images: vec![ImageInput {
@@ -123,8 +124,8 @@ fn greedy_tokens_match_native_generate() {
     let mut got = Vec::new();
     let mut finish = None;
     while engine.has_unfinished() {
-        // STEP: switch to `engine.step_async().await` (and make this test `async fn`) once main has it.
-        let events = engine.step().expect("an engine step");
+        // The browser's way: the logits read is awaited, never blocked on.
+        let events = engine.step_async().await.expect("an engine step");
         for e in events {
             got.push(e.token);
             finish = finish.or(e.finish);
