@@ -14,11 +14,14 @@
 #![cfg(target_arch = "wasm32")]
 
 use kvlens_engine::backend::cpu::CpuBackend;
+use kvlens_engine::builder::{build_engine, EngineOptions};
 use kvlens_engine::cache::{MmHash, RequestId};
-use kvlens_engine::config::ModelConfig;
-use kvlens_engine::engine::{Engine, EngineConfig, ImageInput, Request};
+use kvlens_engine::config::{ImageLimits, ModelConfig};
+use kvlens_engine::engine::{ImageInput, Request};
 use kvlens_engine::input::image::{process_image, ProcessorSettings};
+use kvlens_engine::memory::device::device_preset;
 use kvlens_engine::memory::ledger::MemoryLedger;
+use kvlens_engine::memory::planner::{MmLimits, PlanRequest};
 use kvlens_engine::model::weights::SafetensorsFiles;
 use kvlens_engine::model::QwenVl;
 use kvlens_engine::runner::ModelRunner;
@@ -87,21 +90,36 @@ async fn greedy_tokens_match_native_generate() {
     let source = SafetensorsFiles::parse(&shards).expect("model.safetensors");
     let model = QwenVl::load(cfg, &source, &backend, |_, _| {}).expect("the model loads");
 
-    // The sizes `kvlens generate` runs one conversation with (server/src/generate_cmd.rs).
-    let block_size = 16;
+    // Sized by the engine's start-up code as `kvlens generate` sizes it (server/src/generate_cmd.rs):
+    // one sequence, the whole prompt in one step, this image as the largest the profile runs. Only
+    // the memory differs (generate takes 40% of the machine's), which moves the KV block count,
+    // never a result.
     let max_tokens = want.len();
-    let engine_cfg = EngineConfig {
-        num_blocks: (prompt.len() + max_tokens).div_ceil(block_size) + 2,
-        block_size,
-        max_model_len: model.cfg.text.max_position_embeddings,
+    let model_cfg = model.cfg.clone();
+    let device = device_preset("cpu")
+        .expect("the cpu preset")
+        .with_total_bytes(256 << 20);
+    let mut plan_req = PlanRequest::new("browser", model_cfg.clone(), device);
+    let [_, h, w] = image.grid_thw;
+    let patch = model_cfg.vision.patch_size as u64;
+    let largest = u64::from(h * w) * patch * patch;
+    plan_req.image_limits = ImageLimits {
+        min_pixels: settings.limits.min_pixels.min(largest),
+        max_pixels: largest,
+    };
+    plan_req.limit_mm_per_prompt = MmLimits { image: 1, video: 0 };
+    plan_req.max_model_len = Some((prompt.len() + max_tokens).min(model_cfg.text.max_position_embeddings));
+    plan_req.max_num_batched_tokens = Some(prompt.len());
+    plan_req.max_num_seqs = Some(1);
+    plan_req.non_torch_bytes = Some(0);
+    let opts = EngineOptions {
         enable_prefix_caching: true,
-        encoder_cache_tokens: image.num_tokens,
-        max_num_seqs: 1,
-        max_num_batched_tokens: prompt.len(),
         long_prefill_token_threshold: 0,
+        max_num_partial_prefills: 1,
         vocab_size,
     };
-    let mut engine = Engine::new(ModelRunner::new(backend, model), engine_cfg).expect("the engine");
+    let (mut engine, _) =
+        build_engine(ModelRunner::new(backend, model), plan_req, opts, &|| 0.0).expect("the engine starts");
     let request = Request {
         id: RequestId::from("browser-0"),
         images: vec![ImageInput {
