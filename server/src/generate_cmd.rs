@@ -164,6 +164,8 @@ pub fn run(a: &GenerateArgs) -> Result<()> {
                 "text": text,
                 "image_grid_thw": grids,
                 "finish_reason": run.finish.unwrap_or(FinishReason::Length),
+                // The tokenizer's vocabulary (the sampler's limit): what running the ids elsewhere needs.
+                "vocab_size": front.tokenizer.vocab_size(),
             });
             if a.logprobs.is_some() {
                 obj["top_logprobs"] = serde_json::json!(run.top);

@@ -22,6 +22,7 @@ fn main() -> Result<()> {
     }
     match task.as_str() {
         "test" => test(),
+        "browser-test" => browser_test(true).map(|(passed, failed)| println!("{passed} passed, {failed} failed")),
         // A leading `--` (as in `cargo xtask demo -- --port 8001`) is not for `kvlens serve`.
         "demo" => demo(&env::args().skip(2).skip_while(|a| a == "--").collect::<Vec<_>>()),
         "golden" => golden(&env::args().skip(2).collect::<Vec<_>>()),
@@ -29,7 +30,7 @@ fn main() -> Result<()> {
         "soak" => soak(&env::args().skip(2).skip_while(|a| a == "--").collect::<Vec<_>>()),
         "fuzz" => fuzz(env::args().nth(2).as_deref()),
         _ => {
-            eprintln!("usage: cargo xtask <task>\n\n  test   fmt check, clippy (warnings denied), all tests, the engine's wasm32 build\n  demo   build the playground and serve it on http://127.0.0.1:8000/ (extra args go to `kvlens serve`)\n  golden regenerate engine/tests/fixtures/golden/ with Hugging Face transformers (extra args go to golden.py)\n  bench  kvlens generate vs transformers on a full-size random Qwen3-VL-2B (extra args go to the script)\n  soak   kvlens serve on the demo model under 256 streaming clients for 10 minutes, then the leak checks (extra args go to `kvlens bench soak`)\n  fuzz [ITERATIONS]  every fuzz target in fuzz/ for ITERATIONS inputs each (default {DEFAULT_FUZZ_RUNS})");
+            eprintln!("usage: cargo xtask <task>\n\n  test   fmt check, clippy (warnings denied), all tests, the engine's wasm32 build, the engine in headless Chromium\n  browser-test  only the last: the engine in headless Chromium against native `kvlens generate`\n  demo   build the playground and serve it on http://127.0.0.1:8000/ (extra args go to `kvlens serve`)\n  golden regenerate engine/tests/fixtures/golden/ with Hugging Face transformers (extra args go to golden.py)\n  bench  kvlens generate vs transformers on a full-size random Qwen3-VL-2B (extra args go to the script)\n  soak   kvlens serve on the demo model under 256 streaming clients for 10 minutes, then the leak checks (extra args go to `kvlens bench soak`)\n  fuzz [ITERATIONS]  every fuzz target in fuzz/ for ITERATIONS inputs each (default {DEFAULT_FUZZ_RUNS})");
             std::process::exit(2);
         }
     }
@@ -142,10 +143,15 @@ fn test() -> Result<()> {
     ensure_wasm_target()?;
     ensure_tokenizer()?;
     ensure_client_python()?;
+    // Before the long steps: a machine that cannot get a browser fails now.
+    ensure_browser_tools()?;
     run(cargo().args(["fmt", "--all", "--", "--check"]))?;
     run(cargo().args(["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"]))?;
     let (passed, failed) = cargo_test(&["--workspace"])?;
     run(cargo().args(["build", "--target", "wasm32-unknown-unknown", "-p", "kvlens-engine"]))?;
+    // `cargo test --workspace` has just built target/debug/kvlens (the server's tests run it).
+    let (browser_passed, browser_failed) = browser_test(false)?;
+    let (passed, failed) = (passed + browser_passed, failed + browser_failed);
     // One closing line for the whole run: cargo's last "test result" line is often the doc tests'.
     println!("{passed} passed, {failed} failed");
     Ok(())
@@ -211,31 +217,44 @@ fn locked_wasm_bindgen_version() -> Result<String> {
     bail!("wasm-bindgen is not in Cargo.lock")
 }
 
-/// Installs trunk, wasm-bindgen-cli and wasm-opt under the cache when they are missing.
-fn ensure_web_tools() -> Result<PathBuf> {
+/// The tools directory under the cache (`cargo install --root` and `npm --prefix` go there), put
+/// first on PATH.
+fn tools_on_path() -> PathBuf {
     let tools = cache_dir().join("tools");
-    let bin = tools.join("bin");
     let path = format!(
         "{}:{}:{}",
-        bin.display(),
+        tools.join("bin").display(),
         tools.join("node_modules/.bin").display(),
         env::var("PATH").unwrap_or_default()
     );
     env::set_var("PATH", &path);
+    tools
+}
+
+/// wasm-bindgen-cli (wasm-bindgen and wasm-bindgen-test-runner) of exactly Cargo.lock's
+/// wasm-bindgen version, installed under `tools` when missing.
+fn ensure_wasm_bindgen(tools: &Path) -> Result<()> {
+    let wb = locked_wasm_bindgen_version()?;
+    if !have("wasm-bindgen", "--version", &wb) || !have("wasm-bindgen-test-runner", "--version", &wb) {
+        // Not --locked: the locked set names a webpki-roots release the registry lacks.
+        run(cargo()
+            .args(["install", "--force", "--root"])
+            .arg(tools)
+            .args(["wasm-bindgen-cli", "--version", &wb]))?;
+    }
+    Ok(())
+}
+
+/// Installs trunk, wasm-bindgen-cli and wasm-opt under the cache when they are missing.
+fn ensure_web_tools() -> Result<PathBuf> {
+    let tools = tools_on_path();
     if !have("trunk", "--version", TRUNK_VERSION) {
         run(cargo()
             .args(["install", "--locked", "--root"])
             .arg(&tools)
             .args(["trunk", "--version", TRUNK_VERSION]))?;
     }
-    let wb = locked_wasm_bindgen_version()?;
-    if !have("wasm-bindgen", "--version", &wb) {
-        // Not --locked: the locked set names a webpki-roots release the registry lacks.
-        run(cargo()
-            .args(["install", "--force", "--root"])
-            .arg(&tools)
-            .args(["wasm-bindgen-cli", "--version", &wb]))?;
-    }
+    ensure_wasm_bindgen(&tools)?;
     if !have("wasm-opt", "--version", "132") {
         run(Command::new("npm")
             .args(["install", "--no-save", "--prefix"])
@@ -243,6 +262,150 @@ fn ensure_web_tools() -> Result<PathBuf> {
             .arg(format!("binaryen@{BINARYEN_VERSION}")))?;
     }
     Ok(tools)
+}
+
+/// Debian's Chromium and its WebDriver, where engine/webdriver.json and the test runner look.
+const CHROMIUM: &str = "/usr/bin/chromium";
+const CHROMEDRIVER: &str = "/usr/bin/chromedriver";
+
+/// Runs a command, echoed; whether it succeeded (failures are the caller's to report).
+fn try_run(cmd: &mut Command) -> bool {
+    eprintln!("+ {cmd:?}");
+    cmd.status().is_ok_and(|s| s.success())
+}
+
+/// Installs Chromium and chromedriver with apt when either is missing (CI runs as root on Debian
+/// 12; a fresh image may have no package lists yet, so a failed install updates them and retries).
+fn ensure_chromium() -> Result<()> {
+    let present = || Path::new(CHROMIUM).is_file() && Path::new(CHROMEDRIVER).is_file();
+    if present() {
+        return Ok(());
+    }
+    let install = || {
+        try_run(
+            Command::new("apt-get")
+                .args(["install", "-y", "chromium", "chromium-driver"])
+                .env("DEBIAN_FRONTEND", "noninteractive"),
+        )
+    };
+    if !install() && try_run(Command::new("apt-get").arg("update")) {
+        install();
+    }
+    if !present() {
+        bail!(
+            "the browser test needs Chromium at {CHROMIUM} and its WebDriver at {CHROMEDRIVER}, and \
+             installing them failed: run `apt-get install chromium chromium-driver` as root (Debian's \
+             packages), then `cargo xtask test` again"
+        );
+    }
+    Ok(())
+}
+
+/// The checkpoint of the browser test: the smallest tiny config of the tests.
+const BROWSER_CONFIG: &str = "tools/golden/configs/qwen2_vl_tiny.json";
+/// Its image: 84×56 is 3×2 of Qwen2-VL's 28-pixel factor, so no resize is involved.
+const BROWSER_IMAGE: &str = "engine/tests/fixtures/input/rgb_84x56.png";
+const BROWSER_PROMPT: &str = "Describe this image.";
+const BROWSER_MAX_TOKENS: &str = "12";
+
+/// Writes `bytes` to `to` unless it already holds them: the wasm test embeds these files, and
+/// cargo rebuilds it when their modification time changes.
+fn write_if_changed(to: &Path, bytes: &[u8]) -> Result<()> {
+    if std::fs::read(to).is_ok_and(|old| old == bytes) {
+        return Ok(());
+    }
+    std::fs::write(to, bytes).with_context(|| format!("writing {}", to.display()))
+}
+
+/// Chromium, chromedriver and wasm-bindgen-test-runner, installed when missing.
+fn ensure_browser_tools() -> Result<()> {
+    ensure_chromium()?;
+    ensure_wasm_bindgen(&tools_on_path())
+}
+
+/// `cargo xtask browser-test`, also the last step of `cargo xtask test`: engine/tests/browser_engine.rs
+/// in headless Chromium (wasm-bindgen-test-runner, chromedriver) must give the greedy tokens that
+/// native `kvlens generate` gives on the same tiny random checkpoint, image and prompt. With
+/// `build_kvlens` false the debug `kvlens` binary is taken as built (`cargo build -p kvlens` resolves
+/// other features than `cargo test --workspace` and would rebuild half the dependencies).
+fn browser_test(build_kvlens: bool) -> Result<(u64, u64)> {
+    eprintln!("== the engine in headless Chromium against native `kvlens generate` ==");
+    let started = std::time::Instant::now();
+    ensure_wasm_target()?;
+    let tokenizer = ensure_tokenizer()?;
+    ensure_browser_tools()?;
+    if build_kvlens {
+        run(cargo().args(["build", "-p", "kvlens"]))?;
+    }
+    let kvlens = target_dir().join("debug").join("kvlens");
+    if !kvlens.is_file() {
+        bail!("{} is missing: run `cargo build -p kvlens`", kvlens.display());
+    }
+
+    // Written afresh, then copied over the embedded files only where they changed.
+    let work = cache_dir().join("browser-test");
+    let fresh = work.join("fresh");
+    let checkpoint = work.join("checkpoint");
+    std::fs::create_dir_all(&checkpoint)?;
+    run(Command::new(&kvlens)
+        .args(["random-checkpoint", "--config", BROWSER_CONFIG, "--dtype", "f32"])
+        .args(["--image-limits", "1024,65536", "--force", "--tokenizer"])
+        .arg(&tokenizer)
+        .arg("--out")
+        .arg(&fresh))?;
+    for entry in std::fs::read_dir(&fresh)? {
+        let path = entry?.path();
+        if let Some(name) = path.file_name() {
+            write_if_changed(&checkpoint.join(name), &std::fs::read(&path)?)?;
+        }
+    }
+    let image = checkpoint.join("image.png");
+    write_if_changed(&image, &std::fs::read(BROWSER_IMAGE)?)?;
+
+    let mut generate = Command::new(&kvlens);
+    generate
+        .arg("generate")
+        .arg("--model")
+        .arg(&checkpoint)
+        .arg("--image")
+        .arg(&image)
+        .args(["--prompt", BROWSER_PROMPT, "--max-tokens", BROWSER_MAX_TOKENS])
+        .args(["--ignore-eos", "--json"]);
+    eprintln!("+ {generate:?}");
+    let out = generate.output().context("cannot run kvlens generate")?;
+    if !out.status.success() {
+        bail!(
+            "kvlens generate failed with {}: {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    // Its timing changes every run; the rest is what the test checks.
+    let mut result: serde_json::Value =
+        serde_json::from_slice(&out.stdout).context("kvlens generate --json printed no JSON object")?;
+    if let Some(obj) = result.as_object_mut() {
+        obj.remove("timing");
+    }
+    eprintln!("native kvlens generate: {result}");
+    let expected = work.join("generate.json");
+    write_if_changed(&expected, result.to_string().as_bytes())?;
+
+    env::set_var("CHROMEDRIVER", CHROMEDRIVER);
+    env::set_var("CARGO_TARGET_WASM32_UNKNOWN_UNKNOWN_RUNNER", "wasm-bindgen-test-runner");
+    // The runner's default (20 s) is short for an unoptimized engine on 2 busy cores.
+    env::set_var("WASM_BINDGEN_TEST_TIMEOUT", "300");
+    env::set_var("KVLENS_BROWSER_CHECKPOINT", &checkpoint);
+    env::set_var("KVLENS_BROWSER_EXPECTED", &expected);
+    let counts = cargo_test(&[
+        "-p",
+        "kvlens-engine",
+        "--target",
+        "wasm32-unknown-unknown",
+        "--test",
+        "browser_engine",
+    ])?;
+    eprintln!("browser test step took {:.1} s", started.elapsed().as_secs_f64());
+    Ok(counts)
 }
 
 fn demo(serve_args: &[String]) -> Result<()> {
