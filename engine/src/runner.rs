@@ -255,10 +255,11 @@ impl<B: Backend> StepRunner for ModelRunner<B> {
         let mut embeds = self.model.text.embed(be, &ids)?;
         let mut deep = Vec::new();
         if !image_rows.is_empty() {
-            let feats = be.concat_rows(&image_parts)?;
+            // Each image's rows are freed once they are in the batch's tensor.
+            let feats = be.concat_rows(&std::mem::take(&mut image_parts))?;
             embeds = be.scatter_rows(&embeds, &image_rows, &feats, false)?;
-            for parts in &deep_parts {
-                deep.push(be.concat_rows(parts)?);
+            for parts in deep_parts.drain(..) {
+                deep.push(be.concat_rows(&parts)?);
             }
         }
         let t = &self.model.cfg.text;

@@ -8,7 +8,7 @@ pub mod vision;
 pub mod weights;
 
 use crate::backend::{Backend, BackendError};
-use crate::config::{Family, ModelConfig};
+use crate::config::ModelConfig;
 use text::TextModel;
 use vision::VisionTower;
 use weights::{Loader, TensorSource};
@@ -50,7 +50,7 @@ impl<B: Backend> QwenVl<B> {
         be: &B,
         mut progress: impl FnMut(usize, u64),
     ) -> Result<Self, ModelError> {
-        if cfg.family == Family::Qwen3VlMoe {
+        if cfg.text.moe.is_some() {
             return Err(ModelError::Unsupported(
                 "Qwen3-VL-MoE (qwen3_vl_moe) inference is not supported yet; `kvlens plan` supports it".into(),
             ));

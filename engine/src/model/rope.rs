@@ -1,4 +1,5 @@
-//! Multimodal rotary positions (qwen-vl.md §2.2–§2.4): three position ids per token, and the
+//! Multimodal rotary positions (transformers' `get_rope_index`, <https://github.com/huggingface/transformers/blob/main/src/transformers/models/qwen2_vl/modeling_qwen2_vl.py>
+//! and <https://github.com/huggingface/transformers/blob/main/src/transformers/models/qwen3_vl/modeling_qwen3_vl.py>): three position ids per token, and the
 //! cos/sin tables built from them (Qwen2/2.5 chunked sections, Qwen3 interleaved).
 
 use crate::config::TextConfig;
@@ -100,7 +101,7 @@ mod tests {
 
     #[test]
     fn positions_match_the_qwen2_vl_worked_example() {
-        // [a, b, VS, I×6, VE, c, d] with a 2×3 merged image (qwen-vl.md §2.3).
+        // [a, b, VS, I×6, VE, c, d] with a 2×3 merged image, as `get_rope_index` numbers it.
         let (pos, delta) = mrope_positions(
             12,
             &[ImageSpan {

@@ -9,7 +9,7 @@ use super::spec::{Affine, MergerSpec, NormSpec, VisionMlpSpec, VisionSpec};
 use super::weights::{Loader, TensorSource};
 use super::ModelError;
 use crate::backend::{Activation, Backend};
-use crate::config::{Family, ModelConfig, VisionMlp};
+use crate::config::{ModelConfig, VisionMlp};
 
 /// A normalisation layer of the vision tower.
 #[derive(Debug)]
@@ -114,7 +114,6 @@ pub struct VisionOutput<B: Backend> {
 /// A vision tower.
 #[derive(Debug)]
 pub struct VisionTower<B: Backend> {
-    family: Family,
     width: usize,
     heads: usize,
     merge: usize,
@@ -185,7 +184,6 @@ impl<B: Backend> VisionTower<B> {
             deepstack.push((layer, Merger::load(l, d, true)?));
         }
         Ok(VisionTower {
-            family: cfg.family,
             width: v.hidden_size,
             heads: v.num_heads,
             merge: v.spatial_merge_size,
@@ -231,7 +229,7 @@ impl<B: Backend> VisionTower<B> {
         let unit = self.merge * self.merge;
         // Qwen2.5-VL: the window order of merged cells and the window segments.
         let mut window: Option<(Vec<usize>, B::Segments)> = None;
-        if self.family == Family::Qwen25Vl {
+        if self.window_merged > 0 {
             let (index, segments) = window_index(grids, self.merge, self.window_merged);
             let rows: Vec<usize> = index
                 .iter()
@@ -326,7 +324,8 @@ fn frame_segments(grids: &[[usize; 3]]) -> Vec<(usize, usize)> {
     segs
 }
 
-/// 2-D rotary tables `[tokens, head_dim]` (§1.3): angles `concat(row·f, col·f)` mirrored twice.
+/// 2-D rotary tables `[tokens, head_dim]` (transformers' `VisionRotaryEmbedding` and `rot_pos_emb`,
+/// <https://github.com/huggingface/transformers/blob/main/src/transformers/models/qwen2_vl/modeling_qwen2_vl.py>): angles `concat(row·f, col·f)` mirrored twice.
 fn vision_rotary(grids: &[[usize; 3]], m: usize, head_dim: usize) -> (Vec<f32>, Vec<f32>) {
     let d = head_dim / 2;
     let inv: Vec<f32> = (0..d / 2)
@@ -349,7 +348,8 @@ fn vision_rotary(grids: &[[usize; 3]], m: usize, head_dim: usize) -> (Vec<f32>, 
     (cos, sin)
 }
 
-/// Qwen3-VL's learned positions bilinearly resampled to each image's grid, in merge-window order (§1.7).
+/// Qwen3-VL's learned positions bilinearly resampled to each image's grid, in merge-window order
+/// (`fast_pos_embed_interpolate`, <https://github.com/huggingface/transformers/blob/main/src/transformers/models/qwen3_vl/modeling_qwen3_vl.py>).
 fn interpolated_positions(table: &[f32], width: usize, grids: &[[usize; 3]], m: usize) -> Vec<f32> {
     let g = ((table.len() / width) as f64).sqrt() as usize;
     let mut out = Vec::new();
@@ -386,7 +386,8 @@ fn interpolated_positions(table: &[f32], width: usize, grids: &[[usize; 3]], m: 
     out
 }
 
-/// Qwen2.5-VL window order of merged cells and the window segments in ViT tokens (§1.6).
+/// Qwen2.5-VL window order of merged cells and the window segments in ViT tokens (`get_window_index`,
+/// <https://github.com/huggingface/transformers/blob/main/src/transformers/models/qwen2_5_vl/modeling_qwen2_5_vl.py>).
 fn window_index(grids: &[[usize; 3]], m: usize, ws: usize) -> WindowOrder {
     let mut index = Vec::new();
     let mut segs = Vec::new();
@@ -432,7 +433,7 @@ mod tests {
 
     #[test]
     fn window_index_matches_transformers() {
-        // qwen-vl.md §1.6: grid (1, 20, 12) → merged 10×6, windows of 4×4 merged cells.
+        // transformers' `get_window_index` on grid (1, 20, 12) → merged 10×6, windows of 4×4 merged cells.
         let (index, segs) = window_index(&[[1, 20, 12]], 2, 4);
         assert_eq!(
             &index[..24],

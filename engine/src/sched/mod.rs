@@ -1,5 +1,6 @@
-//! The scheduler, with vLLM v1's FCFS semantics (`Scheduler.schedule`, see
-//! docs/vllm-memory.md §7 and §4.3). There are no prefill and decode phases: every request has a
+//! The scheduler, with vLLM v1's FCFS semantics (`Scheduler.schedule` in
+//! <https://github.com/vllm-project/vllm/blob/main/vllm/v1/core/sched/scheduler.py>, and its
+//! `encoder_cache_manager.py` beside it). There are no prefill and decode phases: every request has a
 //! count of computed tokens chasing its length, and each step hands out at most
 //! `max_num_batched_tokens` tokens (chunked prefill), `max_num_seqs` running requests and
 //! `max_num_encoder_input_tokens` encoder tokens to compute.
