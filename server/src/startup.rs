@@ -114,7 +114,7 @@ pub fn demo_checkpoint() -> Result<PathBuf> {
     std::fs::create_dir_all(&root)?;
     let cfg = root.join("demo-model-config.json");
     std::fs::write(&cfg, DEMO_CONFIG)?;
-    eprintln!("writing the tiny demo checkpoint to {} (first use)", dir.display());
+    tracing::info!("writing the tiny demo checkpoint to {} (first use)", dir.display());
     random_checkpoint_cmd::run(&RandomCheckpointArgs {
         config: cfg.display().to_string(),
         out: Some(dir.clone()),
@@ -156,7 +156,7 @@ pub fn start(a: &EngineArgs) -> Result<Started> {
         ("--kv-cache-dtype", kv_dtype, &a.vllm.kv_cache_dtype),
     ] {
         if d.is_some_and(|d| d != DType::F32) {
-            eprintln!("WARNING {flag} {given}: the CPU backend computes and stores in float32");
+            tracing::warn!("{flag} {given}: the CPU backend computes and stores in float32");
         }
     }
     let limits = match &a.vllm.limit_mm_per_prompt {
@@ -182,7 +182,7 @@ pub fn start(a: &EngineArgs) -> Result<Started> {
         None => ProcessorKwargs::default(),
     };
     for key in &pixels.ignored {
-        eprintln!("WARNING --mm-processor-kwargs: {key} is ignored (kvlens reads min_pixels and max_pixels)");
+        tracing::warn!("--mm-processor-kwargs: {key} is ignored (kvlens reads min_pixels and max_pixels)");
     }
     let (model, backend, mut frontend) = load_cpu(&model_dir)?;
     if let Some(path) = &a.chat_template {
@@ -198,8 +198,8 @@ pub fn start(a: &EngineArgs) -> Result<Started> {
         None => crate::runtime::DEFAULT_PREPROCESS_BYTES,
     };
     frontend.set_preprocess_budget(preprocess_bytes);
-    eprintln!(
-        "INFO Image preprocessing may hold {:.2} GiB of host memory at once (--preprocess-memory-gib)",
+    tracing::info!(
+        "Image preprocessing may hold {:.2} GiB of host memory at once (--preprocess-memory-gib)",
         frontend.preprocess_budget.capacity() as f64 / GIB
     );
     let device = device_preset("cpu")
@@ -260,7 +260,7 @@ pub fn start(a: &EngineArgs) -> Result<Started> {
     // A test hook: `KVLENS_FAULT=decoder:3` makes the third decoder pass fail (see engine::fault).
     if let Some(plan) = std::env::var_os("KVLENS_FAULT") {
         let plan = plan.to_string_lossy().parse().map_err(usage)?;
-        eprintln!("WARNING KVLENS_FAULT: {plan:?} will fail on purpose");
+        tracing::warn!("KVLENS_FAULT: {plan:?} will fail on purpose");
         engine.inject_fault(Some(plan));
     }
     Ok(Started {
