@@ -256,7 +256,7 @@ impl Frontend {
             .into_iter()
             .map(|(p, place)| ImageInput {
                 grid_thw: [p.grid_thw[0] as usize, p.grid_thw[1] as usize, p.grid_thw[2] as usize],
-                pixel_values: p.pixel_values.clone(),
+                pixel_values: Arc::clone(&p.pixel_values),
                 mm_hash: MmHash::from(p.mm_hash.clone()),
                 offset: place.offset,
                 num_tokens: place.length,
