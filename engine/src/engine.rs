@@ -26,7 +26,7 @@ use crate::sched::{SchedError, ScheduledSeq, Scheduler, SchedulerConfig};
 #[derive(Debug, Clone)]
 pub struct ImageInput {
     /// Patch rows `[patches, C·T·P·P]`, flattened.
-    pub pixel_values: Vec<f32>,
+    pub pixel_values: std::sync::Arc<Vec<f32>>,
     /// `(t, h, w)` in patches.
     pub grid_thw: [usize; 3],
     /// Content hash (keys the encoder and prefix caches).

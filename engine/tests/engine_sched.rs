@@ -99,7 +99,7 @@ fn request(cfg: &ModelConfig, id: &str, len: usize, image: Option<(usize, &str)>
         .map(|(offset, hash)| {
             prompt[offset..offset + 4].fill(cfg.tokens.image);
             ImageInput {
-                pixel_values: random_f32(hash.len() as u64 + 7, 16 * 3 * 2 * 14 * 14),
+                pixel_values: random_f32(hash.len() as u64 + 7, 16 * 3 * 2 * 14 * 14).into(),
                 grid_thw: [1, 4, 4],
                 mm_hash: hash.into(),
                 offset,

@@ -74,4 +74,64 @@ pub enum InputError {
         /// Images passed in.
         images: usize,
     },
+    /// One of the files an [`InputProcessor`](super::InputProcessor) is built from is refused;
+    /// `part` names it.
+    #[error("{part}: {error}")]
+    Loading {
+        /// `tokenizer.json`, `chat template` or `preprocessor_config.json`.
+        part: &'static str,
+        /// What is wrong with it.
+        error: Box<InputError>,
+    },
+    /// The text alone proves the prompt longer than the context: refused before tokenizing.
+    #[error(
+        "the prompt has at least {at_least} tokens ({bytes} bytes of text, at most {max_token_bytes} bytes per \
+         token), more than this model's maximum context length of {max_model_len} tokens"
+    )]
+    PromptTooLong {
+        /// `bytes / max_token_bytes`.
+        at_least: usize,
+        /// Bytes of text.
+        bytes: usize,
+        /// See [`Tokenizer::max_token_bytes`](super::Tokenizer::max_token_bytes).
+        max_token_bytes: usize,
+        /// The longest prompt plus output.
+        max_model_len: usize,
+    },
+    /// More images than one prompt may carry (`--limit-mm-per-prompt`).
+    #[error("At most {limit} image(s) may be provided in one prompt, got {got}")]
+    TooManyImages {
+        /// The limit.
+        limit: usize,
+        /// Images in the prompt.
+        got: usize,
+    },
+    /// An image with more tokens than the start-up profile measured (it could exceed the
+    /// profiled memory peak).
+    #[error("an image of {tokens} tokens exceeds the {max} tokens the start-up profile measured")]
+    ImageTooManyTokens {
+        /// The image's tokens.
+        tokens: usize,
+        /// The most the profile measured.
+        max: usize,
+    },
+    /// A local image path where the caller does not allow them.
+    #[error("local image paths are not allowed here: {0}")]
+    LocalImagePath(String),
+    /// An `http(s)://` image URL: the engine fetches nothing, the caller fetches the allowed ones
+    /// first and passes them as data URLs.
+    #[error("fetching remote images is not enabled: {0}")]
+    RemoteImage(String),
+    /// The caller could not read a local image.
+    #[error("cannot read image {path}: {reason}")]
+    ReadImage {
+        /// The path.
+        path: String,
+        /// Why, from the caller.
+        reason: String,
+    },
+    /// The caller's image preprocessing budget stayed full: the caller is busy, the request
+    /// itself is not wrong (the server answers 503).
+    #[error("{0}")]
+    Busy(String),
 }

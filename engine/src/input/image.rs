@@ -9,6 +9,7 @@
 //! and turned into 22-bit fixed point; every pass rounds and clips to `u8`.
 
 use std::io::Cursor;
+use std::sync::Arc;
 
 use image::{DynamicImage, ImageError, ImageFormat, ImageReader, Limits};
 use sha2::{Digest, Sha256};
@@ -163,8 +164,9 @@ fn channel_triple(v: &serde_json::Value, key: &str) -> Result<[f32; 3], InputErr
 /// One image ready for the vision tower.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ProcessedImage {
-    /// `grid_t·grid_h·grid_w` rows of `3·T·P·P` values, row-major.
-    pub pixel_values: Vec<f32>,
+    /// `grid_t·grid_h·grid_w` rows of `3·T·P·P` values, row-major; shared (not copied) with the
+    /// requests that use the image.
+    pub pixel_values: Arc<Vec<f32>>,
     /// `(grid_t, grid_h, grid_w)` in patches.
     pub grid_thw: [u32; 3],
     /// LLM tokens the image becomes: `t·h·w / m²`.
@@ -228,7 +230,7 @@ impl DecodedImage {
         let (gh, gw) = (rh / p, rw / p);
         let pixel_values = patchify(&normalize(&pixels, settings), rh, rw, settings);
         Ok(ProcessedImage {
-            pixel_values,
+            pixel_values: Arc::new(pixel_values),
             grid_thw: [1, gh as u32, gw as u32],
             num_tokens: gh * gw / (m * m),
             mm_hash,

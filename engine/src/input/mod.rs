@@ -1,10 +1,12 @@
 //! Turning user input into model input: chat messages and templates, tokenization, image
-//! preprocessing (sizing, Pillow-exact resampling, patchify) and prompt expansion.
+//! preprocessing (sizing, Pillow-exact resampling, patchify), prompt expansion, and the
+//! [`InputProcessor`] that chains them from messages to an engine request.
 
 pub mod chat;
 mod error;
 pub mod image;
 pub mod image_budget;
+pub mod processor;
 pub mod prompt;
 pub mod resize;
 pub mod tokenizer;
@@ -14,5 +16,6 @@ pub use chat::{
 };
 pub use error::InputError;
 pub use image::{process_image, ProcessedImage, ProcessorSettings};
+pub use processor::{ImageHost, InlineImages, InputProcessor, Prompt, PromptOptions};
 pub use prompt::{expand_image_pads, ExpandedPrompt, ImagePlaceholder};
 pub use tokenizer::{IncrementalDecoder, Tokenizer};
