@@ -19,7 +19,7 @@ pub struct PlanArgs {
     #[arg(long)]
     pub model: Option<String>,
     /// Device preset: h100-80g, h200-141g, a100-40g, a100-80g, l40s-48g, rtx4090-24g,
-    /// ascend-910b-64g, apple-m2-max-32g, webgpu-4g, webgpu-8g [default: the log's device, else h100-80g].
+    /// ascend-910b-64g, apple-m2-max-32g, webgpu-4g, webgpu-8g, cpu [default: the log's device, else h100-80g].
     #[arg(long)]
     pub device: Option<String>,
     /// Override the device's total memory (GiB).

@@ -179,6 +179,8 @@ impl Server {
             .args(["--served-model-name", "tiny", "--port", "0", "--cpu-memory-gib", "1"])
             .args(extra)
             .env_remove("KVLENS_API_KEY")
+            // The port is read from an INFO line that a stricter filter would hide.
+            .env_remove("RUST_LOG")
             .envs(env.iter().copied())
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
