@@ -435,7 +435,7 @@ impl Engine {
         let recorded = self.encode_images(&out.scheduled).and_then(|()| {
             self.faults.check(FaultKind::Decoder, 0, self.runner.ledger())?;
             let batch = self.batch(&out.scheduled);
-            Ok(self.runner.execute(&batch)?)
+            Ok(self.runner.execute(batch)?)
         });
         match recorded {
             Ok(read) => {

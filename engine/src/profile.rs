@@ -98,7 +98,7 @@ impl<B: Backend> ModelRunner<B> {
         let measured = self.allocate_kv(blocks, spec.block_size).and_then(|_| {
             // The read is queued, as in a real step, and dropped: its staging counts, its result
             // is not needed.
-            drop(self.execute(&batch)?);
+            drop(self.execute(batch)?);
             Ok(transient(self.backend(), true).saturating_sub(base))
         });
         for h in &hashes {

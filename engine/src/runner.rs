@@ -150,7 +150,7 @@ pub trait StepRunner: std::fmt::Debug {
     fn forget(&mut self, mm_hash: &MmHash);
     /// Records one decoder pass over the batch (image rows merged in, deepstack added, K/V written
     /// into the cache) and queues the read of the logits rows the batch asks for.
-    fn execute(&mut self, batch: &StepBatch) -> Result<StepRead, ModelError>;
+    fn execute(&mut self, batch: StepBatch) -> Result<StepRead, ModelError>;
 }
 
 impl<B: Backend> StepRunner for ModelRunner<B> {
@@ -203,7 +203,7 @@ impl<B: Backend> StepRunner for ModelRunner<B> {
         self.encoder_outputs.remove(mm_hash);
     }
 
-    fn execute(&mut self, batch: &StepBatch) -> Result<StepRead, ModelError> {
+    fn execute(&mut self, batch: StepBatch) -> Result<StepRead, ModelError> {
         let be = &self.be;
         let (layout, cache) = self
             .kv
@@ -215,7 +215,7 @@ impl<B: Backend> StepRunner for ModelRunner<B> {
         let (mut image_rows, mut image_parts) = (Vec::new(), Vec::new());
         let mut deep_parts: Vec<Vec<B::Tensor>> = vec![Vec::new(); deep_levels];
         let (mut logit_rows, mut row_ids) = (Vec::new(), Vec::new());
-        for s in &batch.seqs {
+        for s in batch.seqs {
             let row0 = ids.len();
             let n = s.tokens.len();
             let start = s.context_len.checked_sub(n).filter(|_| s.positions.len() == n);
@@ -249,7 +249,7 @@ impl<B: Backend> StepRunner for ModelRunner<B> {
                 query_start: row0,
                 query_len: n,
                 context_len: s.context_len,
-                block_table: s.block_table.clone(),
+                block_table: s.block_table,
             });
         }
         let mut embeds = self.model.text.embed(be, &ids)?;

@@ -1,7 +1,7 @@
 //! `kvlens generate`: one conversation through the engine on the CPU, streamed or as JSON.
 
 use crate::runtime::{load_cpu, Frontend};
-use crate::startup::cpu_memory_bytes;
+use crate::startup::cpu_device;
 use crate::UsageError;
 use anyhow::Result;
 use kvlens_engine::builder::{build_engine, EngineOptions};
@@ -9,7 +9,6 @@ use kvlens_engine::config::ImageLimits;
 use kvlens_engine::engine::{Engine, FinishReason};
 use kvlens_engine::input::chat::{ChatMessage, Content, ContentPart, ImageUrl};
 use kvlens_engine::input::tokenizer::IncrementalDecoder;
-use kvlens_engine::memory::device::device_preset;
 use kvlens_engine::memory::planner::{MmLimits, PlanRequest};
 use kvlens_engine::runner::ModelRunner;
 use kvlens_engine::sample::SamplingParams;
@@ -119,10 +118,7 @@ pub fn run(a: &GenerateArgs) -> Result<()> {
     // Sized by the server's start-up code, for this one conversation: one sequence, the whole
     // prompt in one step, its images as the largest the profile runs.
     let cfg = model.cfg.clone();
-    let device = device_preset("cpu")
-        .ok_or_else(|| anyhow::anyhow!("the cpu device preset is missing"))?
-        .with_total_bytes(cpu_memory_bytes(None)?);
-    let mut plan_req = PlanRequest::new("generate", cfg.clone(), device);
+    let mut plan_req = PlanRequest::new("generate", cfg.clone(), cpu_device(None)?);
     let patch = cfg.vision.patch_size as u64;
     let largest = grids.iter().map(|g| u64::from(g[1] * g[2]) * patch * patch).max();
     plan_req.image_limits = ImageLimits {

@@ -11,7 +11,7 @@ use kvlens_engine::backend::BackendKind;
 use kvlens_engine::builder::{build_engine, BuildError, EngineOptions};
 use kvlens_engine::config::{DType, ImageLimits, ProcessorKwargs};
 use kvlens_engine::engine::Engine;
-use kvlens_engine::memory::device::{device_preset, gib_to_bytes};
+use kvlens_engine::memory::device::{device_preset, gib_to_bytes, DeviceProfile};
 use kvlens_engine::memory::log_budget::HeaderSettings;
 use kvlens_engine::memory::planner::{MmLimits, Plan, PlanRequest};
 use kvlens_engine::memory::GIB;
@@ -137,13 +137,15 @@ fn machine_ram_bytes() -> Option<u64> {
     Some(kib * 1024)
 }
 
-/// Memory of the CPU "device": `--cpu-memory-gib`, or 40% of the machine's RAM.
-pub fn cpu_memory_bytes(gib: Option<f64>) -> Result<u64> {
-    match gib {
-        Some(g) if g > 0.0 && g.is_finite() => Ok(gib_to_bytes(g)),
-        Some(g) => Err(usage(format!("--cpu-memory-gib must be positive, got {g}"))),
-        None => Ok(machine_ram_bytes().unwrap_or(8 << 30) / 5 * 2),
-    }
+/// The CPU "device": `--cpu-memory-gib` of memory, or 40% of the machine's RAM.
+pub fn cpu_device(gib: Option<f64>) -> Result<DeviceProfile> {
+    let total = match gib {
+        Some(g) if g > 0.0 && g.is_finite() => gib_to_bytes(g),
+        Some(g) => return Err(usage(format!("--cpu-memory-gib must be positive, got {g}"))),
+        None => machine_ram_bytes().unwrap_or(8 << 30) / 5 * 2,
+    };
+    let preset = device_preset("cpu").ok_or_else(|| anyhow::anyhow!("the cpu device preset is missing"))?;
+    Ok(preset.with_total_bytes(total))
 }
 
 /// Loads, profiles and sizes the engine; prints vLLM's start-up lines to stderr.
@@ -175,7 +177,8 @@ pub fn start(a: &EngineArgs) -> Result<Started> {
     } else {
         a.served_model_name.clone()
     };
-    let total = cpu_memory_bytes(a.cpu_memory_gib)?;
+    let device = cpu_device(a.cpu_memory_gib)?;
+    let total = device.total_bytes;
     // Parsed before the (possibly long) load; checked against the checkpoint's limits after it.
     let pixels = match &a.mm_processor_kwargs {
         Some(json) => ProcessorKwargs::parse(json).map_err(|e| usage(e.to_string()))?,
@@ -202,9 +205,6 @@ pub fn start(a: &EngineArgs) -> Result<Started> {
         "Image preprocessing may hold {:.2} GiB of host memory at once (--preprocess-memory-gib)",
         frontend.preprocess_budget.capacity() as f64 / GIB
     );
-    let device = device_preset("cpu")
-        .ok_or_else(|| anyhow::anyhow!("the cpu device preset is missing"))?
-        .with_total_bytes(total);
     let mut req = PlanRequest::new(served_model_names[0].clone(), model.cfg.clone(), device);
     req.image_limits = frontend.settings.limits;
     a.vllm.apply(&mut req, &HeaderSettings::default())?;
