@@ -7,6 +7,8 @@ pub mod instrumented;
 mod readback;
 #[doc(hidden)]
 pub mod suite;
+#[cfg(feature = "wgpu")]
+pub mod wgpu;
 
 use crate::memory::ledger::MemoryLedger;
 pub use readback::{block_on, ready, Readback};
@@ -143,7 +145,11 @@ impl BackendKind {
 
     /// Whether this build holds the backend.
     pub fn is_built(self) -> bool {
-        matches!(self, BackendKind::Cpu)
+        match self {
+            BackendKind::Cpu => true,
+            BackendKind::Wgpu => cfg!(feature = "wgpu"),
+            BackendKind::Cuda => false,
+        }
     }
 
     /// Ok when this build holds the backend, else what the user can do instead.
@@ -285,7 +291,8 @@ mod tests {
         assert_eq!("CUDA".parse::<BackendKind>(), Ok(BackendKind::Cuda));
         assert!("tpu".parse::<BackendKind>().unwrap_err().contains("cpu, wgpu or cuda"));
         assert_eq!(BackendKind::Cpu.ensure_built(), Ok(()));
-        let err = BackendKind::Wgpu.ensure_built().unwrap_err();
-        assert!(err.contains("no wgpu backend (it has: cpu)"), "{err}");
+        assert_eq!(BackendKind::Wgpu.ensure_built().is_ok(), cfg!(feature = "wgpu"));
+        let err = BackendKind::Cuda.ensure_built().unwrap_err();
+        assert!(err.contains("no cuda backend (it has: cpu"), "{err}");
     }
 }

@@ -1,0 +1,1053 @@
+//! The wgpu backend: our own WGSL kernels on Vulkan, Metal, DX12 natively (lavapipe in CI) and on
+//! WebGPU in the browser. Every operation records a dispatch into the step's one command encoder;
+//! only [`Backend::read`] submits it and waits, as a future, for the copy to come back.
+//!
+//! Activations and the KV cache are f32; 2-D weights are f32 or f16 packed two per `u32`
+//! ([`WgpuOptions::f16_weights`]); 1-D weights (norms, biases) stay f32. A weight larger than the
+//! device's storage-binding limit is split by rows across buffers, and the kernels that read
+//! weights (matmul, embedding) run once per part.
+
+mod device;
+mod kernels;
+mod readback;
+mod storage;
+
+pub use device::WgpuOptions;
+
+use super::{Activation, BResult, Backend, BackendError, KvLayout, PagedBatch, RawDType, RawTensor, Readback};
+use crate::fault::ledger_summary;
+use crate::memory::ledger::{Category, MemoryLedger};
+use device::Gpu;
+use kernels::{grid, params, Kernel, Pipelines, WeightElem};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use storage::{size_class, Buf, Pool, STORAGE};
+use wgpu::util::DeviceExt;
+
+/// One buffer of a tensor: rows `[row0, row0 + rows)` of its first axis.
+#[derive(Debug)]
+struct Part {
+    buf: Buf,
+    row0: usize,
+    rows: usize,
+}
+
+#[derive(Debug)]
+struct Store {
+    parts: Vec<Part>,
+    elem: WeightElem,
+}
+
+/// A tensor on the device: one buffer (activations) or several row ranges (a large weight).
+#[derive(Debug, Clone)]
+pub struct WgpuTensor {
+    store: Arc<Store>,
+    shape: Vec<usize>,
+}
+
+impl WgpuTensor {
+    fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+
+    /// The one f32 buffer of an activation.
+    fn single(&self) -> Option<&wgpu::Buffer> {
+        match (&self.store.parts[..], self.store.elem) {
+            ([p], WeightElem::F32) => Some(&p.buf.buffer),
+            _ => None,
+        }
+    }
+}
+
+/// The paged KV cache: per layer, a K and a V buffer of `[slots, kv_heads · head_dim]` f32.
+#[derive(Debug)]
+pub struct WgpuKvCache {
+    layout: KvLayout,
+    keys: Vec<Buf>,
+    values: Vec<Buf>,
+}
+
+/// A step's paged-attention metadata on the device, with the host copy its checks read.
+#[derive(Debug)]
+pub struct WgpuPaged {
+    host: PagedBatch,
+    slots: Buf,
+    /// Per query row: offset of its block table in `tables`, and its key count (causal).
+    rows: Buf,
+    tables: Buf,
+}
+
+/// The vision tower's segments on the device: per row, its segment's first row and length.
+#[derive(Debug)]
+pub struct WgpuSegments {
+    rows: usize,
+    meta: Buf,
+}
+
+struct Inner {
+    gpu: Gpu,
+    ledger: MemoryLedger,
+    pipelines: Pipelines,
+    pool: Arc<Pool>,
+    encoder: Mutex<Option<wgpu::CommandEncoder>>,
+    /// Parameter blocks of the recorded dispatches, held until the encoder is submitted.
+    uniforms: Mutex<Vec<Buf>>,
+    /// The first error the device reported outside an error scope (or its loss).
+    error: Arc<Mutex<Option<String>>>,
+    f16_weights: bool,
+    /// Bound where a kernel declares a buffer the operation does not use.
+    dummy: wgpu::Buffer,
+    /// Bytes of every buffer created and not yet destroyed, counted at the wgpu calls.
+    device_bytes: Arc<AtomicU64>,
+}
+
+/// The wgpu backend.
+#[derive(Clone)]
+pub struct WgpuBackend {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for WgpuBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WgpuBackend")
+            .field("adapter", &self.inner.gpu.info.name)
+            .finish()
+    }
+}
+
+fn shape_err(msg: String) -> BackendError {
+    BackendError::Shape(msg)
+}
+
+fn dims2(t: &WgpuTensor) -> BResult<(usize, usize)> {
+    match t.shape[..] {
+        [r, c] => Ok((r, c)),
+        _ => Err(shape_err(format!("expected a 2-D tensor, got {:?}", t.shape))),
+    }
+}
+
+fn u32s(v: impl IntoIterator<Item = usize>) -> Vec<u8> {
+    let mut out: Vec<u8> = v.into_iter().flat_map(|x| (x as u32).to_le_bytes()).collect();
+    if out.is_empty() {
+        out.resize(4, 0);
+    }
+    out
+}
+
+impl WgpuBackend {
+    /// Opens a device (see [`WgpuOptions`]) whose buffers are recorded in `ledger`.
+    pub async fn new(ledger: MemoryLedger, opts: WgpuOptions) -> BResult<Self> {
+        let gpu = device::open(&opts).await?;
+        let error: Arc<Mutex<Option<String>>> = Arc::default();
+        let sink = error.clone();
+        gpu.device.on_uncaptured_error(Arc::new(move |e: wgpu::Error| {
+            sink.lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .get_or_insert(e.to_string());
+        }));
+        let sink = error.clone();
+        gpu.device.set_device_lost_callback(move |reason, msg| {
+            let mut slot = sink.lock().unwrap_or_else(|p| p.into_inner());
+            slot.get_or_insert(format!("the wgpu device was lost ({reason:?}): {msg}"));
+        });
+        let dummy = gpu.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("unused binding"),
+            size: 16,
+            usage: STORAGE,
+            mapped_at_creation: false,
+        });
+        Ok(WgpuBackend {
+            inner: Arc::new(Inner {
+                gpu,
+                ledger,
+                pipelines: Pipelines::default(),
+                pool: Arc::default(),
+                encoder: Mutex::default(),
+                uniforms: Mutex::default(),
+                error,
+                f16_weights: opts.f16_weights,
+                dummy,
+                device_bytes: Arc::default(),
+            }),
+        })
+    }
+
+    /// Opens a device natively, blocking until it is ready.
+    #[cfg(not(target_arch = "wasm32"))]
+    pub fn new_blocking(ledger: MemoryLedger, opts: WgpuOptions) -> BResult<Self> {
+        super::block_on(Self::new(ledger, opts))
+    }
+
+    /// The adapter, its limits and the features used, for the start-up log.
+    pub fn describe(&self) -> String {
+        let weights = if self.inner.f16_weights { "f16" } else { "f32" };
+        format!(
+            "{}; weights {weights}, activations and KV cache f32",
+            self.inner.gpu.describe()
+        )
+    }
+
+    /// Bytes of every device buffer that exists now (the ledger's total must equal it).
+    pub fn device_bytes(&self) -> u64 {
+        self.inner.device_bytes.load(Ordering::Relaxed)
+    }
+
+    /// Free activation buffers the pool keeps, and their bytes.
+    pub fn pooled(&self) -> (usize, u64) {
+        self.inner.pool.free_buffers()
+    }
+
+    fn oom(&self, bytes: u64) -> BackendError {
+        BackendError::OutOfMemory {
+            bytes,
+            ledger: ledger_summary(&self.inner.ledger),
+        }
+    }
+
+    /// The device's first asynchronous error, if any, with the ledger at this moment.
+    fn device_error(&self) -> BResult<()> {
+        let err = self.inner.error.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        match err {
+            Some(e) if e.to_lowercase().contains("out of memory") => Err(self.oom(0)),
+            Some(e) => Err(BackendError::Library(
+                format!("{e} (ledger: {})", ledger_summary(&self.inner.ledger)).into(),
+            )),
+            None => Ok(()),
+        }
+    }
+
+    /// Creates a buffer of `size` bytes; an allocation the device refuses is an out-of-memory
+    /// error carrying the ledger (natively checked at once in an error scope).
+    fn create(&self, size: u64, usage: wgpu::BufferUsages, contents: Option<&[u8]>) -> BResult<wgpu::Buffer> {
+        let l = &self.inner.gpu.limits;
+        if size > l.max_buffer_size {
+            return Err(self.oom(size));
+        }
+        let device = &self.inner.gpu.device;
+        #[cfg(not(target_arch = "wasm32"))]
+        let scope = device.push_error_scope(wgpu::ErrorFilter::OutOfMemory);
+        let buffer = match contents {
+            Some(contents) => device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
+                label: None,
+                contents,
+                usage,
+            }),
+            None => device.create_buffer(&wgpu::BufferDescriptor {
+                label: None,
+                size,
+                usage,
+                mapped_at_creation: false,
+            }),
+        };
+        #[cfg(not(target_arch = "wasm32"))]
+        if super::block_on(scope.pop()).is_some() {
+            return Err(self.oom(size));
+        }
+        self.inner.device_bytes.fetch_add(buffer.size(), Ordering::Relaxed);
+        Ok(buffer)
+    }
+
+    /// A buffer outside the pool, recorded under `category`.
+    fn owned(&self, size: u64, category: Category, contents: Option<&[u8]>) -> BResult<Buf> {
+        let buffer = self.create(size, STORAGE, contents)?;
+        Ok(Buf::new(
+            buffer,
+            &self.inner.ledger,
+            category,
+            self.inner.device_bytes.clone(),
+        ))
+    }
+
+    /// An activation buffer for `elems` floats, from the pool when it has one of the size.
+    fn scratch(&self, elems: usize) -> BResult<Buf> {
+        let size = size_class(elems as u64 * 4);
+        if size > self.inner.gpu.max_binding {
+            return Err(shape_err(format!(
+                "an activation of {elems} floats ({size} bytes) exceeds the device's storage-binding \
+                 limit of {} bytes",
+                self.inner.gpu.max_binding
+            )));
+        }
+        if let Some(buf) = self.inner.pool.take(size) {
+            return Ok(buf);
+        }
+        let buffer = match self.create(size, STORAGE, None) {
+            Err(BackendError::OutOfMemory { .. }) => {
+                // Free buffers of other sizes may be what stands in the way.
+                self.inner.pool.clear();
+                self.create(size, STORAGE, None)?
+            }
+            other => other?,
+        };
+        Ok(self
+            .inner
+            .pool
+            .adopt(buffer, &self.inner.ledger, self.inner.device_bytes.clone()))
+    }
+
+    fn tensor(&self, buf: Buf, shape: Vec<usize>) -> WgpuTensor {
+        let rows = shape.first().copied().unwrap_or(1);
+        WgpuTensor {
+            store: Arc::new(Store {
+                parts: vec![Part { buf, row0: 0, rows }],
+                elem: WeightElem::F32,
+            }),
+            shape,
+        }
+    }
+
+    fn with_encoder<R>(&self, f: impl FnOnce(&mut wgpu::CommandEncoder) -> R) -> R {
+        let mut slot = self.inner.encoder.lock().unwrap_or_else(|p| p.into_inner());
+        let encoder = slot.get_or_insert_with(|| {
+            self.inner
+                .gpu
+                .device
+                .create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("step") })
+        });
+        f(encoder)
+    }
+
+    /// Submits everything recorded so far.
+    fn submit(&self) {
+        let encoder = self.inner.encoder.lock().unwrap_or_else(|p| p.into_inner()).take();
+        if let Some(encoder) = encoder {
+            self.inner.gpu.queue.submit(Some(encoder.finish()));
+        }
+        self.inner.uniforms.lock().unwrap_or_else(|p| p.into_inner()).clear();
+    }
+
+    /// Records one dispatch of `entry` with its parameter block at binding 0 and `binds`.
+    fn dispatch(
+        &self,
+        kernel: Kernel,
+        weights: Option<WeightElem>,
+        entry: &'static str,
+        words: &[u32],
+        binds: &[(u32, &wgpu::Buffer)],
+        groups: (u32, u32),
+    ) -> BResult<()> {
+        let pipeline = self.inner.pipelines.get(&self.inner.gpu.device, kernel, weights, entry);
+        let uniform = self.create(
+            16.max(params(words).len() as u64),
+            wgpu::BufferUsages::UNIFORM,
+            Some(&params(words)),
+        )?;
+        let mut entries = vec![wgpu::BindGroupEntry {
+            binding: 0,
+            resource: uniform.as_entire_binding(),
+        }];
+        entries.extend(binds.iter().map(|(binding, b)| wgpu::BindGroupEntry {
+            binding: *binding,
+            resource: b.as_entire_binding(),
+        }));
+        let group = self.inner.gpu.device.create_bind_group(&wgpu::BindGroupDescriptor {
+            label: Some(entry),
+            layout: &pipeline.get_bind_group_layout(0),
+            entries: &entries,
+        });
+        self.with_encoder(|enc| {
+            let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor {
+                label: Some(entry),
+                timestamp_writes: None,
+            });
+            pass.set_pipeline(&pipeline);
+            pass.set_bind_group(0, &group, &[]);
+            pass.dispatch_workgroups(groups.0, groups.1, 1);
+        });
+        let held = Buf::new(
+            uniform,
+            &self.inner.ledger,
+            Category::Staging,
+            self.inner.device_bytes.clone(),
+        );
+        self.inner.uniforms.lock().unwrap_or_else(|p| p.into_inner()).push(held);
+        Ok(())
+    }
+
+    /// Records an element-wise kernel over `n` elements.
+    fn elementwise(&self, kernel: Kernel, words: &[u32], binds: &[(u32, &wgpu::Buffer)], n: usize) -> BResult<()> {
+        self.dispatch(kernel, None, "main", words, binds, grid((n as u64).div_ceil(256)))
+    }
+
+    /// An f32 single-buffer view of `t`: itself, or its weight parts widened into one buffer.
+    fn as_f32(&self, t: &WgpuTensor) -> BResult<WgpuTensor> {
+        if t.single().is_some() {
+            return Ok(t.clone());
+        }
+        let cols = t.numel() / t.shape.first().copied().unwrap_or(1).max(1);
+        let out = self.scratch(t.numel())?;
+        for part in &t.store.parts {
+            let words = [0, cols as u32, part.row0 as u32, part.rows as u32];
+            let binds = [(2, &out.buffer), (9, &part.buf.buffer)];
+            let groups = grid(((part.rows * cols) as u64).div_ceil(256));
+            self.dispatch(Kernel::Embedding, Some(t.store.elem), "widen", &words, &binds, groups)?;
+        }
+        Ok(self.tensor(out, t.shape.clone()))
+    }
+
+    fn upload_u32(&self, values: impl IntoIterator<Item = usize>) -> BResult<Buf> {
+        let bytes = u32s(values);
+        self.owned(bytes.len() as u64, Category::Activations, Some(&bytes))
+    }
+
+    /// Rows `rows × cols` from `src` to `dst` (see `kernels/rows.wgsl`).
+    #[allow(clippy::too_many_arguments)]
+    fn copy_rows(
+        &self,
+        src: &wgpu::Buffer,
+        dst: &wgpu::Buffer,
+        idx: Option<&wgpu::Buffer>,
+        rows: usize,
+        cols: usize,
+        strides: [usize; 4],
+        mode: u32,
+        add: bool,
+    ) -> BResult<()> {
+        let [src_stride, src_col0, dst_stride, dst_col0] = strides;
+        let words = [
+            rows as u32,
+            cols as u32,
+            src_stride as u32,
+            src_col0 as u32,
+            dst_stride as u32,
+            dst_col0 as u32,
+            mode,
+            add as u32,
+        ];
+        let binds = [(1, src), (2, idx.unwrap_or(&self.inner.dummy)), (3, dst)];
+        self.elementwise(Kernel::Rows, &words, &binds, rows * cols)
+    }
+
+    /// Converts a stored tensor's rows `[r0, r1)` to the bytes of its device format.
+    fn convert(raw: &RawTensor<'_>, elem: WeightElem, from: usize, to: usize) -> Vec<u8> {
+        let size = match raw.dtype {
+            RawDType::F32 => 4,
+            RawDType::F16 | RawDType::Bf16 => 2,
+        };
+        let bytes = &raw.data[from * size..to * size];
+        let value = |c: &[u8]| -> f32 {
+            match raw.dtype {
+                RawDType::F32 => f32::from_le_bytes([c[0], c[1], c[2], c[3]]),
+                RawDType::F16 => half::f16::from_le_bytes([c[0], c[1]]).to_f32(),
+                RawDType::Bf16 => half::bf16::from_le_bytes([c[0], c[1]]).to_f32(),
+            }
+        };
+        let mut out: Vec<u8> = match elem {
+            WeightElem::F32 => bytes.chunks_exact(size).flat_map(|c| value(c).to_le_bytes()).collect(),
+            WeightElem::F16 => bytes
+                .chunks_exact(size)
+                .flat_map(|c| match raw.dtype {
+                    RawDType::F16 => [c[0], c[1]],
+                    _ => half::f16::from_f32(value(c)).to_le_bytes(),
+                })
+                .collect(),
+        };
+        out.resize(out.len().div_ceil(4).max(1) * 4, 0);
+        out
+    }
+}
+
+impl Backend for WgpuBackend {
+    type Tensor = WgpuTensor;
+    type KvCache = WgpuKvCache;
+    type Paged = WgpuPaged;
+    type Segments = WgpuSegments;
+
+    fn name(&self) -> &'static str {
+        "wgpu"
+    }
+
+    fn dtype(&self) -> crate::config::DType {
+        crate::config::DType::F32
+    }
+
+    fn ledger(&self) -> &MemoryLedger {
+        &self.inner.ledger
+    }
+
+    fn load_weight(&self, raw: RawTensor<'_>) -> BResult<WgpuTensor> {
+        let numel: usize = raw.shape.iter().product();
+        let elem = if self.inner.f16_weights && raw.shape.len() == 2 {
+            WeightElem::F16
+        } else {
+            WeightElem::F32
+        };
+        let elem_bytes = match elem {
+            WeightElem::F32 => 4,
+            WeightElem::F16 => 2,
+        };
+        let rows = if raw.shape.len() >= 2 { raw.shape[0] } else { 1 };
+        let cols = numel / rows.max(1);
+        let row_bytes = (cols * elem_bytes).max(1) as u64;
+        let per_part = (self.inner.gpu.max_binding / row_bytes) as usize;
+        if per_part == 0 {
+            return Err(self.oom(row_bytes));
+        }
+        let mut parts = Vec::new();
+        for row0 in (0..rows.max(1)).step_by(per_part) {
+            let n = per_part.min(rows.max(1) - row0);
+            let bytes = Self::convert(&raw, elem, row0 * cols, (row0 + n) * cols);
+            let buf = self.owned(bytes.len() as u64, Category::Weights, Some(&bytes))?;
+            parts.push(Part { buf, row0, rows: n });
+        }
+        Ok(WgpuTensor {
+            store: Arc::new(Store { parts, elem }),
+            shape: raw.shape.clone(),
+        })
+    }
+
+    fn upload(&self, data: Vec<f32>, shape: &[usize]) -> BResult<WgpuTensor> {
+        let numel: usize = shape.iter().product();
+        if numel != data.len() {
+            return Err(shape_err(format!("upload of {} floats as {shape:?}", data.len())));
+        }
+        let mut bytes: Vec<u8> = bytemuck::cast_slice(&data).to_vec();
+        bytes.resize(bytes.len().max(4), 0);
+        let buf = self.owned(bytes.len() as u64, Category::Activations, Some(&bytes))?;
+        Ok(self.tensor(buf, shape.to_vec()))
+    }
+
+    fn keep(&self, t: &WgpuTensor, category: Category) -> WgpuTensor {
+        // A kept tensor gets its own buffer, so that the pooled one it came from can be reused.
+        let copy = (|| -> BResult<WgpuTensor> {
+            let src = self.as_f32(t)?;
+            let bytes = (t.numel() as u64 * 4).max(4);
+            let buf = self.owned(bytes, category, None)?;
+            let from = src.single().expect("as_f32 gives one buffer");
+            self.with_encoder(|enc| enc.copy_buffer_to_buffer(from, 0, &buf.buffer, 0, bytes));
+            Ok(self.tensor(buf, t.shape.clone()))
+        })();
+        // The trait cannot fail here; an allocation failure keeps the original storage instead.
+        copy.unwrap_or_else(|_| t.clone())
+    }
+
+    fn read(&self, t: &WgpuTensor) -> Readback {
+        let run = || -> BResult<readback::Pending> {
+            self.device_error()?;
+            let src = self.as_f32(t)?;
+            let bytes = (t.numel() as u64 * 4).max(4);
+            let staging = self.create(bytes, wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST, None)?;
+            let staging = Buf::new(
+                staging,
+                &self.inner.ledger,
+                Category::Staging,
+                self.inner.device_bytes.clone(),
+            );
+            let from = src.single().expect("as_f32 gives one buffer");
+            self.with_encoder(|enc| enc.copy_buffer_to_buffer(from, 0, &staging.buffer, 0, bytes));
+            self.submit();
+            Ok(readback::Pending::start(
+                staging,
+                t.numel(),
+                self.inner.gpu.device.clone(),
+                self.clone(),
+            ))
+        };
+        match run() {
+            Ok(pending) => Box::pin(pending),
+            Err(e) => super::ready(Err(e)),
+        }
+    }
+
+    fn upload_paged(&self, batch: PagedBatch) -> BResult<WgpuPaged> {
+        let mut tables = Vec::new();
+        let mut rows = Vec::with_capacity(batch.slots.len() * 2);
+        for s in &batch.seqs {
+            let at = tables.len();
+            tables.extend_from_slice(&s.block_table);
+            for i in 0..s.query_len {
+                // Row i of the sequence sits at position context_len − query_len + i.
+                rows.push(at);
+                rows.push((s.context_len + i + 1).saturating_sub(s.query_len));
+            }
+        }
+        Ok(WgpuPaged {
+            slots: self.upload_u32(batch.slots.iter().copied())?,
+            rows: self.upload_u32(rows)?,
+            tables: self.upload_u32(tables)?,
+            host: batch,
+        })
+    }
+
+    fn upload_segments(&self, segments: &[(usize, usize)]) -> BResult<WgpuSegments> {
+        let rows: usize = segments.iter().map(|s| s.1).sum();
+        let meta = segments
+            .iter()
+            .flat_map(|&(start, len)| (0..len).flat_map(move |_| [start, len]));
+        Ok(WgpuSegments {
+            rows,
+            meta: self.upload_u32(meta)?,
+        })
+    }
+
+    fn shape(&self, t: &WgpuTensor) -> Vec<usize> {
+        t.shape.clone()
+    }
+
+    fn linear(&self, x: &WgpuTensor, w: &WgpuTensor, b: Option<&WgpuTensor>) -> BResult<WgpuTensor> {
+        let (n, k) = dims2(x)?;
+        let (out, wk) = dims2(w)?;
+        if wk != k || b.is_some_and(|b| b.numel() != out) {
+            return Err(shape_err(format!(
+                "linear: x {n}×{k}, w {out}×{wk}, bias {:?}",
+                b.map(|b| b.shape.clone())
+            )));
+        }
+        let x = self.as_f32(x)?;
+        let bias = b.map(|b| self.as_f32(b)).transpose()?;
+        let y = self.scratch(n * out)?;
+        let xb = x.single().expect("f32");
+        let bb = bias.as_ref().and_then(|b| b.single()).unwrap_or(&self.inner.dummy);
+        for part in &w.store.parts {
+            let words = [
+                n as u32,
+                k as u32,
+                part.rows as u32,
+                out as u32,
+                part.row0 as u32,
+                bias.is_some() as u32,
+            ];
+            let binds = [(1, xb), (2, bb), (3, &y.buffer), (9, &part.buf.buffer)];
+            let elem = Some(w.store.elem);
+            if n <= 4 && k % 2 == 0 {
+                self.dispatch(Kernel::Matmul, elem, "gemv", &words, &binds, grid(part.rows as u64))?;
+            } else {
+                let groups = (part.rows.div_ceil(64) as u32, n.div_ceil(64) as u32);
+                self.dispatch(Kernel::Matmul, elem, "gemm", &words, &binds, groups)?;
+            }
+        }
+        Ok(self.tensor(y, vec![n, out]))
+    }
+
+    fn embedding(&self, table: &WgpuTensor, ids: &[u32]) -> BResult<WgpuTensor> {
+        let (vocab, cols) = dims2(table)?;
+        if let Some(bad) = ids.iter().find(|&&i| i as usize >= vocab) {
+            return Err(shape_err(format!(
+                "token id {bad} is outside the vocabulary of {vocab}"
+            )));
+        }
+        let idb = self.upload_u32(ids.iter().map(|&i| i as usize))?;
+        let out = self.scratch(ids.len() * cols)?;
+        for part in &table.store.parts {
+            let words = [ids.len() as u32, cols as u32, part.row0 as u32, part.rows as u32];
+            let binds = [(1, &idb.buffer), (2, &out.buffer), (9, &part.buf.buffer)];
+            let groups = grid(((ids.len() * cols) as u64).div_ceil(256));
+            self.dispatch(
+                Kernel::Embedding,
+                Some(table.store.elem),
+                "gather",
+                &words,
+                &binds,
+                groups,
+            )?;
+        }
+        Ok(self.tensor(out, vec![ids.len(), cols]))
+    }
+
+    fn rms_norm(&self, x: &WgpuTensor, w: &WgpuTensor, eps: f64) -> BResult<WgpuTensor> {
+        self.norm(x, w, None, eps)
+    }
+
+    fn layer_norm(&self, x: &WgpuTensor, w: &WgpuTensor, b: &WgpuTensor, eps: f64) -> BResult<WgpuTensor> {
+        self.norm(x, w, Some(b), eps)
+    }
+
+    fn activate(&self, x: &WgpuTensor, act: Activation) -> BResult<WgpuTensor> {
+        let op = match act {
+            Activation::Silu => 0,
+            Activation::GeluTanh => 1,
+            Activation::GeluErf => 2,
+            Activation::QuickGelu => 3,
+        };
+        self.binary(x, x, op)
+    }
+
+    fn silu_mul(&self, gate: &WgpuTensor, up: &WgpuTensor) -> BResult<WgpuTensor> {
+        self.binary(gate, up, 4)
+    }
+
+    fn add(&self, a: &WgpuTensor, b: &WgpuTensor) -> BResult<WgpuTensor> {
+        self.binary(a, b, 5)
+    }
+
+    fn rope(&self, x: &WgpuTensor, cos: &WgpuTensor, sin: &WgpuTensor) -> BResult<WgpuTensor> {
+        let (n, cols) = dims2(x)?;
+        let (cn, d) = dims2(cos)?;
+        if d == 0 || cols % d != 0 || d % 2 != 0 || cn != n || sin.shape != cos.shape {
+            return Err(shape_err(format!(
+                "rope: {cols} columns are not whole heads of {d} (cos {cn}×{d}, {n} rows)"
+            )));
+        }
+        let (x, cos, sin) = (self.as_f32(x)?, self.as_f32(cos)?, self.as_f32(sin)?);
+        let out = self.scratch(n * cols)?;
+        let words = [n as u32, cols as u32, d as u32, 0];
+        let binds = [
+            (1, x.single().expect("f32")),
+            (2, cos.single().expect("f32")),
+            (3, sin.single().expect("f32")),
+            (4, &out.buffer),
+        ];
+        self.elementwise(Kernel::Rope, &words, &binds, n * cols)?;
+        Ok(self.tensor(out, vec![n, cols]))
+    }
+
+    fn narrow_cols(&self, x: &WgpuTensor, start: usize, len: usize) -> BResult<WgpuTensor> {
+        let (n, cols) = dims2(x)?;
+        if start + len > cols {
+            return Err(shape_err(format!("narrow of columns {start}+{len} of {cols}")));
+        }
+        let x = self.as_f32(x)?;
+        let out = self.scratch(n * len)?;
+        let src = x.single().expect("f32");
+        self.copy_rows(src, &out.buffer, None, n, len, [cols, start, len, 0], 0, false)?;
+        Ok(self.tensor(out, vec![n, len]))
+    }
+
+    fn reshape(&self, x: &WgpuTensor, rows: usize, cols: usize) -> BResult<WgpuTensor> {
+        if rows * cols != x.numel() {
+            return Err(shape_err(format!("reshape of {:?} to {rows}×{cols}", x.shape)));
+        }
+        let x = self.as_f32(x)?;
+        Ok(WgpuTensor {
+            store: x.store,
+            shape: vec![rows, cols],
+        })
+    }
+
+    fn gather_rows(&self, x: &WgpuTensor, idx: &[usize]) -> BResult<WgpuTensor> {
+        let (rows, cols) = dims2(x)?;
+        if let Some(bad) = idx.iter().find(|&&i| i >= rows) {
+            return Err(shape_err(format!("gather of row {bad} from {rows} rows")));
+        }
+        let x = self.as_f32(x)?;
+        let ib = self.upload_u32(idx.iter().copied())?;
+        let out = self.scratch(idx.len() * cols)?;
+        let src = x.single().expect("f32");
+        self.copy_rows(
+            src,
+            &out.buffer,
+            Some(&ib.buffer),
+            idx.len(),
+            cols,
+            [cols, 0, cols, 0],
+            1,
+            false,
+        )?;
+        Ok(self.tensor(out, vec![idx.len(), cols]))
+    }
+
+    fn scatter_rows(&self, x: &WgpuTensor, idx: &[usize], src: &WgpuTensor, add: bool) -> BResult<WgpuTensor> {
+        let (rows, cols) = dims2(x)?;
+        let (srows, scols) = dims2(src)?;
+        if scols != cols || srows != idx.len() || idx.iter().any(|&i| i >= rows) {
+            return Err(shape_err(format!(
+                "scatter of {srows}×{scols} rows into {rows}×{cols} at {} positions",
+                idx.len()
+            )));
+        }
+        let (x, src) = (self.as_f32(x)?, self.as_f32(src)?);
+        let out = self.scratch(rows * cols)?;
+        let bytes = (rows * cols * 4) as u64;
+        if bytes > 0 {
+            let from = x.single().expect("f32");
+            self.with_encoder(|enc| enc.copy_buffer_to_buffer(from, 0, &out.buffer, 0, bytes));
+        }
+        let ib = self.upload_u32(idx.iter().copied())?;
+        let s = src.single().expect("f32");
+        self.copy_rows(
+            s,
+            &out.buffer,
+            Some(&ib.buffer),
+            srows,
+            cols,
+            [cols, 0, cols, 0],
+            2,
+            add,
+        )?;
+        Ok(self.tensor(out, vec![rows, cols]))
+    }
+
+    fn concat_rows(&self, parts: &[WgpuTensor]) -> BResult<WgpuTensor> {
+        let cols = match parts.first() {
+            Some(p) => dims2(p)?.1,
+            None => return Err(shape_err("concat of no tensors".into())),
+        };
+        let mut rows = 0;
+        for p in parts {
+            let (r, c) = dims2(p)?;
+            if c != cols {
+                return Err(shape_err(format!("concat of {c} columns onto {cols}")));
+            }
+            rows += r;
+        }
+        let out = self.scratch(rows * cols)?;
+        let mut at = 0u64;
+        for p in parts {
+            let p = self.as_f32(p)?;
+            let bytes = (p.numel() * 4) as u64;
+            if bytes > 0 {
+                let from = p.single().expect("f32");
+                self.with_encoder(|enc| enc.copy_buffer_to_buffer(from, 0, &out.buffer, at, bytes));
+            }
+            at += bytes;
+        }
+        Ok(self.tensor(out, vec![rows, cols]))
+    }
+
+    fn segment_attention(
+        &self,
+        q: &WgpuTensor,
+        k: &WgpuTensor,
+        v: &WgpuTensor,
+        heads: usize,
+        segments: &WgpuSegments,
+    ) -> BResult<WgpuTensor> {
+        let (n, cols) = dims2(q)?;
+        if heads == 0 || cols % heads != 0 || k.shape != q.shape || v.shape != q.shape || segments.rows != n {
+            return Err(shape_err(format!(
+                "segment attention: q {n}×{cols}, {heads} heads, segments over {} rows",
+                segments.rows
+            )));
+        }
+        let d = cols / heads;
+        self.attention(
+            q,
+            k,
+            v,
+            heads,
+            d,
+            1,
+            cols,
+            0,
+            0,
+            &segments.meta.buffer,
+            &self.inner.dummy,
+            n,
+        )
+    }
+
+    fn alloc_kv(&self, layout: KvLayout) -> BResult<WgpuKvCache> {
+        let per_layer = (layout.num_blocks * layout.block_size * layout.kv_heads * layout.head_dim * 4) as u64;
+        if per_layer > self.inner.gpu.max_binding {
+            return Err(shape_err(format!(
+                "one layer's keys take {per_layer} bytes, more than the device's storage-binding limit \
+                 of {} bytes: lower --max-model-len or the KV cache size",
+                self.inner.gpu.max_binding
+            )));
+        }
+        let make = || {
+            (0..layout.layers)
+                .map(|_| self.owned(per_layer.max(4), Category::KvCache, None))
+                .collect()
+        };
+        let keys: BResult<Vec<Buf>> = make();
+        let values: BResult<Vec<Buf>> = make();
+        Ok(WgpuKvCache {
+            layout,
+            keys: keys?,
+            values: values?,
+        })
+    }
+
+    fn write_kv(
+        &self,
+        cache: &mut WgpuKvCache,
+        layer: usize,
+        k: &WgpuTensor,
+        v: &WgpuTensor,
+        batch: &WgpuPaged,
+    ) -> BResult<()> {
+        let width = cache.layout.kv_heads * cache.layout.head_dim;
+        let capacity = cache.layout.num_blocks * cache.layout.block_size;
+        let rows = batch.host.slots.len();
+        if k.numel() != rows * width || v.shape != k.shape || layer >= cache.layout.layers {
+            return Err(shape_err(format!("write_kv: {rows} slots for {:?}", k.shape)));
+        }
+        if let Some(bad) = batch.host.slots.iter().find(|&&s| s >= capacity) {
+            return Err(shape_err(format!("write_kv: slot {bad} outside {capacity}")));
+        }
+        let (k, v) = (self.as_f32(k)?, self.as_f32(v)?);
+        let words = [rows as u32, width as u32];
+        let binds = [
+            (1, k.single().expect("f32")),
+            (2, v.single().expect("f32")),
+            (3, &batch.slots.buffer),
+            (4, &cache.keys[layer].buffer),
+            (5, &cache.values[layer].buffer),
+        ];
+        self.elementwise(Kernel::KvWrite, &words, &binds, rows * width)
+    }
+
+    fn paged_attention(
+        &self,
+        cache: &WgpuKvCache,
+        layer: usize,
+        q: &WgpuTensor,
+        heads: usize,
+        batch: &WgpuPaged,
+    ) -> BResult<WgpuTensor> {
+        let KvLayout {
+            block_size,
+            kv_heads,
+            head_dim: d,
+            ..
+        } = cache.layout;
+        let (rows, cols) = dims2(q)?;
+        if cols != heads * d || !heads.is_multiple_of(kv_heads.max(1)) || layer >= cache.layout.layers {
+            return Err(shape_err(format!(
+                "paged_attention: q {rows}×{cols}, {heads} heads of {d}"
+            )));
+        }
+        let mut next = 0;
+        for s in &batch.host.seqs {
+            if s.query_start != next {
+                return Err(shape_err(
+                    "paged_attention: sequences must cover the query rows in order".into(),
+                ));
+            }
+            if s.query_len > s.context_len || s.context_len.div_ceil(block_size) > s.block_table.len() {
+                return Err(shape_err("paged_attention: sequence outside its block table".into()));
+            }
+            if let Some(bad) = s.block_table.iter().find(|&&b| b >= cache.layout.num_blocks) {
+                return Err(shape_err(format!("paged_attention: block {bad} outside the cache")));
+            }
+            next += s.query_len;
+        }
+        if next != rows {
+            return Err(shape_err(format!(
+                "paged_attention: sequences cover {next} of {rows} query rows"
+            )));
+        }
+        self.attention(
+            q,
+            &cache.keys[layer],
+            &cache.values[layer],
+            heads,
+            d,
+            heads / kv_heads,
+            kv_heads * d,
+            1,
+            block_size,
+            &batch.rows.buffer,
+            &batch.tables.buffer,
+            rows,
+        )
+    }
+}
+
+/// Keys and values an attention call reads: activations (the vision tower) or cache buffers.
+trait KeySource {
+    fn buffer<'a>(&'a self, be: &WgpuBackend, keep: &'a mut Option<WgpuTensor>) -> BResult<&'a wgpu::Buffer>;
+}
+
+impl KeySource for WgpuTensor {
+    fn buffer<'a>(&'a self, be: &WgpuBackend, keep: &'a mut Option<WgpuTensor>) -> BResult<&'a wgpu::Buffer> {
+        Ok(keep.insert(be.as_f32(self)?).single().expect("f32"))
+    }
+}
+
+impl KeySource for Buf {
+    fn buffer<'a>(&'a self, _: &WgpuBackend, _: &'a mut Option<WgpuTensor>) -> BResult<&'a wgpu::Buffer> {
+        Ok(&self.buffer)
+    }
+}
+
+impl WgpuBackend {
+    fn norm(&self, x: &WgpuTensor, w: &WgpuTensor, b: Option<&WgpuTensor>, eps: f64) -> BResult<WgpuTensor> {
+        let (rows, cols) = dims2(x)?;
+        if w.numel() != cols || b.is_some_and(|b| b.numel() != cols) {
+            return Err(shape_err(format!(
+                "norm of {cols} columns with a weight of {:?}",
+                w.shape
+            )));
+        }
+        let (x, w) = (self.as_f32(x)?, self.as_f32(w)?);
+        let b = b.map(|b| self.as_f32(b)).transpose()?;
+        let out = self.scratch(rows * cols)?;
+        let wb = w.single().expect("f32");
+        let words = [rows as u32, cols as u32, (eps as f32).to_bits(), b.is_some() as u32];
+        let binds = [
+            (1, x.single().expect("f32")),
+            (2, wb),
+            (3, b.as_ref().map_or(wb, |b| b.single().expect("f32"))),
+            (4, &out.buffer),
+        ];
+        self.dispatch(Kernel::Norm, None, "main", &words, &binds, grid(rows as u64))?;
+        Ok(self.tensor(out, vec![rows, cols]))
+    }
+
+    fn binary(&self, a: &WgpuTensor, b: &WgpuTensor, op: u32) -> BResult<WgpuTensor> {
+        if a.shape != b.shape {
+            return Err(shape_err(format!("element-wise op on {:?} and {:?}", a.shape, b.shape)));
+        }
+        let (a, b) = (self.as_f32(a)?, self.as_f32(b)?);
+        let n = a.numel();
+        let out = self.scratch(n)?;
+        let words = [n as u32, op];
+        let binds = [
+            (1, a.single().expect("f32")),
+            (2, b.single().expect("f32")),
+            (3, &out.buffer),
+        ];
+        self.elementwise(Kernel::Elementwise, &words, &binds, n)?;
+        Ok(self.tensor(out, a.shape.clone()))
+    }
+
+    /// Attention of `rows` query rows (see `kernels/attention.wgsl`).
+    #[allow(clippy::too_many_arguments)]
+    fn attention(
+        &self,
+        q: &WgpuTensor,
+        k: &dyn KeySource,
+        v: &dyn KeySource,
+        heads: usize,
+        d: usize,
+        group: usize,
+        kv_stride: usize,
+        mode: u32,
+        block_size: usize,
+        meta: &wgpu::Buffer,
+        tables: &wgpu::Buffer,
+        rows: usize,
+    ) -> BResult<WgpuTensor> {
+        if d > 256 {
+            return Err(shape_err(format!("attention heads of {d} (at most 256)")));
+        }
+        let q = self.as_f32(q)?;
+        let (mut kk, mut vk) = (None, None);
+        let kb = k.buffer(self, &mut kk)?;
+        let vb = v.buffer(self, &mut vk)?;
+        let out = self.scratch(rows * heads * d)?;
+        let scale = (1.0 / (d as f64).sqrt()) as f32;
+        let words = [
+            rows as u32,
+            heads as u32,
+            d as u32,
+            group as u32,
+            kv_stride as u32,
+            mode,
+            block_size as u32,
+            scale.to_bits(),
+        ];
+        let binds = [
+            (1, q.single().expect("f32")),
+            (2, kb),
+            (3, vb),
+            (4, meta),
+            (5, tables),
+            (6, &out.buffer),
+        ];
+        self.dispatch(
+            Kernel::Attention,
+            None,
+            "main",
+            &words,
+            &binds,
+            grid((rows * heads) as u64),
+        )?;
+        Ok(self.tensor(out, vec![rows, heads * d]))
+    }
+}
+
+#[cfg(all(test, not(target_arch = "wasm32")))]
+mod tests;

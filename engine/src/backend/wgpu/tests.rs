@@ -1,0 +1,351 @@
+//! The wgpu backend against the shared suite and, op by op, against the CPU backend on random
+//! inputs at awkward shapes. These run on whatever adapter the machine has (lavapipe in CI) and
+//! fail, never skip, when there is none.
+
+use super::{WgpuBackend, WgpuOptions};
+use crate::backend::cpu::CpuBackend;
+use crate::backend::{block_on, Activation, Backend, KvLayout, PagedBatch, PagedSeq, RawDType, RawTensor};
+use crate::memory::ledger::MemoryLedger;
+
+/// A backend on this machine's adapter; panics with the reason when there is none.
+pub(crate) fn backend_with(opts: WgpuOptions) -> WgpuBackend {
+    WgpuBackend::new_blocking(MemoryLedger::new(), opts)
+        .unwrap_or_else(|e| panic!("the wgpu tests need an adapter (`cargo xtask test` installs lavapipe): {e}"))
+}
+
+fn backend() -> WgpuBackend {
+    backend_with(WgpuOptions::default())
+}
+
+crate::backend_suite!(backend());
+
+/// Deterministic values in [-1, 1).
+fn noise(n: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    (0..n)
+        .map(|_| {
+            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        })
+        .collect()
+}
+
+fn host<B: Backend>(b: &B, t: &B::Tensor) -> Vec<f32> {
+    block_on(b.read(t)).unwrap()
+}
+
+fn max_err(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+}
+
+fn raw(data: &[f32], shape: &[usize]) -> (Vec<u8>, Vec<usize>) {
+    (bytemuck::cast_slice(data).to_vec(), shape.to_vec())
+}
+
+fn weight<B: Backend>(b: &B, bytes: &(Vec<u8>, Vec<usize>)) -> B::Tensor {
+    b.load_weight(RawTensor {
+        dtype: RawDType::F32,
+        shape: bytes.1.clone(),
+        data: &bytes.0,
+    })
+    .unwrap()
+}
+
+#[test]
+fn linear_matches_the_cpu_at_awkward_shapes_and_with_a_split_weight() {
+    let cpu = CpuBackend::default();
+    // A 40 KiB binding cap splits a 300×67 f32 weight (80 KiB) into parts of 152 rows.
+    for (opts, shapes) in [
+        (
+            WgpuOptions::default(),
+            vec![(1, 67, 300), (3, 64, 130), (4097, 33, 17), (70, 128, 257)],
+        ),
+        (
+            WgpuOptions {
+                max_binding_bytes: Some(40 << 10),
+                ..Default::default()
+            },
+            vec![(1, 67, 300), (30, 67, 300)],
+        ),
+    ] {
+        let g = backend_with(opts);
+        for (n, k, out) in shapes {
+            let x = noise(n * k, 1);
+            let w = raw(&noise(out * k, 2), &[out, k]);
+            let bias = noise(out, 3);
+            let want = {
+                let (x, w) = (cpu.upload(x.clone(), &[n, k]).unwrap(), weight(&cpu, &w));
+                let b = cpu.upload(bias.clone(), &[out]).unwrap();
+                host(&cpu, &cpu.linear(&x, &w, Some(&b)).unwrap())
+            };
+            let got = {
+                let (x, w) = (g.upload(x.clone(), &[n, k]).unwrap(), weight(&g, &w));
+                let b = g.upload(bias.clone(), &[out]).unwrap();
+                host(&g, &g.linear(&x, &w, Some(&b)).unwrap())
+            };
+            let err = max_err(&got, &want);
+            assert!(err < 1e-4, "linear {n}×{k}·{out}ᵀ: max error {err}");
+        }
+    }
+}
+
+#[test]
+fn f16_weights_round_like_half_precision() {
+    let g = backend_with(WgpuOptions {
+        f16_weights: true,
+        ..Default::default()
+    });
+    let cpu = CpuBackend::default();
+    let (n, k, out) = (5, 96, 77);
+    let x = noise(n * k, 4);
+    let w = raw(&noise(out * k, 5), &[out, k]);
+    let want = host(
+        &cpu,
+        &cpu.linear(&cpu.upload(x.clone(), &[n, k]).unwrap(), &weight(&cpu, &w), None)
+            .unwrap(),
+    );
+    let got = host(
+        &g,
+        &g.linear(&g.upload(x.clone(), &[n, k]).unwrap(), &weight(&g, &w), None)
+            .unwrap(),
+    );
+    // f16 keeps 11 significant bits: |Δw| ≤ 2⁻¹² per weight, summed over k = 96 products of |x| < 1.
+    let err = max_err(&got, &want);
+    assert!(err > 0.0 && err < 96.0 / 4096.0, "f16 weights: max error {err}");
+    // Decode-sized rows take the GEMV path; it must agree with the GEMM path.
+    let one = host(
+        &g,
+        &g.linear(&g.upload(x[..k].to_vec(), &[1, k]).unwrap(), &weight(&g, &w), None)
+            .unwrap(),
+    );
+    assert!(max_err(&one, &got[..out]) < 1e-5);
+}
+
+#[test]
+fn embedding_reads_every_part_of_a_split_table() {
+    let g = backend_with(WgpuOptions {
+        max_binding_bytes: Some(1 << 10),
+        ..Default::default()
+    });
+    let (vocab, dim) = (1000, 24);
+    let table = noise(vocab * dim, 6);
+    let t = weight(&g, &raw(&table, &[vocab, dim]));
+    assert!(t.store.parts.len() > 50, "{} parts", t.store.parts.len());
+    let ids = [0u32, 999, 10, 11, 500, 10];
+    let got = host(&g, &g.embedding(&t, &ids).unwrap());
+    for (r, &id) in ids.iter().enumerate() {
+        let id = id as usize;
+        assert_eq!(&got[r * dim..(r + 1) * dim], &table[id * dim..(id + 1) * dim]);
+    }
+    assert!(g.embedding(&t, &[1000]).is_err());
+}
+
+#[test]
+fn norms_activations_and_rope_match_the_cpu() {
+    let g = backend();
+    let cpu = CpuBackend::default();
+    for (rows, cols) in [(1, 3), (7, 300), (4097, 64)] {
+        let x = noise(rows * cols, 7);
+        let w = noise(cols, 8);
+        let b = noise(cols, 9);
+        let cx = cpu.upload(x.clone(), &[rows, cols]).unwrap();
+        let gx = g.upload(x.clone(), &[rows, cols]).unwrap();
+        let (cw, gw) = (
+            cpu.upload(w.clone(), &[cols]).unwrap(),
+            g.upload(w.clone(), &[cols]).unwrap(),
+        );
+        let (cb, gb) = (
+            cpu.upload(b.clone(), &[cols]).unwrap(),
+            g.upload(b.clone(), &[cols]).unwrap(),
+        );
+        let e = max_err(
+            &host(&g, &g.rms_norm(&gx, &gw, 1e-6).unwrap()),
+            &host(&cpu, &cpu.rms_norm(&cx, &cw, 1e-6).unwrap()),
+        );
+        assert!(e < 1e-5, "rms_norm {rows}×{cols}: {e}");
+        let e = max_err(
+            &host(&g, &g.layer_norm(&gx, &gw, &gb, 1e-6).unwrap()),
+            &host(&cpu, &cpu.layer_norm(&cx, &cw, &cb, 1e-6).unwrap()),
+        );
+        assert!(e < 1e-4, "layer_norm {rows}×{cols}: {e}");
+        for act in [
+            Activation::Silu,
+            Activation::GeluTanh,
+            Activation::GeluErf,
+            Activation::QuickGelu,
+        ] {
+            let e = max_err(
+                &host(&g, &g.activate(&gx, act).unwrap()),
+                &host(&cpu, &cpu.activate(&cx, act).unwrap()),
+            );
+            assert!(e < 1e-6, "{act:?}: {e}");
+        }
+        let e = max_err(
+            &host(&g, &g.silu_mul(&gx, &gx).unwrap()),
+            &host(&cpu, &cpu.silu_mul(&cx, &cx).unwrap()),
+        );
+        assert!(e < 1e-6, "silu_mul: {e}");
+    }
+    let (n, heads, d) = (9, 3, 8);
+    let x = noise(n * heads * d, 10);
+    let cos = noise(n * d, 11);
+    let sin = noise(n * d, 12);
+    let c = cpu.rope(
+        &cpu.upload(x.clone(), &[n, heads * d]).unwrap(),
+        &cpu.upload(cos.clone(), &[n, d]).unwrap(),
+        &cpu.upload(sin.clone(), &[n, d]).unwrap(),
+    );
+    let w = g.rope(
+        &g.upload(x, &[n, heads * d]).unwrap(),
+        &g.upload(cos, &[n, d]).unwrap(),
+        &g.upload(sin, &[n, d]).unwrap(),
+    );
+    assert!(max_err(&host(&g, &w.unwrap()), &host(&cpu, &c.unwrap())) < 1e-6);
+}
+
+/// Two sequences, 16 query heads over 4 KV heads (or 1 over 1), block tables with holes and a
+/// block shared by both sequences (a prefix-cache hit), one sequence in prefill and one decoding.
+#[test]
+fn paged_attention_matches_the_cpu_with_shared_blocks_and_holes() {
+    let g = backend();
+    let cpu = CpuBackend::default();
+    for (heads, kv_heads, d) in [(16, 4, 32), (1, 1, 64)] {
+        let layout = KvLayout {
+            layers: 2,
+            num_blocks: 12,
+            block_size: 4,
+            kv_heads,
+            head_dim: d,
+        };
+        let width = kv_heads * d;
+        // Sequence A: 11 tokens in blocks [7, 2, 9]; sequence B shares block 7 (its first 4 tokens)
+        // and continues in block 5: a decode step at position 5 (context 6).
+        let tables = [vec![7, 2, 9], vec![7, 5]];
+        let slot = |t: &Vec<usize>, p: usize| t[p / 4] * 4 + p % 4;
+        // Fill the cache: A's 11 positions, then B's own positions 4 and 5 (block 5).
+        let mut slots: Vec<usize> = (0..11).map(|p| slot(&tables[0], p)).collect();
+        slots.extend([4, 5].map(|p| slot(&tables[1], p)));
+        let fill = PagedBatch {
+            slots: slots.clone(),
+            seqs: vec![],
+        };
+        let kv_k = noise(slots.len() * width, 20);
+        let kv_v = noise(slots.len() * width, 21);
+        let step = PagedBatch {
+            slots: vec![],
+            seqs: vec![
+                PagedSeq {
+                    query_start: 0,
+                    query_len: 7,
+                    context_len: 11,
+                    block_table: tables[0].clone(),
+                },
+                PagedSeq {
+                    query_start: 7,
+                    query_len: 1,
+                    context_len: 6,
+                    block_table: tables[1].clone(),
+                },
+            ],
+        };
+        let q = noise(8 * heads * d, 22);
+        let run = |be: &dyn Fn() -> Vec<f32>| be();
+        let want = run(&|| {
+            let mut c = cpu.alloc_kv(layout).unwrap();
+            let meta = cpu.upload_paged(fill.clone()).unwrap();
+            let (k, v) = (
+                cpu.upload(kv_k.clone(), &[slots.len(), width]).unwrap(),
+                cpu.upload(kv_v.clone(), &[slots.len(), width]).unwrap(),
+            );
+            cpu.write_kv(&mut c, 1, &k, &v, &meta).unwrap();
+            let meta = cpu.upload_paged(step.clone()).unwrap();
+            host(
+                &cpu,
+                &cpu.paged_attention(&c, 1, &cpu.upload(q.clone(), &[8, heads * d]).unwrap(), heads, &meta)
+                    .unwrap(),
+            )
+        });
+        let got = run(&|| {
+            let mut c = g.alloc_kv(layout).unwrap();
+            let meta = g.upload_paged(fill.clone()).unwrap();
+            let (k, v) = (
+                g.upload(kv_k.clone(), &[slots.len(), width]).unwrap(),
+                g.upload(kv_v.clone(), &[slots.len(), width]).unwrap(),
+            );
+            g.write_kv(&mut c, 1, &k, &v, &meta).unwrap();
+            let meta = g.upload_paged(step.clone()).unwrap();
+            host(
+                &g,
+                &g.paged_attention(&c, 1, &g.upload(q.clone(), &[8, heads * d]).unwrap(), heads, &meta)
+                    .unwrap(),
+            )
+        });
+        let e = max_err(&got, &want);
+        assert!(e < 1e-5, "paged attention {heads}/{kv_heads} heads: {e}");
+    }
+}
+
+#[test]
+fn segment_attention_matches_the_cpu_over_uneven_segments() {
+    let g = backend();
+    let cpu = CpuBackend::default();
+    let (n, heads, d) = (300, 16, 16);
+    let segs = [(0, 1), (1, 130), (131, 169)];
+    let (q, k, v) = (
+        noise(n * heads * d, 30),
+        noise(n * heads * d, 31),
+        noise(n * heads * d, 32),
+    );
+    let want = host(
+        &cpu,
+        &cpu.segment_attention(
+            &cpu.upload(q.clone(), &[n, heads * d]).unwrap(),
+            &cpu.upload(k.clone(), &[n, heads * d]).unwrap(),
+            &cpu.upload(v.clone(), &[n, heads * d]).unwrap(),
+            heads,
+            &cpu.upload_segments(&segs).unwrap(),
+        )
+        .unwrap(),
+    );
+    let got = host(
+        &g,
+        &g.segment_attention(
+            &g.upload(q, &[n, heads * d]).unwrap(),
+            &g.upload(k, &[n, heads * d]).unwrap(),
+            &g.upload(v, &[n, heads * d]).unwrap(),
+            heads,
+            &g.upload_segments(&segs).unwrap(),
+        )
+        .unwrap(),
+    );
+    let e = max_err(&got, &want);
+    assert!(e < 1e-5, "segment attention: {e}");
+}
+
+#[test]
+fn the_ledger_equals_the_live_buffers_and_the_pool_reaches_a_steady_state() {
+    let g = backend();
+    let ledger = g.ledger().clone();
+    let w = weight(&g, &raw(&noise(64 * 32, 40), &[64, 32]));
+    let mut pooled = Vec::new();
+    for step in 0..50 {
+        let n = 1 + step % 7;
+        {
+            let x = g.upload(noise(n * 32, step as u64), &[n, 32]).unwrap();
+            let y = g.activate(&g.linear(&x, &w, None).unwrap(), Activation::Silu).unwrap();
+            let out = host(&g, &g.add(&y, &y).unwrap());
+            assert_eq!(out.len(), n * 64);
+            assert_eq!(
+                ledger.total(),
+                g.device_bytes(),
+                "step {step}: ledger against live buffers"
+            );
+        }
+        pooled.push(g.pooled());
+    }
+    // After the first round of sizes the pool stops growing.
+    assert_eq!(pooled[20], pooled[49], "pool: {pooled:?}");
+    drop(w);
+    assert_eq!(ledger.total(), g.device_bytes());
+}
