@@ -98,7 +98,12 @@ pub fn build_engine<B: Backend>(
     let profile = runner.profile(spec).map_err(BuildError::Profile)?;
     let profile_s = seconds() - started;
     req.activation_peak_bytes = Some(profile.activation_peak_bytes);
-    let p = plan(&req).map_err(|e| BuildError::Plan(e.to_string()))?;
+    let mut p = plan(&req).map_err(|e| BuildError::Plan(e.to_string()))?;
+    let binding_cap = kv_binding_cap(runner.backend().max_binding_bytes(), &p);
+    if let Some(cap) = binding_cap.filter(|&cap| p.available_kv_bytes > cap as i64) {
+        req.kv_cache_memory_bytes = Some(cap);
+        p = plan(&req).map_err(|e| BuildError::Plan(e.to_string()))?;
+    }
     let total = req.device.total_bytes;
     let mut log_lines = vec![
         format!(
@@ -115,6 +120,17 @@ pub fn build_engine<B: Backend>(
             gib(p.weights_bytes)
         ),
     ];
+    if let (Some(cap), Some(binding)) = (binding_cap, runner.backend().max_binding_bytes()) {
+        if req.kv_cache_memory_bytes == Some(cap) {
+            log_lines.push(format!(
+                "The {} backend binds at most {} MiB per buffer and keeps one layer's keys in one buffer: \
+                 the KV cache is limited to {} GiB",
+                runner.backend().name(),
+                binding >> 20,
+                gib(cap)
+            ));
+        }
+    }
     // The weights line was printed while loading.
     log_lines.extend(p.vllm_log_lines().into_iter().skip(1));
     if let Some(error) = &p.error {
@@ -147,6 +163,14 @@ pub fn build_engine<B: Backend>(
         log_lines,
     };
     Ok((engine, report))
+}
+
+/// The most KV-cache bytes a backend whose buffers bind at most `binding` bytes can hold: as many
+/// blocks as one layer's keys fit in one buffer, for every layer's keys and values.
+fn kv_binding_cap(binding: Option<u64>, p: &Plan) -> Option<u64> {
+    let per_layer_block = p.page_size_bytes;
+    let keys_per_block = (per_layer_block / 2).max(1);
+    binding.map(|b| (b / keys_per_block) * per_layer_block * p.num_layers as u64)
 }
 
 #[cfg(test)]

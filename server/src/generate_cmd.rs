@@ -1,16 +1,16 @@
 //! `kvlens generate`: one conversation through the engine on the CPU, streamed or as JSON.
 
-use crate::runtime::{load_cpu, Frontend};
+use crate::runtime::{load, BackendChoice, Frontend};
 use crate::startup::cpu_device;
 use crate::UsageError;
 use anyhow::Result;
-use kvlens_engine::builder::{build_engine, EngineOptions};
+use kvlens_engine::backend::BackendKind;
+use kvlens_engine::builder::EngineOptions;
 use kvlens_engine::config::ImageLimits;
 use kvlens_engine::engine::{Engine, FinishReason};
 use kvlens_engine::input::chat::{ChatMessage, Content, ContentPart, ImageUrl};
 use kvlens_engine::input::tokenizer::IncrementalDecoder;
 use kvlens_engine::memory::planner::{MmLimits, PlanRequest};
-use kvlens_engine::runner::ModelRunner;
 use kvlens_engine::sample::SamplingParams;
 use std::io::Write;
 use std::path::PathBuf;
@@ -48,9 +48,13 @@ pub struct GenerateArgs {
     /// Report the top-K log-probabilities of each generated token.
     #[arg(long)]
     pub logprobs: Option<usize>,
-    /// Compute backend.
-    #[arg(long, default_value = "cpu", value_parser = ["cpu"])]
-    pub backend: String,
+    /// Compute backend: cpu, wgpu or cuda (those this build holds).
+    #[arg(long, default_value = "cpu")]
+    pub backend: BackendKind,
+    /// Weights precision: float32, or float16 to keep 2-D weights in half precision where the
+    /// backend can (wgpu; activations and the KV cache stay float32).
+    #[arg(long, default_value = "float32", value_parser = ["float32", "float16"])]
+    pub dtype: String,
     /// Print one JSON object (per run).
     #[arg(long)]
     pub json: bool,
@@ -100,7 +104,11 @@ fn messages(a: &GenerateArgs) -> Result<Vec<ChatMessage>> {
 /// Runs `kvlens generate`.
 pub fn run(a: &GenerateArgs) -> Result<()> {
     let msgs = messages(a)?;
-    let (model, backend, front) = load_cpu(&a.model)?;
+    let choice = BackendChoice {
+        kind: a.backend,
+        f16_weights: a.dtype == "float16",
+    };
+    let (runner, front) = load(&a.model, choice)?;
     let params = SamplingParams {
         temperature: a.temperature,
         top_p: a.top_p,
@@ -117,7 +125,7 @@ pub fn run(a: &GenerateArgs) -> Result<()> {
     let prompt_ids = req.prompt.clone();
     // Sized by the server's start-up code, for this one conversation: one sequence, the whole
     // prompt in one step, its images as the largest the profile runs.
-    let cfg = model.cfg.clone();
+    let cfg = runner.config().clone();
     let mut plan_req = PlanRequest::new("generate", cfg.clone(), cpu_device(None)?);
     let patch = cfg.vision.patch_size as u64;
     let largest = grids.iter().map(|g| u64::from(g[1] * g[2]) * patch * patch).max();
@@ -140,10 +148,9 @@ pub fn run(a: &GenerateArgs) -> Result<()> {
         vocab_size: front.tokenizer.vocab_size(),
     };
     let clock = Instant::now();
-    let (mut engine, _) = build_engine(ModelRunner::new(backend, model), plan_req, opts, &|| {
-        clock.elapsed().as_secs_f64()
-    })
-    .map_err(|e| UsageError(e.to_string()))?;
+    let (mut engine, _) = runner
+        .build(plan_req, opts, &|| clock.elapsed().as_secs_f64())
+        .map_err(|e| UsageError(e.to_string()))?;
     drop(req);
     for k in 0..a.repeat {
         let before = engine.counters();

@@ -6,8 +6,11 @@ use crate::preprocess::{Busy, PreprocessBudget};
 use crate::UsageError;
 use anyhow::Result;
 use kvlens_engine::backend::cpu::CpuBackend;
-use kvlens_engine::backend::Backend;
-use kvlens_engine::engine::Request;
+use kvlens_engine::backend::wgpu::{WgpuBackend, WgpuOptions};
+use kvlens_engine::backend::{Backend, BackendKind};
+use kvlens_engine::builder::{build_engine, BuildError, EngineOptions, StartupReport};
+use kvlens_engine::config::ModelConfig;
+use kvlens_engine::engine::{Engine, Request};
 use kvlens_engine::input::chat::{select_chat_template, ChatMessage, ChatTemplate};
 use kvlens_engine::input::image::ProcessedImage;
 use kvlens_engine::input::image_budget::largest_preprocessing_bytes;
@@ -15,8 +18,10 @@ pub use kvlens_engine::input::processor::PromptOptions;
 use kvlens_engine::input::processor::{ImageHost, InputProcessor, Prompt};
 use kvlens_engine::input::InputError;
 use kvlens_engine::memory::ledger::MemoryLedger;
+use kvlens_engine::memory::planner::PlanRequest;
 use kvlens_engine::model::weights::SafetensorsFiles;
 use kvlens_engine::model::QwenVl;
+use kvlens_engine::runner::ModelRunner;
 use kvlens_engine::sample::SamplingParams;
 use std::ops::{Deref, DerefMut};
 use std::path::Path;
@@ -92,10 +97,50 @@ fn usage(msg: impl Into<String>) -> anyhow::Error {
     UsageError(msg.into()).into()
 }
 
-/// Loads the weights onto the CPU backend and builds the frontend.
-pub fn load_cpu(dir: &Path) -> Result<(QwenVl<CpuBackend>, CpuBackend, Frontend)> {
-    let ckpt = Checkpoint::open(dir)?;
-    let backend = CpuBackend::new(MemoryLedger::new());
+/// Which backend to load onto and how.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BackendChoice {
+    /// The backend.
+    pub kind: BackendKind,
+    /// Store 2-D weights as f16 where the backend can (wgpu); activations stay f32.
+    pub f16_weights: bool,
+}
+
+/// A checkpoint's weights on the chosen backend, in its model runner.
+#[derive(Debug)]
+pub enum LoadedRunner {
+    /// On the CPU backend.
+    Cpu(ModelRunner<CpuBackend>),
+    /// On the wgpu backend.
+    Wgpu(ModelRunner<WgpuBackend>),
+}
+
+impl LoadedRunner {
+    /// The model's configuration.
+    pub fn config(&self) -> &ModelConfig {
+        match self {
+            LoadedRunner::Cpu(r) => &r.model().cfg,
+            LoadedRunner::Wgpu(r) => &r.model().cfg,
+        }
+    }
+
+    /// Profiles, sizes and builds the engine (see [`build_engine`]).
+    pub fn build(
+        self,
+        req: PlanRequest,
+        opts: EngineOptions,
+        seconds: &dyn Fn() -> f64,
+    ) -> Result<(Engine, StartupReport), BuildError> {
+        match self {
+            LoadedRunner::Cpu(r) => build_engine(r, req, opts, seconds),
+            LoadedRunner::Wgpu(r) => build_engine(r, req, opts, seconds),
+        }
+    }
+}
+
+/// Loads a checkpoint's weights onto `backend` tensor by tensor (memory-mapped shards, each
+/// tensor converted as it goes) with a progress bar.
+fn load_weights<B: Backend>(ckpt: &Checkpoint, backend: &B) -> Result<QwenVl<B>> {
     let started = Instant::now();
     let shards: Vec<(String, &[u8])> = ckpt.shards.iter().map(|(n, m)| (n.clone(), &m[..])).collect();
     let source = SafetensorsFiles::parse(&shards).map_err(|e| usage(e.to_string()))?;
@@ -104,19 +149,44 @@ pub fn load_cpu(dir: &Path) -> Result<(QwenVl<CpuBackend>, CpuBackend, Frontend)
         indicatif::ProgressStyle::with_template("loading weights {bar:30} {bytes}/{total_bytes}")
             .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
     );
-    let model = QwenVl::load(ckpt.config.clone(), &source, &backend, |_, bytes| {
+    let model = QwenVl::load(ckpt.config.clone(), &source, backend, |_, bytes| {
         bar.set_position(bytes)
     })
     .map_err(|e| usage(e.to_string()))?;
     bar.finish_and_clear();
     let weights = backend.ledger().bytes(kvlens_engine::memory::ledger::Category::Weights);
-    eprintln!(
+    tracing::info!(
         "Loading model weights took {:.4} GiB and {:.2} seconds",
         weights as f64 / (1u64 << 30) as f64,
         started.elapsed().as_secs_f64()
     );
-    let frontend = Frontend::new(&ckpt, backend.ledger().clone())?;
-    Ok((model, backend, frontend))
+    Ok(model)
+}
+
+/// Opens the backend, loads the weights onto it and builds the frontend.
+pub fn load(dir: &Path, choice: BackendChoice) -> Result<(LoadedRunner, Frontend)> {
+    let ckpt = Checkpoint::open(dir)?;
+    let ledger = MemoryLedger::new();
+    let runner = match choice.kind {
+        BackendKind::Wgpu => {
+            let opts = WgpuOptions {
+                f16_weights: choice.f16_weights,
+                ..WgpuOptions::default()
+            };
+            let backend = WgpuBackend::new_blocking(ledger.clone(), opts).map_err(|e| usage(e.to_string()))?;
+            tracing::info!("{}", backend.describe());
+            let model = load_weights(&ckpt, &backend)?;
+            LoadedRunner::Wgpu(ModelRunner::new(backend, model))
+        }
+        BackendKind::Cpu => {
+            let backend = CpuBackend::new(ledger.clone());
+            let model = load_weights(&ckpt, &backend)?;
+            LoadedRunner::Cpu(ModelRunner::new(backend, model))
+        }
+        BackendKind::Cuda => return Err(usage(BackendKind::Cuda.ensure_built().err().unwrap_or_default())),
+    };
+    let frontend = Frontend::new(&ckpt, ledger)?;
+    Ok((runner, frontend))
 }
 
 impl Frontend {

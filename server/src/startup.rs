@@ -3,12 +3,12 @@
 //! measured figures), allocate it, and log the same lines as vLLM.
 
 use crate::random_checkpoint_cmd::{self, RandomCheckpointArgs, WeightDtype};
-use crate::runtime::{load_cpu, Frontend};
+use crate::runtime::{load, BackendChoice, Frontend};
 use crate::vllm_flags::{parse_dtype, VllmFlags};
 use crate::UsageError;
 use anyhow::Result;
 use kvlens_engine::backend::BackendKind;
-use kvlens_engine::builder::{build_engine, BuildError, EngineOptions};
+use kvlens_engine::builder::{BuildError, EngineOptions};
 use kvlens_engine::config::{DType, ImageLimits, ProcessorKwargs};
 use kvlens_engine::engine::Engine;
 use kvlens_engine::memory::device::{device_preset, gib_to_bytes, DeviceProfile};
@@ -16,7 +16,6 @@ use kvlens_engine::memory::log_budget::HeaderSettings;
 use kvlens_engine::memory::planner::{MmLimits, Plan, PlanRequest};
 use kvlens_engine::memory::GIB;
 use kvlens_engine::profile::ProfileResult;
-use kvlens_engine::runner::ModelRunner;
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -158,9 +157,17 @@ pub fn start(a: &EngineArgs) -> Result<Started> {
         ("--kv-cache-dtype", kv_dtype, &a.vllm.kv_cache_dtype),
     ] {
         if d.is_some_and(|d| d != DType::F32) {
-            tracing::warn!("{flag} {given}: the CPU backend computes and stores in float32");
+            tracing::warn!(
+                "{flag} {given}: the {} backend computes and stores in float32",
+                a.backend
+            );
         }
     }
+    let choice = BackendChoice {
+        kind: a.backend,
+        // Half-precision weights where the backend keeps them (wgpu); compute stays f32.
+        f16_weights: dtype.is_some_and(|d| d != DType::F32),
+    };
     let limits = match &a.vllm.limit_mm_per_prompt {
         Some(s) => MmLimits::parse(s).map_err(|e| usage(e.to_string()))?,
         None => MmLimits::default(),
@@ -187,7 +194,7 @@ pub fn start(a: &EngineArgs) -> Result<Started> {
     for key in &pixels.ignored {
         tracing::warn!("--mm-processor-kwargs: {key} is ignored (kvlens reads min_pixels and max_pixels)");
     }
-    let (model, backend, mut frontend) = load_cpu(&model_dir)?;
+    let (runner, mut frontend) = load(&model_dir, choice)?;
     if let Some(path) = &a.chat_template {
         frontend.set_chat_template(path)?;
     }
@@ -205,7 +212,7 @@ pub fn start(a: &EngineArgs) -> Result<Started> {
         "Image preprocessing may hold {:.2} GiB of host memory at once (--preprocess-memory-gib)",
         frontend.preprocess_budget.capacity() as f64 / GIB
     );
-    let mut req = PlanRequest::new(served_model_names[0].clone(), model.cfg.clone(), device);
+    let mut req = PlanRequest::new(served_model_names[0].clone(), runner.config().clone(), device);
     req.image_limits = frontend.settings.limits;
     a.vllm.apply(&mut req, &HeaderSettings::default())?;
     req.limit_mm_per_prompt = MmLimits { video: 0, ..limits };
@@ -218,9 +225,7 @@ pub fn start(a: &EngineArgs) -> Result<Started> {
         vocab_size: frontend.tokenizer.vocab_size(),
     };
     let clock = Instant::now();
-    let built = build_engine(ModelRunner::new(backend, model), req, opts, &|| {
-        clock.elapsed().as_secs_f64()
-    });
+    let built = runner.build(req, opts, &|| clock.elapsed().as_secs_f64());
     let (mut engine, report) = match built {
         Ok(built) => built,
         Err(BuildError::Budget { error, log_lines }) => {

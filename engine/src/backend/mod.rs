@@ -206,6 +206,11 @@ pub trait Backend: std::fmt::Debug + 'static {
     }
     /// The ledger every allocation is recorded in.
     fn ledger(&self) -> &MemoryLedger;
+    /// The largest buffer one kernel can bind, where the backend has such a limit (wgpu): one
+    /// layer's keys must fit in it, which caps the KV cache.
+    fn max_binding_bytes(&self) -> Option<u64> {
+        None
+    }
 
     /// Converts a checkpoint tensor to the compute dtype (recorded as weights).
     fn load_weight(&self, raw: RawTensor<'_>) -> BResult<Self::Tensor>;

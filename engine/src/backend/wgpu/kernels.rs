@@ -90,13 +90,13 @@ impl Pipelines {
 }
 
 /// The workgroup grid for `groups` workgroups: at most 65,535 along x, the rest along y.
-pub(super) fn grid(groups: u64) -> (u32, u32) {
+pub(super) fn grid(groups: u64) -> (u32, u32, u32) {
     const MAX: u64 = 65_535;
     let groups = groups.max(1);
     if groups <= MAX {
-        (groups as u32, 1)
+        (groups as u32, 1, 1)
     } else {
-        (MAX as u32, groups.div_ceil(MAX) as u32)
+        (MAX as u32, groups.div_ceil(MAX) as u32, 1)
     }
 }
 
@@ -113,9 +113,9 @@ mod tests {
 
     #[test]
     fn grids_stay_inside_the_dimension_limit() {
-        assert_eq!(grid(0), (1, 1));
-        assert_eq!(grid(65_535), (65_535, 1));
-        assert_eq!(grid(65_536), (65_535, 2));
+        assert_eq!(grid(0), (1, 1, 1));
+        assert_eq!(grid(65_535), (65_535, 1, 1));
+        assert_eq!(grid(65_536), (65_535, 2, 1));
         assert_eq!(params(&[1, 2, 3]).len(), 16);
         assert_eq!(params(&[0; 5]).len(), 32);
     }

@@ -95,6 +95,8 @@ struct Inner {
     /// The first error the device reported outside an error scope (or its loss).
     error: Arc<Mutex<Option<String>>>,
     f16_weights: bool,
+    /// A CPU adapter (lavapipe, SwiftShader): matmuls use the barrier-free kernel.
+    cpu_adapter: bool,
     /// Bound where a kernel declares a buffer the operation does not use.
     dummy: wgpu::Buffer,
     /// Bytes of every buffer created and not yet destroyed, counted at the wgpu calls.
@@ -138,6 +140,9 @@ impl WgpuBackend {
     /// Opens a device (see [`WgpuOptions`]) whose buffers are recorded in `ledger`.
     pub async fn new(ledger: MemoryLedger, opts: WgpuOptions) -> BResult<Self> {
         let gpu = device::open(&opts).await?;
+        let cpu_adapter = opts
+            .barrier_free_matmul
+            .unwrap_or(gpu.info.device_type == wgpu::DeviceType::Cpu);
         let error: Arc<Mutex<Option<String>>> = Arc::default();
         let sink = error.clone();
         gpu.device.on_uncaptured_error(Arc::new(move |e: wgpu::Error| {
@@ -166,6 +171,7 @@ impl WgpuBackend {
                 uniforms: Mutex::default(),
                 error,
                 f16_weights: opts.f16_weights,
+                cpu_adapter,
                 dummy,
                 device_bytes: Arc::default(),
             }),
@@ -324,7 +330,7 @@ impl WgpuBackend {
         entry: &'static str,
         words: &[u32],
         binds: &[(u32, &wgpu::Buffer)],
-        groups: (u32, u32),
+        groups: (u32, u32, u32),
     ) -> BResult<()> {
         let pipeline = self.inner.pipelines.get(&self.inner.gpu.device, kernel, weights, entry);
         let uniform = self.create(
@@ -352,7 +358,7 @@ impl WgpuBackend {
             });
             pass.set_pipeline(&pipeline);
             pass.set_bind_group(0, &group, &[]);
-            pass.dispatch_workgroups(groups.0, groups.1, 1);
+            pass.dispatch_workgroups(groups.0, groups.1, groups.2);
         });
         let held = Buf::new(
             uniform,
@@ -463,6 +469,10 @@ impl Backend for WgpuBackend {
 
     fn ledger(&self) -> &MemoryLedger {
         &self.inner.ledger
+    }
+
+    fn max_binding_bytes(&self) -> Option<u64> {
+        Some(self.inner.gpu.max_binding)
     }
 
     fn load_weight(&self, raw: RawTensor<'_>) -> BResult<WgpuTensor> {
@@ -609,10 +619,14 @@ impl Backend for WgpuBackend {
             ];
             let binds = [(1, xb), (2, bb), (3, &y.buffer), (9, &part.buf.buffer)];
             let elem = Some(w.store.elem);
-            if n <= 4 && k % 2 == 0 {
+            if self.inner.cpu_adapter {
+                let (x, y, _) = grid(part.rows.div_ceil(64) as u64);
+                let groups = (x, y, n.div_ceil(4) as u32);
+                self.dispatch(Kernel::Matmul, elem, "columns", &words, &binds, groups)?;
+            } else if n <= 4 && k % 2 == 0 {
                 self.dispatch(Kernel::Matmul, elem, "gemv", &words, &binds, grid(part.rows as u64))?;
             } else {
-                let groups = (part.rows.div_ceil(64) as u32, n.div_ceil(64) as u32);
+                let groups = (part.rows.div_ceil(64) as u32, n.div_ceil(64) as u32, 1);
                 self.dispatch(Kernel::Matmul, elem, "gemm", &words, &binds, groups)?;
             }
         }

@@ -94,6 +94,7 @@ fn linear_matches_the_cpu_at_awkward_shapes_and_with_a_split_weight() {
 fn f16_weights_round_like_half_precision() {
     let g = backend_with(WgpuOptions {
         f16_weights: true,
+        barrier_free_matmul: Some(false),
         ..Default::default()
     });
     let cpu = CpuBackend::default();

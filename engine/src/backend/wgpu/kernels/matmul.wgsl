@@ -131,3 +131,35 @@ fn gemv(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
         y[tid * p.out_stride + p.col0 + c] = v;
     }
 }
+
+// One thread per output column and block of 4 rows, no workgroup memory and no barriers: for
+// CPU adapters (lavapipe, SwiftShader), where a barrier costs a context switch per invocation and
+// the tiled kernels above run an order of magnitude slower. Grid: x over columns (64 per
+// workgroup, wrapped into y beyond 65,535 workgroups), z over blocks of 4 rows.
+@compute @workgroup_size(64)
+fn columns(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>) {
+    let c = gid.x + gid.y * nwg.x * 64u;
+    let r0 = gid.z * 4u;
+    if (c >= p.out_rows) {
+        return;
+    }
+    var acc: array<f32, 4>;
+    for (var r = 0u; r < 4u; r = r + 1u) {
+        acc[r] = 0.0;
+    }
+    let wbase = c * p.k;
+    let rows = min(4u, p.n - r0);
+    for (var i = 0u; i < p.k; i = i + 1u) {
+        let wv = wload(wbase + i);
+        for (var r = 0u; r < rows; r = r + 1u) {
+            acc[r] = acc[r] + x[(r0 + r) * p.k + i] * wv;
+        }
+    }
+    for (var r = 0u; r < rows; r = r + 1u) {
+        var v = acc[r];
+        if (p.has_bias == 1u) {
+            v = v + bias[p.col0 + c];
+        }
+        y[(r0 + r) * p.out_stride + p.col0 + c] = v;
+    }
+}
