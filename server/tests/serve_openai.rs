@@ -25,11 +25,17 @@ fn client_python() -> PathBuf {
 }
 
 fn suite(check: &str) {
-    let work = scratch(&format!("serve-openai-{check}"));
+    suite_on(check, "cpu");
+}
+
+/// Runs one check of the suite with every server on `backend`.
+fn suite_on(check: &str, backend: &str) {
+    let work = scratch(&format!("serve-openai-{check}-{backend}"));
     let out = Command::new(client_python())
         .arg(root().join("tools/serve_tests/openai_suite.py"))
         .args(["--kvlens", env!("CARGO_BIN_EXE_kvlens"), "--work"])
         .arg(&work)
+        .args(["--serve-arg=--backend", &format!("--serve-arg={backend}")])
         .args(["--only", check])
         .output()
         .expect("python runs");
@@ -65,4 +71,14 @@ fn disconnects_and_bad_input_leave_nothing_behind() {
 #[test]
 fn reset_encoder_cache_returns_bytes() {
     suite("reset");
+}
+
+#[test]
+fn golden_tokens_with_1_and_16_concurrent_requests_on_wgpu() {
+    suite_on("golden", "wgpu");
+}
+
+#[test]
+fn sixty_four_concurrent_requests_share_four_images_on_wgpu() {
+    suite_on("concurrency", "wgpu");
 }

@@ -40,13 +40,17 @@ FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
 # Server process
 
 
+# Arguments every server of this run gets (`--serve-arg`, e.g. the backend).
+SERVE_ARGS: list[str] = []
+
+
 class Server:
     """A `kvlens serve` child process on a free port; its stderr is kept for failure reports."""
 
     def __init__(self, kvlens: str, model: Path, name: str, *extra: str):
         self.name = name
         args = [kvlens, "serve", "--model", str(model), "--served-model-name", name, "--port", "0",
-                "--cpu-memory-gib", "1", "--playground-dir", str(model / "no-playground"), *extra]
+                "--cpu-memory-gib", "1", "--playground-dir", str(model / "no-playground"), *SERVE_ARGS, *extra]
         self.proc = subprocess.Popen(args, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
         self.log: list[str] = []
         self.port: int | None = None
@@ -409,7 +413,9 @@ def main() -> int:
     ap.add_argument("--kvlens", required=True)
     ap.add_argument("--work", required=True, type=Path)
     ap.add_argument("--only", nargs="*", choices=sorted(CHECKS))
+    ap.add_argument("--serve-arg", action="append", default=[], help="an argument for every kvlens serve")
     a = ap.parse_args()
+    SERVE_ARGS.extend(a.serve_arg)
     a.work.mkdir(parents=True, exist_ok=True)
     failed = []
     for name, check in CHECKS.items():

@@ -332,6 +332,20 @@ impl WgpuBackend {
         binds: &[(u32, &wgpu::Buffer)],
         groups: (u32, u32, u32),
     ) -> BResult<()> {
+        let entries = binds.iter().map(|(i, b)| (*i, b.as_entire_binding())).collect();
+        self.dispatch_entries(kernel, weights, entry, words, entries, groups)
+    }
+
+    /// [`Self::dispatch`] with bindings that may be slices of buffers.
+    fn dispatch_entries(
+        &self,
+        kernel: Kernel,
+        weights: Option<WeightElem>,
+        entry: &'static str,
+        words: &[u32],
+        binds: Vec<(u32, wgpu::BindingResource<'_>)>,
+        groups: (u32, u32, u32),
+    ) -> BResult<()> {
         let pipeline = self.inner.pipelines.get(&self.inner.gpu.device, kernel, weights, entry);
         let uniform = self.create(
             16.max(params(words).len() as u64),
@@ -342,10 +356,11 @@ impl WgpuBackend {
             binding: 0,
             resource: uniform.as_entire_binding(),
         }];
-        entries.extend(binds.iter().map(|(binding, b)| wgpu::BindGroupEntry {
-            binding: *binding,
-            resource: b.as_entire_binding(),
-        }));
+        entries.extend(
+            binds
+                .into_iter()
+                .map(|(binding, resource)| wgpu::BindGroupEntry { binding, resource }),
+        );
         let group = self.inner.gpu.device.create_bind_group(&wgpu::BindGroupDescriptor {
             label: Some(entry),
             layout: &pipeline.get_bind_group_layout(0),
@@ -486,7 +501,7 @@ impl Backend for WgpuBackend {
             WeightElem::F32 => 4,
             WeightElem::F16 => 2,
         };
-        let rows = if raw.shape.len() >= 2 { raw.shape[0] } else { 1 };
+        let rows = raw.shape.first().copied().unwrap_or(1);
         let cols = numel / rows.max(1);
         let row_bytes = (cols * elem_bytes).max(1) as u64;
         let per_part = (self.inner.gpu.max_binding / row_bytes) as usize;
@@ -534,8 +549,13 @@ impl Backend for WgpuBackend {
     fn read(&self, t: &WgpuTensor) -> Readback {
         let run = || -> BResult<readback::Pending> {
             self.device_error()?;
-            let src = self.as_f32(t)?;
+            // f32 parts are copied where their rows go; weights in other formats are widened first.
+            let src = match t.store.elem {
+                WeightElem::F32 => t.clone(),
+                _ => self.as_f32(t)?,
+            };
             let bytes = (t.numel() as u64 * 4).max(4);
+            let row_bytes = bytes / t.shape.first().copied().unwrap_or(1).max(1) as u64;
             let staging = self.create(bytes, wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST, None)?;
             let staging = Buf::new(
                 staging,
@@ -543,8 +563,12 @@ impl Backend for WgpuBackend {
                 Category::Staging,
                 self.inner.device_bytes.clone(),
             );
-            let from = src.single().expect("as_f32 gives one buffer");
-            self.with_encoder(|enc| enc.copy_buffer_to_buffer(from, 0, &staging.buffer, 0, bytes));
+            self.with_encoder(|enc| {
+                for p in &src.store.parts {
+                    let size = (p.rows as u64 * row_bytes).min(bytes);
+                    enc.copy_buffer_to_buffer(&p.buf.buffer, 0, &staging.buffer, p.row0 as u64 * row_bytes, size);
+                }
+            });
             self.submit();
             Ok(readback::Pending::start(
                 staging,
@@ -605,32 +629,65 @@ impl Backend for WgpuBackend {
         }
         let x = self.as_f32(x)?;
         let bias = b.map(|b| self.as_f32(b)).transpose()?;
-        let y = self.scratch(n * out)?;
         let xb = x.single().expect("f32");
         let bb = bias.as_ref().and_then(|b| b.single()).unwrap_or(&self.inner.dummy);
-        for part in &w.store.parts {
-            let words = [
-                n as u32,
-                k as u32,
-                part.rows as u32,
-                out as u32,
-                part.row0 as u32,
-                bias.is_some() as u32,
-            ];
-            let binds = [(1, xb), (2, bb), (3, &y.buffer), (9, &part.buf.buffer)];
-            let elem = Some(w.store.elem);
-            if self.inner.cpu_adapter {
-                let (x, y, _) = grid(part.rows.div_ceil(64) as u64);
-                let groups = (x, y, n.div_ceil(4) as u32);
-                self.dispatch(Kernel::Matmul, elem, "columns", &words, &binds, groups)?;
-            } else if n <= 4 && k % 2 == 0 {
-                self.dispatch(Kernel::Matmul, elem, "gemv", &words, &binds, grid(part.rows as u64))?;
-            } else {
-                let groups = (part.rows.div_ceil(64) as u32, n.div_ceil(64) as u32, 1);
-                self.dispatch(Kernel::Matmul, elem, "gemm", &words, &binds, groups)?;
-            }
+        // An output larger than one binding (logits of many rows) is made in parts of whole rows;
+        // a part's rows start at a multiple of 64 so its slice of x is aligned to 256 bytes.
+        let row_bytes = (out * 4).max(1) as u64;
+        let rows_per = if (n as u64) * row_bytes <= self.inner.gpu.max_binding {
+            n.max(1)
+        } else {
+            (self.inner.gpu.max_binding / row_bytes) as usize / 64 * 64
+        };
+        if rows_per == 0 {
+            return Err(shape_err(format!(
+                "linear: a row of {out} outputs exceeds the device's storage-binding limit"
+            )));
         }
-        Ok(self.tensor(y, vec![n, out]))
+        let mut parts = Vec::new();
+        for row0 in (0..n.max(1)).step_by(rows_per) {
+            let rows = rows_per.min(n - row0.min(n));
+            let y = self.scratch(rows * out)?;
+            let x_slice = wgpu::BufferBinding {
+                buffer: xb,
+                offset: (row0 * k * 4) as u64,
+                size: std::num::NonZeroU64::new((rows * k * 4) as u64),
+            };
+            for part in &w.store.parts {
+                let words = [
+                    rows as u32,
+                    k as u32,
+                    part.rows as u32,
+                    out as u32,
+                    part.row0 as u32,
+                    bias.is_some() as u32,
+                ];
+                let entries = vec![
+                    (1, wgpu::BindingResource::Buffer(x_slice.clone())),
+                    (2, bb.as_entire_binding()),
+                    (3, y.buffer.as_entire_binding()),
+                    (9, part.buf.buffer.as_entire_binding()),
+                ];
+                let elem = Some(w.store.elem);
+                let (entry, groups) = if self.inner.cpu_adapter {
+                    let (gx, gy, _) = grid(part.rows.div_ceil(64) as u64);
+                    ("columns", (gx, gy, rows.div_ceil(4) as u32))
+                } else if rows <= 4 && k % 2 == 0 {
+                    ("gemv", grid(part.rows as u64))
+                } else {
+                    ("gemm", (part.rows.div_ceil(64) as u32, rows.div_ceil(64) as u32, 1))
+                };
+                self.dispatch_entries(Kernel::Matmul, elem, entry, &words, entries, groups)?;
+            }
+            parts.push(Part { buf: y, row0, rows });
+        }
+        Ok(WgpuTensor {
+            store: Arc::new(Store {
+                parts,
+                elem: WeightElem::F32,
+            }),
+            shape: vec![n, out],
+        })
     }
 
     fn embedding(&self, table: &WgpuTensor, ids: &[u32]) -> BResult<WgpuTensor> {
