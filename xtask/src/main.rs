@@ -143,8 +143,9 @@ fn test() -> Result<()> {
     ensure_wasm_target()?;
     ensure_tokenizer()?;
     ensure_client_python()?;
-    // Before the long steps: a machine that cannot get a browser fails now.
+    // Before the long steps: a machine that cannot get a browser or a Vulkan adapter fails now.
     ensure_browser_tools()?;
+    ensure_lavapipe()?;
     run(cargo().args(["fmt", "--all", "--", "--check"]))?;
     run(cargo().args(["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"]))?;
     let (passed, failed) = cargo_test(&["--workspace"])?;
@@ -274,17 +275,18 @@ fn try_run(cmd: &mut Command) -> bool {
     cmd.status().is_ok_and(|s| s.success())
 }
 
-/// Installs Chromium and chromedriver with apt when either is missing (CI runs as root on Debian
+/// Installs Debian packages with apt unless `present()` already holds (CI runs as root on Debian
 /// 12; a fresh image may have no package lists yet, so a failed install updates them and retries).
-fn ensure_chromium() -> Result<()> {
-    let present = || Path::new(CHROMIUM).is_file() && Path::new(CHROMEDRIVER).is_file();
+/// `why` says what needs them, for the error when the install fails.
+fn ensure_apt(packages: &[&str], present: &dyn Fn() -> bool, why: &str) -> Result<()> {
     if present() {
         return Ok(());
     }
     let install = || {
         try_run(
             Command::new("apt-get")
-                .args(["install", "-y", "chromium", "chromium-driver"])
+                .args(["install", "-y"])
+                .args(packages)
                 .env("DEBIAN_FRONTEND", "noninteractive"),
         )
     };
@@ -293,10 +295,42 @@ fn ensure_chromium() -> Result<()> {
     }
     if !present() {
         bail!(
-            "the browser test needs Chromium at {CHROMIUM} and its WebDriver at {CHROMEDRIVER}, and \
-             installing them failed: run `apt-get install chromium chromium-driver` as root (Debian's \
-             packages), then `cargo xtask test` again"
+            "{why}, and installing them failed: run `apt-get install {}` as root (Debian's packages), \
+             then `cargo xtask test` again",
+            packages.join(" ")
         );
+    }
+    Ok(())
+}
+
+/// Installs Chromium and chromedriver when either is missing.
+fn ensure_chromium() -> Result<()> {
+    ensure_apt(
+        &["chromium", "chromium-driver"],
+        &|| Path::new(CHROMIUM).is_file() && Path::new(CHROMEDRIVER).is_file(),
+        &format!("the browser test needs Chromium at {CHROMIUM} and its WebDriver at {CHROMEDRIVER}"),
+    )
+}
+
+/// Mesa's lavapipe ICD: Vulkan on the CPU, the adapter the wgpu tests run on without a GPU.
+const LAVAPIPE_ICD: &str = "/usr/share/vulkan/icd.d/lvp_icd.x86_64.json";
+
+/// Installs lavapipe and the Vulkan loader when missing, and points wgpu at Vulkan (the GL
+/// adapter has neither f16 nor subgroups). A machine with a GPU driver keeps using its GPU.
+fn ensure_lavapipe() -> Result<()> {
+    ensure_apt(
+        &["mesa-vulkan-drivers", "libvulkan1"],
+        &|| Path::new(LAVAPIPE_ICD).is_file() && Path::new("/usr/lib/x86_64-linux-gnu/libvulkan.so.1").is_file(),
+        "the wgpu tests need a Vulkan adapter: Mesa's lavapipe and the Vulkan loader",
+    )?;
+    if env::var_os("WGPU_BACKEND").is_none() {
+        env::set_var("WGPU_BACKEND", "vulkan");
+    }
+    // Mesa's window-system code complains on every device open without it.
+    if env::var_os("XDG_RUNTIME_DIR").is_none() {
+        let dir = env::temp_dir().join("kvlens-xdg-runtime");
+        std::fs::create_dir_all(&dir)?;
+        env::set_var("XDG_RUNTIME_DIR", dir);
     }
     Ok(())
 }
