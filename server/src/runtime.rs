@@ -146,7 +146,7 @@ fn load_weights<B: Backend>(ckpt: &Checkpoint, backend: &B) -> Result<QwenVl<B>>
     let source = SafetensorsFiles::parse(&shards).map_err(|e| usage(e.to_string()))?;
     let bar = indicatif::ProgressBar::new(ckpt.weight_bytes());
     bar.set_style(
-        indicatif::ProgressStyle::with_template("loading weights {bar:30} {bytes}/{total_bytes}")
+        indicatif::ProgressStyle::with_template("loading weights {bar:30} {bytes}/{total_bytes}, {msg}")
             .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
     );
     let model = QwenVl::load(ckpt.config.clone(), &source, backend, |_, bytes| {

@@ -13,9 +13,10 @@ pub struct WgpuOptions {
     pub max_binding_bytes: Option<u64>,
     /// Store 2-D weights as f16 (two per `u32`) instead of f32.
     pub f16_weights: bool,
-    /// Use the barrier-free matmul kernel (None: on CPU adapters such as lavapipe, where
-    /// workgroup barriers are slow) rather than the tiled GEMM and the GEMV.
-    pub barrier_free_matmul: Option<bool>,
+    /// Use the barrier-free kernels for matmul, norms and attention (None: on CPU adapters such
+    /// as lavapipe, where a workgroup barrier is slow) rather than the tiled GEMM, the GEMV and the
+    /// workgroup reductions.
+    pub barrier_free: Option<bool>,
 }
 
 /// The opened device and what it allows.

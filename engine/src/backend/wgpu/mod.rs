@@ -95,7 +95,7 @@ struct Inner {
     /// The first error the device reported outside an error scope (or its loss).
     error: Arc<Mutex<Option<String>>>,
     f16_weights: bool,
-    /// A CPU adapter (lavapipe, SwiftShader): matmuls use the barrier-free kernel.
+    /// A CPU adapter (lavapipe, SwiftShader): matmul, norms and attention use barrier-free kernels.
     cpu_adapter: bool,
     /// Bound where a kernel declares a buffer the operation does not use.
     dummy: wgpu::Buffer,
@@ -141,7 +141,7 @@ impl WgpuBackend {
     pub async fn new(ledger: MemoryLedger, opts: WgpuOptions) -> BResult<Self> {
         let gpu = device::open(&opts).await?;
         let cpu_adapter = opts
-            .barrier_free_matmul
+            .barrier_free
             .unwrap_or(gpu.info.device_type == wgpu::DeviceType::Cpu);
         let error: Arc<Mutex<Option<String>>> = Arc::default();
         let sink = error.clone();
@@ -1043,7 +1043,12 @@ impl WgpuBackend {
             (3, b.as_ref().map_or(wb, |b| b.single().expect("f32"))),
             (4, &out.buffer),
         ];
-        self.dispatch(Kernel::Norm, None, "main", &words, &binds, grid(rows as u64))?;
+        let (entry, groups) = if self.inner.cpu_adapter {
+            ("per_row", grid(rows.div_ceil(64) as u64))
+        } else {
+            ("main", grid(rows as u64))
+        };
+        self.dispatch(Kernel::Norm, None, entry, &words, &binds, groups)?;
         Ok(self.tensor(out, vec![rows, cols]))
     }
 
@@ -1108,14 +1113,12 @@ impl WgpuBackend {
             (5, tables),
             (6, &out.buffer),
         ];
-        self.dispatch(
-            Kernel::Attention,
-            None,
-            "main",
-            &words,
-            &binds,
-            grid((rows * heads) as u64),
-        )?;
+        let (entry, groups) = if self.inner.cpu_adapter {
+            ("per_thread", grid((rows * heads).div_ceil(64) as u64))
+        } else {
+            ("main", grid((rows * heads) as u64))
+        };
+        self.dispatch(Kernel::Attention, None, entry, &words, &binds, groups)?;
         Ok(self.tensor(out, vec![rows, heads * d]))
     }
 }

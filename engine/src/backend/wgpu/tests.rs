@@ -19,6 +19,31 @@ fn backend() -> WgpuBackend {
 
 crate::backend_suite!(backend());
 
+/// Both kernel sets on this adapter: the barrier-free one and the workgroup-reduction one.
+fn both() -> [WgpuBackend; 2] {
+    [true, false].map(|barrier_free| {
+        backend_with(WgpuOptions {
+            barrier_free: Some(barrier_free),
+            ..Default::default()
+        })
+    })
+}
+
+/// The suite again with the kernels the adapter does not default to.
+mod other_kernels {
+    use super::*;
+
+    fn backend() -> WgpuBackend {
+        let cpu_adapter = super::backend().inner.cpu_adapter;
+        backend_with(WgpuOptions {
+            barrier_free: Some(!cpu_adapter),
+            ..Default::default()
+        })
+    }
+
+    crate::backend_suite!(backend());
+}
+
 /// Deterministic values in [-1, 1).
 fn noise(n: usize, seed: u64) -> Vec<f32> {
     let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
@@ -94,7 +119,7 @@ fn linear_matches_the_cpu_at_awkward_shapes_and_with_a_split_weight() {
 fn f16_weights_round_like_half_precision() {
     let g = backend_with(WgpuOptions {
         f16_weights: true,
-        barrier_free_matmul: Some(false),
+        barrier_free: Some(false),
         ..Default::default()
     });
     let cpu = CpuBackend::default();
@@ -144,7 +169,12 @@ fn embedding_reads_every_part_of_a_split_table() {
 
 #[test]
 fn norms_activations_and_rope_match_the_cpu() {
-    let g = backend();
+    for g in both() {
+        norms_activations_and_rope_on(g);
+    }
+}
+
+fn norms_activations_and_rope_on(g: WgpuBackend) {
     let cpu = CpuBackend::default();
     for (rows, cols) in [(1, 3), (7, 300), (4097, 64)] {
         let x = noise(rows * cols, 7);
@@ -209,7 +239,12 @@ fn norms_activations_and_rope_match_the_cpu() {
 /// block shared by both sequences (a prefix-cache hit), one sequence in prefill and one decoding.
 #[test]
 fn paged_attention_matches_the_cpu_with_shared_blocks_and_holes() {
-    let g = backend();
+    for g in both() {
+        paged_attention_on(g);
+    }
+}
+
+fn paged_attention_on(g: WgpuBackend) {
     let cpu = CpuBackend::default();
     for (heads, kv_heads, d) in [(16, 4, 32), (1, 1, 64)] {
         let layout = KvLayout {
@@ -289,7 +324,12 @@ fn paged_attention_matches_the_cpu_with_shared_blocks_and_holes() {
 
 #[test]
 fn segment_attention_matches_the_cpu_over_uneven_segments() {
-    let g = backend();
+    for g in both() {
+        segment_attention_on(g);
+    }
+}
+
+fn segment_attention_on(g: WgpuBackend) {
     let cpu = CpuBackend::default();
     let (n, heads, d) = (300, 16, 16);
     let segs = [(0, 1), (1, 130), (131, 169)];

@@ -117,3 +117,44 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
         }
     }
 }
+
+// One thread per query row and head, keys one at a time with the same online softmax, no
+// workgroup memory and no barriers: for CPU adapters (see matmul.wgsl `columns`).
+@compute @workgroup_size(64)
+fn per_thread(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>) {
+    let item = gid.x + gid.y * nwg.x * 64u;
+    if (item >= p.rows * p.heads) {
+        return;
+    }
+    let row = item / p.heads;
+    let h = item % p.heads;
+    let kvh = h / p.group;
+    let qbase = row * p.heads * p.d + h * p.d;
+    let start = row_meta[row * 2u];
+    let count = row_meta[row * 2u + 1u];
+    var o: array<f32, 256>;
+    for (var c = 0u; c < p.d; c = c + 1u) {
+        o[c] = 0.0;
+    }
+    var m = -3.0e38;
+    var l = 0.0;
+    for (var pos = 0u; pos < count; pos = pos + 1u) {
+        let base = key_row(start, pos) * p.kv_stride + kvh * p.d;
+        var dot = 0.0;
+        for (var c = 0u; c < p.d; c = c + 1u) {
+            dot = dot + q[qbase + c] * k[base + c];
+        }
+        let s = dot * p.scale;
+        let m_new = max(m, s);
+        let alpha = exp(m - m_new);
+        let e = exp(s - m_new);
+        l = l * alpha + e;
+        for (var c = 0u; c < p.d; c = c + 1u) {
+            o[c] = o[c] * alpha + e * v[base + c];
+        }
+        m = m_new;
+    }
+    for (var c = 0u; c < p.d; c = c + 1u) {
+        out[qbase + c] = o[c] / l;
+    }
+}

@@ -62,3 +62,35 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
         out[base + c] = v;
     }
 }
+
+// One thread per row, no barriers: for CPU adapters (see matmul.wgsl `columns`).
+@compute @workgroup_size(64)
+fn per_row(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>) {
+    let row = gid.x + gid.y * nwg.x * 64u;
+    if (row >= p.rows) {
+        return;
+    }
+    let base = row * p.cols;
+    let n = f32(p.cols);
+    var mean = 0.0;
+    if (p.layer == 1u) {
+        var s = 0.0;
+        for (var c = 0u; c < p.cols; c = c + 1u) {
+            s = s + x[base + c];
+        }
+        mean = s / n;
+    }
+    var sq = 0.0;
+    for (var c = 0u; c < p.cols; c = c + 1u) {
+        let d = x[base + c] - mean;
+        sq = sq + d * d;
+    }
+    let inv = 1.0 / sqrt(sq / n + p.eps);
+    for (var c = 0u; c < p.cols; c = c + 1u) {
+        var v = (x[base + c] - mean) * inv * gain[c];
+        if (p.layer == 1u) {
+            v = v + bias[c];
+        }
+        out[base + c] = v;
+    }
+}
