@@ -1,24 +1,35 @@
-//! The engine on the CPU backend inside headless Chromium gives exactly the greedy tokens the native
-//! `kvlens generate` gives for the same prompt (an image and text) on the same tiny random checkpoint.
+//! The engine inside headless Chromium, on the CPU backend and on the wgpu backend over the page's
+//! WebGPU adapter (SwiftShader in CI), gives exactly the greedy tokens the native `kvlens generate`
+//! gives for the same prompt (an image and text) on the same tiny random checkpoint.
 //!
 //! `cargo xtask test` (its "engine in headless Chromium" step, or `cargo xtask browser-test` alone)
 //! writes the checkpoint with `kvlens random-checkpoint`, runs `kvlens generate --json` on it and
-//! runs this file under wasm-bindgen-test-runner and chromedriver, with two variables naming what
-//! to embed (the browser has no filesystem):
+//! runs this file under wasm-bindgen-test-runner and chromedriver, with variables naming what to
+//! embed (the browser has no filesystem):
 //! - `KVLENS_BROWSER_CHECKPOINT`: the checkpoint directory (config.json, model.safetensors,
-//!   preprocessor_config.json) and the image file `image.png` beside them;
+//!   preprocessor_config.json, tokenizer.json, chat_template.jinja) and the image file `image.png`
+//!   beside them;
+//! - `KVLENS_BROWSER_PROMPT`: the text of the prompt beside the image;
 //! - `KVLENS_BROWSER_EXPECTED`: generate's JSON object (prompt ids with the image's placeholders
 //!   expanded, generated ids, image grid, tokenizer vocabulary size, finish reason).
+//!
+//! The browser must offer WebGPU (Chromium needs `--enable-unsafe-webgpu`, which the xtask passes):
+//! without an adapter the wgpu test fails, it never skips.
 //!
 //! The file compiles to nothing on native targets.
 #![cfg(target_arch = "wasm32")]
 
+use base64::engine::general_purpose::STANDARD;
+use base64::Engine as _;
 use kvlens_engine::backend::cpu::CpuBackend;
+#[cfg(feature = "wgpu")]
+use kvlens_engine::backend::wgpu::{WgpuBackend, WgpuOptions};
+use kvlens_engine::backend::Backend;
 use kvlens_engine::builder::{build_engine, EngineOptions};
-use kvlens_engine::cache::{MmHash, RequestId};
 use kvlens_engine::config::{ImageLimits, ModelConfig};
-use kvlens_engine::engine::{ImageInput, Request};
-use kvlens_engine::input::image::{process_image, ProcessorSettings};
+use kvlens_engine::engine::{Engine, Request};
+use kvlens_engine::input::chat::{select_chat_template, ChatMessage, Content, ContentPart, ImageUrl};
+use kvlens_engine::input::processor::{InlineImages, InputProcessor};
 use kvlens_engine::memory::device::device_preset;
 use kvlens_engine::memory::ledger::MemoryLedger;
 use kvlens_engine::memory::planner::{MmLimits, PlanRequest};
@@ -27,7 +38,7 @@ use kvlens_engine::model::QwenVl;
 use kvlens_engine::runner::ModelRunner;
 use kvlens_engine::sample::SamplingParams;
 use serde_json::Value;
-use wasm_bindgen_test::{wasm_bindgen_test, wasm_bindgen_test_configure};
+use wasm_bindgen_test::{console_log, wasm_bindgen_test, wasm_bindgen_test_configure};
 
 wasm_bindgen_test_configure!(run_in_browser);
 
@@ -49,6 +60,13 @@ const CONFIG: &str = include_str!(checkpoint_file!("config.json"));
 const PREPROCESSOR: &str = include_str!(checkpoint_file!("preprocessor_config.json"));
 const WEIGHTS: &[u8] = include_bytes!(checkpoint_file!("model.safetensors"));
 const IMAGE: &[u8] = include_bytes!(checkpoint_file!("image.png"));
+const TOKENIZER: &[u8] = include_bytes!(checkpoint_file!("tokenizer.json"));
+const CHAT_TEMPLATE: &str = include_str!(checkpoint_file!("chat_template.jinja"));
+/// The user's text beside the image (the xtask's, as it passed it to `kvlens generate --prompt`).
+const PROMPT: &str = env!(
+    "KVLENS_BROWSER_PROMPT",
+    "KVLENS_BROWSER_PROMPT is set by `cargo xtask browser-test` (or `cargo xtask test`)"
+);
 const EXPECTED: &str = include_str!(env!(
     "KVLENS_BROWSER_EXPECTED",
     "KVLENS_BROWSER_EXPECTED is set by `cargo xtask browser-test` (or `cargo xtask test`)"
@@ -64,98 +82,203 @@ fn ids(v: &Value, key: &str) -> Vec<u32> {
         .collect()
 }
 
-#[wasm_bindgen_test]
-async fn greedy_tokens_match_native_generate() {
-    let expected: Value = serde_json::from_str(EXPECTED).expect("generate's JSON");
-    let prompt = ids(&expected, "prompt_token_ids");
-    let want = ids(&expected, "token_ids");
-    let vocab_size = expected["vocab_size"].as_u64().expect("vocab_size") as usize;
-    assert!(!want.is_empty(), "native generate produced no token: {expected}");
+/// Milliseconds since the epoch, from the browser's clock.
+fn now_ms() -> f64 {
+    js_sys::Date::now()
+}
 
-    let cfg = ModelConfig::from_json(CONFIG).expect("config.json");
-    let settings = ProcessorSettings::new(&cfg, Some(PREPROCESSOR)).expect("preprocessor_config.json");
-    let image = process_image(IMAGE, &settings).expect("the image");
+/// The request `kvlens generate --image image.png --prompt PROMPT` makes, built in the browser by
+/// the engine's input processor (chat template, tokenizer, image preprocessing, placeholder
+/// expansion) from the embedded checkpoint's files, the image going in as a data URL as the
+/// playground sends it; its prompt ids, image grid and vocabulary size are checked against native
+/// generate's.
+fn browser_request(cfg: &ModelConfig, expected: &Value, max_tokens: usize) -> (Request, InputProcessor) {
+    let template = select_chat_template(Some(CHAT_TEMPLATE), None, None)
+        .expect("the chat template")
+        .expect("chat_template.jinja");
+    let input = InputProcessor::new(TOKENIZER, &template, cfg, Some(PREPROCESSOR), cfg.tokens.eos.clone())
+        .expect("the input processor");
+    let messages = [ChatMessage {
+        role: "user".into(),
+        content: Content::Parts(vec![
+            ContentPart::ImageUrl {
+                image_url: ImageUrl {
+                    url: format!("data:image/png;base64,{}", STANDARD.encode(IMAGE)),
+                },
+            },
+            ContentPart::Text {
+                text: PROMPT.to_string(),
+            },
+        ]),
+    }];
+    let params = SamplingParams {
+        temperature: 0.0,
+        max_tokens,
+        ignore_eos: true,
+        ..SamplingParams::default()
+    };
+    let request = input
+        .request("browser-0", &messages, params, false, &mut InlineImages)
+        .expect("the browser's request");
     assert_eq!(
-        serde_json::json!([image.grid_thw]),
+        request.prompt,
+        ids(expected, "prompt_token_ids"),
+        "the browser's prompt ids differ from native `kvlens generate`'s"
+    );
+    let grids: Vec<[usize; 3]> = request.images.iter().map(|i| i.grid_thw).collect();
+    assert_eq!(
+        serde_json::json!(grids),
         expected["image_grid_thw"],
         "the browser's image grid differs from native generate's"
     );
-    let offset = prompt
-        .iter()
-        .position(|&t| t == cfg.tokens.image)
-        .expect("an <|image_pad|> in the prompt");
+    assert_eq!(
+        Some(input.tokenizer.vocab_size() as u64),
+        expected["vocab_size"].as_u64(),
+        "tokenizer vocabulary size"
+    );
+    (request, input)
+}
 
-    let backend = CpuBackend::new(MemoryLedger::new());
+/// Builds the request in the browser (see [`browser_request`]), loads the embedded checkpoint on
+/// `backend`, starts the engine as `kvlens generate` does, runs the prompt to the end with the
+/// browser's awaited step and checks the greedy tokens and finish reason against native
+/// `kvlens generate`. The engine is handed back (its weights and KV cache still allocated) for
+/// the caller's own checks.
+async fn generate_matches_native<B: Backend + 'static>(backend: B) -> Engine {
+    let name = backend.name();
+    let expected: Value = serde_json::from_str(EXPECTED).expect("generate's JSON");
+    let want = ids(&expected, "token_ids");
+    assert!(!want.is_empty(), "native generate produced no token: {expected}");
+    let max_tokens = want.len();
+    let started = now_ms();
+    let cfg = ModelConfig::from_json(CONFIG).expect("config.json");
+    let (request, input) = browser_request(&cfg, &expected, max_tokens);
+    let prompt_len = request.prompt.len();
+    let prompted = now_ms();
+    console_log!(
+        "{name}: request built (tokenizer loaded) in {:.0} ms",
+        prompted - started
+    );
+
     let shards = [("model.safetensors".to_string(), WEIGHTS)];
     let source = SafetensorsFiles::parse(&shards).expect("model.safetensors");
-    let model = QwenVl::load(cfg, &source, &backend, |_, _| {}).expect("the model loads");
+    let model = QwenVl::load(cfg, &source, &backend, |_, _| {})
+        .unwrap_or_else(|e| panic!("the model loads on the {name} backend: {e}"));
+    let loaded = now_ms();
+    console_log!("{name}: model loaded in {:.0} ms", loaded - prompted);
 
     // Sized by the engine's start-up code as `kvlens generate` sizes it (server/src/generate_cmd.rs):
     // one sequence, the whole prompt in one step, this image as the largest the profile runs. Only
     // the memory differs (generate takes 40% of the machine's), which moves the KV block count,
     // never a result.
-    let max_tokens = want.len();
     let model_cfg = model.cfg.clone();
     let device = device_preset("cpu")
         .expect("the cpu preset")
         .with_total_bytes(256 << 20);
     let mut plan_req = PlanRequest::new("browser", model_cfg.clone(), device);
-    let [_, h, w] = image.grid_thw;
+    let [_, h, w] = request.images[0].grid_thw;
     let patch = model_cfg.vision.patch_size as u64;
-    let largest = u64::from(h * w) * patch * patch;
+    let largest = (h * w) as u64 * patch * patch;
     plan_req.image_limits = ImageLimits {
-        min_pixels: settings.limits.min_pixels.min(largest),
+        min_pixels: input.settings.limits.min_pixels.min(largest),
         max_pixels: largest,
     };
     plan_req.limit_mm_per_prompt = MmLimits { image: 1, video: 0 };
-    plan_req.max_model_len = Some((prompt.len() + max_tokens).min(model_cfg.text.max_position_embeddings));
-    plan_req.max_num_batched_tokens = Some(prompt.len());
+    plan_req.max_model_len = Some((prompt_len + max_tokens).min(model_cfg.text.max_position_embeddings));
+    plan_req.max_num_batched_tokens = Some(prompt_len);
     plan_req.max_num_seqs = Some(1);
     plan_req.non_torch_bytes = Some(0);
     let opts = EngineOptions {
         enable_prefix_caching: true,
         long_prefill_token_threshold: 0,
         max_num_partial_prefills: 1,
-        vocab_size,
+        vocab_size: input.tokenizer.vocab_size(),
     };
-    let (mut engine, _) =
-        build_engine(ModelRunner::new(backend, model), plan_req, opts, &|| 0.0).expect("the engine starts");
-    let request = Request {
-        id: RequestId::from("browser-0"),
-        images: vec![ImageInput {
-            grid_thw: image.grid_thw.map(|x| x as usize),
-            pixel_values: image.pixel_values,
-            mm_hash: MmHash::from(image.mm_hash),
-            offset,
-            num_tokens: image.num_tokens,
-        }],
-        prompt,
-        params: SamplingParams {
-            temperature: 0.0,
-            max_tokens,
-            ignore_eos: true,
-            ..SamplingParams::default()
-        },
-    };
+    let (mut engine, _) = build_engine(ModelRunner::new(backend, model), plan_req, opts, &|| now_ms() / 1e3)
+        .unwrap_or_else(|e| panic!("the engine starts on the {name} backend: {e}"));
+    let built = now_ms();
+    console_log!(
+        "{name}: engine started (profile run included) in {:.0} ms",
+        built - loaded
+    );
     engine.add_request(request).expect("the request is accepted");
 
     let mut got = Vec::new();
     let mut finish = None;
+    let mut steps = 0;
     while engine.has_unfinished() {
         // The browser's way: the logits read is awaited, never blocked on.
-        let events = engine.step_async().await.expect("an engine step");
+        let events = engine
+            .step_async()
+            .await
+            .unwrap_or_else(|e| panic!("an engine step on the {name} backend: {e}"));
+        steps += 1;
         for e in events {
             got.push(e.token);
             finish = finish.or(e.finish);
         }
     }
+    let done = now_ms();
+    console_log!(
+        "{name}: {} prompt tokens and {} generated in {steps} steps, {:.0} ms",
+        prompt_len,
+        got.len(),
+        done - built
+    );
     assert_eq!(
         got, want,
-        "greedy tokens in the browser differ from native `kvlens generate`\n browser: {got:?}\n  native: {want:?}"
+        "greedy tokens on the {name} backend in the browser differ from native `kvlens generate`\n browser: {got:?}\n  native: {want:?}"
     );
     assert_eq!(
         finish.map(|f| f.as_str()),
         expected["finish_reason"].as_str(),
-        "finish reason"
+        "finish reason on the {name} backend"
+    );
+    engine
+}
+
+#[wasm_bindgen_test]
+async fn cpu_backend_gives_native_greedy_tokens() {
+    generate_matches_native(CpuBackend::new(MemoryLedger::new())).await;
+}
+
+#[cfg(feature = "wgpu")]
+#[wasm_bindgen_test]
+async fn wgpu_backend_on_webgpu_gives_native_greedy_tokens() {
+    let backend = WgpuBackend::new(MemoryLedger::new(), WgpuOptions::default())
+        .await
+        .unwrap_or_else(|e| panic!("no WebGPU device (`cargo xtask browser-test` passes Chromium's flags): {e}"));
+    let info = backend.adapter_info().clone();
+    console_log!("WebGPU adapter {:?}: {}", info.name, backend.describe());
+    assert_eq!(
+        info.backend,
+        wgpu::Backend::BrowserWebGpu,
+        "the wgpu backend must run on the browser's WebGPU: {info:?}"
+    );
+    // Every kernel through the browser's WGSL compiler, also those this adapter's run never
+    // dispatches (on a CPU adapter the tiled matmuls give way to the barrier-free one).
+    let started = now_ms();
+    let pipelines = backend
+        .check_kernels()
+        .await
+        .unwrap_or_else(|e| panic!("kernels the browser's WGSL compiler rejects:\n{e}"));
+    console_log!(
+        "wgpu: {pipelines} kernel pipelines compiled in {:.0} ms",
+        now_ms() - started
+    );
+    let engine = generate_matches_native(backend.clone()).await;
+    let ledger = backend.ledger();
+    assert_eq!(
+        ledger.total(),
+        backend.device_bytes(),
+        "after the run, the ledger against the device's live buffers: {:?}",
+        ledger.entries()
+    );
+    drop(engine);
+    assert_eq!(
+        ledger.total(),
+        backend.device_bytes(),
+        "with the engine dropped, the ledger against the device's live buffers: {:?}",
+        ledger.entries()
     );
 }

@@ -265,9 +265,38 @@ fn ensure_web_tools() -> Result<PathBuf> {
     Ok(tools)
 }
 
-/// Debian's Chromium and its WebDriver, where engine/webdriver.json and the test runner look.
+/// Debian's Chromium and its WebDriver, where the browser test's capabilities and the test runner
+/// look.
 const CHROMIUM: &str = "/usr/bin/chromium";
 const CHROMEDRIVER: &str = "/usr/bin/chromedriver";
+
+/// Chromium's flags for the browser test. `--enable-unsafe-webgpu` lifts the blocklist that hides
+/// WebGPU on CPU-only machines, so that the page gets SwiftShader's adapter (without it
+/// `requestAdapter()` gives null and the wgpu half of the test fails); developer features make the
+/// adapter report its name. `--no-sandbox`: CI runs as root. The rest keeps Chromium from reaching
+/// out or writing to a small /dev/shm.
+const CHROMIUM_ARGS: &[&str] = &[
+    "--headless=new",
+    "--no-sandbox",
+    "--enable-unsafe-webgpu",
+    "--enable-webgpu-developer-features",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+    "--disable-dev-shm-usage",
+];
+
+/// Writes the WebDriver capabilities (Chromium's binary and [`CHROMIUM_ARGS`]) that
+/// wasm-bindgen-test-runner reads from the file `WASM_BINDGEN_TEST_WEBDRIVER_JSON` names.
+fn write_webdriver_capabilities(to: &Path) -> Result<()> {
+    let capabilities = serde_json::json!({
+        "goog:chromeOptions": { "binary": CHROMIUM, "args": CHROMIUM_ARGS }
+    });
+    write_if_changed(to, serde_json::to_string_pretty(&capabilities)?.as_bytes())?;
+    env::set_var("WASM_BINDGEN_TEST_WEBDRIVER_JSON", to);
+    Ok(())
+}
 
 /// Runs a command, echoed; whether it succeeded (failures are the caller's to report).
 fn try_run(cmd: &mut Command) -> bool {
@@ -358,8 +387,10 @@ fn ensure_browser_tools() -> Result<()> {
 }
 
 /// `cargo xtask browser-test`, also the last step of `cargo xtask test`: engine/tests/browser_engine.rs
-/// in headless Chromium (wasm-bindgen-test-runner, chromedriver) must give the greedy tokens that
-/// native `kvlens generate` gives on the same tiny random checkpoint, image and prompt. With
+/// in headless Chromium (wasm-bindgen-test-runner, chromedriver), on the CPU backend and on the
+/// wgpu backend over the browser's WebGPU (SwiftShader here, enabled by [`CHROMIUM_ARGS`]), must
+/// give the greedy tokens that native `kvlens generate` gives on the same tiny random checkpoint,
+/// image and prompt; its console lines (adapter, timings) are shown. With
 /// `build_kvlens` false the debug `kvlens` binary is taken as built (`cargo build -p kvlens` resolves
 /// other features than `cargo test --workspace` and would rebuild half the dependencies).
 fn browser_test(build_kvlens: bool) -> Result<(u64, u64)> {
@@ -425,11 +456,13 @@ fn browser_test(build_kvlens: bool) -> Result<(u64, u64)> {
     write_if_changed(&expected, result.to_string().as_bytes())?;
 
     env::set_var("CHROMEDRIVER", CHROMEDRIVER);
+    write_webdriver_capabilities(&work.join("webdriver.json"))?;
     env::set_var("CARGO_TARGET_WASM32_UNKNOWN_UNKNOWN_RUNNER", "wasm-bindgen-test-runner");
     // The runner's default (20 s) is short for an unoptimized engine on 2 busy cores.
     env::set_var("WASM_BINDGEN_TEST_TIMEOUT", "300");
     env::set_var("KVLENS_BROWSER_CHECKPOINT", &checkpoint);
     env::set_var("KVLENS_BROWSER_EXPECTED", &expected);
+    env::set_var("KVLENS_BROWSER_PROMPT", BROWSER_PROMPT);
     let counts = cargo_test(&[
         "-p",
         "kvlens-engine",
@@ -437,6 +470,8 @@ fn browser_test(build_kvlens: bool) -> Result<(u64, u64)> {
         "wasm32-unknown-unknown",
         "--test",
         "browser_engine",
+        "--",
+        "--nocapture",
     ])?;
     eprintln!("browser test step took {:.1} s", started.elapsed().as_secs_f64());
     Ok(counts)

@@ -64,16 +64,28 @@ async fn candidates(instance: &wgpu::Instance) -> Vec<wgpu::Adapter> {
     instance.request_adapter(&opts).await.into_iter().collect()
 }
 
+#[cfg(not(target_arch = "wasm32"))]
+const NO_ADAPTER: &str = "no wgpu adapter found: install a GPU driver, or Mesa's lavapipe \
+                          (apt-get install mesa-vulkan-drivers) and set WGPU_BACKEND=vulkan";
+
+#[cfg(target_arch = "wasm32")]
+const NO_ADAPTER: &str = "this browser offers no WebGPU adapter (no navigator.gpu, or \
+                          requestAdapter() gave null): use a browser with WebGPU enabled; headless \
+                          Chromium offers its SwiftShader adapter only with --enable-unsafe-webgpu";
+
+/// `KVLENS_WGPU_ADAPTER`, when set and not empty (a page has no environment).
+fn adapter_from_env() -> Option<String> {
+    #[cfg(not(target_arch = "wasm32"))]
+    return std::env::var("KVLENS_WGPU_ADAPTER").ok().filter(|s| !s.is_empty());
+    #[cfg(target_arch = "wasm32")]
+    None
+}
+
 /// Opens the device of the chosen adapter with the adapter's own limits.
 pub(super) async fn open(opts: &WgpuOptions) -> BResult<Gpu> {
     let instance = wgpu::Instance::new(wgpu::InstanceDescriptor::new_without_display_handle_from_env());
     let all = candidates(&instance).await;
-    let wanted = opts.adapter.clone().or_else(|| {
-        #[cfg(not(target_arch = "wasm32"))]
-        return std::env::var("KVLENS_WGPU_ADAPTER").ok().filter(|s| !s.is_empty());
-        #[cfg(target_arch = "wasm32")]
-        None
-    });
+    let wanted = opts.adapter.clone().or_else(adapter_from_env);
     let names: Vec<String> = all.iter().map(|a| adapter_line(&a.get_info())).collect();
     let adapter = match &wanted {
         Some(name) => all
@@ -84,10 +96,7 @@ pub(super) async fn open(opts: &WgpuOptions) -> BResult<Gpu> {
     let Some(adapter) = adapter else {
         let why = match wanted {
             Some(name) => format!("no wgpu adapter matches {name:?} (KVLENS_WGPU_ADAPTER); found: {names:?}"),
-            None => "no wgpu adapter found: install a GPU driver, or Mesa's lavapipe \
-                     (apt-get install mesa-vulkan-drivers) and set WGPU_BACKEND=vulkan; \
-                     in a browser, WebGPU must be enabled"
-                .to_string(),
+            None => NO_ADAPTER.to_string(),
         };
         return Err(library(why));
     };

@@ -1,5 +1,5 @@
 //! The WGSL kernels (one file per family under `kernels/`), their pipelines compiled once and
-//! cached, and the step's command encoder every dispatch is recorded into until a read submits it.
+//! cached ([`check_all`] compiles every one of them up front).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -27,6 +27,18 @@ pub(super) enum WeightElem {
 }
 
 impl Kernel {
+    /// Every kernel family (what [`check_all`] compiles).
+    pub const ALL: [Kernel; 8] = [
+        Kernel::Elementwise,
+        Kernel::Rows,
+        Kernel::Embedding,
+        Kernel::Norm,
+        Kernel::Rope,
+        Kernel::Matmul,
+        Kernel::Attention,
+        Kernel::KvWrite,
+    ];
+
     fn source(self) -> &'static str {
         match self {
             Kernel::Elementwise => include_str!("kernels/elementwise.wgsl"),
@@ -48,6 +60,89 @@ impl Kernel {
             Some(WeightElem::F16) => include_str!("kernels/weights_f16.wgsl"),
         };
         format!("{}\n{reader}\n{}", include_str!("kernels/common.wgsl"), self.source())
+    }
+
+    /// The weight formats the module is built for: both where it reads stored weights (`wload`),
+    /// none otherwise.
+    pub fn weight_formats(self) -> &'static [Option<WeightElem>] {
+        if self.source().contains("wload") {
+            &[Some(WeightElem::F32), Some(WeightElem::F16)]
+        } else {
+            &[None]
+        }
+    }
+
+    /// The module's compute entry points, read from its source (`@compute … fn NAME(`).
+    pub fn entry_points(self) -> Vec<&'static str> {
+        self.source()
+            .split("@compute")
+            .skip(1)
+            .filter_map(|rest| {
+                let name = rest.split_once("fn ")?.1;
+                name.split_once('(').map(|(name, _)| name.trim())
+            })
+            .collect()
+    }
+}
+
+/// Compiles every kernel's module for each weight format it reads, and a pipeline for each of its
+/// entry points, on `device`: the number of pipelines, or every compiler error and pipeline error
+/// (one line each). In the browser the compiler is the browser's own (Chrome: Tint), natively naga.
+pub(super) async fn check_all(device: &wgpu::Device) -> Result<usize, Vec<String>> {
+    let mut compiled = 0;
+    let mut errors = Vec::new();
+    for kernel in Kernel::ALL {
+        for &weights in kernel.weight_formats() {
+            let what = match weights {
+                Some(w) => format!("{kernel:?} kernel ({w:?} weights)"),
+                None => format!("{kernel:?} kernel"),
+            };
+            let scope = device.push_error_scope(wgpu::ErrorFilter::Validation);
+            let module = device.create_shader_module(wgpu::ShaderModuleDescriptor {
+                label: Some(&what),
+                source: wgpu::ShaderSource::Wgsl(kernel.module_source(weights).into()),
+            });
+            let info = module.get_compilation_info().await;
+            let messages: Vec<String> = info
+                .messages
+                .iter()
+                .filter(|m| m.message_type == wgpu::CompilationMessageType::Error)
+                .map(|m| {
+                    let at = m
+                        .location
+                        .map(|l| format!(" at line {}:{}", l.line_number, l.line_position));
+                    format!("{what}{}: {}", at.unwrap_or_default(), m.message)
+                })
+                .collect();
+            // The compiler's own messages where it gave any (they carry the line), else the error.
+            if let Some(e) = scope.pop().await {
+                if messages.is_empty() {
+                    errors.push(format!("{what}: {e}"));
+                }
+                errors.extend(messages);
+                continue;
+            }
+            for entry in kernel.entry_points() {
+                let scope = device.push_error_scope(wgpu::ErrorFilter::Validation);
+                let _pipeline = device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+                    label: Some(entry),
+                    layout: None,
+                    module: &module,
+                    entry_point: Some(entry),
+                    compilation_options: Default::default(),
+                    cache: None,
+                });
+                match scope.pop().await {
+                    Some(e) => errors.push(format!("{what}, entry point {entry}: {e}")),
+                    None => compiled += 1,
+                }
+            }
+        }
+    }
+    if errors.is_empty() {
+        Ok(compiled)
+    } else {
+        Err(errors)
     }
 }
 
@@ -118,5 +213,16 @@ mod tests {
         assert_eq!(grid(65_536), (65_535, 2, 1));
         assert_eq!(params(&[1, 2, 3]).len(), 16);
         assert_eq!(params(&[0; 5]).len(), 32);
+    }
+
+    #[test]
+    fn entry_points_and_weight_formats_come_from_the_sources() {
+        assert_eq!(Kernel::Embedding.entry_points(), ["gather", "widen"]);
+        assert!(Kernel::Matmul.entry_points().contains(&"gemv"));
+        assert_eq!(Kernel::Matmul.weight_formats().len(), 2);
+        assert_eq!(Kernel::Norm.weight_formats(), [None]);
+        for k in Kernel::ALL {
+            assert!(!k.entry_points().is_empty(), "{k:?}");
+        }
     }
 }

@@ -7,6 +7,10 @@
 //! device's storage-binding limit is split by rows across buffers, and the kernels that read
 //! weights (matmul, embedding) run once per part.
 
+// On the web wgpu's handles are neither Send nor Sync (the page has one thread); the Arcs that
+// share them serve native threads.
+#![cfg_attr(target_arch = "wasm32", allow(clippy::arc_with_non_send_sync))]
+
 mod device;
 mod kernels;
 mod readback;
@@ -191,6 +195,22 @@ impl WgpuBackend {
             "{}; weights {weights}, activations and KV cache f32",
             self.inner.gpu.describe()
         )
+    }
+
+    /// The adapter the device was opened on (in the browser its backend is `BrowserWebGpu`).
+    pub fn adapter_info(&self) -> &wgpu::AdapterInfo {
+        &self.inner.gpu.info
+    }
+
+    /// Compiles every kernel (each entry point, for each weight format it reads) on this device and
+    /// returns how many pipelines that made; an error lists each compiler or pipeline error. The
+    /// backend otherwise compiles a kernel at its first dispatch and reports a failure only at the
+    /// next read; in the browser this runs the browser's own WGSL compiler (Tint in Chrome), so a
+    /// kernel it rejects shows up here even where the adapter would pick another matmul.
+    pub async fn check_kernels(&self) -> BResult<usize> {
+        kernels::check_all(&self.inner.gpu.device)
+            .await
+            .map_err(|errors| BackendError::Library(errors.join("\n").into()))
     }
 
     /// Bytes of every device buffer that exists now (the ledger's total must equal it).
@@ -570,12 +590,7 @@ impl Backend for WgpuBackend {
                 }
             });
             self.submit();
-            Ok(readback::Pending::start(
-                staging,
-                t.numel(),
-                self.inner.gpu.device.clone(),
-                self.clone(),
-            ))
+            Ok(readback::Pending::start(staging, t.numel(), self.clone()))
         };
         match run() {
             Ok(pending) => Box::pin(pending),

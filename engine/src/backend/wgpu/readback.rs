@@ -20,14 +20,13 @@ struct MapState {
 pub(super) struct Pending {
     staging: Buf,
     floats: usize,
-    device: wgpu::Device,
     backend: WgpuBackend,
     state: Arc<Mutex<MapState>>,
 }
 
 impl Pending {
     /// Maps `staging` (already copied into and submitted) for reading `floats` values.
-    pub fn start(staging: Buf, floats: usize, device: wgpu::Device, backend: WgpuBackend) -> Self {
+    pub fn start(staging: Buf, floats: usize, backend: WgpuBackend) -> Self {
         let state: Arc<Mutex<MapState>> = Arc::default();
         let sink = state.clone();
         staging.buffer.slice(..).map_async(wgpu::MapMode::Read, move |r| {
@@ -40,7 +39,6 @@ impl Pending {
         Pending {
             staging,
             floats,
-            device,
             backend,
             state,
         }
@@ -72,7 +70,7 @@ impl Future for Pending {
         {
             let waiting = this.state.lock().unwrap_or_else(|p| p.into_inner()).done.is_none();
             if waiting {
-                if let Err(e) = this.device.poll(wgpu::PollType::wait_indefinitely()) {
+                if let Err(e) = this.backend.inner.gpu.device.poll(wgpu::PollType::wait_indefinitely()) {
                     return Poll::Ready(Err(BackendError::Library(
                         format!("waiting for the device: {e}").into(),
                     )));

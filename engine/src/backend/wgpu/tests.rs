@@ -44,6 +44,12 @@ mod other_kernels {
     crate::backend_suite!(backend());
 }
 
+#[test]
+fn every_kernel_compiles() {
+    let compiled = block_on(backend().check_kernels()).unwrap_or_else(|e| panic!("kernels that do not compile:\n{e}"));
+    assert!(compiled >= 10, "{compiled} pipelines");
+}
+
 /// Deterministic values in [-1, 1).
 fn noise(n: usize, seed: u64) -> Vec<f32> {
     let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
