@@ -435,3 +435,42 @@ fn a_long_prefill_s_transient_memory_is_counted_in_the_ledger() {
         "heap growth {growth} B, activations counted {counted} B"
     );
 }
+
+/// 50 requests (half with one of five images) in five rounds on the wgpu backend: every round
+/// ends with no KV block or encoder reference held (checked by `drain`), the ledger equal to the
+/// device buffers that exist, and from the second round on the same activation bytes and the same
+/// pooled buffers: no activation buffer leaks from request to request.
+#[cfg(feature = "wgpu")]
+#[test]
+fn fifty_requests_on_wgpu_reach_a_steady_state_without_leaking_buffers() {
+    use kvlens_engine::backend::wgpu::{WgpuBackend, WgpuOptions};
+    let _serial = serial();
+    let cfg = tiny_config();
+    let be = WgpuBackend::new_blocking(MemoryLedger::new(), WgpuOptions::default())
+        .unwrap_or_else(|e| panic!("this test needs a wgpu adapter (`cargo xtask test` installs lavapipe): {e}"));
+    let probe = be.clone();
+    let model = tiny_model(&be);
+    let mut e = engine_over(be, model, 64, 8, 0);
+    let ledger = e.ledger().clone();
+    let mut rounds = Vec::new();
+    for round in 0..5 {
+        for i in 0..10 {
+            let id = format!("r{round}-{i}");
+            let image = (i % 2 == 0).then(|| (2, ["a", "bb", "ccc", "dddd", "eeeee"][i / 2]));
+            e.add_request(request(&cfg, &id, 9 + i, image, 3)).unwrap();
+        }
+        let tokens = drain(&mut e);
+        assert_eq!(tokens.len(), 10);
+        assert!(tokens.values().all(|t| t.len() == 3));
+        assert_eq!(
+            ledger.total(),
+            probe.device_bytes(),
+            "round {round}: ledger against live buffers"
+        );
+        rounds.push((ledger.bytes(Category::Activations), probe.pooled()));
+    }
+    assert!(
+        rounds[1..].iter().all(|r| *r == rounds[1]),
+        "per round (activations, pooled): {rounds:?}"
+    );
+}

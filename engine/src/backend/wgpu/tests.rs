@@ -396,3 +396,31 @@ fn the_ledger_equals_the_live_buffers_and_the_pool_reaches_a_steady_state() {
     drop(w);
     assert_eq!(ledger.total(), g.device_bytes());
 }
+
+#[test]
+fn an_allocation_the_device_refuses_is_an_out_of_memory_error_with_the_ledger() {
+    let g = backend();
+    let _w = weight(&g, &raw(&noise(256, 50), &[16, 16]));
+    // More than the device's largest buffer: refused before wgpu sees it.
+    let too_big = g.inner.gpu.limits.max_buffer_size + 4;
+    match g.create(too_big, super::STORAGE, None) {
+        Err(crate::backend::BackendError::OutOfMemory { bytes, ledger }) => {
+            assert_eq!(bytes, too_big);
+            assert!(ledger.contains("weights"), "{ledger}");
+        }
+        other => panic!("expected an out-of-memory error, got {other:?}"),
+    }
+    // An activation above the binding limit is refused with the limit named, and nothing leaks.
+    let small = backend_with(WgpuOptions {
+        max_binding_bytes: Some(1 << 10),
+        ..Default::default()
+    });
+    let err = small
+        .upload(vec![0.0; 1024], &[1, 1024])
+        .and_then(|x| small.add(&x, &x))
+        .unwrap_err();
+    assert!(err.to_string().contains("storage-binding limit"), "{err}");
+    assert_eq!(small.ledger().total(), small.device_bytes());
+    // The backend keeps working after both.
+    assert_eq!(host(&g, &g.upload(vec![1.5], &[1]).unwrap()), vec![1.5]);
+}
