@@ -74,11 +74,6 @@ fn reset_encoder_cache_returns_bytes() {
 }
 
 #[test]
-fn golden_tokens_with_1_and_16_concurrent_requests_on_wgpu() {
-    suite_on("golden", "wgpu");
-}
-
-#[test]
 fn sixty_four_concurrent_requests_share_four_images_on_wgpu() {
     suite_on("concurrency", "wgpu");
 }
