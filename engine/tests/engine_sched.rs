@@ -270,6 +270,7 @@ fn transfers_per_step(layers: usize) -> Vec<Transfers> {
             uploads: after.uploads - before.uploads,
             index_lists: after.index_lists - before.index_lists,
             reads: after.reads - before.reads,
+            read_floats: after.read_floats - before.read_floats,
         });
     }
     per_step
@@ -290,7 +291,8 @@ fn uploads_per_step_do_not_grow_with_the_layers() {
         Transfers {
             uploads: 3,
             index_lists: 2,
-            reads: 1
+            reads: 1,
+            read_floats: 151_936,
         }
     );
 }
