@@ -4,8 +4,10 @@
 //! 1. [`Engine::launch`] asks the [scheduler](crate::sched) which requests get how many tokens
 //!    (running ones first, preempting under KV pressure, then waiting ones; chunked prefill;
 //!    prefix-cache and encoder-cache reuse), has the [model runner](crate::runner) encode the images
-//!    it names and record one batched decoder pass, and queues the read of the logits rows.
-//! 2. [`Engine::complete`] takes what was read: samples, applies stop rules, releases what finished.
+//!    it names and record one batched decoder pass, and queues the read of the logits rows (or,
+//!    when every sampling request allows it, of the tokens sampled from them on the device).
+//! 2. [`Engine::complete`] takes what was read: samples (unless the device did), applies stop
+//!    rules, releases what finished.
 //!
 //! [`Engine::step_async`] awaits the read between the two (the browser); [`Engine::step`] blocks on
 //! it (native callers). The engine spawns no threads: its caller drives the steps.
@@ -18,8 +20,8 @@ use crate::fault::{FaultKind, FaultPlan, Faults};
 use crate::memory::ledger::{Category, LedgerEntry, MemoryLedger};
 use crate::model::rope::{mrope_positions, ImageSpan};
 use crate::model::ModelError;
-use crate::runner::{BatchSeq, ImageRows, StepBatch, StepRead, StepRunner};
-use crate::sample::{sample, Rng, SamplingParams};
+use crate::runner::{BatchSeq, ImageRows, StepBatch, StepOutput, StepRead, StepRunner};
+use crate::sample::{sample, DeviceSampling, Rng, Sampled, SamplingParams};
 use crate::sched::{SchedError, ScheduledSeq, Scheduler, SchedulerConfig};
 
 /// A preprocessed image placed in a prompt.
@@ -226,16 +228,19 @@ impl LaunchedStep {
         let meta = StepMeta {
             scheduled: self.scheduled,
             rows: self.read.rows,
+            output: self.read.output,
         };
-        (meta, self.read.logits)
+        (meta, self.read.read)
     }
 }
 
-/// What a launched step scheduled, by request id, and whose logits rows it reads.
+/// What a launched step scheduled, by request id, whose logits rows it reads, and whether it reads
+/// the logits or the tokens the device sampled from them.
 #[derive(Debug)]
 pub struct StepMeta {
     scheduled: Vec<ScheduledSeq>,
     rows: Vec<RequestId>,
+    output: StepOutput,
 }
 
 impl Engine {
@@ -405,24 +410,27 @@ impl Engine {
         block_on(self.step_async())
     }
 
-    /// Runs one step, awaiting the read of its logits: the step's only asynchronous point.
+    /// Runs one step, awaiting the read of its logits or samples: the step's only asynchronous
+    /// point.
     pub async fn step_async(&mut self) -> Result<Vec<TokenEvent>, EngineError> {
         let Some(launched) = self.launch()? else {
             return Ok(Vec::new());
         };
         let (meta, read) = launched.into_parts();
-        let logits = match read {
+        let values = match read {
             Some(read) => Some(read.await),
             None => None,
         };
-        self.complete(meta, logits.transpose())
+        self.complete(meta, values.transpose())
     }
 
     /// The first half of a step: schedules, encodes the images the scheduler named, records the
-    /// decoder pass and queues the read of the logits rows. None when nothing was scheduled. When
-    /// the model fails, every request is dropped and both caches are emptied (the step may have
-    /// hashed blocks it never wrote and reserved encoder entries it never filled) before the error
-    /// is returned.
+    /// decoder pass and queues the read of the logits rows, or of the tokens sampled from them on
+    /// the device when every request that samples allows it (their uniforms drawn from their
+    /// generators now, in place of the host sampler's draws). None when nothing was scheduled.
+    /// When the model fails, every request is dropped and both caches are emptied (the step may
+    /// have hashed blocks it never wrote and reserved encoder entries it never filled) before the
+    /// error is returned.
     pub fn launch(&mut self) -> Result<Option<LaunchedStep>, EngineError> {
         let out = self.sched.schedule()?;
         for h in &out.freed_mm_hashes {
@@ -435,6 +443,7 @@ impl Engine {
         let recorded = self.encode_images(&out.scheduled).and_then(|()| {
             self.faults.check(FaultKind::Decoder, 0, self.runner.ledger())?;
             let batch = self.batch(&out.scheduled);
+            let batch = self.sample_on_device(batch);
             Ok(self.runner.execute(batch)?)
         });
         match recorded {
@@ -452,16 +461,17 @@ impl Engine {
         }
     }
 
-    /// The second half of a step: counts its work, samples from the logits that were read (None
-    /// when it asked for none), appends the tokens, applies stop rules and lets the scheduler
-    /// release what finished. A failed read drops everything, as a failed launch does.
+    /// The second half of a step: counts its work, takes the tokens the device sampled or samples
+    /// from the logits that were read (None when it asked for none), appends the tokens, applies
+    /// stop rules and lets the scheduler release what finished. A failed read drops everything, as
+    /// a failed launch does.
     pub fn complete(
         &mut self,
         meta: StepMeta,
-        logits: BResult<Option<Vec<f32>>>,
+        values: BResult<Option<Vec<f32>>>,
     ) -> Result<Vec<TokenEvent>, EngineError> {
-        let logits = match logits {
-            Ok(l) => l.unwrap_or_default(),
+        let values = match values {
+            Ok(v) => v.unwrap_or_default(),
             Err(e) => {
                 self.drop_everything()?;
                 return Err(e.into());
@@ -473,26 +483,15 @@ impl Engine {
             self.counters.prompt_tokens_computed += (s.end().min(prompt_len) - s.start.min(prompt_len)) as u64;
             self.counters.prompt_tokens_cached += s.num_cached as u64;
         }
-        let vocab = logits.len() / meta.rows.len().max(1);
-        let allowed = match self.cfg.vocab_size {
-            0 => vocab,
-            n => n,
-        };
+        let width = values.len() / meta.rows.len().max(1);
         let eos = self.runner.model_config().tokens.eos.clone();
         let mut finished = Vec::new();
         let mut events = Vec::with_capacity(meta.rows.len());
         for (k, id) in meta.rows.iter().enumerate() {
             // Aborted while the step was in flight: nothing to sample for.
-            let Some(seq) = self.sched.get_mut(id) else { continue };
-            let (prompt, output, data) = seq.split_data_mut();
-            let s = sample(
-                &logits[k * vocab..(k + 1) * vocab],
-                allowed,
-                prompt,
-                output,
-                &data.params,
-                &mut data.rng,
-            );
+            let Some(s) = self.take_sample(id, &values[k * width..(k + 1) * width], meta.output) else {
+                continue;
+            };
             self.sched.push_token(id, s.token)?;
             self.counters.generated_tokens += 1;
             let seq = self.sched.get(id).expect("pushed above");
@@ -513,6 +512,33 @@ impl Engine {
         }
         self.sched.finish(&finished)?;
         Ok(events)
+    }
+
+    /// Request `id`'s token from its row of the read: the device's choice, or sampled here from the
+    /// logits. None when the request is no longer running (aborted while the step was in flight).
+    fn take_sample(&mut self, id: &RequestId, row: &[f32], output: StepOutput) -> Option<Sampled> {
+        let allowed = self.allowed(row.len());
+        let seq = self.sched.get_mut(id)?;
+        Some(match output {
+            StepOutput::Sampled => Sampled {
+                token: row[0] as u32,
+                logprob: row[1],
+                top: Vec::new(),
+            },
+            StepOutput::Logits => {
+                let (prompt, output, data) = seq.split_data_mut();
+                sample(row, allowed, prompt, output, &data.params, &mut data.rng)
+            }
+        })
+    }
+
+    /// Ids the sampler may return from a logits row of `width`: the tokenizer's vocabulary when
+    /// configured (the lm_head's rows past it are padding).
+    fn allowed(&self, width: usize) -> usize {
+        match self.cfg.vocab_size {
+            0 => width,
+            n => n,
+        }
     }
 
     /// Aborts every request and empties the encoder and prefix caches.
@@ -593,9 +619,30 @@ impl Engine {
                     block_table: kv.block_table(seq.id()).to_vec(),
                     images,
                     logit_rows: usize::from(s.end() == seq.len()),
+                    sampling: None,
                 }
             })
             .collect();
         StepBatch { seqs }
+    }
+
+    /// `batch` with every sampling request's [`BatchSeq::sampling`] set, each drawing its uniform
+    /// from its own generator, when all of them allow device sampling; unchanged (the logits are
+    /// read for the host, which draws when it samples) when any does not.
+    fn sample_on_device(&mut self, mut batch: StepBatch) -> StepBatch {
+        let all_allow = batch.seqs.iter().filter(|s| s.logit_rows > 0).all(|s| {
+            let seq = self.sched.get(&s.id).expect("batched requests are running");
+            seq.data.params.samples_on_device()
+        });
+        if !all_allow {
+            return batch;
+        }
+        // Any width: the sampler clamps it to the logits row.
+        let allowed = self.allowed(usize::MAX);
+        for s in batch.seqs.iter_mut().filter(|s| s.logit_rows > 0) {
+            let data = &mut self.sched.get_mut(&s.id).expect("batched requests are running").data;
+            s.sampling = Some(DeviceSampling::new(&data.params, allowed, &mut data.rng));
+        }
+        batch
     }
 }

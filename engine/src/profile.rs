@@ -93,6 +93,8 @@ impl<B: Backend> ModelRunner<B> {
                 block_table: (0..blocks).collect(),
                 images: images.into_iter().filter(|i| !i.rows.is_empty()).collect(),
                 logit_rows: spec.num_sampled.clamp(1, n),
+                // Logits read back, the larger staging of the two ways a step can end.
+                sampling: None,
             }],
         };
         let measured = self.allocate_kv(blocks, spec.block_size).and_then(|_| {

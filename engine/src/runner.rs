@@ -12,6 +12,7 @@ use crate::model::rope::mrope_tables;
 use crate::model::text::DecoderInput;
 use crate::model::vision::VisionOutput;
 use crate::model::{ModelError, QwenVl};
+use crate::sample::DeviceSampling;
 use std::collections::HashMap;
 use std::ops::Range;
 
@@ -27,7 +28,7 @@ pub struct ImageRows {
 }
 
 /// One request's share of a step.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct BatchSeq {
     /// The request.
     pub id: RequestId,
@@ -43,13 +44,27 @@ pub struct BatchSeq {
     pub images: Vec<ImageRows>,
     /// How many of its last rows the step returns logits for (1 where the request samples).
     pub logit_rows: usize,
+    /// How those rows are sampled on the device, when the request allows it. The step samples on
+    /// the device only when every sequence with logits rows has this; otherwise it reads the
+    /// logits back for the host.
+    pub sampling: Option<DeviceSampling>,
 }
 
 /// What one step computes, in batch order.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct StepBatch {
     /// The scheduled requests.
     pub seqs: Vec<BatchSeq>,
+}
+
+/// What a step's read brings back per logits row.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StepOutput {
+    /// The row's logits, `vocab` floats, for the host to sample from.
+    Logits,
+    /// The token the device sampled (as f32) and its log-probability: 2 floats
+    /// ([`crate::backend::Backend::sample`]).
+    Sampled,
 }
 
 /// A step recorded on the device: the ids whose logits rows it reads back, in row order, and the
@@ -57,15 +72,19 @@ pub struct StepBatch {
 pub struct StepRead {
     /// One entry per logits row (a request appears `logit_rows` times).
     pub rows: Vec<RequestId>,
-    /// The logits `[rows, vocab]` once the device has produced them; None when no row was asked for.
-    pub logits: Option<Readback>,
+    /// What the read holds per row.
+    pub output: StepOutput,
+    /// `[rows, vocab]` logits or `[rows, 2]` samples (see [`Self::output`]) once the device has
+    /// produced them; None when no row was asked for.
+    pub read: Option<Readback>,
 }
 
 impl std::fmt::Debug for StepRead {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("StepRead")
             .field("rows", &self.rows)
-            .field("logits", &self.logits.as_ref().map(|_| "pending read"))
+            .field("output", &self.output)
+            .field("read", &self.read.as_ref().map(|_| "pending read"))
             .finish()
     }
 }
@@ -149,7 +168,8 @@ pub trait StepRunner: std::fmt::Debug {
     /// Drops a kept encoder output.
     fn forget(&mut self, mm_hash: &MmHash);
     /// Records one decoder pass over the batch (image rows merged in, deepstack added, K/V written
-    /// into the cache) and queues the read of the logits rows the batch asks for.
+    /// into the cache) and queues the read of the logits rows the batch asks for, or of the tokens
+    /// sampled from them on the device when every such row has its [`BatchSeq::sampling`].
     fn execute(&mut self, batch: StepBatch) -> Result<StepRead, ModelError>;
 }
 
@@ -214,7 +234,7 @@ impl<B: Backend> StepRunner for ModelRunner<B> {
         let (mut ids, mut positions, mut paged) = (Vec::new(), Vec::new(), PagedBatch::default());
         let (mut image_rows, mut image_parts) = (Vec::new(), Vec::new());
         let mut deep_parts: Vec<Vec<B::Tensor>> = vec![Vec::new(); deep_levels];
-        let (mut logit_rows, mut row_ids) = (Vec::new(), Vec::new());
+        let (mut logit_rows, mut row_ids, mut sampling) = (Vec::new(), Vec::new(), Vec::new());
         for s in batch.seqs {
             let row0 = ids.len();
             let n = s.tokens.len();
@@ -245,6 +265,7 @@ impl<B: Backend> StepRunner for ModelRunner<B> {
             let k = s.logit_rows.min(n);
             logit_rows.extend(row0 + n - k..row0 + n);
             row_ids.extend(std::iter::repeat_n(s.id.clone(), k));
+            sampling.extend(std::iter::repeat_n(s.sampling, k));
             paged.seqs.push(PagedSeq {
                 query_start: row0,
                 query_len: n,
@@ -278,12 +299,24 @@ impl<B: Backend> StepRunner for ModelRunner<B> {
                 deepstack: (!deep.is_empty()).then_some((&deep[..], &image_rows[..])),
             },
         )?;
-        let logits = if logit_rows.is_empty() {
+        let device: Option<Vec<DeviceSampling>> = sampling.into_iter().collect();
+        let output = match device {
+            Some(_) => StepOutput::Sampled,
+            None => StepOutput::Logits,
+        };
+        let read = if logit_rows.is_empty() {
             None
         } else {
             let logits = self.model.text.logits(be, &be.gather_rows(&hidden, &logit_rows)?)?;
-            Some(be.read(&logits))
+            Some(match device {
+                Some(rows) => be.read(&be.sample(&logits, &rows)?),
+                None => be.read(&logits),
+            })
         };
-        Ok(StepRead { rows: row_ids, logits })
+        Ok(StepRead {
+            rows: row_ids,
+            output,
+            read,
+        })
     }
 }

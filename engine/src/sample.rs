@@ -145,12 +145,11 @@ pub struct Sampled {
     pub top: Vec<(u32, f32)>,
 }
 
-/// `log_softmax` of logits, in f64 for the normaliser.
-fn log_softmax(logits: &[f32]) -> Vec<f32> {
+/// `log Σ exp(l)` of a logits row, summed in f64: a token's log-probability is its logit minus this.
+fn log_normaliser(logits: &[f32]) -> f32 {
     let max = logits.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
     let z: f64 = logits.iter().map(|&l| ((l - max) as f64).exp()).sum();
-    let lz = z.ln() as f32 + max;
-    logits.iter().map(|&l| l - lz).collect()
+    z.ln() as f32 + max
 }
 
 /// Picks the next token from `logits` given the tokens so far (`prompt` and `output`). Only ids
@@ -164,17 +163,9 @@ pub fn sample(
     p: &SamplingParams,
     rng: &mut Rng,
 ) -> Sampled {
-    let logp = log_softmax(logits);
+    let lz = log_normaliser(logits);
     let allowed = allowed.clamp(1, logits.len().max(1));
-    let mut top: Vec<(u32, f32)> = Vec::new();
-    if let Some(k) = p.logprobs.filter(|&k| k > 0) {
-        let mut idx: Vec<usize> = (0..allowed).collect();
-        let k = k.min(idx.len());
-        idx.select_nth_unstable_by(k.saturating_sub(1), |&a, &b| logp[b].total_cmp(&logp[a]));
-        idx.truncate(k);
-        idx.sort_by(|&a, &b| logp[b].total_cmp(&logp[a]).then(a.cmp(&b)));
-        top = idx.into_iter().map(|i| (i as u32, logp[i])).collect();
-    }
+    let top = top_logprobs(logits, allowed, lz, p.logprobs.unwrap_or(0));
     let mut l = logits[..allowed].to_vec();
     for &(t, b) in &p.logit_bias {
         if let Some(v) = l.get_mut(t as usize) {
@@ -182,15 +173,168 @@ pub fn sample(
         }
     }
     apply_penalties(&mut l, prompt, output, p);
-    let token = if p.temperature <= 1e-5 {
-        argmax(&l)
-    } else {
-        draw(&mut l, p, rng)
-    };
+    let token = DeviceSampling::new(p, allowed, rng).choose(&l);
     Sampled {
         token: token as u32,
-        logprob: logp[token],
+        logprob: logits[token] - lz,
         top,
+    }
+}
+
+/// The `k` most likely ids below `allowed` with their log-probabilities, best first (ties by id).
+fn top_logprobs(logits: &[f32], allowed: usize, lz: f32, k: usize) -> Vec<(u32, f32)> {
+    if k == 0 {
+        return Vec::new();
+    }
+    let logp = |i: usize| logits[i] - lz;
+    let mut idx: Vec<usize> = (0..allowed).collect();
+    let k = k.min(idx.len());
+    idx.select_nth_unstable_by(k - 1, |&a, &b| logp(b).total_cmp(&logp(a)));
+    idx.truncate(k);
+    idx.sort_by(|&a, &b| logp(b).total_cmp(&logp(a)).then(a.cmp(&b)));
+    idx.into_iter().map(|i| (i as u32, logp(i))).collect()
+}
+
+/// One row's choice with its random number already drawn: what [`sample`] does once the logit bias
+/// and penalties are applied, and what [`crate::backend::Backend::sample`] does on the device for a
+/// request that needs neither (see [`SamplingParams::samples_on_device`]). [`Self::pick`] is the
+/// host's definition, which the CPU backend runs and the device kernels reproduce.
+///
+/// The wgpu kernel sums in f32 where this sums in f64 (the normaliser, the running mass), so the
+/// two can choose different tokens only on a near-tie: when the draw `u·z` falls within the f32
+/// rounding of the running sums (typically around 1e-7 of the mass, at most a few 1e-5 for a
+/// 151,936-wide row) of the boundary between two candidates, or when a candidate's running top-p
+/// mass or min-p ratio is that close to its cut-off. Greedy choice and the top-k cut are exact
+/// (comparisons of the logits themselves). Measured on lavapipe: 1 of 23,166 seeded draws differed,
+/// a plain-temperature draw with `u·z` within 1e-7 of the boundary between ids 977 and 978.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct DeviceSampling {
+    /// Temperature; at most 1e-5 means greedy.
+    pub temperature: f32,
+    /// Keep the k most likely (0 = off).
+    pub top_k: usize,
+    /// Nucleus mass (1 = off).
+    pub top_p: f32,
+    /// Drop tokens below `min_p × p_max` (0 = off).
+    pub min_p: f32,
+    /// Only ids below this are chosen (clamped to the row's width, at least 1).
+    pub allowed: usize,
+    /// The uniform in [0, 1) the draw walks with (0 when greedy: nothing is drawn).
+    pub u: f64,
+}
+
+impl SamplingParams {
+    /// Whether a request's tokens can be sampled on the device from the logits alone: it asks for
+    /// no top log-probabilities, no logit bias and no penalties (those need the host's sampler).
+    pub fn samples_on_device(&self) -> bool {
+        self.logprobs.unwrap_or(0) == 0
+            && self.logit_bias.is_empty()
+            && self.repetition_penalty == 1.0
+            && self.presence_penalty == 0.0
+            && self.frequency_penalty == 0.0
+    }
+}
+
+impl DeviceSampling {
+    /// The choice `p` asks for among ids below `allowed`. Unless greedy it takes one uniform from
+    /// `rng`, the one [`sample`] draws for the token, so the request's stream is the same whether
+    /// it samples on the host or on the device.
+    pub fn new(p: &SamplingParams, allowed: usize, rng: &mut Rng) -> Self {
+        let mut s = DeviceSampling {
+            temperature: p.temperature,
+            top_k: usize::try_from(p.top_k).unwrap_or(0),
+            top_p: p.top_p,
+            min_p: p.min_p,
+            allowed,
+            u: 0.0,
+        };
+        if !s.is_greedy() {
+            s.u = rng.uniform();
+        }
+        s
+    }
+
+    /// Whether the most likely token is taken.
+    pub fn is_greedy(&self) -> bool {
+        self.temperature <= 1e-5
+    }
+
+    /// Whether top-k, top-p or min-p cuts the candidates: the draw then walks them by descending
+    /// logit (ties by id); without cut-offs it walks the ids in order with the most likely one
+    /// swapped to the front (no sort of the vocabulary).
+    pub fn has_cutoffs(&self) -> bool {
+        self.top_k > 0 || self.min_p > 0.0 || self.top_p < 1.0
+    }
+
+    /// The token for one logits row and its log-probability under the model (normalized over the
+    /// whole row): the host's definition of [`crate::backend::Backend::sample`].
+    pub fn pick(&self, row: &[f32]) -> (u32, f32) {
+        let allowed = self.allowed.clamp(1, row.len().max(1));
+        let token = self.choose(&row[..allowed]);
+        (token as u32, row[token] - log_normaliser(row))
+    }
+
+    /// The chosen index of `l`, the processed logits of the allowed ids.
+    fn choose(&self, l: &[f32]) -> usize {
+        if self.is_greedy() {
+            argmax(l)
+        } else {
+            self.draw(l)
+        }
+    }
+
+    /// Temperature, top-k, top-p and min-p, then the draw with [`Self::u`].
+    fn draw(&self, l: &[f32]) -> usize {
+        let mut idx: Vec<usize> = (0..l.len()).collect();
+        let by_logit = |a: &usize, b: &usize| l[*b].total_cmp(&l[*a]).then(a.cmp(b));
+        let k = self.top_k;
+        if k > 0 && k < idx.len() {
+            idx.select_nth_unstable_by(k - 1, by_logit);
+            idx.truncate(k);
+        }
+        // The cut-offs below need descending order; plain temperature sampling does not (a full
+        // sort of a 150k vocabulary per token is the sampler's main cost).
+        if self.has_cutoffs() {
+            idx.sort_by(by_logit);
+        } else {
+            let best = argmax(l);
+            idx.swap(0, best);
+        }
+        let max = l[idx[0]];
+        let mut probs: Vec<f64> = idx
+            .iter()
+            .map(|&i| (((l[i] - max) / self.temperature) as f64).exp())
+            .collect();
+        let z: f64 = probs.iter().sum();
+        probs.iter_mut().for_each(|q| *q /= z);
+        if self.min_p > 0.0 {
+            let cut = probs[0] * self.min_p as f64;
+            let keep = probs.iter().take_while(|&&q| q >= cut).count().max(1);
+            idx.truncate(keep);
+            probs.truncate(keep);
+        }
+        if self.top_p < 1.0 {
+            let mut acc = 0.0;
+            let mut keep = 0;
+            for q in &probs {
+                keep += 1;
+                acc += q;
+                if acc >= self.top_p as f64 {
+                    break;
+                }
+            }
+            idx.truncate(keep);
+            probs.truncate(keep);
+        }
+        let z: f64 = probs.iter().sum();
+        let mut u = self.u * z;
+        for (i, q) in idx.iter().zip(&probs) {
+            if u < *q {
+                return *i;
+            }
+            u -= q;
+        }
+        idx[idx.len() - 1]
     }
 }
 
@@ -227,60 +371,6 @@ fn apply_penalties(l: &mut [f32], prompt: &[u32], output: &[u32], p: &SamplingPa
             }
         }
     }
-}
-
-/// Temperature, top-k, top-p and min-p, then a draw.
-fn draw(l: &mut [f32], p: &SamplingParams, rng: &mut Rng) -> usize {
-    let mut idx: Vec<usize> = (0..l.len()).collect();
-    let by_logit = |a: &usize, b: &usize| l[*b].total_cmp(&l[*a]).then(a.cmp(b));
-    let k = usize::try_from(p.top_k).unwrap_or(0);
-    if k > 0 && k < idx.len() {
-        idx.select_nth_unstable_by(k - 1, by_logit);
-        idx.truncate(k);
-    }
-    // The cut-offs below need descending order; plain temperature sampling does not (a full sort
-    // of a 150k vocabulary per token is the sampler's main cost).
-    if k > 0 || p.min_p > 0.0 || p.top_p < 1.0 {
-        idx.sort_by(by_logit);
-    } else {
-        let best = argmax(l);
-        idx.swap(0, best);
-    }
-    let max = l[idx[0]];
-    let mut probs: Vec<f64> = idx
-        .iter()
-        .map(|&i| (((l[i] - max) / p.temperature) as f64).exp())
-        .collect();
-    let z: f64 = probs.iter().sum();
-    probs.iter_mut().for_each(|q| *q /= z);
-    if p.min_p > 0.0 {
-        let cut = probs[0] * p.min_p as f64;
-        let keep = probs.iter().take_while(|&&q| q >= cut).count().max(1);
-        idx.truncate(keep);
-        probs.truncate(keep);
-    }
-    if p.top_p < 1.0 {
-        let mut acc = 0.0;
-        let mut keep = 0;
-        for q in &probs {
-            keep += 1;
-            acc += q;
-            if acc >= p.top_p as f64 {
-                break;
-            }
-        }
-        idx.truncate(keep);
-        probs.truncate(keep);
-    }
-    let z: f64 = probs.iter().sum();
-    let mut u = rng.uniform() * z;
-    for (i, q) in idx.iter().zip(&probs) {
-        if u < *q {
-            return *i;
-        }
-        u -= q;
-    }
-    idx[idx.len() - 1]
 }
 
 #[cfg(test)]
@@ -367,6 +457,72 @@ mod tests {
         );
     }
 
+    /// The device's definition is the host sampler without bias and penalties: the same tokens and
+    /// log-probabilities from the same seeds, one uniform per drawn token and none when greedy.
+    #[test]
+    fn device_sampling_picks_as_the_host_sampler_from_the_same_stream() {
+        let logits: Vec<f32> = (0..300).map(|i| (i as f32 * 0.61).sin() * 4.0).collect();
+        let drawn = SamplingParams {
+            temperature: 0.9,
+            ..Default::default()
+        };
+        let cut = SamplingParams {
+            top_k: 40,
+            top_p: 0.8,
+            min_p: 0.02,
+            ..drawn.clone()
+        };
+        for (p, draws) in [(params(), 0), (drawn, 1), (cut, 1)] {
+            assert!(p.samples_on_device());
+            let (mut host, mut device) = (Rng::new(3), Rng::new(3));
+            for _ in 0..20 {
+                let s = sample(&logits, 250, &[], &[], &p, &mut host);
+                let (token, logprob) = DeviceSampling::new(&p, 250, &mut device).pick(&logits);
+                assert_eq!((s.token, s.logprob), (token, logprob));
+                assert!(token < 250);
+            }
+            let mut fresh = Rng::new(3);
+            for _ in 0..20 * draws {
+                fresh.next_u64();
+            }
+            let next = fresh.next_u64();
+            assert_eq!((host.next_u64(), device.next_u64()), (next, next));
+        }
+    }
+
+    #[test]
+    fn only_bias_penalties_and_top_logprobs_keep_sampling_on_the_host() {
+        let on_host = [
+            SamplingParams {
+                logprobs: Some(1),
+                ..params()
+            },
+            SamplingParams {
+                logit_bias: vec![(1, 1.0)],
+                ..params()
+            },
+            SamplingParams {
+                repetition_penalty: 1.1,
+                ..params()
+            },
+            SamplingParams {
+                presence_penalty: 0.5,
+                ..params()
+            },
+            SamplingParams {
+                frequency_penalty: -0.5,
+                ..params()
+            },
+        ];
+        assert!(on_host.iter().all(|p| !p.samples_on_device()));
+        let chosen_only = SamplingParams {
+            logprobs: Some(0),
+            top_k: 5,
+            ..Default::default()
+        };
+        assert!(chosen_only.samples_on_device());
+    }
+
     #[test]
     fn validation() {
         assert!(SamplingParams {
@@ -426,6 +582,6 @@ mod tests {
         assert_eq!(sample(&logits, usize::MAX, &[], &[], &p, &mut Rng::new(0)).token, 2);
         // The reported log-probability is the model's, before the bias.
         let s = sample(&logits, usize::MAX, &[], &[], &p, &mut Rng::new(0));
-        assert!((s.logprob - log_softmax(&logits)[2]).abs() < 1e-6);
+        assert!((s.logprob - (logits[2] - log_normaliser(&logits))).abs() < 1e-6);
     }
 }

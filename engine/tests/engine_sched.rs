@@ -7,7 +7,7 @@ use std::sync::{Mutex, MutexGuard};
 
 use kvlens_engine::backend::cpu::CpuBackend;
 use kvlens_engine::backend::instrumented::{Instrumented, Transfers};
-use kvlens_engine::backend::Backend;
+use kvlens_engine::backend::{block_on, Backend};
 use kvlens_engine::config::ModelConfig;
 use kvlens_engine::engine::{Engine, EngineConfig, FinishReason, ImageInput, Request};
 use kvlens_engine::memory::ledger::{Category, MemoryLedger};
@@ -270,14 +270,16 @@ fn transfers_per_step(layers: usize) -> Vec<Transfers> {
             uploads: after.uploads - before.uploads,
             index_lists: after.index_lists - before.index_lists,
             reads: after.reads - before.reads,
+            read_floats: after.read_floats - before.read_floats,
         });
     }
     per_step
 }
 
 /// A step's metadata crosses to the device once, not once per layer: the same requests give the
-/// same transfers per step with 2 and with 5 layers, and a decode step uploads cos, sin and the
-/// paged metadata only.
+/// same transfers per step with 2 and with 5 layers, and a decode step uploads cos, sin, the
+/// paged metadata and the sampling settings only, and reads back one sampled token (greedy, on
+/// the device: 2 floats).
 #[test]
 fn uploads_per_step_do_not_grow_with_the_layers() {
     let _serial = serial();
@@ -288,9 +290,10 @@ fn uploads_per_step_do_not_grow_with_the_layers() {
     assert_eq!(
         *last,
         Transfers {
-            uploads: 3,
+            uploads: 4,
             index_lists: 2,
-            reads: 1
+            reads: 1,
+            read_floats: 2,
         }
     );
 }
@@ -343,6 +346,171 @@ fn sampling_stays_inside_the_tokenizer_vocabulary() {
     }
     let limited = drain(&mut cut);
     assert!(limited.values().flatten().all(|&t| (t as usize) < top), "{limited:?}");
+}
+
+/// Seeded requests that draw (temperature alone, with top-k and top-p, with min-p and top-p) and
+/// one greedy; `logprobs[i]` asks request i for top log-probabilities, which only the host gives.
+fn seeded_requests(cfg: &ModelConfig, logprobs: [Option<usize>; 4]) -> Vec<Request> {
+    let settings = [
+        (0.0, 0, 1.0, 0.0),
+        (0.9, 0, 1.0, 0.0),
+        (0.8, 20, 0.9, 0.0),
+        (1.2, 0, 0.7, 0.05),
+    ];
+    settings
+        .into_iter()
+        .zip(logprobs)
+        .enumerate()
+        .map(|(i, ((temperature, top_k, top_p, min_p), logprobs))| {
+            let mut r = request(cfg, &format!("s{i}"), 5 + 2 * i, None, 8);
+            r.params = SamplingParams {
+                temperature,
+                top_k,
+                top_p,
+                min_p,
+                seed: Some(40 + i as u64),
+                logprobs,
+                ..r.params
+            };
+            r
+        })
+        .collect()
+}
+
+/// Each request's tokens with their log-probabilities, and per step the floats read per row.
+#[derive(Debug, Default)]
+struct SampledRun {
+    tokens: HashMap<String, Vec<(u32, f32)>>,
+    floats_per_row: Vec<u64>,
+}
+
+/// Steps `e` until done, counting the floats `counter` reads.
+fn run_counted<B: Backend>(e: &mut Engine, counter: &Instrumented<B>) -> SampledRun {
+    let mut run = SampledRun::default();
+    while e.has_unfinished() {
+        let before = counter.transfers().read_floats;
+        let events = e.step().unwrap();
+        if !events.is_empty() {
+            run.floats_per_row
+                .push((counter.transfers().read_floats - before) / events.len() as u64);
+        }
+        for ev in events {
+            run.tokens
+                .entry(ev.id.to_string())
+                .or_default()
+                .push((ev.token, ev.logprob));
+        }
+    }
+    run
+}
+
+/// Logits per row in the sampling tests: a vocabulary small enough for lavapipe to run the lm_head
+/// of every step quickly.
+const SMALL_VOCAB: usize = 4096;
+
+/// Ids the sampler may return in the sampling tests (the rest of a row is padding).
+const ALLOWED: usize = 4000;
+
+/// An engine over `be` with the tiny model cut to [`SMALL_VOCAB`] logits, holding
+/// [`seeded_requests`] with `logprobs`.
+fn seeded_engine<B: Backend>(be: B, logprobs: [Option<usize>; 4]) -> Engine {
+    let mut json: serde_json::Value =
+        serde_json::from_str(include_str!("../../tools/golden/configs/qwen2_vl_tiny.json")).unwrap();
+    json["vocab_size"] = SMALL_VOCAB.into();
+    let cfg = ModelConfig::from_json(&json.to_string()).unwrap();
+    let model = random_model(cfg.clone(), &be);
+    let mut e = engine_over(be, model, 64, 8, ALLOWED);
+    for r in seeded_requests(&cfg, logprobs) {
+        e.add_request(r).unwrap();
+    }
+    e
+}
+
+/// [`seeded_engine`] over `be`, run to the end.
+fn seeded_run<B: Backend + Clone>(be: Instrumented<B>, logprobs: [Option<usize>; 4]) -> SampledRun {
+    let counter = be.clone();
+    run_counted(&mut seeded_engine(be, logprobs), &counter)
+}
+
+/// The same seeded requests sample on the device (no request asks for top log-probabilities: each
+/// step reads 2 floats per row) and on the host (all ask, or one does: each step reads the whole
+/// vocabulary per row): the same tokens and log-probabilities, and the draws vary.
+fn device_and_host_sampling_agree<B: Backend + Clone>(make: impl Fn() -> Instrumented<B>, tol: f32) {
+    let device = seeded_run(make(), [None; 4]);
+    let host = seeded_run(make(), [Some(1); 4]);
+    let mixed = seeded_run(make(), [None, None, Some(2), None]);
+    assert!(
+        device.floats_per_row.iter().all(|&f| f == 2),
+        "{:?}",
+        device.floats_per_row
+    );
+    for run in [&host, &mixed] {
+        let vocab = SMALL_VOCAB as u64;
+        assert!(
+            run.floats_per_row.iter().all(|&f| f == vocab),
+            "{:?}",
+            run.floats_per_row
+        );
+    }
+    for run in [&host, &mixed] {
+        assert_eq!(run.tokens.len(), 4);
+        for (id, want) in &run.tokens {
+            let got = &device.tokens[id];
+            let ids = |t: &[(u32, f32)]| t.iter().map(|x| x.0).collect::<Vec<_>>();
+            assert_eq!(ids(got), ids(want), "{id}");
+            for (g, w) in got.iter().zip(want) {
+                assert!((g.1 - w.1).abs() <= tol, "{id}: logprob {} vs {}", g.1, w.1);
+            }
+        }
+    }
+    for (id, tokens) in &device.tokens {
+        assert!(tokens.iter().all(|t| (t.0 as usize) < ALLOWED), "{id}: {tokens:?}");
+        let distinct: std::collections::HashSet<u32> = tokens.iter().map(|t| t.0).collect();
+        assert!(id == "s0" || distinct.len() > 1, "{id} drew one token: {tokens:?}");
+    }
+}
+
+#[test]
+fn seeded_requests_sample_the_same_tokens_on_the_device_as_on_the_host() {
+    let _serial = serial();
+    device_and_host_sampling_agree(|| Instrumented::new(CpuBackend::new(MemoryLedger::new())), 0.0);
+}
+
+#[cfg(feature = "wgpu")]
+#[test]
+fn seeded_requests_sample_the_same_tokens_on_a_wgpu_device_as_on_the_host() {
+    use kvlens_engine::backend::wgpu::{WgpuBackend, WgpuOptions};
+    let _serial = serial();
+    let make = || {
+        let be = WgpuBackend::new_blocking(MemoryLedger::new(), WgpuOptions::default())
+            .unwrap_or_else(|e| panic!("the wgpu tests need an adapter (lavapipe): {e}"));
+        Instrumented::new(be)
+    };
+    device_and_host_sampling_agree(make, 1e-4);
+}
+
+/// A request aborted while a device-sampled step is in flight (its uniform already drawn) is
+/// skipped when the step completes, and the other requests draw the tokens they draw without it.
+#[test]
+fn aborting_during_a_device_sampled_step_leaves_the_other_requests_draws_alone() {
+    let _serial = serial();
+    let want = seeded_run(Instrumented::new(CpuBackend::new(MemoryLedger::new())), [None; 4]).tokens;
+    let mut e = seeded_engine(CpuBackend::new(MemoryLedger::new()), [None; 4]);
+    e.step().unwrap();
+    let (meta, read) = e.launch().unwrap().unwrap().into_parts();
+    assert!(e.abort(&"s1".into()).unwrap());
+    let events = e.complete(meta, read.map(block_on).transpose()).unwrap();
+    assert_eq!(events.len(), 3);
+    assert!(events.iter().all(|ev| ev.id.to_string() != "s1"));
+    let mut got = drain(&mut e);
+    for (id, tokens) in &want {
+        let ids: Vec<u32> = tokens.iter().map(|t| t.0).collect();
+        if id == "s1" {
+            continue;
+        }
+        let rest = got.remove(id).unwrap_or_default();
+        assert_eq!(ids[2..], rest[..], "{id}");
+    }
 }
 
 /// The heap of this test binary, counted: bytes allocated now and the most at once since a reset.

@@ -5,6 +5,7 @@ mod attention;
 
 use super::{ready, Activation, BResult, Backend, BackendError, KvLayout, PagedBatch, RawDType, RawTensor, Readback};
 use crate::memory::ledger::{Category, Held, MemoryLedger};
+use crate::sample::DeviceSampling;
 use attention::SeqAttention;
 use candle_core::{DType, Device, Tensor, D};
 use std::sync::Arc;
@@ -389,6 +390,22 @@ impl Backend for CpuBackend {
             outs.push(attention::attend(&seq, &self.ledger, attention::TILES).map_err(lib)?);
         }
         self.act(Tensor::cat(&outs, 0))
+    }
+
+    fn sample(&self, logits: &CpuTensor, rows: &[DeviceSampling]) -> BResult<CpuTensor> {
+        let (n, width) = dims2(&logits.t)?;
+        if n != rows.len() || width == 0 {
+            return Err(BackendError::Shape(format!(
+                "sample: {} settings for {n} rows of {width} logits",
+                rows.len()
+            )));
+        }
+        let data = Self::host(logits)?;
+        let picked = rows.iter().zip(data.chunks_exact(width)).flat_map(|(s, row)| {
+            let (token, logprob) = s.pick(row);
+            [token as f32, logprob]
+        });
+        self.upload(picked.collect(), &[n, 2])
     }
 }
 

@@ -4,6 +4,7 @@
 
 use super::{Activation, BResult, Backend, KvLayout, PagedBatch, RawTensor, Readback};
 use crate::memory::ledger::{Category, MemoryLedger};
+use crate::sample::DeviceSampling;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -13,12 +14,14 @@ use std::task::{Context, Poll, Waker};
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Transfers {
     /// Host data handed over: [`Backend::upload`], [`Backend::upload_paged`],
-    /// [`Backend::upload_segments`].
+    /// [`Backend::upload_segments`], and the per-row settings of [`Backend::sample`].
     pub uploads: u64,
     /// Operations that take a host index list (embedding ids, row gathers and scatters).
     pub index_lists: u64,
     /// Reads queued.
     pub reads: u64,
+    /// Floats those reads bring back.
+    pub read_floats: u64,
 }
 
 #[derive(Debug, Default)]
@@ -133,9 +136,11 @@ impl<B: Backend> Backend for Instrumented<B> {
     }
     fn read(&self, t: &Self::Tensor) -> Readback {
         let inner = self.inner.read(t);
+        let floats: usize = self.inner.shape(t).iter().product();
         let mut s = self.state();
         let ticket = s.transfers.reads;
         s.transfers.reads += 1;
+        s.transfers.read_floats += floats as u64;
         if !s.holding {
             s.released = s.transfers.reads;
         }
@@ -231,6 +236,10 @@ impl<B: Backend> Backend for Instrumented<B> {
     ) -> BResult<Self::Tensor> {
         self.inner.paged_attention(cache, layer, q, heads, batch)
     }
+    fn sample(&self, logits: &Self::Tensor, rows: &[DeviceSampling]) -> BResult<Self::Tensor> {
+        self.upload_counted();
+        self.inner.sample(logits, rows)
+    }
 }
 
 #[cfg(test)]
@@ -258,7 +267,8 @@ mod tests {
             Transfers {
                 uploads: 1,
                 index_lists: 0,
-                reads: 1
+                reads: 1,
+                read_floats: 2
             }
         );
     }

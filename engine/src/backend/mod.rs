@@ -11,6 +11,7 @@ pub mod suite;
 pub mod wgpu;
 
 use crate::memory::ledger::MemoryLedger;
+use crate::sample::DeviceSampling;
 pub use readback::{block_on, ready, Readback};
 
 /// Why a backend operation failed.
@@ -285,6 +286,12 @@ pub trait Backend: std::fmt::Debug + 'static {
         heads: usize,
         batch: &Self::Paged,
     ) -> BResult<Self::Tensor>;
+
+    /// Samples one token per row of `logits [rows, vocab]` as `rows[i]` says, where the logits
+    /// are: `[rows, 2]` holding the token id (as f32, exact below 2²⁴) and its log-probability
+    /// under the model. [`DeviceSampling::pick`] is the definition; a decode step then reads two
+    /// floats per sequence instead of a vocabulary's worth.
+    fn sample(&self, logits: &Self::Tensor, rows: &[DeviceSampling]) -> BResult<Self::Tensor>;
 }
 
 #[cfg(test)]

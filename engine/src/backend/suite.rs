@@ -4,6 +4,7 @@
 
 use super::{block_on, Activation, Backend, KvLayout, PagedBatch, PagedSeq};
 use crate::memory::ledger::Category;
+use crate::sample::{DeviceSampling, Rng};
 
 /// Declares one `#[test]` per suite function for the backend `$make` builds.
 #[macro_export]
@@ -14,7 +15,8 @@ macro_rules! backend_suite {
             paged_attention_matches_dense_causal_attention,
             chunked_segment_attention_matches_a_direct_softmax,
             rope_rotates_halves_and_segments_stay_apart,
-            rows_gather_scatter_and_concat);
+            rows_gather_scatter_and_concat,
+            sampling_matches_the_host_definition);
     };
     (@tests $make:expr; $($name:ident),*) => {
         $(
@@ -190,4 +192,130 @@ pub fn rows_gather_scatter_and_concat<B: Backend>(b: &B) {
         0.0,
     );
     assert_eq!(b.shape(&b.reshape(&x, 2, 3).unwrap()), vec![2, 3]);
+}
+
+/// `(temperature, top_k, top_p, min_p)`: greedy, temperature alone, and the cut-offs alone and
+/// together (top-k 1, top-k past the vocabulary, Qwen's defaults).
+const SAMPLING_GRID: [(f32, usize, f32, f32); 9] = [
+    (0.0, 0, 1.0, 0.0),
+    (1.0, 0, 1.0, 0.0),
+    (0.7, 20, 0.8, 0.0),
+    (1.0, 50, 1.0, 0.0),
+    (0.8, 0, 0.9, 0.0),
+    (1.0, 0, 1.0, 0.05),
+    (1.3, 5, 0.95, 0.02),
+    (0.5, 1 << 20, 1.0, 0.0),
+    (1.0, 1, 1.0, 0.0),
+];
+
+/// A logits row of `width`: spread values, or (`ties`) values on a coarse grid so that many are
+/// equal and the cut-offs fall inside runs of equal logits.
+fn logits_row(width: usize, ties: bool, rng: &mut Rng) -> Vec<f32> {
+    (0..width)
+        .map(|_| {
+            let v = (rng.uniform() * 2.0 - 1.0) as f32 * 6.0;
+            if ties {
+                (v * 2.0).round() / 4.0
+            } else {
+                v
+            }
+        })
+        .collect()
+}
+
+/// Whether the host's choice for `row` moves when the uniform, temperature, top-p or min-p moves
+/// by a relative 1e-5: a near-tie that f32 on a device may resolve the other way.
+fn near_tie(row: &[f32], s: &DeviceSampling) -> bool {
+    let token = s.pick(row).0;
+    [1.0 - 1e-5, 1.0 + 1e-5].iter().any(|&f| {
+        let moved = [
+            DeviceSampling {
+                u: (s.u * f).min(1.0 - 1e-12),
+                ..*s
+            },
+            DeviceSampling {
+                temperature: s.temperature * f as f32,
+                ..*s
+            },
+            DeviceSampling {
+                top_p: (s.top_p * f as f32).min(1.0),
+                ..*s
+            },
+            DeviceSampling {
+                min_p: s.min_p * f as f32,
+                ..*s
+            },
+        ];
+        moved.iter().any(|m| m.pick(row).0 != token)
+    })
+}
+
+/// Samples `row` once per setting of [`SAMPLING_GRID`] with seeded uniforms and checks each
+/// against [`DeviceSampling::pick`]: the log-probability within 1e-4, the token the same or, on a
+/// near-tie, the other side of it. Returns how many tokens differ.
+fn sample_grid<B: Backend>(b: &B, row: &[f32], allowed: usize, rng: &mut Rng) -> usize {
+    let width = row.len();
+    let settings: Vec<DeviceSampling> = SAMPLING_GRID
+        .iter()
+        .map(|&(temperature, top_k, top_p, min_p)| DeviceSampling {
+            temperature,
+            top_k,
+            top_p,
+            min_p,
+            allowed,
+            u: rng.uniform(),
+        })
+        .collect();
+    let rows = row.repeat(settings.len());
+    let got = host(b, &b.sample(&t(b, &rows, settings.len(), width), &settings).unwrap());
+    assert_eq!(got.len(), settings.len() * 2);
+    let mut differ = 0;
+    for (s, got) in settings.iter().zip(got.chunks_exact(2)) {
+        let (token, logprob) = s.pick(row);
+        let got_token = got[0] as usize;
+        assert!(
+            got_token < allowed.min(width),
+            "width {width}: token {got_token} past {allowed}"
+        );
+        // The host's normaliser is its token's logit minus its log-probability.
+        let want = row[got_token] - (row[token as usize] - logprob);
+        assert!(
+            (got[1] - want).abs() < 1e-4,
+            "width {width}, {s:?}: logprob {} vs {want}",
+            got[1]
+        );
+        if got_token != token as usize {
+            assert!(
+                near_tie(row, s),
+                "width {width}, {s:?}: token {got_token}, host {token}"
+            );
+            differ += 1;
+        }
+    }
+    differ
+}
+
+/// [`Backend::sample`] against the host's definition on random rows at awkward widths (ids past
+/// `allowed` never chosen), spread or with runs of equal logits (where a top-p share can equal the
+/// cut-off exactly), over `SAMPLING_GRID`: see `sample_grid`; at most 5 % of tokens differ.
+pub fn sampling_matches_the_host_definition<B: Backend>(b: &B) {
+    let mut rng = Rng::new(11);
+    let (mut draws, mut differ) = (0, [0; 2]);
+    for (width, allowed, rows) in [(1, 1, 2), (7, 5, 4), (1000, 1000, 6), (151_936, 151_643, 2)] {
+        for r in 0..rows {
+            let ties = r % 2 == 1;
+            let row = logits_row(width, ties, &mut rng);
+            differ[ties as usize] += sample_grid(b, &row, allowed, &mut rng);
+            draws += SAMPLING_GRID.len();
+        }
+    }
+    println!(
+        "sample: of {draws} tokens, {} differ from the host's on spread rows, {} on rows with ties",
+        differ[0], differ[1]
+    );
+    assert!(
+        (differ[0] + differ[1]) * 20 <= draws,
+        "{differ:?} of {draws} tokens differ"
+    );
+    assert!(b.sample(&t(b, &[0.0; 4], 2, 2), &[]).is_err());
 }

@@ -15,6 +15,7 @@ pub(super) enum Kernel {
     Matmul,
     Attention,
     KvWrite,
+    Sample,
 }
 
 /// How stored weights are read by a kernel that reads them.
@@ -49,6 +50,7 @@ impl Kernel {
             Kernel::Matmul => include_str!("kernels/matmul.wgsl"),
             Kernel::Attention => include_str!("kernels/attention.wgsl"),
             Kernel::KvWrite => include_str!("kernels/kv_write.wgsl"),
+            Kernel::Sample => include_str!("kernels/sample.wgsl"),
         }
     }
 

@@ -21,6 +21,7 @@ pub use device::WgpuOptions;
 use super::{Activation, BResult, Backend, BackendError, KvLayout, PagedBatch, RawDType, RawTensor, Readback};
 use crate::fault::ledger_summary;
 use crate::memory::ledger::{Category, MemoryLedger};
+use crate::sample::DeviceSampling;
 use device::Gpu;
 use kernels::{grid, params, Kernel, Pipelines, WeightElem};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -1019,6 +1020,53 @@ impl Backend for WgpuBackend {
             rows,
         )
     }
+
+    fn sample(&self, logits: &WgpuTensor, rows: &[DeviceSampling]) -> BResult<WgpuTensor> {
+        let (n, width) = dims2(logits)?;
+        if n != rows.len() || width == 0 {
+            return Err(shape_err(format!(
+                "sample: {} settings for {n} rows of {width} logits",
+                rows.len()
+            )));
+        }
+        let logits = self.as_f32(logits)?;
+        let settings = sample_settings(rows);
+        let settings = self.owned(settings.len() as u64, Category::Activations, Some(&settings))?;
+        let out = self.scratch(n * 2)?;
+        let binds = [
+            (1, logits.single().expect("f32")),
+            (2, &settings.buffer),
+            (3, &out.buffer),
+        ];
+        let words = [n as u32, width as u32];
+        self.dispatch(Kernel::Sample, None, "main", &words, &binds, grid(n as u64))?;
+        Ok(self.tensor(out, vec![n, 2]))
+    }
+}
+
+/// The per-row settings `kernels/sample.wgsl` reads: mode (0 greedy, 1 temperature alone, 2 with
+/// cut-offs), top-k, allowed ids, temperature, top-p, min-p, the uniform (below 1 in f32 too), pad.
+fn sample_settings(rows: &[DeviceSampling]) -> Vec<u8> {
+    let below_one = 1.0 - f32::EPSILON / 2.0;
+    let words = rows.iter().flat_map(|s| {
+        let mode = match (s.is_greedy(), s.has_cutoffs()) {
+            (true, _) => 0,
+            (false, false) => 1,
+            (false, true) => 2,
+        };
+        let clamp = |v: usize| v.min(u32::MAX as usize) as u32;
+        [
+            mode,
+            clamp(s.top_k),
+            clamp(s.allowed),
+            s.temperature.to_bits(),
+            s.top_p.to_bits(),
+            s.min_p.to_bits(),
+            (s.u as f32).min(below_one).to_bits(),
+            0,
+        ]
+    });
+    words.flat_map(u32::to_le_bytes).collect()
 }
 
 /// Keys and values an attention call reads: activations (the vision tower) or cache buffers.
