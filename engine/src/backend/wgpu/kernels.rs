@@ -29,7 +29,7 @@ pub(super) enum WeightElem {
 
 impl Kernel {
     /// Every kernel family (what [`check_all`] compiles).
-    pub const ALL: [Kernel; 8] = [
+    pub const ALL: [Kernel; 9] = [
         Kernel::Elementwise,
         Kernel::Rows,
         Kernel::Embedding,
@@ -38,6 +38,7 @@ impl Kernel {
         Kernel::Matmul,
         Kernel::Attention,
         Kernel::KvWrite,
+        Kernel::Sample,
     ];
 
     fn source(self) -> &'static str {

@@ -66,7 +66,7 @@ struct Scan {
 }
 
 const NONE: u32 = 0xffffffffu;
-const LOWEST: f32 = -3.4028235e38;
+const LOWEST: f32 = -3.4028234e38;
 // A scale for `crossing` that stands for the set's own total weight.
 const TOTAL: f32 = -1.0;
 
