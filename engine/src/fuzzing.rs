@@ -13,7 +13,7 @@ use crate::memory::ledger::MemoryLedger;
 use crate::memory::log_budget::{header_settings, rebuild, what_if, DeviceTotal};
 use crate::memory::vllm_log::parse_vllm_log;
 use crate::memory::{device_preset, plan, MmLimits, PlanRequest};
-use crate::model::weights::{Loader, SafetensorsFiles, TensorSource};
+use crate::model::weights::{Loader, SafetensorsFiles};
 
 /// A harness: returns on every input, panics on a bug.
 pub type Harness = fn(&[u8]);
