@@ -3,6 +3,7 @@
 pub mod random_weights;
 pub mod rope;
 pub mod spec;
+pub mod stream;
 pub mod text;
 pub mod vision;
 pub mod weights;
@@ -43,8 +44,8 @@ pub struct QwenVl<B: Backend> {
 
 impl<B: Backend> QwenVl<B> {
     /// Loads every weight from `source` (checkpoint bytes, or tensors converted as a checkpoint
-    /// streamed in); `progress` is called after the vision tower and the decoder with (tensors,
-    /// bytes) loaded so far.
+    /// streamed in: [`stream::StreamLoader`]); `progress` is called after the vision tower and the
+    /// decoder with (tensors, bytes) loaded so far.
     pub fn load<S: TensorSource<B>>(
         cfg: ModelConfig,
         source: &S,

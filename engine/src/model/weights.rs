@@ -1,5 +1,5 @@
 //! Checkpoint tensors: safetensors files handed in as bytes (memory-mapped by the caller) or tensors
-//! already converted as a checkpoint streamed in, looked up under either
+//! already converted as a checkpoint streamed in ([`super::stream`]), looked up under either
 //! [`CheckpointLayout`]'s prefixes whatever the family (transformers has saved both), checked
 //! against the shapes of the model's [`TensorSpec`]s.
 
