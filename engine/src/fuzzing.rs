@@ -13,7 +13,8 @@ use crate::memory::ledger::MemoryLedger;
 use crate::memory::log_budget::{header_settings, rebuild, what_if, DeviceTotal};
 use crate::memory::vllm_log::parse_vllm_log;
 use crate::memory::{device_preset, plan, MmLimits, PlanRequest};
-use crate::model::weights::{Loader, SafetensorsFiles, TensorSource};
+use crate::model::stream::StreamLoader;
+use crate::model::weights::{Loader, SafetensorsFiles};
 
 /// A harness: returns on every input, panics on a bug.
 pub type Harness = fn(&[u8]);
@@ -61,18 +62,33 @@ pub fn image(data: &[u8]) {
 }
 
 /// A safetensors file: header and tensor table parsed, then every tensor loaded onto the CPU
-/// backend at its stored shape (the checks `Loader::get` makes before it copies).
+/// backend at its stored shape (the checks `Loader::get` makes before it copies); then the same
+/// bytes streamed in 7-byte chunks as the one shard of the tiny Qwen2-VL test model, whose largest
+/// tensor (19 MiB) is the most a stream may gather.
 pub fn safetensors(data: &[u8]) {
     let shards = [("model.safetensors".to_string(), data)];
-    let Ok(files) = SafetensorsFiles::parse(&shards) else {
+    let backend = CpuBackend::new(MemoryLedger::new());
+    if let Ok(files) = SafetensorsFiles::parse(&shards) {
+        let loader = Loader::new(&files, &backend);
+        for name in files.names() {
+            if let Ok(Some(raw)) = files.raw(name) {
+                let _ = loader.get(name, &raw.shape);
+            }
+        }
+    }
+    static TINY: OnceLock<ModelConfig> = OnceLock::new();
+    let tiny = TINY.get_or_init(|| {
+        ModelConfig::from_json(include_str!("../../tools/golden/configs/qwen2_vl_tiny.json"))
+            .unwrap_or_else(|e| panic!("tiny Qwen2-VL config: {e}"))
+    });
+    let Ok(mut stream) = StreamLoader::new(tiny.clone(), &backend, |_, _| {}) else {
         return;
     };
-    let backend = CpuBackend::new(MemoryLedger::new());
-    let loader = Loader::new(&files, &backend);
-    for name in files.names() {
-        if let Ok(Some(raw)) = files.raw(name) {
-            let _ = loader.get(name, &raw.shape);
-        }
+    let fed = stream
+        .begin_shard("model.safetensors")
+        .and_then(|()| data.chunks(7).try_for_each(|c| stream.push(c)));
+    if fed.is_ok() {
+        let _ = stream.finish();
     }
 }
 

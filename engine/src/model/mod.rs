@@ -3,6 +3,7 @@
 pub mod random_weights;
 pub mod rope;
 pub mod spec;
+pub mod stream;
 pub mod text;
 pub mod vision;
 pub mod weights;
@@ -42,19 +43,16 @@ pub struct QwenVl<B: Backend> {
 }
 
 impl<B: Backend> QwenVl<B> {
-    /// Loads every weight from `source`; `progress` is called after the vision tower and the decoder
-    /// with (tensors, bytes) loaded so far.
-    pub fn load<S: TensorSource>(
+    /// Loads every weight from `source` (checkpoint bytes, or tensors converted as a checkpoint
+    /// streamed in: [`stream::StreamLoader`]); `progress` is called after the vision tower and the
+    /// decoder with (tensors, bytes) loaded so far.
+    pub fn load<S: TensorSource<B>>(
         cfg: ModelConfig,
         source: &S,
         be: &B,
         mut progress: impl FnMut(usize, u64),
     ) -> Result<Self, ModelError> {
-        if cfg.text.moe.is_some() {
-            return Err(ModelError::Unsupported(
-                "Qwen3-VL-MoE (qwen3_vl_moe) inference is not supported yet; `kvlens plan` supports it".into(),
-            ));
-        }
+        check_supported(&cfg)?;
         let loader = Loader::new(source, be);
         let vision = VisionTower::load(&cfg, &loader, be)?;
         let (n, bytes) = loader.progress();
@@ -64,4 +62,14 @@ impl<B: Backend> QwenVl<B> {
         progress(n, bytes);
         Ok(QwenVl { cfg, vision, text })
     }
+}
+
+/// Refuses the models the forward pass cannot run, before any weight is read.
+fn check_supported(cfg: &ModelConfig) -> Result<(), ModelError> {
+    if cfg.text.moe.is_some() {
+        return Err(ModelError::Unsupported(
+            "Qwen3-VL-MoE (qwen3_vl_moe) inference is not supported yet; `kvlens plan` supports it".into(),
+        ));
+    }
+    Ok(())
 }

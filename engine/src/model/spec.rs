@@ -67,6 +67,9 @@ pub struct TensorSpec {
     pub group: &'static str,
     /// How random checkpoints draw it.
     pub init: Init,
+    /// The model reads it into host floats instead of loading it onto the backend (Qwen3-VL's
+    /// learned position table, which it interpolates per image on the host).
+    pub host: bool,
 }
 
 impl TensorSpec {
@@ -251,6 +254,8 @@ struct Builder<'a> {
     out: &'a mut Vec<TensorSpec>,
     dtype: DType,
     part: Part,
+    /// Whether the tensors created now are read to the host ([`TensorSpec::host`]).
+    host: bool,
 }
 
 impl<'a> Builder<'a> {
@@ -259,6 +264,7 @@ impl<'a> Builder<'a> {
             out,
             dtype: cfg.dtype,
             part,
+            host: false,
         }
     }
 
@@ -271,6 +277,7 @@ impl<'a> Builder<'a> {
             part: self.part,
             group,
             init,
+            host: self.host,
         };
         self.out.push(t.clone());
         t
@@ -391,6 +398,7 @@ fn vision(cfg: &ModelConfig, out: &mut Vec<TensorSpec>) -> VisionSpec {
             Init::Normal,
         )
     });
+    b.host = true;
     let pos_embed = (v.num_position_embeddings > 0).then(|| {
         b.weight(
             &format!("{p}.pos_embed"),
@@ -399,6 +407,7 @@ fn vision(cfg: &ModelConfig, out: &mut Vec<TensorSpec>) -> VisionSpec {
             "pos_embed",
         )
     });
+    b.host = false;
     let mut blocks = Vec::with_capacity(v.depth);
     for n in 0..v.depth {
         let k = format!("{p}.blocks.{n}");

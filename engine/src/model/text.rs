@@ -51,7 +51,7 @@ pub struct TextModel<B: Backend> {
 
 impl<B: Backend> TextModel<B> {
     /// Loads the decoder's weights, named and shaped by its [`TextSpec`].
-    pub fn load<S: TensorSource>(cfg: &ModelConfig, l: &Loader<'_, '_, S, B>) -> Result<Self, ModelError> {
+    pub fn load<S: TensorSource<B>>(cfg: &ModelConfig, l: &Loader<'_, '_, S, B>) -> Result<Self, ModelError> {
         let spec = TextSpec::new(cfg);
         let proj = |p: &Projection| -> Result<(B::Tensor, Option<B::Tensor>), ModelError> {
             Ok((l.load(&p.weight)?, p.bias.as_ref().map(|b| l.load(b)).transpose()?))
@@ -82,7 +82,7 @@ impl<B: Backend> TextModel<B> {
         }
         // Tied models ship no lm_head; a missing lm_head is treated as tied too.
         let lm_head = match &spec.lm_head {
-            Some(head) if l.has(head)? => Some(l.load(head)?),
+            Some(head) if l.has(head) => Some(l.load(head)?),
             _ => None,
         };
         Ok(TextModel {

@@ -19,7 +19,7 @@ enum Norm<B: Backend> {
 }
 
 impl<B: Backend> Norm<B> {
-    fn load<S: TensorSource>(l: &Loader<'_, '_, S, B>, spec: &NormSpec) -> Result<Self, ModelError> {
+    fn load<S: TensorSource<B>>(l: &Loader<'_, '_, S, B>, spec: &NormSpec) -> Result<Self, ModelError> {
         Ok(match spec {
             NormSpec::Layer(a) => Norm::Layer {
                 w: l.load(&a.weight)?,
@@ -45,7 +45,7 @@ struct Linear<B: Backend> {
 }
 
 impl<B: Backend> Linear<B> {
-    fn load<S: TensorSource>(l: &Loader<'_, '_, S, B>, spec: &Affine) -> Result<Self, ModelError> {
+    fn load<S: TensorSource<B>>(l: &Loader<'_, '_, S, B>, spec: &Affine) -> Result<Self, ModelError> {
         Ok(Linear {
             w: l.load(&spec.weight)?,
             b: l.load(&spec.bias)?,
@@ -129,7 +129,7 @@ pub struct VisionTower<B: Backend> {
 }
 
 impl<B: Backend> Merger<B> {
-    fn load<S: TensorSource>(
+    fn load<S: TensorSource<B>>(
         l: &Loader<'_, '_, S, B>,
         spec: &MergerSpec,
         post_shuffle: bool,
@@ -146,7 +146,7 @@ impl<B: Backend> Merger<B> {
 impl<B: Backend> VisionTower<B> {
     /// Loads the tower's weights, named and shaped by its [`VisionSpec`]. The learned position
     /// table is read straight to the host, where it is interpolated.
-    pub fn load<S: TensorSource>(cfg: &ModelConfig, l: &Loader<'_, '_, S, B>, be: &B) -> Result<Self, ModelError> {
+    pub fn load<S: TensorSource<B>>(cfg: &ModelConfig, l: &Loader<'_, '_, S, B>, be: &B) -> Result<Self, ModelError> {
         let v = &cfg.vision;
         let spec = VisionSpec::new(cfg);
         let patch_w = be.reshape(&l.load(&spec.patch_weight)?, v.hidden_size, v.patch_dim())?;

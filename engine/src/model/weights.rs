@@ -1,6 +1,7 @@
-//! Checkpoint tensors: safetensors files handed in as bytes (memory-mapped by the caller), looked
-//! up under either [`CheckpointLayout`]'s prefixes whatever the family (transformers has saved both),
-//! checked against the shapes of the model's [`TensorSpec`]s.
+//! Checkpoint tensors: safetensors files handed in as bytes (memory-mapped by the caller) or tensors
+//! already converted as a checkpoint streamed in ([`super::stream`]), looked up under either
+//! [`CheckpointLayout`]'s prefixes whatever the family (transformers has saved both), checked
+//! against the shapes of the model's [`TensorSpec`]s.
 
 use super::spec::TensorSpec;
 use super::ModelError;
@@ -8,10 +9,41 @@ use crate::backend::{Backend, RawDType, RawTensor};
 use crate::config::CheckpointLayout;
 use std::collections::HashMap;
 
+/// A checkpoint tensor as a [`TensorSource`] hands it to the [`Loader`].
+#[derive(Debug)]
+pub enum Stored<'a, B: Backend> {
+    /// Its bytes as stored; the loader converts them.
+    Raw(RawTensor<'a>),
+    /// Converted already, as the checkpoint streamed in.
+    Loaded(Loaded<B>),
+}
+
+/// A tensor converted as the checkpoint streamed in.
+#[derive(Debug)]
+pub struct Loaded<B: Backend> {
+    /// Its shape in the checkpoint.
+    pub shape: Vec<usize>,
+    /// Its bytes in the checkpoint.
+    pub bytes: u64,
+    /// What it was converted to.
+    pub value: Weight<B>,
+}
+
+/// Where a converted tensor lives.
+#[derive(Debug)]
+pub enum Weight<B: Backend> {
+    /// On the backend ([`Backend::load_weight`]).
+    Backend(B::Tensor),
+    /// Host floats, for the tensors the model reads on the host ([`TensorSpec::host`]).
+    Host(Vec<f32>),
+}
+
 /// Where checkpoint tensors come from.
-pub trait TensorSource {
-    /// The tensor stored under exactly `name`, if any.
-    fn raw(&self, name: &str) -> Result<Option<RawTensor<'_>>, ModelError>;
+pub trait TensorSource<B: Backend> {
+    /// Whether a tensor is stored under exactly `name`.
+    fn contains(&self, name: &str) -> bool;
+    /// The tensor stored under exactly `name`, if any. A source may hand each tensor out only once.
+    fn fetch(&self, name: &str) -> Result<Option<Stored<'_, B>>, ModelError>;
 }
 
 /// One or more safetensors files (shards) parsed in place.
@@ -41,37 +73,48 @@ impl<'a> SafetensorsFiles<'a> {
     pub fn names(&self) -> impl Iterator<Item = &str> {
         self.index.keys().map(String::as_str)
     }
-}
 
-impl TensorSource for SafetensorsFiles<'_> {
-    fn raw(&self, name: &str) -> Result<Option<RawTensor<'_>>, ModelError> {
+    /// The bytes stored under exactly `name`, if any.
+    pub fn raw(&self, name: &str) -> Result<Option<RawTensor<'_>>, ModelError> {
         let Some(&i) = self.index.get(name) else {
             return Ok(None);
         };
         let view = self.files[i]
             .tensor(name)
             .map_err(|e| ModelError::Checkpoint(format!("{name}: {e}")))?;
-        let dtype = match view.dtype() {
-            safetensors::Dtype::F32 => RawDType::F32,
-            safetensors::Dtype::F16 => RawDType::F16,
-            safetensors::Dtype::BF16 => RawDType::Bf16,
-            other => {
-                return Err(ModelError::Checkpoint(format!(
-                    "{name}: dtype {other:?} is not supported (f32, f16, bf16)"
-                )))
-            }
-        };
         Ok(Some(RawTensor {
-            dtype,
+            dtype: raw_dtype(name, view.dtype())?,
             shape: view.shape().to_vec(),
             data: view.data(),
         }))
     }
 }
 
+impl<B: Backend> TensorSource<B> for SafetensorsFiles<'_> {
+    fn contains(&self, name: &str) -> bool {
+        self.index.contains_key(name)
+    }
+
+    fn fetch(&self, name: &str) -> Result<Option<Stored<'_, B>>, ModelError> {
+        Ok(self.raw(name)?.map(Stored::Raw))
+    }
+}
+
+/// The dtype of checkpoint tensor `name`, if the engine reads it.
+pub(super) fn raw_dtype(name: &str, dtype: safetensors::Dtype) -> Result<RawDType, ModelError> {
+    match dtype {
+        safetensors::Dtype::F32 => Ok(RawDType::F32),
+        safetensors::Dtype::F16 => Ok(RawDType::F16),
+        safetensors::Dtype::BF16 => Ok(RawDType::Bf16),
+        other => Err(ModelError::Checkpoint(format!(
+            "{name}: dtype {other:?} is not supported (f32, f16, bf16)"
+        ))),
+    }
+}
+
 /// The spellings a tensor name may have: as given, and under the other [`CheckpointLayout`]'s
 /// prefix (the longest matching prefix decides the tower, so `model.visual.x` is a vision tensor).
-fn spellings(name: &str) -> Vec<String> {
+pub(super) fn spellings(name: &str) -> Vec<String> {
     let mut out = vec![name.to_string()];
     let towers: [fn(CheckpointLayout) -> &'static str; 2] =
         [CheckpointLayout::vision_prefix, CheckpointLayout::text_prefix];
@@ -91,8 +134,18 @@ fn spellings(name: &str) -> Vec<String> {
     out
 }
 
+/// Checks that checkpoint tensor `name` has the shape the config implies.
+pub(super) fn check_shape(name: &str, found: &[usize], want: &[usize]) -> Result<(), ModelError> {
+    if found == want {
+        return Ok(());
+    }
+    Err(ModelError::Checkpoint(format!(
+        "tensor {name} has shape {found:?}, the config implies {want:?}"
+    )))
+}
+
 /// Converts checkpoint bytes to host floats (f16 and bf16 widen exactly).
-fn host_f32(raw: &RawTensor<'_>) -> Vec<f32> {
+pub(super) fn host_f32(raw: &RawTensor<'_>) -> Vec<f32> {
     match raw.dtype {
         RawDType::F32 => raw
             .data
@@ -117,11 +170,11 @@ fn host_f32(raw: &RawTensor<'_>) -> Vec<f32> {
 pub struct Loader<'s, 'b, S, B> {
     source: &'s S,
     backend: &'b B,
-    /// Called after each tensor with (tensors loaded so far, bytes loaded so far).
+    /// Tensors and bytes loaded so far.
     loaded: std::cell::Cell<(usize, u64)>,
 }
 
-impl<'s, 'b, S: TensorSource, B: Backend> Loader<'s, 'b, S, B> {
+impl<'s, 'b, S: TensorSource<B>, B: Backend> Loader<'s, 'b, S, B> {
     /// A loader reading from `source` onto `backend`.
     pub fn new(source: &'s S, backend: &'b B) -> Self {
         Loader {
@@ -137,59 +190,83 @@ impl<'s, 'b, S: TensorSource, B: Backend> Loader<'s, 'b, S, B> {
     }
 
     /// Whether the checkpoint has `spec` under any spelling.
-    pub fn has(&self, spec: &TensorSpec) -> Result<bool, ModelError> {
-        for n in spellings(&spec.name) {
-            if self.source.raw(&n)?.is_some() {
-                return Ok(true);
-            }
-        }
-        Ok(false)
+    pub fn has(&self, spec: &TensorSpec) -> bool {
+        spellings(&spec.name).iter().any(|n| self.source.contains(n))
     }
 
     /// Loads `name` (any spelling) onto the backend, requiring exactly `shape`.
     pub fn get(&self, name: &str, shape: &[usize]) -> Result<B::Tensor, ModelError> {
-        Ok(self.backend.load_weight(self.raw(name, shape)?)?)
+        match self.fetch(name, shape)? {
+            Stored::Raw(raw) => Ok(self.backend.load_weight(raw)?),
+            Stored::Loaded(Loaded {
+                value: Weight::Backend(t),
+                ..
+            }) => Ok(t),
+            Stored::Loaded(_) => Err(misplaced(name, "host floats", "the backend")),
+        }
     }
 
     /// Loads `spec` (any spelling) onto the backend.
     pub fn load(&self, spec: &TensorSpec) -> Result<B::Tensor, ModelError> {
+        debug_assert!(!spec.host, "{} is read to the host", spec.name);
         self.get(&spec.name, &spec.shape)
     }
 
     /// Reads `spec` (any spelling) into host floats, without the backend.
     pub fn host(&self, spec: &TensorSpec) -> Result<Vec<f32>, ModelError> {
-        Ok(host_f32(&self.raw(&spec.name, &spec.shape)?))
+        debug_assert!(spec.host, "{} is not marked as read to the host", spec.name);
+        match self.fetch(&spec.name, &spec.shape)? {
+            Stored::Raw(raw) => Ok(host_f32(&raw)),
+            Stored::Loaded(Loaded {
+                value: Weight::Host(v), ..
+            }) => Ok(v),
+            Stored::Loaded(_) => Err(misplaced(&spec.name, "the backend", "host floats")),
+        }
     }
 
-    /// The checkpoint's bytes of `name`, checked against `shape` and counted as loaded.
-    fn raw(&self, name: &str, shape: &[usize]) -> Result<RawTensor<'s>, ModelError> {
+    /// The tensor `name` under its first spelling present, checked against `shape` and counted as
+    /// loaded.
+    fn fetch(&self, name: &str, shape: &[usize]) -> Result<Stored<'s, B>, ModelError> {
         for n in spellings(name) {
-            if let Some(raw) = self.source.raw(&n)? {
-                if raw.shape != shape {
-                    return Err(ModelError::Checkpoint(format!(
-                        "tensor {n} has shape {:?}, the config implies {shape:?}",
-                        raw.shape
-                    )));
+            let Some(stored) = self.source.fetch(&n)? else {
+                continue;
+            };
+            let bytes = match &stored {
+                Stored::Raw(raw) => {
+                    check_shape(&n, &raw.shape, shape)?;
+                    let elem = match raw.dtype {
+                        RawDType::F32 => 4,
+                        RawDType::F16 | RawDType::Bf16 => 2,
+                    };
+                    if raw.data.len() != shape.iter().product::<usize>() * elem {
+                        return Err(ModelError::Checkpoint(format!(
+                            "tensor {n} has {} bytes for shape {shape:?}",
+                            raw.data.len()
+                        )));
+                    }
+                    raw.data.len() as u64
                 }
-                let elem = match raw.dtype {
-                    RawDType::F32 => 4,
-                    RawDType::F16 | RawDType::Bf16 => 2,
-                };
-                if raw.data.len() != shape.iter().product::<usize>() * elem {
-                    return Err(ModelError::Checkpoint(format!(
-                        "tensor {n} has {} bytes for shape {shape:?}",
-                        raw.data.len()
-                    )));
+                Stored::Loaded(l) => {
+                    check_shape(&n, &l.shape, shape)?;
+                    l.bytes
                 }
-                let (count, total) = self.loaded.get();
-                self.loaded.set((count + 1, total + raw.data.len() as u64));
-                return Ok(raw);
-            }
+            };
+            let (count, total) = self.loaded.get();
+            self.loaded.set((count + 1, total + bytes));
+            return Ok(stored);
         }
         Err(ModelError::Checkpoint(format!(
             "tensor {name} is missing from the checkpoint"
         )))
     }
+}
+
+/// A streamed tensor converted for the other place than the one the model reads it from: the
+/// model's loading code and [`TensorSpec::host`] disagree.
+fn misplaced(name: &str, converted: &str, read: &str) -> ModelError {
+    ModelError::Checkpoint(format!(
+        "tensor {name} was converted to {converted} as it streamed in, but the model reads it from {read}"
+    ))
 }
 
 #[cfg(test)]
