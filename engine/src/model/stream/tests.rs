@@ -89,10 +89,11 @@ fn logits<B: Backend>(be: B, model: QwenVl<B>) -> Vec<f32> {
                     at: 2,
                 }],
                 logit_rows: 8,
+                sampling: None,
             }],
         })
         .unwrap();
-    block_on(step.logits.unwrap()).unwrap()
+    block_on(step.read.unwrap()).unwrap()
 }
 
 /// The bytes of the largest tensor of `specs`.
