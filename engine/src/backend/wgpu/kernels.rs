@@ -127,14 +127,7 @@ pub(super) async fn check_all(device: &wgpu::Device) -> Result<usize, Vec<String
             }
             for entry in kernel.entry_points() {
                 let scope = device.push_error_scope(wgpu::ErrorFilter::Validation);
-                let _pipeline = device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
-                    label: Some(entry),
-                    layout: None,
-                    module: &module,
-                    entry_point: Some(entry),
-                    compilation_options: Default::default(),
-                    cache: None,
-                });
+                let _pipeline = pipeline(device, &module, entry);
                 match scope.pop().await {
                     Some(e) => errors.push(format!("{what}, entry point {entry}: {e}")),
                     None => compiled += 1,
@@ -147,6 +140,18 @@ pub(super) async fn check_all(device: &wgpu::Device) -> Result<usize, Vec<String
     } else {
         Err(errors)
     }
+}
+
+/// The pipeline of one entry point of a module, its bind-group layout derived from the shader.
+fn pipeline(device: &wgpu::Device, module: &wgpu::ShaderModule, entry: &str) -> wgpu::ComputePipeline {
+    device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+        label: Some(entry),
+        layout: None,
+        module,
+        entry_point: Some(entry),
+        compilation_options: Default::default(),
+        cache: None,
+    })
 }
 
 /// What a pipeline is compiled for: kernel, weight format, entry point.
@@ -174,14 +179,7 @@ impl Pipelines {
                     label: Some(entry),
                     source: wgpu::ShaderSource::Wgsl(kernel.module_source(weights).into()),
                 });
-                Arc::new(device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
-                    label: Some(entry),
-                    layout: None,
-                    module: &module,
-                    entry_point: Some(entry),
-                    compilation_options: Default::default(),
-                    cache: None,
-                }))
+                Arc::new(pipeline(device, &module, entry))
             })
             .clone()
     }
