@@ -24,6 +24,16 @@ use std::sync::{Arc, Mutex};
 use storage::{size_class, Buf, Pool, STORAGE};
 use wgpu::util::DeviceExt;
 
+/// Output columns per workgroup of the `gemv` kernels (`GEMV_COLS` in `kernels/matmul.wgsl`).
+const GEMV_COLS: usize = 4;
+/// Most rows of x one `gemv_rows` dispatch takes (`GEMV_ROWS` in `kernels/matmul.wgsl`).
+const GEMV_CHUNK: usize = 8;
+/// Up to this many rows a linear runs as GEMVs of `GEMV_CHUNK` rows (the weights read once per
+/// chunk) rather than as one GEMM, whose 128-row tiles would mostly compute padding.
+const GEMV_MAX_ROWS: usize = 16;
+/// Rows and columns of a `gemm` workgroup's output tile.
+const GEMM_TILE: usize = 128;
+
 /// One buffer of a tensor: rows `[row0, row0 + rows)` of its first axis.
 #[derive(Debug)]
 struct Part {
@@ -598,22 +608,31 @@ impl Backend for WgpuBackend {
         let y = self.scratch(n * out)?;
         let xb = x.single().expect("f32");
         let bb = bias.as_ref().and_then(|b| b.single()).unwrap_or(&self.inner.dummy);
+        let elem = Some(w.store.elem);
         for part in &w.store.parts {
-            let words = [
-                n as u32,
-                k as u32,
-                part.rows as u32,
-                out as u32,
-                part.row0 as u32,
-                bias.is_some() as u32,
-            ];
+            let words = |rows: usize, row0: usize| {
+                [
+                    rows as u32,
+                    k as u32,
+                    part.rows as u32,
+                    out as u32,
+                    part.row0 as u32,
+                    bias.is_some() as u32,
+                    row0 as u32,
+                ]
+            };
             let binds = [(1, xb), (2, bb), (3, &y.buffer), (9, &part.buf.buffer)];
-            let elem = Some(w.store.elem);
-            if n <= 4 && k % 2 == 0 {
-                self.dispatch(Kernel::Matmul, elem, "gemv", &words, &binds, grid(part.rows as u64))?;
+            if n <= GEMV_MAX_ROWS && k % 8 == 0 {
+                // Rows in chunks of GEMV_CHUNK, each chunk reading the weights once.
+                let groups = grid(part.rows.div_ceil(GEMV_COLS) as u64);
+                for row0 in (0..n).step_by(GEMV_CHUNK) {
+                    let rows = GEMV_CHUNK.min(n - row0);
+                    let entry = if rows == 1 { "gemv" } else { "gemv_rows" };
+                    self.dispatch(Kernel::Matmul, elem, entry, &words(rows, row0), &binds, groups)?;
+                }
             } else {
-                let groups = (part.rows.div_ceil(64) as u32, n.div_ceil(64) as u32);
-                self.dispatch(Kernel::Matmul, elem, "gemm", &words, &binds, groups)?;
+                let groups = (part.rows.div_ceil(GEMM_TILE) as u32, n.div_ceil(GEMM_TILE) as u32);
+                self.dispatch(Kernel::Matmul, elem, "gemm", &words(n, 0), &binds, groups)?;
             }
         }
         Ok(self.tensor(y, vec![n, out]))
