@@ -26,11 +26,14 @@ fn main() -> Result<()> {
         // A leading `--` (as in `cargo xtask demo -- --port 8001`) is not for `kvlens serve`.
         "demo" => demo(&env::args().skip(2).skip_while(|a| a == "--").collect::<Vec<_>>()),
         "golden" => golden(&env::args().skip(2).collect::<Vec<_>>()),
+        "bench" if env::args().nth(2).as_deref() == Some("kernels") => {
+            bench_kernels(&env::args().skip(3).skip_while(|a| a == "--").collect::<Vec<_>>())
+        }
         "bench" => bench(&env::args().skip(2).collect::<Vec<_>>()),
         "soak" => soak(&env::args().skip(2).skip_while(|a| a == "--").collect::<Vec<_>>()),
         "fuzz" => fuzz(env::args().nth(2).as_deref()),
         _ => {
-            eprintln!("usage: cargo xtask <task>\n\n  test   fmt check, clippy (warnings denied), all tests, the engine's wasm32 build, the engine in headless Chromium\n  browser-test  only the last: the engine in headless Chromium against native `kvlens generate`\n  demo   build the playground and serve it on http://127.0.0.1:8000/ (extra args go to `kvlens serve`)\n  golden regenerate engine/tests/fixtures/golden/ with Hugging Face transformers (extra args go to golden.py)\n  bench  kvlens generate vs transformers on a full-size random Qwen3-VL-2B (extra args go to the script)\n  soak   kvlens serve on the demo model under 256 streaming clients for 10 minutes, then the leak checks (extra args go to `kvlens bench soak`)\n  fuzz [ITERATIONS]  every fuzz target in fuzz/ for ITERATIONS inputs each (default {DEFAULT_FUZZ_RUNS})");
+            eprintln!("usage: cargo xtask <task>\n\n  test   fmt check, clippy (warnings denied), all tests, the engine's wasm32 build, the engine in headless Chromium\n  browser-test  only the last: the engine in headless Chromium against native `kvlens generate`\n  demo   build the playground and serve it on http://127.0.0.1:8000/ (extra args go to `kvlens serve`)\n  golden regenerate engine/tests/fixtures/golden/ with Hugging Face transformers (extra args go to golden.py)\n  bench  kvlens generate vs transformers on a full-size random Qwen3-VL-2B (extra args go to the script)\n  bench kernels  the wgpu matmul kernels (decode GEMV, prefill GEMM) against the CPU backend (extra args go to `kvlens bench kernels`, e.g. --quick)\n  soak   kvlens serve on the demo model under 256 streaming clients for 10 minutes, then the leak checks (extra args go to `kvlens bench soak`)\n  fuzz [ITERATIONS]  every fuzz target in fuzz/ for ITERATIONS inputs each (default {DEFAULT_FUZZ_RUNS})");
             std::process::exit(2);
         }
     }
@@ -530,6 +533,15 @@ fn bench(script_args: &[String]) -> Result<()> {
         .arg("--work")
         .arg(cache_dir().join("bench"))
         .args(script_args))
+}
+
+/// `cargo xtask bench kernels`: the release kvlens's `bench kernels` (the wgpu backend's matmul
+/// kernels against the CPU backend at Qwen3-VL-2B's shapes; no checkpoint or Python needed).
+fn bench_kernels(args: &[String]) -> Result<()> {
+    run(cargo().args(["build", "--release", "-p", "kvlens"]))?;
+    run(Command::new(target_dir().join("release").join("kvlens"))
+        .args(["bench", "kernels"])
+        .args(args))
 }
 
 /// `cargo xtask soak`: the release server on the demo model, `kvlens bench soak` against it, then

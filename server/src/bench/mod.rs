@@ -8,6 +8,7 @@
 mod arrival;
 mod client;
 mod dataset;
+mod kernels;
 mod metrics;
 mod plot;
 mod serve;
@@ -42,6 +43,9 @@ enum BenchCommand {
     /// Soak a kvlens server: many streaming clients for a fixed time (text and images, hang-ups,
     /// bad input), then check that nothing leaked and memory came back.
     Soak(soak::SoakArgs),
+    /// The wgpu backend's matmul kernels against the CPU backend at Qwen3-VL-2B's shapes: decode
+    /// GEMV in GB/s and prefill GEMM in GFLOP/s, with f32 and f16 weights (no server involved).
+    Kernels(kernels::KernelsArgs),
 }
 
 /// Flags of `kvlens bench plot`.
@@ -153,6 +157,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
             .enable_all()
             .build()?
             .block_on(soak::run(a)),
+        BenchCommand::Kernels(a) => kernels::run(a),
     }
 }
 

@@ -29,6 +29,16 @@ use std::sync::{Arc, Mutex};
 use storage::{size_class, Buf, Pool, STORAGE};
 use wgpu::util::DeviceExt;
 
+/// Output columns per workgroup of the `gemv` kernels (`GEMV_COLS` in `kernels/matmul.wgsl`).
+const GEMV_COLS: usize = 4;
+/// Most rows of x one `gemv_rows` dispatch takes (`GEMV_ROWS` in `kernels/matmul.wgsl`).
+const GEMV_CHUNK: usize = 8;
+/// Up to this many rows a linear runs as GEMVs of `GEMV_CHUNK` rows (the weights read once per
+/// chunk) rather than as one GEMM, whose 128-row tiles would mostly compute padding.
+const GEMV_MAX_ROWS: usize = 16;
+/// Rows and columns of a `gemm` workgroup's output tile.
+const GEMM_TILE: usize = 128;
+
 /// One buffer of a tensor: rows `[row0, row0 + rows)` of its first axis.
 #[derive(Debug)]
 struct Part {
@@ -670,30 +680,42 @@ impl Backend for WgpuBackend {
                 size: std::num::NonZeroU64::new((rows * k * 4) as u64),
             };
             for part in &w.store.parts {
-                let words = [
-                    rows as u32,
-                    k as u32,
-                    part.rows as u32,
-                    out as u32,
-                    part.row0 as u32,
-                    bias.is_some() as u32,
-                ];
-                let entries = vec![
-                    (1, wgpu::BindingResource::Buffer(x_slice.clone())),
-                    (2, bb.as_entire_binding()),
-                    (3, y.buffer.as_entire_binding()),
-                    (9, part.buf.buffer.as_entire_binding()),
-                ];
-                let elem = Some(w.store.elem);
-                let (entry, groups) = if self.inner.cpu_adapter {
-                    let (gx, gy, _) = grid(part.rows.div_ceil(64) as u64);
-                    ("columns", (gx, gy, rows.div_ceil(4) as u32))
-                } else if rows <= 4 && k % 2 == 0 {
-                    ("gemv", grid(part.rows as u64))
-                } else {
-                    ("gemm", (part.rows.div_ceil(64) as u32, rows.div_ceil(64) as u32, 1))
+                let words = |n: usize, first: usize| {
+                    [
+                        n as u32,
+                        k as u32,
+                        part.rows as u32,
+                        out as u32,
+                        part.row0 as u32,
+                        bias.is_some() as u32,
+                        first as u32,
+                    ]
                 };
-                self.dispatch_entries(Kernel::Matmul, elem, entry, &words, entries, groups)?;
+                let entries = || {
+                    vec![
+                        (1, wgpu::BindingResource::Buffer(x_slice.clone())),
+                        (2, bb.as_entire_binding()),
+                        (3, y.buffer.as_entire_binding()),
+                        (9, part.buf.buffer.as_entire_binding()),
+                    ]
+                };
+                let elem = Some(w.store.elem);
+                if self.inner.cpu_adapter {
+                    let (gx, gy, _) = grid(part.rows.div_ceil(64) as u64);
+                    let groups = (gx, gy, rows.div_ceil(4) as u32);
+                    self.dispatch_entries(Kernel::Matmul, elem, "columns", &words(rows, 0), entries(), groups)?;
+                } else if rows <= GEMV_MAX_ROWS && k % 8 == 0 {
+                    // Rows in chunks of GEMV_CHUNK, each chunk reading the weights once.
+                    let groups = grid(part.rows.div_ceil(GEMV_COLS) as u64);
+                    for first in (0..rows).step_by(GEMV_CHUNK) {
+                        let chunk = GEMV_CHUNK.min(rows - first);
+                        let entry = if chunk == 1 { "gemv" } else { "gemv_rows" };
+                        self.dispatch_entries(Kernel::Matmul, elem, entry, &words(chunk, first), entries(), groups)?;
+                    }
+                } else {
+                    let groups = (part.rows.div_ceil(GEMM_TILE) as u32, rows.div_ceil(GEMM_TILE) as u32, 1);
+                    self.dispatch_entries(Kernel::Matmul, elem, "gemm", &words(rows, 0), entries(), groups)?;
+                }
             }
             parts.push(Part { buf: y, row0, rows });
         }

@@ -86,20 +86,39 @@ fn weight<B: Backend>(b: &B, bytes: &(Vec<u8>, Vec<usize>)) -> B::Tensor {
 #[test]
 fn linear_matches_the_cpu_at_awkward_shapes_and_with_a_split_weight() {
     let cpu = CpuBackend::default();
-    // A 40 KiB binding cap splits a 300×67 f32 weight (80 KiB) into parts of 152 rows.
-    for (opts, shapes) in [
-        (
-            WgpuOptions::default(),
-            vec![(1, 67, 300), (3, 64, 130), (4097, 33, 17), (70, 128, 257)],
-        ),
-        (
-            WgpuOptions {
-                max_binding_bytes: Some(40 << 10),
-                ..Default::default()
-            },
-            vec![(1, 67, 300), (30, 67, 300)],
-        ),
-    ] {
+    // Shapes around every kernel choice: one row and up to 16 (GEMV in chunks of 8 rows, k a
+    // multiple of 8, columns not a multiple of 4), more rows or any k (GEMM, 128×128 tiles).
+    // A 40 KiB binding cap splits a 300×67 f32 weight (80 KiB) into parts of 152 rows and a
+    // 301×64 one into parts of 160.
+    let awkward = vec![
+        (1, 67, 300),
+        (3, 64, 130),
+        (1, 8, 5),
+        (8, 64, 131),
+        (9, 64, 130),
+        (16, 136, 67),
+        (17, 64, 33),
+        (4097, 33, 17),
+        (70, 128, 257),
+        (130, 40, 200),
+    ];
+    // (200, 67, 100): an output over the cap, made in parts of 64 rows.
+    let split = vec![(1, 67, 300), (30, 67, 300), (1, 64, 301), (12, 64, 301), (200, 67, 100)];
+    let mut cases = Vec::new();
+    // Both kernel sets: the GEMV/GEMM kernels and the barrier-free one of CPU adapters.
+    for barrier_free in [false, true] {
+        let opts = WgpuOptions {
+            barrier_free: Some(barrier_free),
+            ..Default::default()
+        };
+        cases.push((opts.clone(), awkward.clone()));
+        let capped = WgpuOptions {
+            max_binding_bytes: Some(40 << 10),
+            ..opts
+        };
+        cases.push((capped, split.clone()));
+    }
+    for (opts, shapes) in cases {
         let g = backend_with(opts);
         for (n, k, out) in shapes {
             let x = noise(n * k, 1);
@@ -129,7 +148,8 @@ fn f16_weights_round_like_half_precision() {
         ..Default::default()
     });
     let cpu = CpuBackend::default();
-    let (n, k, out) = (5, 96, 77);
+    // 20 rows take the GEMM path.
+    let (n, k, out) = (20, 96, 77);
     let x = noise(n * k, 4);
     let w = raw(&noise(out * k, 5), &[out, k]);
     let want = host(
@@ -145,13 +165,19 @@ fn f16_weights_round_like_half_precision() {
     // f16 keeps 11 significant bits: |Δw| ≤ 2⁻¹² per weight, summed over k = 96 products of |x| < 1.
     let err = max_err(&got, &want);
     assert!(err > 0.0 && err < 96.0 / 4096.0, "f16 weights: max error {err}");
-    // Decode-sized rows take the GEMV path; it must agree with the GEMM path.
-    let one = host(
-        &g,
-        &g.linear(&g.upload(x[..k].to_vec(), &[1, k]).unwrap(), &weight(&g, &w), None)
+    // Decode-sized rows take the GEMV paths (one row; up to 8); they must agree with the GEMM path.
+    for rows in [1, 5] {
+        let gemv = host(
+            &g,
+            &g.linear(
+                &g.upload(x[..rows * k].to_vec(), &[rows, k]).unwrap(),
+                &weight(&g, &w),
+                None,
+            )
             .unwrap(),
-    );
-    assert!(max_err(&one, &got[..out]) < 1e-5);
+        );
+        assert!(max_err(&gemv, &got[..rows * out]) < 1e-5, "{rows} rows");
+    }
 }
 
 #[test]
