@@ -378,11 +378,17 @@ impl WgpuBackend {
         groups: (u32, u32, u32),
     ) -> BResult<()> {
         let pipeline = self.inner.pipelines.get(&self.inner.gpu.device, kernel, weights, entry);
-        let uniform = self.create(
-            16.max(params(words).len() as u64),
-            wgpu::BufferUsages::UNIFORM,
-            Some(&params(words)),
-        )?;
+        // A few dozen bytes per dispatch: created without the out-of-memory scope of `create`.
+        let uniform = self
+            .inner
+            .gpu
+            .device
+            .create_buffer_init(&wgpu::util::BufferInitDescriptor {
+                label: Some(entry),
+                contents: &params(words),
+                usage: wgpu::BufferUsages::UNIFORM,
+            });
+        self.inner.device_bytes.fetch_add(uniform.size(), Ordering::Relaxed);
         let mut entries = vec![wgpu::BindGroupEntry {
             binding: 0,
             resource: uniform.as_entire_binding(),
@@ -919,10 +925,11 @@ impl Backend for WgpuBackend {
             )));
         }
         let d = cols / heads;
+        let (k, v) = (self.as_f32(k)?, self.as_f32(v)?);
         self.attention(
             q,
-            k,
-            v,
+            k.single().expect("f32"),
+            v.single().expect("f32"),
             heads,
             d,
             1,
@@ -1029,8 +1036,8 @@ impl Backend for WgpuBackend {
         }
         self.attention(
             q,
-            &cache.keys[layer],
-            &cache.values[layer],
+            &cache.keys[layer].buffer,
+            &cache.values[layer].buffer,
             heads,
             d,
             heads / kv_heads,
@@ -1091,23 +1098,6 @@ fn sample_settings(rows: &[DeviceSampling]) -> Vec<u8> {
     words.flat_map(u32::to_le_bytes).collect()
 }
 
-/// Keys and values an attention call reads: activations (the vision tower) or cache buffers.
-trait KeySource {
-    fn buffer<'a>(&'a self, be: &WgpuBackend, keep: &'a mut Option<WgpuTensor>) -> BResult<&'a wgpu::Buffer>;
-}
-
-impl KeySource for WgpuTensor {
-    fn buffer<'a>(&'a self, be: &WgpuBackend, keep: &'a mut Option<WgpuTensor>) -> BResult<&'a wgpu::Buffer> {
-        Ok(keep.insert(be.as_f32(self)?).single().expect("f32"))
-    }
-}
-
-impl KeySource for Buf {
-    fn buffer<'a>(&'a self, _: &WgpuBackend, _: &'a mut Option<WgpuTensor>) -> BResult<&'a wgpu::Buffer> {
-        Ok(&self.buffer)
-    }
-}
-
 impl WgpuBackend {
     fn norm(&self, x: &WgpuTensor, w: &WgpuTensor, b: Option<&WgpuTensor>, eps: f64) -> BResult<WgpuTensor> {
         let (rows, cols) = dims2(x)?;
@@ -1159,8 +1149,8 @@ impl WgpuBackend {
     fn attention(
         &self,
         q: &WgpuTensor,
-        k: &dyn KeySource,
-        v: &dyn KeySource,
+        k: &wgpu::Buffer,
+        v: &wgpu::Buffer,
         heads: usize,
         d: usize,
         group: usize,
@@ -1175,9 +1165,6 @@ impl WgpuBackend {
             return Err(shape_err(format!("attention heads of {d} (at most 256)")));
         }
         let q = self.as_f32(q)?;
-        let (mut kk, mut vk) = (None, None);
-        let kb = k.buffer(self, &mut kk)?;
-        let vb = v.buffer(self, &mut vk)?;
         let out = self.scratch(rows * heads * d)?;
         let scale = (1.0 / (d as f64).sqrt()) as f32;
         let words = [
@@ -1192,8 +1179,8 @@ impl WgpuBackend {
         ];
         let binds = [
             (1, q.single().expect("f32")),
-            (2, kb),
-            (3, vb),
+            (2, k),
+            (3, v),
             (4, meta),
             (5, tables),
             (6, &out.buffer),
