@@ -116,7 +116,7 @@ pub struct TokenEvent {
 }
 
 /// Work counters, for tests and metrics.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct EngineCounters {
     /// Images that went through the vision tower.
     pub vision_runs: u64,
@@ -140,7 +140,7 @@ pub struct EngineCounters {
 }
 
 /// The engine's occupancy at one moment: what `/v1/memory` and the playground show.
-#[derive(Debug, Clone, serde::Serialize)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct EngineSnapshot {
     /// Bytes the backend holds, by category.
     pub ledger: Vec<LedgerEntry>,

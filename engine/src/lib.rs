@@ -14,6 +14,7 @@ pub mod fuzzing;
 pub mod input;
 pub mod memory;
 pub mod model;
+pub mod occupancy;
 pub mod profile;
 pub mod runner;
 pub mod sample;

@@ -431,7 +431,15 @@ fn memory_stream(server: &Server) {
             break line.to_string();
         }
     };
-    let v: Value = serde_json::from_str(&event["data: ".len()..]).unwrap();
+    let data = &event["data: ".len()..];
+    // The playground's server mode reads these events back into the engine's own type.
+    let occupancy: kvlens_engine::occupancy::Occupancy =
+        serde_json::from_str(data).unwrap_or_else(|e| panic!("the event is not an Occupancy: {e}\n{data}"));
+    assert_eq!(
+        occupancy.engine.kv.num_blocks as u64,
+        occupancy.engine.kv.runs.iter().map(|r| r.1 as u64).sum::<u64>()
+    );
+    let v: Value = serde_json::from_str(data).unwrap();
     assert!(v["kv"]["num_blocks"].as_u64().unwrap() > 1);
     assert!(v["ledger"].as_array().is_some_and(|l| l.len() == 5));
     assert!(v["processor_cache"].is_object() && v["encoder_cache"].is_object());

@@ -8,7 +8,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use super::{CacheError, MmHash, RequestId};
 
@@ -58,7 +58,7 @@ struct Entry {
 }
 
 /// Counters of an [`EncoderCacheManager`].
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct EncoderCacheStats {
     /// `check_and_update_cache` calls.
     pub queries: u64,
@@ -82,7 +82,7 @@ pub struct EncoderCacheReset {
 }
 
 /// One entry in an [`EncoderCacheSnapshot`].
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct EncoderCacheEntrySnapshot {
     /// The item's mm hash.
     pub mm_hash: MmHash,
@@ -97,7 +97,7 @@ pub struct EncoderCacheEntrySnapshot {
 }
 
 /// Serializable picture of the encoder cache for a UI.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct EncoderCacheSnapshot {
     /// Capacity in encoder tokens.
     pub capacity_tokens: usize,

@@ -7,7 +7,7 @@
 
 use std::collections::BTreeMap;
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use super::block_hash::BlockHash;
 use super::block_pool::{BlockId, BlockPool, NULL_BLOCK};
@@ -39,7 +39,7 @@ impl ComputedBlocks {
 }
 
 /// Prefix-cache counters (vLLM `PrefixCacheStats`): lookups, tokens looked up, tokens hit.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PrefixCacheStats {
     /// The prefix cache was reset since these counters started.
     pub reset: bool,
@@ -63,7 +63,7 @@ impl PrefixCacheStats {
 }
 
 /// State of one block as shown to a UI.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum KvBlockState {
     /// Block 0, the placeholder that never holds data.
@@ -124,7 +124,7 @@ pub struct KvSnapshot {
 
 /// A compact picture of the KV cache: counts, block states as runs, and each request's blocks.
 /// Cheap enough to send after every engine step, unlike [`KvSnapshot`]'s per-block list.
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct KvSummary {
     /// Total blocks, the null block included.
     pub num_blocks: usize,

@@ -3,7 +3,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use super::MmHash;
 
@@ -11,7 +11,7 @@ use super::MmHash;
 pub const DEFAULT_PROCESSOR_CACHE_BYTES: u64 = 4 << 30;
 
 /// Lookup and eviction counters of a [`ProcessorCache`].
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ProcessorCacheStats {
     /// `get` calls.
     pub queries: u64,
@@ -22,7 +22,7 @@ pub struct ProcessorCacheStats {
 }
 
 /// One entry in a [`ProcessorCacheSnapshot`].
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ProcessorCacheEntrySnapshot {
     /// The item's mm hash.
     pub mm_hash: MmHash,
@@ -31,7 +31,7 @@ pub struct ProcessorCacheEntrySnapshot {
 }
 
 /// Serializable picture of a [`ProcessorCache`].
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ProcessorCacheSnapshot {
     /// Capacity in bytes (0 = disabled).
     pub capacity_bytes: u64,

@@ -7,12 +7,12 @@
 
 use super::errors::ApiError;
 use super::metrics::Metrics;
-use super::occupancy::{Occupancy, ProcessMemory};
 use super::output::{Delta, Output};
 use crate::runtime::Frontend;
 use kvlens_engine::cache::RequestId;
 use kvlens_engine::engine::{Engine, EngineError, FinishReason, Request, TokenEvent};
 use kvlens_engine::memory::ledger::Category;
+use kvlens_engine::occupancy::Occupancy;
 use std::collections::HashMap;
 use std::sync::mpsc;
 use std::sync::Arc;
@@ -222,19 +222,7 @@ fn unix_time() -> f64 {
 }
 
 fn occupancy_of(engine: &Engine, frontend: &Frontend, seq: u64) -> Occupancy {
-    let processor_cache = frontend
-        .processor_cache
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .snapshot();
-    Occupancy {
-        seq,
-        time: unix_time(),
-        engine: engine.snapshot(),
-        prefix_cache: engine.kv().prefix_cache_stats(),
-        processor_cache,
-        process: ProcessMemory::now(),
-    }
+    Occupancy::of(engine, frontend, seq, unix_time())
 }
 
 impl EngineLoop {

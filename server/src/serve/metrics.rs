@@ -1,8 +1,8 @@
 //! `/metrics`: Prometheus text written by hand, with vLLM's metric names and buckets (label
 //! `model_name`) plus `kvlens:` figures for the encoder cache, the processor cache and the ledger.
 
-use super::occupancy::Occupancy;
 use kvlens_engine::engine::FinishReason;
+use kvlens_engine::occupancy::Occupancy;
 use std::fmt::Write;
 use std::sync::Mutex;
 

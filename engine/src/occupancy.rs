@@ -1,0 +1,65 @@
+//! The engine's occupancy at one moment as a UI shows it: the snapshot `kvlens serve` sends on
+//! `/v1/memory` and `/v1/memory/stream`, and the one the playground takes after each step of its
+//! in-browser engine (it also reads the server's back, in server mode).
+
+use crate::cache::{PrefixCacheStats, ProcessorCacheSnapshot};
+use crate::engine::{Engine, EngineSnapshot};
+use crate::input::processor::InputProcessor;
+use serde::{Deserialize, Serialize};
+
+/// Ledger, KV summary, encoder cache, processor cache, queues and counters at one moment.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Occupancy {
+    /// Counts published snapshots (fresh ones for `/v1/memory` repeat the last number).
+    pub seq: u64,
+    /// Unix time in seconds.
+    pub time: f64,
+    /// Ledger, KV summary, encoder cache, queue lengths, counters.
+    #[serde(flatten)]
+    pub engine: EngineSnapshot,
+    /// Prefix-cache lookups and hits (tokens) so far.
+    pub prefix_cache: PrefixCacheStats,
+    /// The preprocessed-image cache (host memory).
+    pub processor_cache: ProcessorCacheSnapshot,
+    /// The process as the operating system sees it.
+    pub process: ProcessMemory,
+}
+
+impl Occupancy {
+    /// The occupancy of `engine` and of the processor cache of `input` now.
+    pub fn of(engine: &Engine, input: &InputProcessor, seq: u64, time: f64) -> Self {
+        let processor_cache = input
+            .processor_cache
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .snapshot();
+        Occupancy {
+            seq,
+            time,
+            engine: engine.snapshot(),
+            prefix_cache: engine.kv().prefix_cache_stats(),
+            processor_cache,
+            process: ProcessMemory::now(),
+        }
+    }
+}
+
+/// The process's memory as the operating system counts it.
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize)]
+pub struct ProcessMemory {
+    /// Resident set size in bytes (Linux `VmRSS`; absent elsewhere, in the browser too).
+    pub resident_bytes: Option<u64>,
+}
+
+impl ProcessMemory {
+    /// Reads this process's figures now.
+    pub fn now() -> Self {
+        let resident_bytes = std::fs::read_to_string("/proc/self/status").ok().and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("VmRSS:"))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+                .map(|kib| kib << 10)
+        });
+        ProcessMemory { resident_bytes }
+    }
+}
