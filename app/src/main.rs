@@ -2,6 +2,9 @@
 //! cache and memory ledger fill and empty (`/`), and the start-up memory planner (`/planner`).
 //! Both pages run the engine crate's own code in wasm.
 
+mod chat;
+mod checkpoint;
+mod local_engine;
 mod memory_view;
 mod planner;
 mod playground;

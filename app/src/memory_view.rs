@@ -2,8 +2,11 @@
 //! grid, the encoder-cache entries, the processor cache, counters and the reset buttons. It draws
 //! an [`Occupancy`], whether the in-browser engine took it or a `kvlens serve` sent it.
 
+use kvlens_engine::cache::{KvBlockState, KvSummary};
+use kvlens_engine::memory::ledger::Category;
 use kvlens_engine::occupancy::Occupancy;
 use leptos::prelude::*;
+use std::collections::{BTreeMap, HashMap};
 
 /// Which cache a reset button empties.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -27,7 +30,167 @@ pub struct Budget {
     pub kv_cache_bytes: u64,
 }
 
-/// The memory view of the latest occupancy (nothing until the first arrives).
+/// Bytes for a label: MiB above one, else KiB.
+fn size(b: u64) -> String {
+    if b >= 1 << 20 {
+        format!("{:.1} MiB", b as f64 / 1048576.0)
+    } else {
+        format!("{:.1} KiB", b as f64 / 1024.0)
+    }
+}
+
+/// A request's colour in the grid, stable for its id.
+fn colour(id: &str) -> String {
+    let h = id.bytes().fold(7u32, |h, b| h.wrapping_mul(31).wrapping_add(b as u32));
+    format!("hsl({}, 65%, 50%)", h % 360)
+}
+
+/// One segment of the ledger bar.
+struct Segment {
+    label: &'static str,
+    bytes: u64,
+    colour: &'static str,
+}
+
+/// The bar's segments: each ledger category, the KV cache split by block state, and what the
+/// budget leaves free.
+fn segments(o: &Occupancy, budget: Option<&Budget>) -> (Vec<Segment>, u64) {
+    let bytes = |c: Category| o.engine.ledger.iter().find(|e| e.category == c).map_or(0, |e| e.bytes);
+    let peak = |c: Category| {
+        o.engine
+            .ledger
+            .iter()
+            .find(|e| e.category == c)
+            .map_or(0, |e| e.peak_bytes)
+    };
+    let kv = bytes(Category::KvCache);
+    let kv_summary = &o.engine.kv;
+    let share = |n: usize| kv * n as u64 / kv_summary.num_blocks.max(1) as u64;
+    let in_use = share(kv_summary.num_in_use);
+    let cached = share(kv_summary.num_cached_free);
+    let mut s = vec![
+        Segment {
+            label: "weights",
+            bytes: bytes(Category::Weights),
+            colour: "#4c6ef5",
+        },
+        Segment {
+            label: "KV in use",
+            bytes: in_use,
+            colour: "#2f9e44",
+        },
+        Segment {
+            label: "KV cached, free",
+            bytes: cached,
+            colour: "#8ce99a",
+        },
+        Segment {
+            label: "KV free",
+            bytes: kv.saturating_sub(in_use + cached),
+            colour: "#d3f9d8",
+        },
+        Segment {
+            label: "encoder cache",
+            bytes: bytes(Category::EncoderCache),
+            colour: "#ae3ec9",
+        },
+        Segment {
+            label: "activations (peak)",
+            bytes: peak(Category::Activations).max(bytes(Category::Activations)),
+            colour: "#f59f00",
+        },
+        Segment {
+            label: "staging",
+            bytes: bytes(Category::Staging),
+            colour: "#868e96",
+        },
+    ];
+    let used: u64 = s.iter().map(|x| x.bytes).sum();
+    let total = budget.map_or(used, |b| b.requested_bytes.max(used));
+    s.push(Segment {
+        label: "free in the budget",
+        bytes: total - used,
+        colour: "#f1f3f5",
+    });
+    (s, total)
+}
+
+/// One cell of the KV grid.
+struct Cell {
+    id: usize,
+    state: KvBlockState,
+    owners: Vec<String>,
+    /// Position of the block in its first owner's table.
+    index: Option<usize>,
+}
+
+/// Every block with its state and the requests whose tables hold it.
+fn cells(kv: &KvSummary) -> Vec<Cell> {
+    let mut owners: BTreeMap<usize, Vec<(String, usize)>> = BTreeMap::new();
+    for (req, table) in &kv.tables {
+        for (i, b) in table.iter().enumerate() {
+            owners.entry(*b).or_default().push((req.as_str().to_string(), i));
+        }
+    }
+    let mut out = Vec::with_capacity(kv.num_blocks);
+    for (state, run) in &kv.runs {
+        for _ in 0..*run {
+            let id = out.len();
+            let held = owners.remove(&id).unwrap_or_default();
+            out.push(Cell {
+                id,
+                state: *state,
+                index: held.first().map(|h| h.1),
+                owners: held.into_iter().map(|h| h.0).collect(),
+            });
+        }
+    }
+    out
+}
+
+fn kv_grid(kv: &KvSummary) -> impl IntoView {
+    let block_size = kv.block_size;
+    cells(kv)
+        .into_iter()
+        .map(|c| {
+            let (class, style) = match c.state {
+                KvBlockState::Null => ("null", String::new()),
+                KvBlockState::Free => ("free", String::new()),
+                KvBlockState::CachedFree => ("cached", String::new()),
+                KvBlockState::InUse => (
+                    if c.owners.len() > 1 { "used shared" } else { "used" },
+                    format!("background: {}", colour(c.owners.first().map_or("", |s| s.as_str()))),
+                ),
+            };
+            let title = match c.state {
+                KvBlockState::Null => format!("block {}: the null block (never holds data)", c.id),
+                KvBlockState::Free => format!("block {}: free", c.id),
+                KvBlockState::CachedFree => format!(
+                    "block {}: free, still in the prefix cache (hashed): a prefix hit can take it back",
+                    c.id
+                ),
+                KvBlockState::InUse => {
+                    let i = c.index.unwrap_or(0);
+                    format!(
+                        "block {}: {} · tokens {}–{} of the sequence{}",
+                        c.id,
+                        c.owners.join(", "),
+                        i * block_size,
+                        (i + 1) * block_size - 1,
+                        if c.owners.len() > 1 {
+                            " · shared (prefix cache hit)"
+                        } else {
+                            ""
+                        }
+                    )
+                }
+            };
+            view! { <span class=format!("cell {class}") style=style title=title></span> }
+        })
+        .collect_view()
+}
+
+/// The memory view of the latest occupancy (a waiting line until the first arrives).
 #[component]
 pub fn MemoryView(
     /// The latest occupancy.
@@ -38,7 +201,115 @@ pub fn MemoryView(
     on_reset: Callback<ResetKind>,
     /// What the last reset freed, in words.
     reset_result: Signal<Option<String>>,
+    /// Image thumbnails (data URLs) by mm hash, for the encoder-cache entries.
+    #[prop(optional)]
+    thumbnails: Option<Signal<HashMap<String, String>>>,
 ) -> impl IntoView {
-    let _ = (budget, on_reset, reset_result);
-    view! { <section class="memory">{move || occupancy.get().map(|o| o.seq)}</section> }
+    let body = move || {
+        let Some(o) = occupancy.get() else {
+            return view! { <p class="muted">"No engine yet."</p> }.into_any();
+        };
+        let budget = budget.get();
+        let (segs, total) = segments(&o, budget.as_ref());
+        let legend = segs
+            .iter()
+            .map(|s| view! { <li><span class="swatch" style=format!("background: {}", s.colour)></span>{format!("{} {}", s.label, size(s.bytes))}</li> })
+            .collect_view();
+        let bar = segs
+            .iter()
+            .map(|s| {
+                let style = format!(
+                    "width: {:.3}%; background: {}",
+                    100.0 * s.bytes as f64 / total.max(1) as f64,
+                    s.colour
+                );
+                view! { <div style=style title=format!("{} {}", s.label, size(s.bytes))></div> }
+            })
+            .collect_view();
+        let kv = &o.engine.kv;
+        let kv_text = format!("{}/{} blocks", kv.num_in_use, kv.num_blocks);
+        let kv_detail = format!(
+            "{} cached-free, {} free · {} tokens per block · usage {:.1}% · {} evicted from the prefix cache",
+            kv.num_cached_free,
+            kv.num_free - kv.num_cached_free,
+            kv.block_size,
+            100.0 * kv.usage,
+            kv.num_evictions
+        );
+        let ec = &o.engine.encoder_cache;
+        let n = ec.entries.len();
+        let ec_text = format!(
+            "{n} {}, {}/{} tokens",
+            if n == 1 { "entry" } else { "entries" },
+            ec.used_tokens,
+            ec.capacity_tokens
+        );
+        let thumbs = thumbnails.map(|t| t.get()).unwrap_or_default();
+        let entries = ec
+            .entries
+            .iter()
+            .map(|e| {
+                let thumb = thumbs.get(e.mm_hash.as_str()).cloned();
+                let refs = if e.refs.is_empty() {
+                    "no request".to_string()
+                } else {
+                    e.refs.iter().map(|r| r.as_str()).collect::<Vec<_>>().join(", ")
+                };
+                view! {
+                    <li class:freeable=e.freeable>
+                        {thumb.map(|src| view! { <img src=src alt="image" /> })}
+                        <code>{e.mm_hash.as_str().chars().take(12).collect::<String>()}</code>
+                        {format!(" {} tokens · {} · held by {refs}{}", e.num_tokens, size(e.bytes), if e.freeable { " · freeable" } else { "" })}
+                    </li>
+                }
+            })
+            .collect_view();
+        let pc = &o.processor_cache;
+        let pc_text = format!(
+            "{} preprocessed {} · {} of {} host memory · {} hits / {} lookups",
+            pc.entries.len(),
+            if pc.entries.len() == 1 { "image" } else { "images" },
+            size(pc.bytes_used),
+            size(pc.capacity_bytes),
+            pc.stats.hits,
+            pc.stats.queries
+        );
+        let c = &o.engine.counters;
+        let prefix = &o.prefix_cache;
+        let counters = view! {
+            <span>{format!("prefix cache hit rate {:.1}% ({} of {} tokens)", 100.0 * prefix.hit_rate(), prefix.hits, prefix.queries)}</span>
+            " · encoder-cache hits " <span data-testid="encoder-cache-hits">{ec.stats.hits}</span>
+            {format!(
+                " · vision runs {} · preemptions {} · running {} · waiting {}",
+                c.vision_runs, c.num_preemptions, o.engine.num_running, o.engine.num_waiting
+            )}
+        };
+        view! {
+            <h3>"Device memory"</h3>
+            <div class="bar ledger" data-testid="ledger-bar">{bar}</div>
+            <ul class="legend">{legend}</ul>
+            <p class="muted">{budget.map(|b| format!(
+                "budget {} of {} ({} for the KV cache)", size(b.requested_bytes), size(b.total_bytes), size(b.kv_cache_bytes)))}</p>
+            <h3>"KV cache " <span data-testid="kv-usage">{kv_text}</span></h3>
+            <p class="muted">{kv_detail}</p>
+            <div class="kv-grid" data-testid="kv-grid">{kv_grid(kv)}</div>
+            <h3>"Encoder cache " <span data-testid="encoder-cache-usage">{ec_text}</span></h3>
+            <ul class="encoder-entries">{entries}</ul>
+            <h3>"Processor cache"</h3>
+            <p data-testid="processor-cache-usage">{pc_text}</p>
+            <p class="counters" data-testid="counters">{counters}</p>
+        }
+        .into_any()
+    };
+    view! {
+        <section class="memory">
+            {body}
+            <div class="resets">
+                <button data-testid="reset-prefix-cache" on:click=move |_| on_reset.run(ResetKind::Prefix)>"reset prefix cache"</button>
+                <button data-testid="reset-encoder-cache" on:click=move |_| on_reset.run(ResetKind::Encoder)>"reset encoder cache"</button>
+                <button data-testid="reset-processor-cache" title="what vLLM's /reset_mm_cache resets" on:click=move |_| on_reset.run(ResetKind::Processor)>"reset processor cache (/reset_mm_cache)"</button>
+            </div>
+            <p class="reset-result" data-testid="reset-result">{move || reset_result.get()}</p>
+        </section>
+    }
 }

@@ -1,9 +1,181 @@
-//! The playground page: the in-browser engine, its chat and its live memory view.
+//! The playground page: load a checkpoint into the in-browser engine (the bundled demo model, a
+//! URL or files from disk), see the planner's verdict first, chat with images, and watch the
+//! engine's memory live. Or watch a running server instead (server mode).
 
+use crate::chat::Chat;
+use crate::checkpoint::Source;
+use crate::local_engine::{bytes, verdict, Device, Local, Progress, Settings};
+use crate::memory_view::{Budget, MemoryView, ResetKind};
+use kvlens_engine::occupancy::Occupancy;
 use leptos::prelude::*;
+use std::collections::HashMap;
+use std::rc::Rc;
+
+/// The bundled demo checkpoint, beside the page.
+const DEMO_DIR: &str = "demo-model/";
+
+/// The demo model's URL, relative to the site's root.
+fn demo_url() -> String {
+    let origin = window().location().origin().unwrap_or_default();
+    format!("{origin}/{DEMO_DIR}")
+}
 
 /// The playground page.
 #[component]
 pub fn Playground() -> impl IntoView {
-    view! { <main><h1>"kvlens playground"</h1></main> }
+    let local = StoredValue::new_local(None::<Rc<Local>>);
+    let device = StoredValue::new_local(None::<Rc<Device>>);
+    let device_text = RwSignal::new(String::from("looking for a WebGPU adapter…"));
+    let status = RwSignal::new(String::from("no model loaded"));
+    let ready = RwSignal::new(false);
+    let busy = RwSignal::new(false);
+    let verdict_text = RwSignal::new(None::<String>);
+    let progress = RwSignal::new(None::<Progress>);
+    let occupancy = RwSignal::new(None::<Occupancy>);
+    let budget = RwSignal::new(None::<Budget>);
+    let reset_result = RwSignal::new(None::<String>);
+    let thumbnails = RwSignal::new(HashMap::<String, String>::new());
+    let settings = RwSignal::new(Settings::default());
+    let url = RwSignal::new(String::new());
+    let picked = StoredValue::new_local(Vec::<web_sys::File>::new());
+
+    wasm_bindgen_futures::spawn_local(async move {
+        let d = Device::open().await;
+        device_text.set(d.describe());
+        device.set_value(Some(Rc::new(d)));
+    });
+
+    let load = move |source: Source| {
+        let Some(dev) = device.get_value() else {
+            status.set("still looking for a device; try again in a moment".into());
+            return;
+        };
+        if busy.get_untracked() {
+            return;
+        }
+        busy.set(true);
+        ready.set(false);
+        local.set_value(None);
+        occupancy.set(None);
+        let s = settings.get_untracked();
+        wasm_bindgen_futures::spawn_local(async move {
+            let result = async {
+                status.set("reading the checkpoint's small files…".into());
+                let info = source.info().await?;
+                let plan = verdict(&info, &dev, s)?;
+                verdict_text.set(Some(format!(
+                    "fits on {}: weights {} (f32), KV cache {} = {} blocks × {} tokens, the longest context {} tokens",
+                    plan.device,
+                    bytes(plan.weights_bytes),
+                    bytes(plan.available_kv_bytes.max(0) as u64),
+                    plan.num_gpu_blocks,
+                    plan.block_size,
+                    plan.max_model_len
+                )));
+                status.set("loading the weights…".into());
+                let on_progress = move |p: Progress| progress.set(Some(p));
+                Local::load(
+                    &source,
+                    &info,
+                    &dev,
+                    s,
+                    &on_progress,
+                    Box::new(move |o| occupancy.set(Some(o))),
+                    Box::new(move |e| status.set(format!("ready, after a failed step: {e}"))),
+                )
+                .await
+            }
+            .await;
+            match result {
+                Ok(l) => {
+                    budget.set(Some(l.budget()));
+                    status.set(format!("ready · {}", l.device));
+                    local.set_value(Some(l));
+                    ready.set(true);
+                }
+                Err(e) => {
+                    if verdict_text.get_untracked().is_none() {
+                        verdict_text.set(Some(format!("refused: {e}")));
+                    }
+                    status.set(format!("not loaded: {e}"));
+                }
+            }
+            busy.set(false);
+        });
+    };
+
+    let on_reset = Callback::new(move |kind: ResetKind| {
+        if let Some(l) = local.get_value() {
+            reset_result.set(Some(l.reset(kind)));
+        }
+    });
+
+    // A folder picker: `webkitdirectory` is not one of leptos' typed attributes.
+    let folder = NodeRef::<leptos::html::Input>::new();
+    Effect::new(move |_| {
+        if let Some(input) = folder.get() {
+            let _ = input.set_attribute("webkitdirectory", "");
+        }
+    });
+    let pick = move |ev: leptos::ev::Event| {
+        let input: web_sys::HtmlInputElement = event_target(&ev);
+        let files = input
+            .files()
+            .map(|l| (0..l.length()).filter_map(|i| l.get(i)).collect())
+            .unwrap_or_default();
+        picked.set_value(files);
+    };
+
+    let progress_view = move || {
+        progress.get().map(|p| {
+            let of = p.total_bytes.map(|t| format!(" of {}", bytes(t))).unwrap_or_default();
+            let value = p.total_bytes.map_or(0.0, |t| p.bytes as f64 / t.max(1) as f64);
+            view! {
+                <div data-testid="load-progress">
+                    <progress max="1" value=value.to_string()></progress>
+                    {format!(" {} tensors on the device · {} read{of}", p.tensors, bytes(p.bytes))}
+                </div>
+            }
+        })
+    };
+
+    view! {
+        <main class="playground">
+            <h1>"kvlens playground"</h1>
+            <p>"A Qwen-VL model running in this tab, on " <span data-testid="device">{move || device_text.get()}</span>
+               ". Watch its KV blocks, encoder cache and memory ledger fill and empty as you chat."</p>
+            <section class="load">
+                <div class="controls">
+                    <button data-testid="load-demo" disabled=move || busy.get()
+                        on:click=move |_| load(Source::Url(demo_url()))>"load the demo model"</button>
+                    <label>"or a checkpoint URL (a directory, e.g. …/resolve/main/)"
+                        <input type="url" data-testid="checkpoint-url" prop:value=move || url.get()
+                            on:input=move |ev| url.set(event_target_value(&ev)) />
+                    </label>
+                    <button disabled=move || busy.get() || url.get().is_empty()
+                        on:click=move |_| load(Source::Url(url.get_untracked()))>"load URL"</button>
+                    <label>"or a folder from disk"
+                        <input type="file" node_ref=folder data-testid="checkpoint-folder" on:change=pick />
+                    </label>
+                    <label>"or its files"
+                        <input type="file" multiple data-testid="checkpoint-files" on:change=pick />
+                    </label>
+                    <button disabled=move || busy.get()
+                        on:click=move |_| load(Source::Files(picked.get_value()))>"load files"</button>
+                    <label>"KV blocks (sets --kv-cache-memory)"
+                        <input type="number" min="2" prop:value=move || settings.get().kv_blocks.to_string()
+                            on:change=move |ev| settings.update(|s| s.kv_blocks = event_target_value(&ev).parse().unwrap_or(256)) />
+                    </label>
+                </div>
+                <p class="verdict" data-testid="verdict">{move || verdict_text.get()}</p>
+                {progress_view}
+                <p data-testid="model-status">{move || status.get()}</p>
+            </section>
+            <div class="columns">
+                <Chat local=local ready=ready.into() thumbnails=thumbnails />
+                <MemoryView occupancy=occupancy.into() budget=budget.into() on_reset=on_reset
+                    reset_result=reset_result.into() thumbnails=thumbnails.into() />
+            </div>
+        </main>
+    }
 }

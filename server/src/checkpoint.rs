@@ -4,6 +4,7 @@
 use crate::UsageError;
 use anyhow::{Context, Result};
 use kvlens_engine::config::ModelConfig;
+use kvlens_engine::model::checkpoint_files;
 use memmap2::Mmap;
 use std::fs::File;
 use std::path::{Path, PathBuf};
@@ -65,16 +66,7 @@ fn read_opt(path: &Path) -> Result<Option<String>> {
 fn shard_names(dir: &Path) -> Result<Vec<String>> {
     let index = dir.join("model.safetensors.index.json");
     if let Some(text) = read_opt(&index)? {
-        let v: serde_json::Value =
-            serde_json::from_str(&text).map_err(|e| usage(format!("{}: {e}", index.display())))?;
-        let map = v
-            .get("weight_map")
-            .and_then(|m| m.as_object())
-            .ok_or_else(|| usage(format!("{}: no weight_map", index.display())))?;
-        let mut names: Vec<String> = map.values().filter_map(|f| f.as_str().map(str::to_string)).collect();
-        names.sort();
-        names.dedup();
-        return Ok(names);
+        return checkpoint_files::shard_names(&text).map_err(|e| usage(format!("{}: {e}", index.display())));
     }
     if dir.join("model.safetensors").is_file() {
         return Ok(vec!["model.safetensors".into()]);
@@ -106,19 +98,9 @@ impl Checkpoint {
         let tokenizer_json =
             std::fs::read(&tok_path).map_err(|e| usage(format!("cannot read {}: {e}", tok_path.display())))?;
         let template_files = TemplateFiles::read(dir)?;
-        let mut eos_token_ids = config.tokens.eos.clone();
-        if let Some(gen) = read_opt(&dir.join("generation_config.json"))? {
-            let v: serde_json::Value = serde_json::from_str(&gen)
-                .map_err(|e| usage(format!("{}: {e}", dir.join("generation_config.json").display())))?;
-            let ids: Vec<u32> = match v.get("eos_token_id") {
-                Some(serde_json::Value::Array(a)) => a.iter().filter_map(|x| x.as_u64()).map(|x| x as u32).collect(),
-                Some(x) => x.as_u64().map(|x| vec![x as u32]).unwrap_or_default(),
-                None => Vec::new(),
-            };
-            if !ids.is_empty() {
-                eos_token_ids = ids;
-            }
-        }
+        let gen_path = dir.join("generation_config.json");
+        let eos_token_ids = checkpoint_files::eos_token_ids(&config, read_opt(&gen_path)?.as_deref())
+            .map_err(|e| usage(format!("{}: {e}", gen_path.display())))?;
         Ok(Checkpoint {
             dir: dir.to_path_buf(),
             config,

@@ -64,7 +64,8 @@ impl WeightDtype {
 /// Flags of `kvlens random-checkpoint`.
 #[derive(Debug, clap::Args)]
 pub struct RandomCheckpointArgs {
-    /// A bundled model name (e.g. Qwen3-VL-2B-Instruct), a config.json file, or a directory holding one.
+    /// A bundled model name (e.g. Qwen3-VL-2B-Instruct), `demo` (the tiny demo model `kvlens serve`
+    /// and the playground run), a config.json file, or a directory holding one.
     #[arg(long, value_name = "NAME|FILE")]
     pub config: String,
     /// Directory to write the checkpoint into (created when missing).
@@ -152,7 +153,11 @@ pub fn run(args: &RandomCheckpointArgs) -> Result<()> {
     let config = published_layout(raw, cfg.family, args.dtype);
     write_json(&out.join("config.json"), &config)?;
     write_json(&out.join("generation_config.json"), &generation_config())?;
-    let limits = args.image_limits.unwrap_or_else(|| ImageLimits::shipped(cfg.family));
+    let limits = args.image_limits.unwrap_or(if args.config == DEMO {
+        DEMO_IMAGE_LIMITS
+    } else {
+        ImageLimits::shipped(cfg.family)
+    });
     write_json(
         &out.join("preprocessor_config.json"),
         &preprocessor_config(&cfg, limits),
@@ -186,8 +191,25 @@ pub fn run(args: &RandomCheckpointArgs) -> Result<()> {
     Ok(())
 }
 
-/// Reads the config JSON: a file, a directory with config.json, or a bundled name. Returns (display name, JSON).
+/// The name of the tiny demo model's config.
+pub const DEMO: &str = "demo";
+
+/// The tiny demo model's config (the Qwen3-VL golden config).
+const DEMO_CONFIG: &str = include_str!("../../tools/golden/configs/qwen3_vl_tiny.json");
+
+/// Image limits of the demo checkpoint: up to 512×512 pixels (256 image tokens), so the CPU
+/// vision tower stays interactive.
+const DEMO_IMAGE_LIMITS: ImageLimits = ImageLimits {
+    min_pixels: 4_096,
+    max_pixels: 262_144,
+};
+
+/// Reads the config JSON: a file, a directory with config.json, `demo` or a bundled name. Returns
+/// (display name, JSON).
 fn load_config_source(spec: &str) -> Result<(String, Value)> {
+    if spec == DEMO {
+        return Ok((DEMO.to_string(), serde_json::from_str(DEMO_CONFIG)?));
+    }
     let path = Path::new(spec);
     let file = if path.is_dir() {
         path.join("config.json")

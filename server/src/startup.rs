@@ -9,7 +9,7 @@ use crate::UsageError;
 use anyhow::Result;
 use kvlens_engine::backend::BackendKind;
 use kvlens_engine::builder::{BuildError, EngineOptions};
-use kvlens_engine::config::{DType, ImageLimits, ProcessorKwargs};
+use kvlens_engine::config::{DType, ProcessorKwargs};
 use kvlens_engine::engine::Engine;
 use kvlens_engine::memory::device::{device_preset, gib_to_bytes, DeviceProfile};
 use kvlens_engine::memory::log_budget::HeaderSettings;
@@ -90,16 +90,6 @@ fn usage(msg: impl Into<String>) -> anyhow::Error {
     UsageError(msg.into()).into()
 }
 
-/// The tiny demo model's config (the Qwen3-VL golden config).
-const DEMO_CONFIG: &str = include_str!("../../tools/golden/configs/qwen3_vl_tiny.json");
-
-/// Image limits of the demo checkpoint: up to 512×512 pixels (256 image tokens), so the CPU
-/// vision tower stays interactive.
-const DEMO_IMAGE_LIMITS: ImageLimits = ImageLimits {
-    min_pixels: 4_096,
-    max_pixels: 262_144,
-};
-
 /// The demo checkpoint directory, written on first use.
 pub fn demo_checkpoint() -> Result<PathBuf> {
     let home = std::env::var_os("HOME")
@@ -111,16 +101,14 @@ pub fn demo_checkpoint() -> Result<PathBuf> {
         return Ok(dir);
     }
     std::fs::create_dir_all(&root)?;
-    let cfg = root.join("demo-model-config.json");
-    std::fs::write(&cfg, DEMO_CONFIG)?;
     tracing::info!("writing the tiny demo checkpoint to {} (first use)", dir.display());
     random_checkpoint_cmd::run(&RandomCheckpointArgs {
-        config: cfg.display().to_string(),
+        config: random_checkpoint_cmd::DEMO.to_string(),
         out: Some(dir.clone()),
         dtype: WeightDtype::Bf16,
         seed: 0,
         tokenizer: None,
-        image_limits: Some(DEMO_IMAGE_LIMITS),
+        image_limits: None,
         shard_size: random_checkpoint_cmd::SHARD_BYTES,
         force: true,
         dry_run: false,

@@ -11,6 +11,8 @@ use std::process::{Command, Stdio};
 const TRUNK_VERSION: &str = "0.21.14";
 /// wasm-opt from npm; Debian's binaryen 108 produces a wasm that fails in Chromium.
 const BINARYEN_VERSION: &str = "132.0.0";
+/// Drives Debian's Chromium in the playground test (no browser download).
+const PLAYWRIGHT_VERSION: &str = "1.65.1";
 
 fn main() -> Result<()> {
     let task = env::args().nth(1).unwrap_or_default();
@@ -23,6 +25,7 @@ fn main() -> Result<()> {
     match task.as_str() {
         "test" => test(),
         "browser-test" => browser_test(true).map(|(passed, failed)| println!("{passed} passed, {failed} failed")),
+        "e2e" => e2e(true).map(|(passed, failed)| println!("{passed} passed, {failed} failed")),
         // A leading `--` (as in `cargo xtask demo -- --port 8001`) is not for `kvlens serve`.
         "demo" => demo(&env::args().skip(2).skip_while(|a| a == "--").collect::<Vec<_>>()),
         "golden" => golden(&env::args().skip(2).collect::<Vec<_>>()),
@@ -33,7 +36,7 @@ fn main() -> Result<()> {
         "soak" => soak(&env::args().skip(2).skip_while(|a| a == "--").collect::<Vec<_>>()),
         "fuzz" => fuzz(env::args().nth(2).as_deref()),
         _ => {
-            eprintln!("usage: cargo xtask <task>\n\n  test   fmt check, clippy (warnings denied), all tests, the engine's wasm32 build, the engine in headless Chromium\n  browser-test  only the last: the engine in headless Chromium against native `kvlens generate`\n  demo   build the playground and serve it on http://127.0.0.1:8000/ (extra args go to `kvlens serve`)\n  golden regenerate engine/tests/fixtures/golden/ with Hugging Face transformers (extra args go to golden.py)\n  bench  kvlens generate vs transformers on a full-size random Qwen3-VL-2B (extra args go to the script)\n  bench kernels  the wgpu matmul kernels (decode GEMV, prefill GEMM) against the CPU backend (extra args go to `kvlens bench kernels`, e.g. --quick)\n  soak   kvlens serve on the demo model under 256 streaming clients for 10 minutes, then the leak checks (extra args go to `kvlens bench soak`)\n  fuzz [ITERATIONS]  every fuzz target in fuzz/ for ITERATIONS inputs each (default {DEFAULT_FUZZ_RUNS})");
+            eprintln!("usage: cargo xtask <task>\n\n  test   fmt check, clippy (warnings denied), all tests, the engine's wasm32 build, the engine and the playground in headless Chromium\n  browser-test  the engine in headless Chromium against native `kvlens generate`\n  e2e    the playground (trunk's release build) in headless Chromium, driven by Playwright\n  demo   build the playground and serve it on http://127.0.0.1:8000/ (extra args go to `kvlens serve`)\n  golden regenerate engine/tests/fixtures/golden/ with Hugging Face transformers (extra args go to golden.py)\n  bench  kvlens generate vs transformers on a full-size random Qwen3-VL-2B (extra args go to the script)\n  bench kernels  the wgpu matmul kernels (decode GEMV, prefill GEMM) against the CPU backend (extra args go to `kvlens bench kernels`, e.g. --quick)\n  soak   kvlens serve on the demo model under 256 streaming clients for 10 minutes, then the leak checks (extra args go to `kvlens bench soak`)\n  fuzz [ITERATIONS]  every fuzz target in fuzz/ for ITERATIONS inputs each (default {DEFAULT_FUZZ_RUNS})");
             std::process::exit(2);
         }
     }
@@ -155,7 +158,11 @@ fn test() -> Result<()> {
     run(cargo().args(["build", "--target", "wasm32-unknown-unknown", "-p", "kvlens-engine"]))?;
     // `cargo test --workspace` has just built target/debug/kvlens (the server's tests run it).
     let (browser_passed, browser_failed) = browser_test(false)?;
-    let (passed, failed) = (passed + browser_passed, failed + browser_failed);
+    let (e2e_passed, e2e_failed) = e2e(false)?;
+    let (passed, failed) = (
+        passed + browser_passed + e2e_passed,
+        failed + browser_failed + e2e_failed,
+    );
     // One closing line for the whole run: cargo's last "test result" line is often the doc tests'.
     println!("{passed} passed, {failed} failed");
     Ok(())
@@ -249,7 +256,8 @@ fn ensure_wasm_bindgen(tools: &Path) -> Result<()> {
     Ok(())
 }
 
-/// Installs trunk, wasm-bindgen-cli and wasm-opt under the cache when they are missing.
+/// Installs trunk, wasm-bindgen-cli, wasm-opt and playwright-core under the cache when they are
+/// missing.
 fn ensure_web_tools() -> Result<PathBuf> {
     let tools = tools_on_path();
     if !have("trunk", "--version", TRUNK_VERSION) {
@@ -259,11 +267,16 @@ fn ensure_web_tools() -> Result<PathBuf> {
             .args(["trunk", "--version", TRUNK_VERSION]))?;
     }
     ensure_wasm_bindgen(&tools)?;
-    if !have("wasm-opt", "--version", "132") {
+    let playwright = tools.join("node_modules/playwright-core/package.json");
+    let playwright_ok = std::fs::read_to_string(&playwright)
+        .is_ok_and(|p| p.contains(&format!("\"version\": \"{PLAYWRIGHT_VERSION}\"")));
+    if !have("wasm-opt", "--version", "132") || !playwright_ok {
+        // One install for both: `npm install --no-save` drops packages it was not named.
         run(Command::new("npm")
             .args(["install", "--no-save", "--prefix"])
             .arg(&tools)
-            .arg(format!("binaryen@{BINARYEN_VERSION}")))?;
+            .arg(format!("binaryen@{BINARYEN_VERSION}"))
+            .arg(format!("playwright-core@{PLAYWRIGHT_VERSION}")))?;
     }
     Ok(tools)
 }
@@ -481,25 +494,116 @@ fn browser_test(build_kvlens: bool) -> Result<(u64, u64)> {
 }
 
 fn demo(serve_args: &[String]) -> Result<()> {
+    run(cargo().args(["build", "--release", "-p", "kvlens"]))?;
+    let kvlens = target_dir().join("release").join("kvlens");
+    let dist = build_playground(&kvlens)?;
+    run(Command::new(&kvlens)
+        .arg("serve")
+        .arg("--playground-dir")
+        .arg(&dist)
+        .args(serve_args))
+}
+
+/// The playground's files in dist/: trunk's release build of app/ (Trunk.toml: offline, with the
+/// tools [`ensure_web_tools`] installs) and the demo checkpoint in dist/demo-model/, written by
+/// `kvlens` (the model `kvlens serve` runs without --model).
+fn build_playground(kvlens: &Path) -> Result<PathBuf> {
     ensure_wasm_target()?;
+    let tokenizer = ensure_tokenizer()?;
     ensure_web_tools()?;
     let wb = locked_wasm_bindgen_version()?;
-    // Trunk.toml (root) builds app/index.html into dist/ offline with the tools installed above.
     run(Command::new("trunk")
         .args(["build", "--release"])
+        .current_dir(workspace_root())
         .env("TRUNK_TOOLS_WASM_BINDGEN", &wb))?;
-    run(cargo()
-        .args([
-            "run",
-            "--release",
-            "-p",
-            "kvlens",
-            "--",
-            "serve",
-            "--playground-dir",
-            "dist",
-        ])
-        .args(serve_args))
+    let dist = workspace_root().join("dist");
+    run(Command::new(kvlens)
+        .args(["random-checkpoint", "--config", "demo", "--force", "--tokenizer"])
+        .arg(&tokenizer)
+        .arg("--out")
+        .arg(dist.join("demo-model")))?;
+    Ok(dist)
+}
+
+/// The image and question the playground test sends, and the most tokens it asks for.
+const E2E_IMAGE: &str = "engine/tests/fixtures/golden/images/c_150x150.png";
+const E2E_PROMPT: &str = "What is in this image?";
+const E2E_MAX_TOKENS: &str = "8";
+
+/// `cargo xtask e2e`, also the last step of `cargo xtask test`: tests/e2e/playground.cjs
+/// (Playwright driving Debian's Chromium) against the playground built by trunk, served by
+/// `kvlens serve` and by a static file server; the greedy tokens it sees must equal native
+/// `kvlens generate --backend cpu`'s on the demo model. Screenshots land in the artifacts folder.
+/// With `build_kvlens` false the debug `kvlens` is taken as `cargo test --workspace` built it.
+fn e2e(build_kvlens: bool) -> Result<(u64, u64)> {
+    eprintln!("== the playground in headless Chromium (Playwright) ==");
+    let started = std::time::Instant::now();
+    ensure_chromium()?;
+    if build_kvlens {
+        run(cargo().args(["build", "-p", "kvlens"]))?;
+    }
+    let kvlens = target_dir().join("debug").join("kvlens");
+    if !kvlens.is_file() {
+        bail!("{} is missing: run `cargo build -p kvlens`", kvlens.display());
+    }
+    let dist = build_playground(&kvlens)?;
+    let work = cache_dir().join("e2e");
+    let artifacts = work.join("artifacts");
+    std::fs::create_dir_all(&artifacts)?;
+    let image = workspace_root().join(E2E_IMAGE);
+    let out = Command::new(&kvlens)
+        .args(["generate", "--backend", "cpu", "--model"])
+        .arg(dist.join("demo-model"))
+        .arg("--image")
+        .arg(&image)
+        .args(["--prompt", E2E_PROMPT, "--max-tokens", E2E_MAX_TOKENS, "--json"])
+        .output()
+        .context("cannot run kvlens generate")?;
+    if !out.status.success() {
+        bail!("kvlens generate failed: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    let expected = work.join("generate.json");
+    std::fs::write(&expected, &out.stdout)?;
+    let python = if have("python3", "--version", "Python 3") {
+        "python3"
+    } else {
+        bail!("the static-server run needs python3")
+    };
+    let tools = tools_on_path();
+    let mut node = Command::new("node");
+    node.arg(workspace_root().join("tests/e2e/playground.cjs"))
+        .env("NODE_PATH", tools.join("node_modules"))
+        .env("KVLENS_BIN", &kvlens)
+        .env("KVLENS_DIST", &dist)
+        .env("KVLENS_E2E_IMAGE", &image)
+        .env("KVLENS_E2E_PROMPT", E2E_PROMPT)
+        .env("KVLENS_E2E_MAX_TOKENS", E2E_MAX_TOKENS)
+        .env("KVLENS_E2E_EXPECTED", &expected)
+        .env("KVLENS_E2E_ARTIFACTS", &artifacts)
+        .env("CHROMIUM", CHROMIUM)
+        .env("CHROMIUM_ARGS", serde_json::to_string(CHROMIUM_ARGS)?)
+        .env("PYTHON", python)
+        .stdout(Stdio::piped());
+    eprintln!("+ {node:?}");
+    let output = node.spawn().context("cannot start node")?.wait_with_output()?;
+    let text = String::from_utf8_lossy(&output.stdout);
+    print!("{text}");
+    // Its last line: "e2e: P passed, F failed (artifacts in …)".
+    let counts: Vec<u64> = text
+        .lines()
+        .rev()
+        .find_map(|l| l.strip_prefix("e2e: "))
+        .map(|l| l.split([' ', ',']).filter_map(|w| w.parse().ok()).take(2).collect())
+        .unwrap_or_default();
+    let (passed, failed) = match counts[..] {
+        [p, f] => (p, f),
+        _ => (0, 0),
+    };
+    eprintln!("playground test step took {:.1} s", started.elapsed().as_secs_f64());
+    if !output.status.success() && failed == 0 {
+        bail!("the playground test failed to run ({})", output.status);
+    }
+    Ok((passed, failed))
 }
 
 /// Python packages the golden reference needs (torchvision: the processors' default image backend).

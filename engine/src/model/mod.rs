@@ -1,5 +1,6 @@
 //! The Qwen-VL forward pass, written once against [`Backend`](crate::backend::Backend).
 
+pub mod checkpoint_files;
 pub mod random_weights;
 pub mod rope;
 pub mod spec;

@@ -285,8 +285,8 @@ fn parse_profiling_result(rest: &str, seg: &str) -> Option<Fact> {
     })
 }
 
-pub(super) fn apply_fact(log: &mut ParsedLog, fact: Box<Fact>) {
-    match *fact {
+pub(super) fn apply_fact(log: &mut ParsedLog, fact: Fact) {
+    match fact {
         Fact::Weights(p) => log.weights = Some(p),
         Fact::ModelLoading { weights, seconds } => {
             log.weights = Some(weights);

@@ -273,7 +273,7 @@ pub fn parse_vllm_log(text: &str) -> ParsedLog {
                 Outcome::Fact(fact) => {
                     matched = true;
                     let kind = fact.kind();
-                    apply_fact(&mut log, fact);
+                    apply_fact(&mut log, *fact);
                     log.recognised.push(RecognisedLine {
                         line: line_no,
                         kind,

@@ -1,0 +1,406 @@
+//! The engine running in this tab: the checkpoint streamed onto the wgpu backend over the page's
+//! WebGPU (or, without WebGPU, the CPU backend in wasm), sized by the same start-up code as
+//! `kvlens serve`, and stepped by one task that awaits each step's read so the page stays live.
+
+use crate::checkpoint::{CheckpointInfo, Source};
+use crate::memory_view::{Budget, ResetKind};
+use kvlens_engine::backend::cpu::CpuBackend;
+use kvlens_engine::backend::wgpu::{WgpuBackend, WgpuOptions};
+use kvlens_engine::backend::Backend;
+use kvlens_engine::builder::{build_engine, EngineOptions, StartupReport};
+use kvlens_engine::cache::RequestId;
+use kvlens_engine::config::DType;
+use kvlens_engine::engine::{Engine, Request, TokenEvent};
+use kvlens_engine::input::processor::InputProcessor;
+use kvlens_engine::memory::device::{device_preset, DeviceProfile};
+use kvlens_engine::memory::ledger::MemoryLedger;
+use kvlens_engine::memory::planner::{plan, MmLimits, Plan, PlanRequest};
+use kvlens_engine::model::stream::StreamLoader;
+use kvlens_engine::occupancy::Occupancy;
+use kvlens_engine::runner::ModelRunner;
+use std::cell::{Cell, RefCell};
+use std::collections::HashMap;
+use std::rc::Rc;
+
+/// The tiny model's settings: a small KV cache so its blocks can be watched one by one.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Settings {
+    /// KV blocks to allocate (vLLM's `--kv-cache-memory` is set to this many pages).
+    pub kv_blocks: u64,
+    /// Sequences at once (`--max-num-seqs`).
+    pub max_num_seqs: usize,
+    /// Tokens per step (`--max-num-batched-tokens`).
+    pub max_num_batched_tokens: usize,
+    /// Images per prompt (`--limit-mm-per-prompt image=N`).
+    pub images_per_prompt: usize,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Settings {
+            kv_blocks: 256,
+            max_num_seqs: 4,
+            max_num_batched_tokens: 2048,
+            images_per_prompt: 4,
+        }
+    }
+}
+
+/// The backend a model goes onto.
+#[derive(Debug, Clone)]
+pub enum Device {
+    /// The page's WebGPU adapter.
+    WebGpu(WgpuBackend),
+    /// No WebGPU: the CPU backend in wasm, and why.
+    Cpu(String),
+}
+
+impl Device {
+    /// The WebGPU backend when the browser has an adapter, else the CPU one with the reason.
+    pub async fn open() -> Device {
+        match WgpuBackend::new(MemoryLedger::new(), WgpuOptions::default()).await {
+            Ok(b) => Device::WebGpu(b),
+            Err(e) => Device::Cpu(e.to_string()),
+        }
+    }
+
+    /// The device the planner sizes for: a WebGPU laptop, or the wasm heap (4 GiB at most).
+    pub fn profile(&self) -> DeviceProfile {
+        let (name, total) = match self {
+            Device::WebGpu(_) => ("webgpu-4g", None),
+            Device::Cpu(_) => ("cpu", Some(2u64 << 30)),
+        };
+        let p = device_preset(name).expect("a bundled device preset");
+        match total {
+            Some(t) => p.with_total_bytes(t),
+            None => p,
+        }
+    }
+
+    /// One line naming the backend and adapter.
+    pub fn describe(&self) -> String {
+        match self {
+            Device::WebGpu(b) => format!("WebGPU: {} ({})", b.adapter_info().name, b.describe()),
+            Device::Cpu(why) => format!("CPU backend in wasm (no WebGPU: {why})"),
+        }
+    }
+}
+
+/// The start-up request for a checkpoint on a device: f32 weights and KV (what the backends
+/// store), this page's settings, vLLM's defaults for the rest.
+pub fn plan_request(
+    info: &CheckpointInfo,
+    input: Option<&InputProcessor>,
+    device: &Device,
+    s: Settings,
+) -> PlanRequest {
+    let mut req = PlanRequest::new("playground", info.config.clone(), device.profile());
+    if let Some(input) = input {
+        req.image_limits = input.settings.limits;
+    }
+    req.dtype = Some(DType::F32);
+    req.kv_cache_dtype = Some(DType::F32);
+    req.limit_mm_per_prompt = MmLimits {
+        image: s.images_per_prompt,
+        video: 0,
+    };
+    req.max_num_seqs = Some(s.max_num_seqs);
+    req.max_num_batched_tokens = Some(s.max_num_batched_tokens);
+    req.mm_processor_cache_gb = 0.25;
+    req.non_torch_bytes = Some(0);
+    // One plan to learn the page size, then the KV cache is set to the blocks asked for.
+    if let Ok(p) = plan(&req) {
+        req.kv_cache_memory_bytes = Some(s.kv_blocks * p.page_size_bytes);
+    }
+    req
+}
+
+/// The planner's verdict before loading: the plan, or why the model cannot run here.
+pub fn verdict(info: &CheckpointInfo, device: &Device, s: Settings) -> Result<Plan, String> {
+    let p = plan(&plan_request(info, None, device, s)).map_err(|e| e.to_string())?;
+    match (&p.error, p.fits) {
+        (Some(e), false) => Err(e.clone()),
+        (None, false) => Err("the KV cache does not hold one request of the model's length".into()),
+        _ => Ok(p),
+    }
+}
+
+/// Loading progress: tensors and bytes converted so far.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Progress {
+    /// Tensors on the device.
+    pub tensors: usize,
+    /// Checkpoint bytes read.
+    pub bytes: u64,
+    /// Checkpoint bytes in all, when known.
+    pub total_bytes: Option<u64>,
+}
+
+/// Called with each request's tokens as they come.
+type TokenSink = Box<dyn FnMut(&TokenEvent)>;
+
+/// A loaded model, its input processor and its engine, shared by the page's handlers.
+pub struct Local {
+    engine: RefCell<Engine>,
+    /// The checkpoint's tokenizer, template and image settings.
+    pub input: InputProcessor,
+    /// How start-up sized the engine.
+    pub report: StartupReport,
+    /// The backend, in words.
+    pub device: String,
+    sinks: RefCell<HashMap<RequestId, TokenSink>>,
+    stepping: Cell<bool>,
+    seq: Cell<u64>,
+    on_step: Box<dyn Fn(Occupancy)>,
+    on_error: Box<dyn Fn(String)>,
+}
+
+impl std::fmt::Debug for Local {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Local")
+            .field("device", &self.device)
+            .finish_non_exhaustive()
+    }
+}
+
+fn now_s() -> f64 {
+    js_sys::Date::now() / 1e3
+}
+
+/// Streams the weights onto `backend` and starts the engine as `kvlens serve` does.
+async fn start_on<B: Backend + 'static>(
+    backend: B,
+    source: &Source,
+    info: &CheckpointInfo,
+    input: &mut InputProcessor,
+    device: &Device,
+    s: Settings,
+    progress: &dyn Fn(Progress),
+) -> Result<(Engine, StartupReport), String> {
+    let known: Option<u64> = info.shards.iter().map(|(_, s)| *s).sum();
+    let total = Rc::new(Cell::new(known.unwrap_or(0)));
+    let total_known = Rc::new(Cell::new(known.is_some()));
+    let read = Rc::new(Cell::new(0u64));
+    let report = |tensors: usize| {
+        progress(Progress {
+            tensors,
+            bytes: read.get(),
+            total_bytes: total_known.get().then(|| total.get()),
+        })
+    };
+    let mut stream =
+        StreamLoader::new(info.config.clone(), &backend, |tensors, _| report(tensors)).map_err(|e| e.to_string())?;
+    for (name, size) in &info.shards {
+        stream.begin_shard(name.clone()).map_err(|e| e.to_string())?;
+        let length = |l: Option<u64>| match (size, l) {
+            (Some(_), _) => {}
+            (None, Some(l)) => total.set(total.get() + l),
+            (None, None) => total_known.set(false),
+        };
+        source
+            .stream(name, length, |chunk| {
+                read.set(read.get() + chunk.len() as u64);
+                stream.push(chunk).map_err(|e| e.to_string())
+            })
+            .await?;
+    }
+    let model = stream.finish().map_err(|e| e.to_string())?;
+    let req = plan_request(info, Some(input), device, s);
+    let opts = EngineOptions {
+        enable_prefix_caching: true,
+        long_prefill_token_threshold: 0,
+        max_num_partial_prefills: 1,
+        vocab_size: input.tokenizer.vocab_size(),
+    };
+    let (engine, report) =
+        build_engine(ModelRunner::new(backend, model), req, opts, &now_s).map_err(|e| e.to_string())?;
+    input.set_processor_cache_bytes(report.plan.processor_cache_bytes);
+    input.max_model_len = report.plan.max_model_len;
+    input.limit_images = s.images_per_prompt;
+    if let Some(tokens) = report.max_image_tokens {
+        input.max_image_tokens = tokens;
+    }
+    Ok((engine, report))
+}
+
+impl Local {
+    /// Loads the checkpoint from `source` onto `device` and starts the engine; `on_step` gets the
+    /// occupancy after every step (and after resets), `on_error` a failed step's error.
+    pub async fn load(
+        source: &Source,
+        info: &CheckpointInfo,
+        device: &Device,
+        s: Settings,
+        progress: &dyn Fn(Progress),
+        on_step: Box<dyn Fn(Occupancy)>,
+        on_error: Box<dyn Fn(String)>,
+    ) -> Result<Rc<Local>, String> {
+        let mut input = InputProcessor::new(
+            &info.tokenizer_json,
+            &info.chat_template,
+            &info.config,
+            info.preprocessor_json.as_deref(),
+            info.eos.clone(),
+        )
+        .map_err(|e| e.to_string())?;
+        let (engine, report) = match device {
+            Device::WebGpu(b) => start_on(b.clone(), source, info, &mut input, device, s, progress).await?,
+            Device::Cpu(_) => {
+                let cpu = CpuBackend::new(MemoryLedger::new());
+                start_on(cpu, source, info, &mut input, device, s, progress).await?
+            }
+        };
+        let local = Rc::new(Local {
+            engine: RefCell::new(engine),
+            input,
+            report,
+            device: device.describe(),
+            sinks: RefCell::new(HashMap::new()),
+            stepping: Cell::new(false),
+            seq: Cell::new(0),
+            on_step,
+            on_error,
+        });
+        local.publish();
+        Ok(local)
+    }
+
+    /// The budget the memory view draws against.
+    pub fn budget(&self) -> Budget {
+        let p = &self.report.plan;
+        Budget {
+            total_bytes: p.total_bytes,
+            requested_bytes: p.requested_bytes,
+            kv_cache_bytes: p.available_kv_bytes.max(0) as u64,
+        }
+    }
+
+    fn publish(&self) {
+        self.seq.set(self.seq.get() + 1);
+        let occupancy = Occupancy::of(&self.engine.borrow(), &self.input, self.seq.get(), now_s());
+        (self.on_step)(occupancy);
+    }
+
+    /// Queues a request; `sink` gets its tokens. Steps run until every request has finished.
+    pub fn submit(self: &Rc<Self>, request: Request, sink: TokenSink) -> Result<(), String> {
+        let id = request.id.clone();
+        self.engine
+            .borrow_mut()
+            .add_request(request)
+            .map_err(|e| e.to_string())?;
+        self.sinks.borrow_mut().insert(id, sink);
+        self.publish();
+        if !self.stepping.replace(true) {
+            let this = Rc::clone(self);
+            wasm_bindgen_futures::spawn_local(async move { this.drive().await });
+        }
+        Ok(())
+    }
+
+    /// Steps while anything is unfinished, awaiting each read with the engine free, so aborts and
+    /// resets land between the halves of a step.
+    async fn drive(self: Rc<Self>) {
+        loop {
+            let launched = {
+                let mut engine = self.engine.borrow_mut();
+                if !engine.has_unfinished() {
+                    break;
+                }
+                engine.launch()
+            };
+            let events = match launched {
+                Ok(None) => Ok(Vec::new()),
+                Ok(Some(step)) => {
+                    let (meta, read) = step.into_parts();
+                    let values = match read {
+                        Some(read) => Some(read.await),
+                        None => None,
+                    };
+                    self.engine.borrow_mut().complete(meta, values.transpose())
+                }
+                Err(e) => Err(e),
+            };
+            match events {
+                Ok(events) => {
+                    for e in &events {
+                        let mut sinks = self.sinks.borrow_mut();
+                        if let Some(sink) = sinks.get_mut(&e.id) {
+                            sink(e);
+                        }
+                        if e.finish.is_some() {
+                            sinks.remove(&e.id);
+                        }
+                    }
+                }
+                Err(e) => {
+                    // The engine has dropped every request and emptied its caches.
+                    self.sinks.borrow_mut().clear();
+                    let ledger = self.engine.borrow().ledger().entries();
+                    let held = ledger
+                        .iter()
+                        .map(|l| format!("{:?} {:.1} MiB", l.category, l.bytes as f64 / 1048576.0))
+                        .collect::<Vec<_>>()
+                        .join(", ");
+                    (self.on_error)(format!(
+                        "{e}. Ledger at that moment: {held}. Try a shorter context or fewer images."
+                    ));
+                }
+            }
+            self.publish();
+            // Let the page draw between steps even when a read resolved at once (CPU backend).
+            yield_to_browser().await;
+        }
+        self.stepping.set(false);
+    }
+
+    /// Stops a request (its blocks and encoder references are returned at once).
+    pub fn abort(&self, id: &RequestId) {
+        let _ = self.engine.borrow_mut().abort(id);
+        self.sinks.borrow_mut().remove(id);
+        self.publish();
+    }
+
+    /// Empties one cache; says what it freed.
+    pub fn reset(&self, kind: ResetKind) -> String {
+        let said = match kind {
+            ResetKind::Prefix => match self.engine.borrow_mut().reset_prefix_cache() {
+                Ok(()) => "prefix cache reset: cached blocks are free blocks now".to_string(),
+                Err(e) => format!("prefix cache not reset: {e}"),
+            },
+            ResetKind::Encoder => {
+                let freed = self.engine.borrow_mut().reset_encoder_cache();
+                format!("encoder cache reset: {} freed on the device", bytes(freed))
+            }
+            ResetKind::Processor => {
+                let mut cache = self.input.processor_cache.lock().unwrap_or_else(|p| p.into_inner());
+                let entries = cache.len();
+                let freed = cache.clear();
+                format!(
+                    "processor cache reset (what vLLM's /reset_mm_cache does): {entries} preprocessed images, {} of host memory; the encoder cache on the device is untouched",
+                    bytes(freed)
+                )
+            }
+        };
+        self.publish();
+        said
+    }
+}
+
+/// Bytes in MiB or KiB, for messages.
+pub fn bytes(b: u64) -> String {
+    if b >= 1 << 20 {
+        format!("{:.2} MiB", b as f64 / 1048576.0)
+    } else {
+        format!("{:.1} KiB", b as f64 / 1024.0)
+    }
+}
+
+/// Gives the event loop a turn (a resolved promise is a microtask: a zero timeout is not).
+async fn yield_to_browser() {
+    let promise = js_sys::Promise::new(&mut |resolve, _| {
+        if let Some(w) = web_sys::window() {
+            let _ = w.set_timeout_with_callback_and_timeout_and_arguments_0(&resolve, 0);
+        }
+    });
+    let _ = wasm_bindgen_futures::JsFuture::from(promise).await;
+}

@@ -1,0 +1,268 @@
+// The playground in headless Chromium (playwright-core driving Debian's chromium), run by
+// `cargo xtask test` (alone: `cargo xtask e2e`). Four runs:
+//   1. the page served by `kvlens serve`, on WebGPU (SwiftShader): load the demo model, send an
+//      image and a question, watch the KV blocks fill and empty, the encoder cache get one entry,
+//      the same image again hit it, the reset empty it; the planner link; screenshots;
+//   2. dist/ on a plain static file server with WebGPU off: the CPU backend in wasm;
+//   3. server mode against a `kvlens serve`, 4. server mode against a fake vLLM /metrics.
+// The greedy tokens of runs 1 and 2 must equal native `kvlens generate --backend cpu`'s.
+//
+// Environment (set by the xtask): KVLENS_BIN, KVLENS_DIST, KVLENS_E2E_IMAGE, KVLENS_E2E_PROMPT,
+// KVLENS_E2E_MAX_TOKENS, KVLENS_E2E_EXPECTED (generate's JSON), KVLENS_E2E_ARTIFACTS, CHROMIUM,
+// CHROMIUM_ARGS (JSON list), PYTHON.
+'use strict';
+const { chromium } = require('playwright-core');
+const { spawn } = require('child_process');
+const fs = require('fs');
+const net = require('net');
+const path = require('path');
+
+const env = (k) => {
+  if (!process.env[k]) throw new Error(`${k} is not set (run through cargo xtask test)`);
+  return process.env[k];
+};
+const KVLENS = env('KVLENS_BIN');
+const DIST = env('KVLENS_DIST');
+const IMAGE = env('KVLENS_E2E_IMAGE');
+const PROMPT = env('KVLENS_E2E_PROMPT');
+const MAX_TOKENS = env('KVLENS_E2E_MAX_TOKENS');
+const EXPECTED = JSON.parse(fs.readFileSync(env('KVLENS_E2E_EXPECTED'), 'utf8'));
+const ARTIFACTS = env('KVLENS_E2E_ARTIFACTS');
+const CHROMIUM = env('CHROMIUM');
+const CHROMIUM_ARGS = JSON.parse(env('CHROMIUM_ARGS'));
+const PYTHON = env('PYTHON');
+const HERE = __dirname;
+// Generous: CI has 2 busy cores and SwiftShader runs WebGPU on them.
+const LONG = 600_000;
+
+const children = [];
+let failures = 0;
+let passes = 0;
+
+function freePort() {
+  return new Promise((resolve, reject) => {
+    const s = net.createServer();
+    s.listen(0, '127.0.0.1', () => {
+      const { port } = s.address();
+      s.close(() => resolve(port));
+    });
+    s.on('error', reject);
+  });
+}
+
+function start(cmd, args, name) {
+  const child = spawn(cmd, args, { stdio: ['ignore', 'pipe', 'pipe'] });
+  const log = fs.createWriteStream(path.join(ARTIFACTS, `${name}.log`));
+  child.stdout.pipe(log);
+  child.stderr.pipe(log);
+  children.push(child);
+  return child;
+}
+
+// Polls `url` until it answers (any status), the child dies or the deadline passes.
+async function waitHttp(url, child, name) {
+  const deadline = Date.now() + LONG;
+  while (Date.now() < deadline) {
+    if (child.exitCode !== null) throw new Error(`${name} exited with ${child.exitCode} (see ${name}.log)`);
+    try {
+      await fetch(url);
+      return;
+    } catch (_) {
+      await new Promise((r) => setTimeout(r, 200));
+    }
+  }
+  throw new Error(`${name} did not answer ${url}`);
+}
+
+async function kvlensServe(name) {
+  const port = await freePort();
+  const child = start(KVLENS, ['serve', '--playground-dir', DIST, '--host', '127.0.0.1', '--port', String(port)], name);
+  const base = `http://127.0.0.1:${port}`;
+  // /health answers 503 until the engine has started; wait for 200.
+  const deadline = Date.now() + LONG;
+  for (;;) {
+    await waitHttp(`${base}/health`, child, name);
+    if ((await fetch(`${base}/health`)).status === 200) return base;
+    if (Date.now() > deadline) throw new Error(`${name} never became healthy`);
+    await new Promise((r) => setTimeout(r, 300));
+  }
+}
+
+async function staticServer(name) {
+  const port = await freePort();
+  const child = start(PYTHON, ['-m', 'http.server', String(port), '--bind', '127.0.0.1', '--directory', DIST], name);
+  const base = `http://127.0.0.1:${port}`;
+  await waitHttp(`${base}/`, child, name);
+  return base;
+}
+
+async function browser(webgpu) {
+  const args = CHROMIUM_ARGS.filter((a) => webgpu || !a.includes('webgpu'));
+  if (!webgpu) args.push('--disable-features=WebGPU');
+  return chromium.launch({ executablePath: CHROMIUM, args, headless: true });
+}
+
+async function check(name, fn) {
+  const t0 = Date.now();
+  try {
+    await fn();
+    passes += 1;
+    console.log(`e2e ${name} ... ok (${((Date.now() - t0) / 1000).toFixed(1)} s)`);
+  } catch (e) {
+    failures += 1;
+    console.log(`e2e ${name} ... FAILED\n${e.stack || e}`);
+  }
+}
+
+const byTest = (page, id) => page.locator(`[data-testid="${id}"]`);
+
+function assert(cond, msg) {
+  if (!cond) throw new Error(msg);
+}
+
+async function newPage(b, name) {
+  const page = await b.newPage({ viewport: { width: 1400, height: 1000 } });
+  page.on('console', (m) => fs.appendFileSync(path.join(ARTIFACTS, `${name}-console.log`), `${m.type()}: ${m.text()}\n`));
+  page.on('pageerror', (e) => fs.appendFileSync(path.join(ARTIFACTS, `${name}-console.log`), `pageerror: ${e}\n`));
+  return page;
+}
+
+// Records every text the element `id` shows from now on, with whether a reply was in flight.
+async function recordTexts(page, id) {
+  await page.evaluate((id) => {
+    window.__seen = window.__seen || {};
+    const seen = (window.__seen[id] = []);
+    const note = () => {
+      const el = document.querySelector(`[data-testid="${id}"]`);
+      const live = document.querySelector('[data-testid="assistant-message"][data-done="false"]') !== null;
+      if (el) seen.push({ text: el.textContent, live });
+    };
+    note();
+    new MutationObserver(note).observe(document.body, { subtree: true, childList: true, characterData: true });
+  }, id);
+}
+
+async function loadDemo(page) {
+  await byTest(page, 'load-demo').click();
+  await page.waitForFunction(
+    () => {
+      const s = document.querySelector('[data-testid="model-status"]')?.textContent || '';
+      return s.includes('ready') || s.includes('not loaded');
+    },
+    null,
+    { timeout: LONG },
+  );
+  const status = await byTest(page, 'model-status').textContent();
+  assert(status.includes('ready'), `the demo model did not load: ${status}`);
+  return status;
+}
+
+// Sends the image and the prompt; returns the finished assistant message's token ids.
+async function ask(page, nth) {
+  await byTest(page, 'max-tokens').fill(MAX_TOKENS);
+  await byTest(page, 'max-tokens').dispatchEvent('change');
+  await byTest(page, 'image-input').setInputFiles(IMAGE);
+  await page.waitForSelector('.pending img', { timeout: LONG });
+  await byTest(page, 'chat-input').fill(PROMPT);
+  await byTest(page, 'send').click();
+  const reply = byTest(page, 'assistant-message').nth(nth);
+  await reply.waitFor({ timeout: LONG });
+  await page.waitForFunction(
+    (n) => document.querySelectorAll('[data-testid="assistant-message"]')[n]?.dataset.done === 'true',
+    nth,
+    { timeout: LONG },
+  );
+  const ids = (await reply.getAttribute('data-token-ids')).split(',').filter((s) => s).map(Number);
+  return ids;
+}
+
+function sameTokens(got, what) {
+  const want = EXPECTED.token_ids;
+  assert(
+    JSON.stringify(got) === JSON.stringify(want),
+    `${what}: greedy tokens differ from native kvlens generate --backend cpu\n  browser: ${got}\n   native: ${want}`,
+  );
+}
+
+const blocksInUse = (text) => Number((/^(\d+)\//.exec(text) || [])[1]);
+
+async function playgroundOnWebGpu(base) {
+  const b = await browser(true);
+  try {
+    const page = await newPage(b, 'webgpu');
+    await page.goto(`${base}/`);
+    await page.waitForFunction(() => !document.querySelector('[data-testid="device"]').textContent.includes('looking'), null, { timeout: LONG });
+    const device = await byTest(page, 'device').textContent();
+    assert(device.startsWith('WebGPU'), `no WebGPU adapter in the page: ${device}`);
+    await loadDemo(page);
+    assert((await byTest(page, 'verdict').textContent()).includes('fits'), 'the verdict before loading is missing');
+    assert(/\d+ tensors on the device/.test(await byTest(page, 'load-progress').textContent()), 'no load progress');
+    await recordTexts(page, 'kv-usage');
+    const first = await ask(page, 0);
+    sameTokens(first, 'WebGPU');
+    const seen = await page.evaluate(() => window.__seen['kv-usage']);
+    assert(seen.some((s) => s.live && blocksInUse(s.text) > 0), `kv-usage never showed blocks in use during generation: ${JSON.stringify(seen)}`);
+    await page.waitForFunction(() => /^0\//.test(document.querySelector('[data-testid="kv-usage"]').textContent), null, { timeout: LONG });
+    const ec = await byTest(page, 'encoder-cache-usage').textContent();
+    assert(/^1 entry, \d+\/\d+ tokens$/.test(ec), `encoder cache after one image: ${ec}`);
+    await page.screenshot({ path: path.join(ARTIFACTS, 'playground-chat.png'), fullPage: true });
+
+    const hits = Number(await byTest(page, 'encoder-cache-hits').textContent());
+    await ask(page, 1);
+    const ec2 = await byTest(page, 'encoder-cache-usage').textContent();
+    assert(ec2.startsWith('1 entry,'), `the same image again added an entry: ${ec2}`);
+    const hits2 = Number(await byTest(page, 'encoder-cache-hits').textContent());
+    assert(hits2 > hits, `the same image again did not hit the encoder cache (${hits} -> ${hits2})`);
+
+    await byTest(page, 'reset-encoder-cache').click();
+    await page.waitForFunction(() => document.querySelector('[data-testid="encoder-cache-usage"]').textContent.startsWith('0 entries'), null, { timeout: LONG });
+    assert((await byTest(page, 'reset-result').textContent()).includes('freed'), 'the reset does not say what it freed');
+  } finally {
+    await b.close();
+  }
+}
+
+async function plannerLink(base) {
+  const b = await browser(true);
+  try {
+    const page = await newPage(b, 'planner');
+    await page.goto(`${base}/planner?model=Qwen3-VL-32B-Instruct&device=ascend-910b-64g&tp=2&kv_cache_memory_gib=20.06&max_model_len=262144`);
+    await page.waitForFunction(() => (document.querySelector('[data-testid="planner-result"]')?.textContent || '').includes('164,224'), null, { timeout: LONG });
+    await page.screenshot({ path: path.join(ARTIFACTS, 'planner.png'), fullPage: true });
+  } finally {
+    await b.close();
+  }
+}
+
+async function playgroundOnCpu(base) {
+  const b = await browser(false);
+  try {
+    const page = await newPage(b, 'cpu');
+    await page.goto(`${base}/`);
+    await page.waitForFunction(() => !document.querySelector('[data-testid="device"]').textContent.includes('looking'), null, { timeout: LONG });
+    const device = await byTest(page, 'device').textContent();
+    assert(device.startsWith('CPU backend'), `WebGPU was off, yet: ${device}`);
+    await loadDemo(page);
+    sameTokens(await ask(page, 0), 'CPU fallback');
+  } finally {
+    await b.close();
+  }
+}
+
+(async () => {
+  fs.mkdirSync(ARTIFACTS, { recursive: true });
+  try {
+    const served = await kvlensServe('kvlens-serve');
+    await check('playground on WebGPU, served by kvlens serve', () => playgroundOnWebGpu(served));
+    await check('planner link shows 164,224', () => plannerLink(served));
+    const site = await staticServer('static-server');
+    await check('playground on the CPU backend (WebGPU off), static dist/', () => playgroundOnCpu(site));
+  } catch (e) {
+    failures += 1;
+    console.log(`e2e setup FAILED\n${e.stack || e}`);
+  } finally {
+    for (const c of children) c.kill('SIGTERM');
+  }
+  console.log(`e2e: ${passes} passed, ${failures} failed (artifacts in ${ARTIFACTS})`);
+  process.exit(failures ? 1 : 0);
+})();
