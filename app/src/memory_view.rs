@@ -313,3 +313,43 @@ pub fn MemoryView(
         </section>
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvlens_engine::cache::RequestId;
+
+    fn summary() -> KvSummary {
+        let mut tables = BTreeMap::new();
+        tables.insert(RequestId::from("a"), vec![1, 2]);
+        tables.insert(RequestId::from("b"), vec![1, 3]);
+        KvSummary {
+            num_blocks: 6,
+            block_size: 16,
+            num_free: 2,
+            num_cached_free: 1,
+            num_in_use: 3,
+            usage: 0.6,
+            num_evictions: 0,
+            runs: vec![
+                (KvBlockState::Null, 1),
+                (KvBlockState::InUse, 3),
+                (KvBlockState::CachedFree, 1),
+                (KvBlockState::Free, 1),
+            ],
+            tables,
+        }
+    }
+
+    #[test]
+    fn grid_cells_follow_the_runs_and_name_every_owner() {
+        let c = cells(&summary());
+        assert_eq!(c.len(), 6);
+        assert_eq!(c.iter().map(|c| c.id).collect::<Vec<_>>(), [0, 1, 2, 3, 4, 5]);
+        assert_eq!(c[1].owners, ["a", "b"], "block 1 is shared by both tables");
+        assert_eq!(c[3].owners, ["b"]);
+        assert_eq!(c[3].index, Some(1), "block 3 is b's second block");
+        assert_eq!(c[4].state, KvBlockState::CachedFree);
+        assert!(c[5].owners.is_empty());
+    }
+}
