@@ -10,7 +10,6 @@ mod random_checkpoint_cmd;
 mod runtime;
 mod serve;
 mod startup;
-mod vllm_flags;
 
 use clap::{Parser, Subcommand};
 

@@ -4,7 +4,6 @@
 
 use crate::random_checkpoint_cmd::{self, RandomCheckpointArgs, WeightDtype};
 use crate::runtime::{load, BackendChoice, Frontend};
-use crate::vllm_flags::{parse_dtype, VllmFlags};
 use crate::UsageError;
 use anyhow::Result;
 use kvlens_engine::backend::BackendKind;
@@ -13,6 +12,7 @@ use kvlens_engine::config::{DType, ProcessorKwargs};
 use kvlens_engine::engine::Engine;
 use kvlens_engine::memory::device::{device_preset, gib_to_bytes, DeviceProfile};
 use kvlens_engine::memory::log_budget::HeaderSettings;
+use kvlens_engine::memory::plan_inputs::{parse_dtype, VllmFlags};
 use kvlens_engine::memory::planner::{MmLimits, Plan, PlanRequest};
 use kvlens_engine::memory::GIB;
 use kvlens_engine::profile::ProfileResult;
@@ -138,8 +138,8 @@ pub fn cpu_device(gib: Option<f64>) -> Result<DeviceProfile> {
 /// Loads, profiles and sizes the engine; prints vLLM's start-up lines to stderr.
 pub fn start(a: &EngineArgs) -> Result<Started> {
     a.backend.ensure_built().map_err(usage)?;
-    let dtype = parse_dtype("dtype", &a.vllm.dtype)?;
-    let kv_dtype = parse_dtype("kv-cache-dtype", &a.vllm.kv_cache_dtype)?;
+    let dtype = parse_dtype("dtype", &a.vllm.dtype).map_err(|e| usage(e.to_string()))?;
+    let kv_dtype = parse_dtype("kv-cache-dtype", &a.vllm.kv_cache_dtype).map_err(|e| usage(e.to_string()))?;
     for (flag, d, given) in [
         ("--dtype", dtype, &a.vllm.dtype),
         ("--kv-cache-dtype", kv_dtype, &a.vllm.kv_cache_dtype),
@@ -202,7 +202,9 @@ pub fn start(a: &EngineArgs) -> Result<Started> {
     );
     let mut req = PlanRequest::new(served_model_names[0].clone(), runner.config().clone(), device);
     req.image_limits = frontend.settings.limits;
-    a.vllm.apply(&mut req, &HeaderSettings::default())?;
+    a.vllm
+        .apply(&mut req, &HeaderSettings::default())
+        .map_err(|e| usage(e.to_string()))?;
     req.limit_mm_per_prompt = MmLimits { video: 0, ..limits };
     // Nothing else shares the CPU "device": all of it is free before the weights load.
     req.non_torch_bytes = Some(0);

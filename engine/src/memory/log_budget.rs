@@ -117,6 +117,21 @@ pub struct LogBudget {
     pub notes: Vec<String>,
 }
 
+impl LogBudget {
+    /// The formula the log's figures follow, in words.
+    pub fn formula(&self) -> &'static str {
+        match self.format {
+            Some(ProfilingFormat::Old) => {
+                "old vllm-ascend profiling (< v0.15): available = total × util − (torch peak incl. weights + non-torch)"
+            }
+            Some(ProfilingFormat::New) => {
+                "memory_profiling (vLLM, vllm-ascend ≥ v0.15): available = total × util − (weights + torch peak increase + non-torch increase)"
+            }
+            None => "no profiling lines: the planner estimates what the log does not say",
+        }
+    }
+}
+
 /// A closed interval of byte counts, for sums and differences of printed (rounded) figures.
 #[derive(Debug, Clone, Copy)]
 struct Span(i128, i128);

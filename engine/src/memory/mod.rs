@@ -1,8 +1,9 @@
-//! Device profiles, the parameter inventory and the vLLM-compatible start-up planner.
+//! Device profiles, the parameter inventory, the vLLM-compatible start-up planner and its inputs.
 
 pub mod device;
 pub mod ledger;
 pub mod log_budget;
+pub mod plan_inputs;
 pub mod planner;
 pub mod vllm_log;
 pub mod weights;

@@ -19,6 +19,8 @@ const MAX_VIDEO_FRAMES_QWEN2: usize = 14;
 /// Most tokens (`--max-num-batched-tokens`) or sequences (`--max-num-seqs`) per step the planner
 /// takes: far beyond any device's memory, small enough that every byte count it derives fits 64 bits.
 pub const MAX_PER_STEP: usize = 1 << 31;
+/// vLLM's default `--mm-processor-cache-gb`.
+pub const DEFAULT_MM_PROCESSOR_CACHE_GB: f64 = 4.0;
 /// Qwen3-VL's shipped video `size.longest_edge` (pixels over all frames).
 const QWEN3_VIDEO_MAX_PIXELS: u64 = 25_165_824;
 
@@ -155,7 +157,7 @@ impl PlanRequest {
             max_num_seqs: None,
             block_size: None,
             limit_mm_per_prompt: MmLimits::default(),
-            mm_processor_cache_gb: 4.0,
+            mm_processor_cache_gb: DEFAULT_MM_PROCESSOR_CACHE_GB,
             dtype: None,
             kv_cache_dtype: None,
             kv_cache_memory_bytes: None,
@@ -188,6 +190,19 @@ pub enum Modality {
     Image,
     /// A video.
     Video,
+}
+
+impl Source {
+    /// How tables show where a figure comes from; `None` is the device preset.
+    pub fn label(source: Option<Source>) -> &'static str {
+        match source {
+            None => "device",
+            Some(Source::Estimated) => "estimated",
+            Some(Source::Given) => "given",
+            Some(Source::Derived) => "derived",
+            Some(Source::FromLog) => "from log",
+        }
+    }
 }
 
 impl Modality {
@@ -627,6 +642,47 @@ impl Plan {
             .weights_bytes
             .saturating_add(self.activation_peak_bytes)
             .saturating_add(self.non_torch_bytes);
+    }
+
+    /// The settings the budget was computed with, in one line.
+    pub fn summary(&self) -> String {
+        format!(
+            "{} on {} (TP {}), max_model_len {}, block {}, max_num_batched_tokens {}, max_num_seqs {}, dtype {:?}, KV {:?}",
+            self.model,
+            self.device,
+            self.tensor_parallel_size,
+            self.max_model_len,
+            self.block_size,
+            self.max_num_batched_tokens,
+            self.max_num_seqs,
+            self.dtype,
+            self.kv_cache_dtype
+        )
+    }
+
+    /// Whether one request of `max_model_len` fits, in one sentence; when it does not, with
+    /// vLLM's estimate of the longest length that does.
+    pub fn verdict(&self) -> String {
+        let len = thousands(self.max_model_len as u64);
+        let (needed, avail) = (gib(self.needed_kv_bytes), gib(self.available_kv_bytes.max(0) as u64));
+        if self.fits {
+            return format!(
+                "Fits: one request of {len} tokens needs {needed} GiB of KV cache; {avail} GiB hold {} tokens ({:.2}x concurrency).",
+                thousands(self.kv_cache_tokens),
+                self.max_concurrency
+            );
+        }
+        match self.estimated_max_model_len {
+            Some(w) => format!(
+                "Does not fit: one request of {len} tokens needs {needed} GiB of KV cache, {avail} GiB are available; the estimated maximum model length is {}.",
+                thousands(w as u64)
+            ),
+            None => format!(
+                "Does not fit: no memory is left for the KV cache (requested {} GiB, non-KV {} GiB).",
+                gib(self.requested_bytes),
+                gib(self.non_kv_bytes)
+            ),
+        }
     }
 
     /// The lines vLLM logs at start-up for this budget, in order.
