@@ -1411,3 +1411,45 @@ fn a_restricted_allowed_origins_refuses_other_origins() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("--allowed-origins") && err.contains("JSON list"), "{err}");
 }
+
+/// kvlens's `/metrics` carries vLLM's names, so the playground's vLLM view can read it too: what
+/// `kvlens_engine::memory::vllm_metrics` reads there agrees with `/v1/memory` once the engine is
+/// idle.
+#[test]
+fn the_vllm_metrics_reader_agrees_with_the_memory_endpoint() {
+    use kvlens_engine::memory::vllm_metrics::VllmMetrics;
+    let server = serve(&[]);
+    server.wait_ready();
+    chat_with_image(&server);
+    chat_with_image(&server);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let (m, mem) = loop {
+        let m = VllmMetrics::parse(&server.get("/metrics").text());
+        let mem = memory(&server);
+        let agree = m.kv_cache_usage == mem["kv"]["usage"].as_f64()
+            && m.prefix_cache_queries == mem["prefix_cache"]["queries"].as_u64();
+        if agree || Instant::now() > deadline {
+            break (m, mem);
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(m.is_vllm());
+    assert_eq!(m.engines, 1);
+    assert_eq!(m.model_names, ["tiny"]);
+    assert_eq!(m.kv_cache_usage, mem["kv"]["usage"].as_f64(), "{mem:#}");
+    assert_eq!(m.num_requests_running, Some(0));
+    assert_eq!(m.num_requests_waiting, Some(0));
+    assert_eq!(m.prefix_cache_queries, mem["prefix_cache"]["queries"].as_u64());
+    assert_eq!(m.prefix_cache_hits, mem["prefix_cache"]["hits"].as_u64());
+    assert!(
+        m.prefix_cache_hits.unwrap() > 0,
+        "the second chat reuses the first's prefix"
+    );
+    assert_eq!(m.num_preemptions, mem["counters"]["num_preemptions"].as_u64());
+    // Where kvlens adds vLLM's cache_config_info, its blocks are the engine's.
+    if let Some(blocks) = m.num_gpu_blocks {
+        assert_eq!(Some(blocks), mem["kv"]["num_blocks"].as_u64());
+        assert_eq!(m.blocks_in_use(), mem["kv"]["num_in_use"].as_u64());
+    }
+    drop(server);
+}

@@ -1,10 +1,12 @@
-//! Device profiles, the parameter inventory and the vLLM-compatible start-up planner.
+//! Device profiles, the parameter inventory, the vLLM-compatible start-up planner, and readers of
+//! what vLLM prints: its start-up log and its `/metrics`.
 
 pub mod device;
 pub mod ledger;
 pub mod log_budget;
 pub mod planner;
 pub mod vllm_log;
+pub mod vllm_metrics;
 pub mod weights;
 
 /// Bytes per GiB (vLLM divides by 2^30 wherever it prints GB or GiB).
