@@ -1238,3 +1238,218 @@ fn out_of_range_guard_flags_are_one_line_errors() {
         assert!(err.contains(flag), "{flag} {value}: {err}");
     }
 }
+
+/// The value of header `name` in an answer's head (names compared case-insensitively).
+fn header_value(head: &str, name: &str) -> Option<String> {
+    head.lines().find_map(|l| {
+        let (k, v) = l.split_once(':')?;
+        k.trim().eq_ignore_ascii_case(name).then(|| v.trim().to_string())
+    })
+}
+
+/// A playground directory with a recognisable index.html.
+fn fake_playground() -> PathBuf {
+    let dir = scratch("serve-http-playground");
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(
+        dir.join("index.html"),
+        "<!doctype html><title>kvlens playground</title>",
+    )
+    .unwrap();
+    dir
+}
+
+/// As vLLM's default `--allowed-origins ["*"]`: a page on another origin (the playground on a static
+/// server) may preflight the resets, read `/server_info`, `/metrics` and the memory stream. The
+/// playground's one page answers `/planner` too, while unknown paths stay JSON 404s.
+#[test]
+fn any_origin_may_read_the_api_and_the_planner_is_the_playground_page() {
+    let playground = fake_playground();
+    let server = Server::start(checkpoint(), &["--playground-dir", playground.to_str().unwrap()]);
+    server.wait_ready();
+    let port = server.port();
+    let origin = [("Origin", "http://127.0.0.1:9999")];
+    let preflight = http(
+        port,
+        "OPTIONS",
+        "/reset_encoder_cache",
+        &[
+            ("Origin", "http://127.0.0.1:9999"),
+            ("Access-Control-Request-Method", "POST"),
+            ("Access-Control-Request-Headers", "content-type"),
+        ],
+        b"",
+    );
+    assert_eq!(preflight.status, 200, "{}", preflight.head);
+    assert_eq!(
+        header_value(&preflight.head, "access-control-allow-origin").as_deref(),
+        Some("*")
+    );
+    let methods = header_value(&preflight.head, "access-control-allow-methods").unwrap_or_default();
+    assert!(methods.contains("POST"), "{}", preflight.head);
+    let headers = header_value(&preflight.head, "access-control-allow-headers").unwrap_or_default();
+    assert!(headers.contains("content-type"), "{}", preflight.head);
+    assert_eq!(
+        header_value(&preflight.head, "access-control-max-age").as_deref(),
+        Some("600")
+    );
+    for path in ["/server_info", "/metrics", "/v1/memory"] {
+        let r = http(port, "GET", path, &origin, b"");
+        assert_eq!(r.status, 200, "{path}: {}", r.text());
+        assert_eq!(
+            header_value(&r.head, "access-control-allow-origin").as_deref(),
+            Some("*"),
+            "{path}: {}",
+            r.head
+        );
+    }
+    let reset = http(port, "POST", "/reset_encoder_cache", &origin, b"");
+    assert_eq!(reset.status, 200, "{}", reset.text());
+    assert_eq!(
+        header_value(&reset.head, "access-control-allow-origin").as_deref(),
+        Some("*")
+    );
+    // The memory stream's head carries the header before any event.
+    let mut stream = send(port, "GET", "/v1/memory/stream", &origin, b"");
+    let mut head = Vec::new();
+    let mut byte = [0u8; 1];
+    while !head.ends_with(b"\r\n\r\n") {
+        assert_eq!(stream.read(&mut byte).unwrap(), 1, "the stream closed in its head");
+        head.push(byte[0]);
+    }
+    let head = String::from_utf8_lossy(&head);
+    assert!(head.to_ascii_lowercase().contains("text/event-stream"), "{head}");
+    assert_eq!(header_value(&head, "access-control-allow-origin").as_deref(), Some("*"));
+    drop(stream);
+
+    for path in ["/planner", "/planner/", "/planner?model=Qwen3-VL-8B-Instruct&tp=2"] {
+        let r = server.get(path);
+        assert_eq!(r.status, 200, "{path}");
+        assert!(r.text().contains("kvlens playground"), "{path}: {}", r.text());
+        assert!(header_value(&r.head, "content-type")
+            .unwrap_or_default()
+            .starts_with("text/html"));
+    }
+    assert_eq!(server.get("/").status, 200);
+    server.get("/planner/x").assert_error(404, "below /planner");
+    server.get("/v1/nothing").assert_error(404, "an unknown API path");
+    http(port, "POST", "/planner", &[], b"").assert_error(405, "POST /planner");
+    assert_eq!(server.stop("TERM").code(), Some(0));
+}
+
+/// `--allowed-origins` restricts CORS to the listed origins (echoed back, with credentials when
+/// `--allow-credentials` is given); other origins get no `Access-Control-Allow-Origin`, so their
+/// pages cannot read the answers. Bad JSON is a one-line usage error, as vLLM's argparse makes it.
+#[test]
+fn a_restricted_allowed_origins_refuses_other_origins() {
+    let server = serve(&[
+        "--allowed-origins",
+        r#"["http://playground.test:8080"]"#,
+        "--allowed-methods",
+        r#"["GET", "POST"]"#,
+        "--allowed-headers",
+        r#"["Content-Type"]"#,
+        "--allow-credentials",
+    ]);
+    let port = server.port();
+    let preflight = |origin: &str, method: &str| {
+        http(
+            port,
+            "OPTIONS",
+            "/reset_prefix_cache",
+            &[("Origin", origin), ("Access-Control-Request-Method", method)],
+            b"",
+        )
+    };
+    let ok = preflight("http://playground.test:8080", "POST");
+    assert_eq!(
+        header_value(&ok.head, "access-control-allow-origin").as_deref(),
+        Some("http://playground.test:8080"),
+        "{}",
+        ok.head
+    );
+    assert_eq!(
+        header_value(&ok.head, "access-control-allow-credentials").as_deref(),
+        Some("true")
+    );
+    assert_eq!(
+        header_value(&ok.head, "access-control-allow-methods").as_deref(),
+        Some("GET,POST")
+    );
+    assert_eq!(
+        header_value(&ok.head, "access-control-allow-headers").as_deref(),
+        Some("content-type")
+    );
+    let other = preflight("http://elsewhere.test", "POST");
+    assert_eq!(
+        header_value(&other.head, "access-control-allow-origin"),
+        None,
+        "{}",
+        other.head
+    );
+    // /health answers (503 while loading, then 200) with the same rules.
+    let allowed = http(
+        port,
+        "GET",
+        "/health",
+        &[("Origin", "http://playground.test:8080")],
+        b"",
+    );
+    assert_eq!(
+        header_value(&allowed.head, "access-control-allow-origin").as_deref(),
+        Some("http://playground.test:8080")
+    );
+    assert!(header_value(&allowed.head, "vary")
+        .unwrap_or_default()
+        .contains("origin"));
+    let refused = http(port, "GET", "/health", &[("Origin", "http://elsewhere.test")], b"");
+    assert_eq!(header_value(&refused.head, "access-control-allow-origin"), None);
+    drop(server);
+
+    let out = common::kvlens(&["serve", "--allowed-origins", "http://a.test", "--port", "0"]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--allowed-origins") && err.contains("JSON list"), "{err}");
+}
+
+/// kvlens's `/metrics` carries vLLM's names, so the playground's vLLM view can read it too: what
+/// `kvlens_engine::memory::vllm_metrics` reads there agrees with `/v1/memory` once the engine is
+/// idle.
+#[test]
+fn the_vllm_metrics_reader_agrees_with_the_memory_endpoint() {
+    use kvlens_engine::memory::vllm_metrics::VllmMetrics;
+    let server = serve(&[]);
+    server.wait_ready();
+    chat_with_image(&server);
+    chat_with_image(&server);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let (m, mem) = loop {
+        let m = VllmMetrics::parse(&server.get("/metrics").text());
+        let mem = memory(&server);
+        let agree = m.kv_cache_usage == mem["kv"]["usage"].as_f64()
+            && m.prefix_cache_queries == mem["prefix_cache"]["queries"].as_u64();
+        if agree || Instant::now() > deadline {
+            break (m, mem);
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(m.is_vllm());
+    assert_eq!(m.engines, 1);
+    assert_eq!(m.model_names, ["tiny"]);
+    assert_eq!(m.kv_cache_usage, mem["kv"]["usage"].as_f64(), "{mem:#}");
+    assert_eq!(m.num_requests_running, Some(0));
+    assert_eq!(m.num_requests_waiting, Some(0));
+    assert_eq!(m.prefix_cache_queries, mem["prefix_cache"]["queries"].as_u64());
+    assert_eq!(m.prefix_cache_hits, mem["prefix_cache"]["hits"].as_u64());
+    assert!(
+        m.prefix_cache_hits.unwrap() > 0,
+        "the second chat reuses the first's prefix"
+    );
+    assert_eq!(m.num_preemptions, mem["counters"]["num_preemptions"].as_u64());
+    // Where kvlens adds vLLM's cache_config_info, its blocks are the engine's.
+    if let Some(blocks) = m.num_gpu_blocks {
+        assert_eq!(Some(blocks), mem["kv"]["num_blocks"].as_u64());
+        assert_eq!(m.blocks_in_use(), mem["kv"]["num_in_use"].as_u64());
+    }
+    drop(server);
+}

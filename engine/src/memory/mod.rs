@@ -1,4 +1,5 @@
-//! Device profiles, the parameter inventory, the vLLM-compatible start-up planner and its inputs.
+//! Device profiles, the parameter inventory, the vLLM-compatible start-up planner and its inputs,
+//! and readers of what vLLM prints: its start-up log and its `/metrics`.
 
 pub mod device;
 pub mod ledger;
@@ -6,6 +7,7 @@ pub mod log_budget;
 pub mod plan_inputs;
 pub mod planner;
 pub mod vllm_log;
+pub mod vllm_metrics;
 pub mod weights;
 
 /// Bytes per GiB (vLLM divides by 2^30 wherever it prints GB or GiB).

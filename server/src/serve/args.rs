@@ -2,8 +2,12 @@
 //! apply to kvlens: those are dropped from the command line with a warning instead of failing it.
 
 use crate::startup::EngineArgs;
+use crate::UsageError;
+use axum::http::{HeaderName, HeaderValue, Method};
 use std::ffi::OsString;
 use std::path::PathBuf;
+use std::time::Duration;
+use tower_http::cors::{AllowHeaders, AllowMethods, AllowOrigin, CorsLayer};
 
 /// Flags of `kvlens serve`. A flag given twice keeps its last value, as vLLM's argparse does.
 #[derive(Debug, Clone, clap::Args, serde::Serialize)]
@@ -47,9 +51,89 @@ pub struct ServeArgs {
     /// stays open; slower connections are closed.
     #[arg(long, default_value_t = 15.0)]
     pub header_timeout: f64,
-    /// Directory with the built playground, served at / when it exists.
+    /// Directory with the built playground, served at / (and /planner) when it exists.
     #[arg(long, default_value = "dist")]
     pub playground_dir: PathBuf,
+    /// Origins whose pages may read the answers (CORS), a JSON list as vLLM takes it:
+    /// `["*"]` (any origin) or e.g. `["http://localhost:8080"]`.
+    #[arg(long, value_name = "JSON", default_value = r#"["*"]"#, value_parser = json_list)]
+    pub allowed_origins: JsonList,
+    /// Methods cross-origin requests may use, a JSON list (`["*"]`: any).
+    #[arg(long, value_name = "JSON", default_value = r#"["*"]"#, value_parser = json_list)]
+    pub allowed_methods: JsonList,
+    /// Headers cross-origin requests may send, a JSON list (`["*"]`: any).
+    #[arg(long, value_name = "JSON", default_value = r#"["*"]"#, value_parser = json_list)]
+    pub allowed_headers: JsonList,
+    /// Let cross-origin requests carry credentials (cookies, `Authorization`).
+    #[arg(long)]
+    pub allow_credentials: bool,
+}
+
+/// A list flag written as JSON, as vLLM parses `--allowed-origins` (`json.loads`).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+#[serde(transparent)]
+pub struct JsonList(pub Vec<String>);
+
+impl JsonList {
+    /// `"*"` is one of the entries: anything goes.
+    fn any(&self) -> bool {
+        self.0.iter().any(|s| s == "*")
+    }
+}
+
+fn json_list(text: &str) -> Result<JsonList, String> {
+    serde_json::from_str(text)
+        .map(JsonList)
+        .map_err(|e| format!("expected a JSON list of strings such as '[\"http://localhost:8080\"]': {e}"))
+}
+
+/// How long a browser may keep a preflight answer (Starlette's default, which vLLM uses).
+const CORS_MAX_AGE: Duration = Duration::from_secs(600);
+
+impl ServeArgs {
+    /// The CORS rules of `--allowed-origins`, `--allowed-methods`, `--allowed-headers` and
+    /// `--allow-credentials`, as vLLM's CORSMiddleware applies them: a listed origin is echoed back,
+    /// `*` answers any origin (echoing it when credentials are allowed, since browsers refuse `*`
+    /// with credentials), a preflight gets the asked-for method and headers where `*` allows them.
+    pub fn cors(&self) -> Result<CorsLayer, UsageError> {
+        let bad = |flag: &str, value: &str| UsageError(format!("{flag}: {value:?} is not a valid value"));
+        let origin = if self.allowed_origins.any() {
+            if self.allow_credentials {
+                AllowOrigin::mirror_request()
+            } else {
+                AllowOrigin::any()
+            }
+        } else {
+            let origins = self
+                .allowed_origins
+                .0
+                .iter()
+                .map(|o| HeaderValue::from_str(o.trim_end_matches('/')).map_err(|_| bad("--allowed-origins", o)));
+            AllowOrigin::list(origins.collect::<Result<Vec<_>, _>>()?)
+        };
+        let methods = if self.allowed_methods.any() {
+            AllowMethods::mirror_request()
+        } else {
+            let methods = self.allowed_methods.0.iter().map(|m| {
+                Method::from_bytes(m.to_ascii_uppercase().as_bytes()).map_err(|_| bad("--allowed-methods", m))
+            });
+            AllowMethods::list(methods.collect::<Result<Vec<_>, _>>()?)
+        };
+        let headers = if self.allowed_headers.any() {
+            AllowHeaders::mirror_request()
+        } else {
+            let headers = self.allowed_headers.0.iter().map(|h| {
+                HeaderName::from_bytes(h.to_ascii_lowercase().as_bytes()).map_err(|_| bad("--allowed-headers", h))
+            });
+            AllowHeaders::list(headers.collect::<Result<Vec<_>, _>>()?)
+        };
+        Ok(CorsLayer::new()
+            .allow_origin(origin)
+            .allow_methods(methods)
+            .allow_headers(headers)
+            .allow_credentials(self.allow_credentials)
+            .max_age(CORS_MAX_AGE))
+    }
 }
 
 /// vLLM flags that take a value and mean nothing to kvlens (one process, one CPU device, no
@@ -72,9 +156,6 @@ const IGNORED_WITH_VALUE: &[&str] = &[
     "--compilation-config",
     "-O",
     "--uvicorn-log-level",
-    "--allowed-origins",
-    "--allowed-methods",
-    "--allowed-headers",
     "--root-path",
     "--response-role",
     "--tool-call-parser",
@@ -100,7 +181,6 @@ const IGNORED_SWITCHES: &[&str] = &[
     "--enable-prompt-tokens-details",
     "--enable-server-load-tracking",
     "--enable-request-id-headers",
-    "--allow-credentials",
     "--async-scheduling",
 ];
 

@@ -28,7 +28,7 @@ use axum::handler::HandlerWithoutStateExt;
 use axum::http::{header, StatusCode, Uri};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
+use axum::routing::{get, get_service, post};
 use axum::Router;
 use engine_loop::{EngineHandle, EngineLoop};
 use errors::{json_response, ApiError};
@@ -41,6 +41,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use tokio::sync::{oneshot, watch};
+use tower_http::services::{ServeDir, ServeFile};
 
 /// How often a shutdown drain looks whether the requests in flight have finished.
 const DRAIN_POLL: Duration = Duration::from_millis(50);
@@ -126,6 +127,7 @@ pub fn run(args: &ServeArgs) -> Result<()> {
 
 async fn serve(args: &ServeArgs, engine_args: EngineArgs) -> Result<()> {
     let media = media::MediaFetcher::new(args.allowed_media_domains.clone(), args.media_ca_file.as_deref())?;
+    let cors = args.cors()?;
     let listener = tokio::net::TcpListener::bind((args.host.as_str(), args.port))
         .await
         .map_err(|e| UsageError(format!("cannot listen on {}:{}: {e}", args.host, args.port)))?;
@@ -172,7 +174,7 @@ async fn serve(args: &ServeArgs, engine_args: EngineArgs) -> Result<()> {
     let (stop_server, stopped) = oneshot::channel::<()>();
     let server = tokio::spawn(listener::serve(
         listener,
-        router(app.clone(), &args.playground_dir),
+        router(app.clone(), &args.playground_dir).layer(cors),
         limits,
         async {
             let _ = stopped.await;
@@ -324,7 +326,8 @@ async fn shutdown_signal() {
     }
 }
 
-/// Every route; the playground (or a short text page) at /, JSON 404 for anything else.
+/// Every route; the playground (or a short text page) at / and its planner page at /planner, JSON
+/// 404 for anything else.
 fn router(app: Arc<App>, playground: &Path) -> Router {
     let routes = Router::new()
         .route("/health", get(health))
@@ -340,16 +343,20 @@ fn router(app: Arc<App>, playground: &Path) -> Router {
         .route("/v1/memory/stream", get(memory::memory_stream))
         .route("/reset_prefix_cache", post(memory::reset_prefix_cache))
         .route("/reset_mm_cache", post(memory::reset_mm_cache))
-        .route("/reset_encoder_cache", post(memory::reset_encoder_cache))
-        .method_not_allowed_fallback(method_not_allowed);
+        .route("/reset_encoder_cache", post(memory::reset_encoder_cache));
     let routes = if playground.is_dir() {
-        routes.fallback_service(
-            tower_http::services::ServeDir::new(playground).not_found_service(not_found.into_service()),
-        )
+        // The playground is one page that picks its view from the path.
+        let page = get_service(ServeFile::new(playground.join("index.html")));
+        routes
+            .route("/planner", page.clone())
+            .route("/planner/", page)
+            .fallback_service(ServeDir::new(playground).not_found_service(not_found.into_service()))
     } else {
         routes.route("/", get(no_playground)).fallback(not_found)
     };
+    // Last: it applies to the routes added before it.
     routes
+        .method_not_allowed_fallback(method_not_allowed)
         .layer(middleware::from_fn_with_state(app.clone(), auth))
         .with_state(app)
 }
