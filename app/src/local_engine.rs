@@ -110,7 +110,7 @@ pub fn plan_request(
     req.non_torch_bytes = Some(0);
     // One plan to learn the page size, then the KV cache is set to the blocks asked for.
     if let Ok(p) = plan(&req) {
-        req.kv_cache_memory_bytes = Some(s.kv_blocks * p.page_size_bytes);
+        req.kv_cache_memory_bytes = Some(s.kv_blocks * p.page_size_bytes * p.num_layers as u64);
     }
     req
 }
@@ -118,10 +118,15 @@ pub fn plan_request(
 /// The planner's verdict before loading: the plan, or why the model cannot run here.
 pub fn verdict(info: &CheckpointInfo, device: &Device, s: Settings) -> Result<Plan, String> {
     let p = plan(&plan_request(info, None, device, s)).map_err(|e| e.to_string())?;
-    match (&p.error, p.fits) {
-        (Some(e), false) => Err(e.clone()),
-        (None, false) => Err("the KV cache does not hold one request of the model's length".into()),
-        _ => Ok(p),
+    if p.fits {
+        Ok(p)
+    } else {
+        Err(format!(
+            "{} (a tiny model's KV cache in MiB: {} needed, {} available)",
+            p.verdict(),
+            bytes(p.needed_kv_bytes),
+            bytes(p.available_kv_bytes.max(0) as u64)
+        ))
     }
 }
 
@@ -403,4 +408,42 @@ async fn yield_to_browser() {
         }
     });
     let _ = wasm_bindgen_futures::JsFuture::from(promise).await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvlens_engine::config::ModelConfig;
+
+    fn demo_info() -> CheckpointInfo {
+        let config = ModelConfig::from_json(include_str!("../../tools/golden/configs/qwen3_vl_tiny.json")).unwrap();
+        CheckpointInfo {
+            eos: config.tokens.eos.clone(),
+            config,
+            tokenizer_json: Vec::new(),
+            chat_template: String::new(),
+            preprocessor_json: None,
+            shards: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn the_kv_blocks_setting_gives_that_many_blocks() {
+        let device = Device::Cpu("test".into());
+        let p = verdict(&demo_info(), &device, Settings::default()).unwrap();
+        assert_eq!(p.num_gpu_blocks, 256);
+        assert_eq!(
+            p.max_model_len, 4096,
+            "256 blocks of 16 tokens hold the demo model's whole length"
+        );
+        let small = Settings {
+            kv_blocks: 64,
+            ..Settings::default()
+        };
+        let refused = verdict(&demo_info(), &device, small).unwrap_err();
+        assert!(
+            refused.contains("Does not fit") && refused.contains("1,024"),
+            "{refused}"
+        );
+    }
 }

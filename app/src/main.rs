@@ -8,6 +8,7 @@ mod local_engine;
 mod memory_view;
 mod planner;
 mod playground;
+mod server_mode;
 
 use leptos::prelude::*;
 

@@ -6,6 +6,7 @@ use crate::chat::Chat;
 use crate::checkpoint::Source;
 use crate::local_engine::{bytes, verdict, Device, Local, Progress, Settings};
 use crate::memory_view::{Budget, MemoryView, ResetKind};
+use crate::server_mode::ServerMode;
 use kvlens_engine::occupancy::Occupancy;
 use leptos::prelude::*;
 use std::collections::HashMap;
@@ -38,6 +39,8 @@ pub fn Playground() -> impl IntoView {
     let settings = RwSignal::new(Settings::default());
     let url = RwSignal::new(String::new());
     let picked = StoredValue::new_local(Vec::<web_sys::File>::new());
+    // Watching a server instead of the engine in this tab (which stays loaded meanwhile).
+    let watching = RwSignal::new(false);
 
     wasm_bindgen_futures::spawn_local(async move {
         let d = Device::open().await;
@@ -144,6 +147,14 @@ pub fn Playground() -> impl IntoView {
             <h1>"kvlens playground"</h1>
             <p>"A Qwen-VL model running in this tab, on " <span data-testid="device">{move || device_text.get()}</span>
                ". Watch its KV blocks, encoder cache and memory ledger fill and empty as you chat."</p>
+            <div class="tabs">
+                <button data-testid="mode-local" class:current=move || !watching.get()
+                    on:click=move |_| watching.set(false)>"the model in this tab"</button>
+                <button data-testid="mode-server" class:current=move || watching.get()
+                    on:click=move |_| watching.set(true)>"watch a server (kvlens serve or vLLM)"</button>
+            </div>
+            {move || watching.get().then(|| view! { <ServerMode /> })}
+            <div class="local" style:display=move || if watching.get() { "none" } else { "block" }>
             <section class="load">
                 <div class="controls">
                     <button data-testid="load-demo" disabled=move || busy.get()
@@ -175,6 +186,7 @@ pub fn Playground() -> impl IntoView {
                 <Chat local=local ready=ready.into() thumbnails=thumbnails />
                 <MemoryView occupancy=occupancy.into() budget=budget.into() on_reset=on_reset
                     reset_result=reset_result.into() thumbnails=thumbnails.into() />
+            </div>
             </div>
         </main>
     }

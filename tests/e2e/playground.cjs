@@ -4,7 +4,8 @@
 //      image and a question, watch the KV blocks fill and empty, the encoder cache get one entry,
 //      the same image again hit it, the reset empty it; the planner link; screenshots;
 //   2. dist/ on a plain static file server with WebGPU off: the CPU backend in wasm;
-//   3. server mode against a `kvlens serve`, 4. server mode against a fake vLLM /metrics.
+//   3. server mode (the page from the static server) against a `kvlens serve`: a chat request
+//      sent to the server shows up in the page; 4. server mode against a fake vLLM /metrics.
 // The greedy tokens of runs 1 and 2 must equal native `kvlens generate --backend cpu`'s.
 //
 // Environment (set by the xtask): KVLENS_BIN, KVLENS_DIST, KVLENS_E2E_IMAGE, KVLENS_E2E_PROMPT,
@@ -33,7 +34,7 @@ const CHROMIUM_ARGS = JSON.parse(env('CHROMIUM_ARGS'));
 const PYTHON = env('PYTHON');
 const HERE = __dirname;
 // Generous: CI has 2 busy cores and SwiftShader runs WebGPU on them.
-const LONG = 600_000;
+const LONG = 300_000;
 
 const children = [];
 let failures = 0;
@@ -249,6 +250,86 @@ async function playgroundOnCpu(base) {
   }
 }
 
+// Server mode: the page (from `site`) watches `server` through the server panel's views.
+async function watch(page, server, want) {
+  await byTest(page, 'mode-server').click();
+  await byTest(page, 'server-url').fill(server);
+  await byTest(page, 'server-connect').click();
+  await page.waitForFunction(
+    (want) => (document.querySelector('[data-testid="server-status"]')?.textContent || '').includes(want),
+    want,
+    { timeout: LONG },
+  );
+}
+
+const inServer = (page, id) => page.locator(`.server-mode [data-testid="${id}"]`);
+
+async function serverModeOnKvlens(site, served) {
+  const b = await browser(true);
+  try {
+    const page = await newPage(b, 'server-kvlens');
+    await page.goto(`${site}/`);
+    await watch(page, served, 'connected to kvlens serve');
+    const image = fs.readFileSync(IMAGE).toString('base64');
+    const r = await fetch(`${served}/v1/chat/completions`, {
+      method: 'POST',
+      headers: { 'content-type': 'application/json' },
+      body: JSON.stringify({
+        model: 'kvlens-demo',
+        messages: [{ role: 'user', content: [
+          { type: 'image_url', image_url: { url: `data:image/png;base64,${image}` } },
+          { type: 'text', text: PROMPT },
+        ] }],
+        max_tokens: Number(MAX_TOKENS),
+        temperature: 0,
+      }),
+    });
+    assert(r.status === 200, `the chat request to kvlens serve answered ${r.status}: ${await r.text()}`);
+    await page.waitForFunction(
+      () => (document.querySelector('.server-mode [data-testid="encoder-cache-usage"]')?.textContent || '').startsWith('1 entry'),
+      null,
+      { timeout: LONG },
+    );
+    assert(/^0\/\d+ blocks$/.test(await inServer(page, 'kv-usage').textContent()), 'blocks still in use on the server');
+    await page.screenshot({ path: path.join(ARTIFACTS, 'server-mode-kvlens.png'), fullPage: true });
+    await inServer(page, 'reset-encoder-cache').click();
+    await page.waitForFunction(
+      () => (document.querySelector('.server-mode [data-testid="encoder-cache-usage"]')?.textContent || '').startsWith('0 entries'),
+      null,
+      { timeout: LONG },
+    );
+  } finally {
+    await b.close();
+  }
+}
+
+async function fakeVllm() {
+  const port = await freePort();
+  const child = start(PYTHON, [path.join(HERE, 'fake_vllm.py'), '--port', String(port), '--advance'], 'fake-vllm');
+  const base = `http://127.0.0.1:${port}`;
+  await waitHttp(`${base}/metrics`, child, 'fake-vllm');
+  return base;
+}
+
+async function serverModeOnVllm(site, vllm) {
+  const b = await browser(true);
+  try {
+    const page = await newPage(b, 'server-vllm');
+    await page.goto(`${site}/`);
+    await watch(page, vllm, 'connected to vLLM metrics');
+    await page.waitForFunction(
+      () => /^\d+\/\d+ blocks/.test(document.querySelector('.server-mode [data-testid="kv-usage"]')?.textContent || ''),
+      null,
+      { timeout: LONG },
+    );
+    const missing = await inServer(page, 'vllm-not-exposed').textContent();
+    assert(missing.includes('encoder'), `the page does not say vLLM hides the encoder cache: ${missing}`);
+    await page.screenshot({ path: path.join(ARTIFACTS, 'server-mode-vllm.png'), fullPage: true });
+  } finally {
+    await b.close();
+  }
+}
+
 (async () => {
   fs.mkdirSync(ARTIFACTS, { recursive: true });
   try {
@@ -257,6 +338,9 @@ async function playgroundOnCpu(base) {
     await check('planner link shows 164,224', () => plannerLink(served));
     const site = await staticServer('static-server');
     await check('playground on the CPU backend (WebGPU off), static dist/', () => playgroundOnCpu(site));
+    await check('server mode: a kvlens serve on another origin', () => serverModeOnKvlens(site, served));
+    const vllm = await fakeVllm();
+    await check('server mode: a vLLM /metrics endpoint', () => serverModeOnVllm(site, vllm));
   } catch (e) {
     failures += 1;
     console.log(`e2e setup FAILED\n${e.stack || e}`);
