@@ -184,7 +184,8 @@ async fn start_on<B: Backend + 'static>(
 ) -> Result<(Engine, StartupReport), String> {
     let known: Option<u64> = info.shards.iter().map(|(_, s)| *s).sum();
     let total = Rc::new(Cell::new(known.unwrap_or(0)));
-    let total_known = Rc::new(Cell::new(known.is_some()));
+    // Unknown as soon as one file's size is (a response without Content-Length).
+    let total_known = Rc::new(Cell::new(true));
     let read = Rc::new(Cell::new(0u64));
     let report = |tensors: usize| {
         progress(Progress {

@@ -215,17 +215,23 @@ pub fn MemoryView(
             .iter()
             .map(|s| view! { <li><span class="swatch" style=format!("background: {}", s.colour)></span>{format!("{} {}", s.label, size(s.bytes))}</li> })
             .collect_view();
-        let bar = segs
-            .iter()
-            .map(|s| {
-                let style = format!(
-                    "width: {:.3}%; background: {}",
-                    100.0 * s.bytes as f64 / total.max(1) as f64,
-                    s.colour
-                );
-                view! { <div style=style title=format!("{} {}", s.label, size(s.bytes))></div> }
-            })
-            .collect_view();
+        let bar_of = |segs: &[Segment], total: u64| {
+            segs.iter()
+                .map(|s| {
+                    let style = format!(
+                        "width: {:.3}%; background: {}",
+                        100.0 * s.bytes as f64 / total.max(1) as f64,
+                        s.colour
+                    );
+                    view! { <div style=style title=format!("{} {}", s.label, size(s.bytes))></div> }
+                })
+                .collect_view()
+        };
+        let bar = bar_of(&segs, total);
+        // The allocations alone, for models too small to show against the budget.
+        let held = &segs[..segs.len() - 1];
+        let held_total: u64 = held.iter().map(|s| s.bytes).sum();
+        let zoom = bar_of(held, held_total);
         let kv = &o.engine.kv;
         let kv_text = format!("{}/{} blocks", kv.num_in_use, kv.num_blocks);
         let kv_detail = format!(
@@ -286,7 +292,9 @@ pub fn MemoryView(
         };
         view! {
             <h3>"Device memory"</h3>
-            <div class="bar ledger" data-testid="ledger-bar">{bar}</div>
+            <div class="bar ledger" data-testid="ledger-bar" title="against the start-up budget">{bar}</div>
+            <p class="muted">{format!("allocated: {} (zoomed)", size(held_total))}</p>
+            <div class="bar ledger zoom">{zoom}</div>
             <ul class="legend">{legend}</ul>
             <p class="muted">{budget.map(|b| format!(
                 "budget {} of {} ({} for the KV cache)", size(b.requested_bytes), size(b.total_bytes), size(b.kv_cache_bytes)))}</p>
