@@ -148,10 +148,50 @@ fn cells(kv: &KvSummary) -> Vec<Cell> {
     out
 }
 
+/// The most cells the grid draws: a server's cache of tens of thousands of blocks is drawn with
+/// several blocks per cell (redrawn at every event, one cell per block would stall the page).
+const MAX_CELLS: usize = 2048;
+
+/// A group of consecutive blocks drawn as one cell: in use when any is (coloured by its first
+/// owner), else cached-free when any is, with the counts in its tooltip.
+fn group_cell(group: &[Cell]) -> impl IntoView {
+    let count = |s: KvBlockState| group.iter().filter(|c| c.state == s).count();
+    let pick = [KvBlockState::InUse, KvBlockState::CachedFree, KvBlockState::Free]
+        .iter()
+        .find_map(|s| group.iter().find(|c| c.state == *s))
+        .unwrap_or(&group[0]);
+    let (class, style) = match pick.state {
+        KvBlockState::InUse => (
+            "used",
+            format!("background: {}", colour(pick.owners.first().map_or("", |s| s.as_str()))),
+        ),
+        KvBlockState::CachedFree => ("cached", String::new()),
+        KvBlockState::Null => ("null", String::new()),
+        KvBlockState::Free => ("free", String::new()),
+    };
+    let title = format!(
+        "blocks {}–{}: {} in use, {} cached-free, {} free",
+        group[0].id,
+        group[group.len() - 1].id,
+        count(KvBlockState::InUse),
+        count(KvBlockState::CachedFree),
+        count(KvBlockState::Free)
+    );
+    view! { <span class=format!("cell {class}") style=style title=title></span> }
+}
+
 fn kv_grid(kv: &KvSummary) -> impl IntoView {
+    let all = cells(kv);
+    if all.len() > MAX_CELLS {
+        let per = all.len().div_ceil(MAX_CELLS);
+        return view! {
+            <p class="muted">{format!("{per} blocks per cell")}</p>
+            {all.chunks(per).map(group_cell).collect_view()}
+        }
+        .into_any();
+    }
     let block_size = kv.block_size;
-    cells(kv)
-        .into_iter()
+    all.into_iter()
         .map(|c| {
             let (class, style) = match c.state {
                 KvBlockState::Null => ("null", String::new()),
@@ -188,6 +228,7 @@ fn kv_grid(kv: &KvSummary) -> impl IntoView {
             view! { <span class=format!("cell {class}") style=style title=title></span> }
         })
         .collect_view()
+        .into_any()
 }
 
 /// The memory view of the latest occupancy (a waiting line until the first arrives).

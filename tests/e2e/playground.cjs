@@ -115,6 +115,16 @@ async function check(name, fn) {
   }
 }
 
+// Screenshots are artifacts, not assertions: one that cannot be taken (a page that keeps
+// repainting on 2 busy cores) is reported and the check goes on.
+async function screenshot(page, name) {
+  try {
+    await page.screenshot({ path: path.join(ARTIFACTS, name), fullPage: true, animations: 'disabled', timeout: 120_000 });
+  } catch (e) {
+    console.log(`(screenshot ${name} not taken: ${String(e).split('\n')[0]})`);
+  }
+}
+
 const byTest = (page, id) => page.locator(`[data-testid="${id}"]`);
 
 function assert(cond, msg) {
@@ -206,7 +216,7 @@ async function playgroundOnWebGpu(base) {
     await page.waitForFunction(() => /^0\//.test(document.querySelector('[data-testid="kv-usage"]').textContent), null, { timeout: LONG });
     const ec = await byTest(page, 'encoder-cache-usage').textContent();
     assert(/^1 entry, \d+\/\d+ tokens$/.test(ec), `encoder cache after one image: ${ec}`);
-    await page.screenshot({ path: path.join(ARTIFACTS, 'playground-chat.png'), fullPage: true });
+    await screenshot(page, 'playground-chat.png');
 
     const hits = Number(await byTest(page, 'encoder-cache-hits').textContent());
     await ask(page, 1);
@@ -229,7 +239,7 @@ async function plannerLink(base) {
     const page = await newPage(b, 'planner');
     await page.goto(`${base}/planner?model=Qwen3-VL-32B-Instruct&device=ascend-910b-64g&tp=2&kv_cache_memory_gib=20.06&max_model_len=262144`);
     await page.waitForFunction(() => (document.querySelector('[data-testid="planner-result"]')?.textContent || '').includes('164,224'), null, { timeout: LONG });
-    await page.screenshot({ path: path.join(ARTIFACTS, 'planner.png'), fullPage: true });
+    await screenshot(page, 'planner.png');
   } finally {
     await b.close();
   }
@@ -291,7 +301,7 @@ async function serverModeOnKvlens(site, served) {
       { timeout: LONG },
     );
     assert(/^0\/\d+ blocks$/.test(await inServer(page, 'kv-usage').textContent()), 'blocks still in use on the server');
-    await page.screenshot({ path: path.join(ARTIFACTS, 'server-mode-kvlens.png'), fullPage: true });
+    await screenshot(page, 'server-mode-kvlens.png');
     await inServer(page, 'reset-encoder-cache').click();
     await page.waitForFunction(
       () => (document.querySelector('.server-mode [data-testid="encoder-cache-usage"]')?.textContent || '').startsWith('0 entries'),
@@ -324,7 +334,7 @@ async function serverModeOnVllm(site, vllm) {
     );
     const missing = await inServer(page, 'vllm-not-exposed').textContent();
     assert(missing.includes('encoder'), `the page does not say vLLM hides the encoder cache: ${missing}`);
-    await page.screenshot({ path: path.join(ARTIFACTS, 'server-mode-vllm.png'), fullPage: true });
+    await screenshot(page, 'server-mode-vllm.png');
   } finally {
     await b.close();
   }
