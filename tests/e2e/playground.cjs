@@ -300,7 +300,12 @@ async function serverModeOnKvlens(site, served) {
       null,
       { timeout: LONG },
     );
-    assert(/^0\/\d+ blocks$/.test(await inServer(page, 'kv-usage').textContent()), 'blocks still in use on the server');
+    // The finished request's blocks come back in a later event than the one with the entry.
+    await page.waitForFunction(
+      () => /^0\/\d+ blocks$/.test(document.querySelector('.server-mode [data-testid="kv-usage"]')?.textContent || ''),
+      null,
+      { timeout: LONG },
+    );
     await screenshot(page, 'server-mode-kvlens.png');
     await inServer(page, 'reset-encoder-cache').click();
     await page.waitForFunction(
