@@ -3,7 +3,7 @@
 //! `kvlens serve`, and stepped by one task that awaits each step's read so the page stays live.
 
 use crate::checkpoint::{CheckpointInfo, Source};
-use crate::memory_view::{Budget, ResetKind};
+use crate::memory_view::{size, Budget, ResetKind};
 use kvlens_engine::backend::cpu::CpuBackend;
 use kvlens_engine::backend::wgpu::{WgpuBackend, WgpuOptions};
 use kvlens_engine::backend::Backend;
@@ -124,8 +124,8 @@ pub fn verdict(info: &CheckpointInfo, device: &Device, s: Settings) -> Result<Pl
         Err(format!(
             "{} (a tiny model's KV cache in MiB: {} needed, {} available)",
             p.verdict(),
-            bytes(p.needed_kv_bytes),
-            bytes(p.available_kv_bytes.max(0) as u64)
+            size(p.needed_kv_bytes),
+            size(p.available_kv_bytes.max(0) as u64)
         ))
     }
 }
@@ -375,7 +375,7 @@ impl Local {
             },
             ResetKind::Encoder => {
                 let freed = self.engine.borrow_mut().reset_encoder_cache();
-                format!("encoder cache reset: {} freed on the device", bytes(freed))
+                format!("encoder cache reset: {} freed on the device", size(freed))
             }
             ResetKind::Processor => {
                 let mut cache = self.input.processor_cache.lock().unwrap_or_else(|p| p.into_inner());
@@ -383,21 +383,12 @@ impl Local {
                 let freed = cache.clear();
                 format!(
                     "processor cache reset (what vLLM's /reset_mm_cache does): {entries} preprocessed images, {} of host memory; the encoder cache on the device is untouched",
-                    bytes(freed)
+                    size(freed)
                 )
             }
         };
         self.publish();
         said
-    }
-}
-
-/// Bytes in MiB or KiB, for messages.
-pub fn bytes(b: u64) -> String {
-    if b >= 1 << 20 {
-        format!("{:.2} MiB", b as f64 / 1048576.0)
-    } else {
-        format!("{:.1} KiB", b as f64 / 1024.0)
     }
 }
 

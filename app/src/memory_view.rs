@@ -30,10 +30,10 @@ pub struct Budget {
     pub kv_cache_bytes: u64,
 }
 
-/// Bytes for a label: MiB above one, else KiB.
-fn size(b: u64) -> String {
+/// Bytes in words: MiB above one, else KiB.
+pub fn size(b: u64) -> String {
     if b >= 1 << 20 {
-        format!("{:.1} MiB", b as f64 / 1048576.0)
+        format!("{:.2} MiB", b as f64 / 1048576.0)
     } else {
         format!("{:.1} KiB", b as f64 / 1024.0)
     }

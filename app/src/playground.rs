@@ -4,8 +4,8 @@
 
 use crate::chat::Chat;
 use crate::checkpoint::Source;
-use crate::local_engine::{bytes, verdict, Device, Local, Progress, Settings};
-use crate::memory_view::{Budget, MemoryView, ResetKind};
+use crate::local_engine::{verdict, Device, Local, Progress, Settings};
+use crate::memory_view::{size, Budget, MemoryView, ResetKind};
 use crate::server_mode::ServerMode;
 use kvlens_engine::occupancy::Occupancy;
 use leptos::prelude::*;
@@ -69,8 +69,8 @@ pub fn Playground() -> impl IntoView {
                 verdict_text.set(Some(format!(
                     "fits on {}: weights {} (f32), KV cache {} = {} blocks × {} tokens, the longest context {} tokens",
                     plan.device,
-                    bytes(plan.weights_bytes),
-                    bytes(plan.available_kv_bytes.max(0) as u64),
+                    size(plan.weights_bytes),
+                    size(plan.available_kv_bytes.max(0) as u64),
                     plan.num_gpu_blocks,
                     plan.block_size,
                     plan.max_model_len
@@ -131,12 +131,12 @@ pub fn Playground() -> impl IntoView {
 
     let progress_view = move || {
         progress.get().map(|p| {
-            let of = p.total_bytes.map(|t| format!(" of {}", bytes(t))).unwrap_or_default();
+            let of = p.total_bytes.map(|t| format!(" of {}", size(t))).unwrap_or_default();
             let value = p.total_bytes.map_or(0.0, |t| p.bytes as f64 / t.max(1) as f64);
             view! {
                 <div data-testid="load-progress">
                     <progress max="1" value=value.to_string()></progress>
-                    {format!(" {} tensors on the device · {} read{of}", p.tensors, bytes(p.bytes))}
+                    {format!(" {} tensors on the device · {} read{of}", p.tensors, size(p.bytes))}
                 </div>
             }
         })

@@ -6,7 +6,7 @@
 //! Another origin's server must allow this page's origin (CORS): `kvlens serve` and vLLM both do by
 //! default (`--allowed-origins ["*"]`).
 
-use crate::local_engine::bytes;
+use crate::memory_view::size as bytes;
 use crate::memory_view::{Budget, MemoryView, ResetKind};
 use kvlens_engine::memory::vllm_metrics::VllmMetrics;
 use kvlens_engine::occupancy::Occupancy;
