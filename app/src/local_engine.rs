@@ -172,6 +172,17 @@ fn now_s() -> f64 {
     js_sys::Date::now() / 1e3
 }
 
+/// What `ledger` holds, for an error message: the memory at the moment something failed.
+fn held(ledger: &MemoryLedger) -> String {
+    let entries = ledger
+        .entries()
+        .iter()
+        .filter(|l| l.bytes > 0)
+        .map(|l| format!("{:?} {}", l.category, size(l.bytes)))
+        .collect::<Vec<_>>();
+    format!("Ledger at that moment: {}", entries.join(", "))
+}
+
 /// Streams the weights onto `backend` and starts the engine as `kvlens serve` does.
 async fn start_on<B: Backend + 'static>(
     backend: B,
@@ -208,9 +219,17 @@ async fn start_on<B: Backend + 'static>(
                 read.set(read.get() + chunk.len() as u64);
                 stream.push(chunk).map_err(|e| e.to_string())
             })
-            .await?;
+            .await
+            .map_err(|e| {
+                format!(
+                    "{e}. {}. Try a smaller checkpoint or fewer KV blocks.",
+                    held(backend.ledger())
+                )
+            })?;
     }
-    let model = stream.finish().map_err(|e| e.to_string())?;
+    let model = stream
+        .finish()
+        .map_err(|e| format!("{e}. {}", held(backend.ledger())))?;
     let req = plan_request(info, Some(input), device, s);
     let opts = EngineOptions {
         enable_prefix_caching: true,
@@ -341,15 +360,8 @@ impl Local {
                 Err(e) => {
                     // The engine has dropped every request and emptied its caches.
                     self.sinks.borrow_mut().clear();
-                    let ledger = self.engine.borrow().ledger().entries();
-                    let held = ledger
-                        .iter()
-                        .map(|l| format!("{:?} {:.1} MiB", l.category, l.bytes as f64 / 1048576.0))
-                        .collect::<Vec<_>>()
-                        .join(", ");
-                    (self.on_error)(format!(
-                        "{e}. Ledger at that moment: {held}. Try a shorter context or fewer images."
-                    ));
+                    let held = held(self.engine.borrow().ledger());
+                    (self.on_error)(format!("{e}. {held}. Try a shorter context or fewer images."));
                 }
             }
             self.publish();

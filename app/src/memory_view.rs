@@ -122,6 +122,8 @@ struct Cell {
     owners: Vec<String>,
     /// Position of the block in its first owner's table.
     index: Option<usize>,
+    /// The start of its prefix-cache hash, when it has one.
+    hash: Option<String>,
 }
 
 /// Every block with its state and the requests whose tables hold it.
@@ -141,6 +143,7 @@ fn cells(kv: &KvSummary) -> Vec<Cell> {
                 id,
                 state: *state,
                 index: held.first().map(|h| h.1),
+                hash: kv.hashes.get(&id).cloned(),
                 owners: held.into_iter().map(|h| h.0).collect(),
             });
         }
@@ -150,7 +153,7 @@ fn cells(kv: &KvSummary) -> Vec<Cell> {
 
 /// The most cells the grid draws: a server's cache of tens of thousands of blocks is drawn with
 /// several blocks per cell (redrawn at every event, one cell per block would stall the page).
-const MAX_CELLS: usize = 2048;
+const MAX_CELLS: usize = KvSummary::MAX_HASHED_BLOCKS;
 
 /// A group of consecutive blocks drawn as one cell: in use when any is (coloured by its first
 /// owner), else cached-free when any is, with the counts in its tooltip.
@@ -202,17 +205,18 @@ fn kv_grid(kv: &KvSummary) -> impl IntoView {
                     format!("background: {}", colour(c.owners.first().map_or("", |s| s.as_str()))),
                 ),
             };
+            let hash = c.hash.as_ref().map_or(String::new(), |h| format!(" · hash {h}…"));
             let title = match c.state {
                 KvBlockState::Null => format!("block {}: the null block (never holds data)", c.id),
                 KvBlockState::Free => format!("block {}: free", c.id),
                 KvBlockState::CachedFree => format!(
-                    "block {}: free, still in the prefix cache (hashed): a prefix hit can take it back",
+                    "block {}: free, still in the prefix cache{hash}: a prefix hit can take it back",
                     c.id
                 ),
                 KvBlockState::InUse => {
                     let i = c.index.unwrap_or(0);
                     format!(
-                        "block {}: {} · tokens {}–{} of the sequence{}",
+                        "block {}: {} · tokens {}–{} of the sequence{hash}{}",
                         c.id,
                         c.owners.join(", "),
                         i * block_size,
@@ -387,6 +391,7 @@ mod tests {
                 (KvBlockState::Free, 1),
             ],
             tables,
+            hashes: BTreeMap::from([(1, "00112233445566ff".to_string())]),
         }
     }
 
@@ -400,5 +405,7 @@ mod tests {
         assert_eq!(c[3].index, Some(1), "block 3 is b's second block");
         assert_eq!(c[4].state, KvBlockState::CachedFree);
         assert!(c[5].owners.is_empty());
+        assert_eq!(c[1].hash.as_deref(), Some("00112233445566ff"));
+        assert_eq!(c[2].hash, None);
     }
 }

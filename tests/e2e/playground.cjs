@@ -214,6 +214,8 @@ async function playgroundOnWebGpu(base) {
     const seen = await page.evaluate(() => window.__seen['kv-usage']);
     assert(seen.some((s) => s.live && blocksInUse(s.text) > 0), `kv-usage never showed blocks in use during generation: ${JSON.stringify(seen)}`);
     await page.waitForFunction(() => /^0\//.test(document.querySelector('[data-testid="kv-usage"]').textContent), null, { timeout: LONG });
+    const cached = await page.locator('[data-testid="kv-grid"] .cell.cached').first().getAttribute('title');
+    assert(/prefix cache · hash [0-9a-f]{16}/.test(cached || ''), `a cached-free block's tooltip has no hash: ${cached}`);
     const ec = await byTest(page, 'encoder-cache-usage').textContent();
     assert(/^1 entry, \d+\/\d+ tokens$/.test(ec), `encoder cache after one image: ${ec}`);
     await screenshot(page, 'playground-chat.png');

@@ -144,6 +144,16 @@ pub struct KvSummary {
     pub runs: Vec<(KvBlockState, usize)>,
     /// Each request's block table.
     pub tables: BTreeMap<RequestId, Vec<BlockId>>,
+    /// The first 16 hex digits of each hashed block's hash, by block id; empty for caches of
+    /// more than [`KvSummary::MAX_HASHED_BLOCKS`] blocks, which a UI draws grouped.
+    #[serde(default)]
+    pub hashes: BTreeMap<BlockId, String>,
+}
+
+impl KvSummary {
+    /// The largest cache whose block hashes a summary carries (a UI draws one cell per block up
+    /// to this size; sending tens of thousands of hashes at every step would cost more than it shows).
+    pub const MAX_HASHED_BLOCKS: usize = 2048;
 }
 
 /// Blocks held by one request.
@@ -367,8 +377,13 @@ impl KvCacheManager {
     pub fn summary(&self) -> KvSummary {
         let mut runs: Vec<(KvBlockState, usize)> = Vec::new();
         let (mut cached_free, mut in_use) = (0, 0);
+        let mut hashes = BTreeMap::new();
+        let with_hashes = self.num_blocks() <= KvSummary::MAX_HASHED_BLOCKS;
         for id in 0..self.num_blocks() {
             let state = self.block_state(id);
+            if let Some(h) = self.pool.block_hash(id).filter(|_| with_hashes) {
+                hashes.insert(id, h.to_string()[..16].to_string());
+            }
             match state {
                 KvBlockState::CachedFree => cached_free += 1,
                 KvBlockState::InUse => in_use += 1,
@@ -393,6 +408,7 @@ impl KvCacheManager {
                 .iter()
                 .map(|(id, r)| (id.clone(), r.blocks.clone()))
                 .collect(),
+            hashes,
         }
     }
 
@@ -488,6 +504,25 @@ mod tests {
         assert_eq!((s.requests, s.queries, s.hits), (2, 80, 32));
         assert_eq!(s.hit_rate(), 0.4);
         assert_eq!(m.prefix_cache_stats(), PrefixCacheStats::default());
+    }
+
+    #[test]
+    fn summary_names_the_hash_of_each_full_block_in_a_small_cache_only() {
+        let mut m = KvCacheManager::new(16, 16, 1024, true).unwrap();
+        let prompt = toks(40, 1);
+        admit(&mut m, "a", &prompt, &[]);
+        let hashes = hash_request_blocks(&prompt, 16, &[], None).unwrap();
+        let s = m.summary();
+        assert_eq!(
+            s.hashes.keys().copied().collect::<Vec<_>>(),
+            [1, 2],
+            "block 3 is not full"
+        );
+        assert_eq!(s.hashes[&1], hashes[0].to_string()[..16]);
+        let mut big = KvCacheManager::new(KvSummary::MAX_HASHED_BLOCKS + 1, 16, 1024, true).unwrap();
+        admit(&mut big, "a", &prompt, &[]);
+        assert!(big.summary().hashes.is_empty());
+        assert_eq!(big.summary().num_in_use, 3);
     }
 
     #[test]
