@@ -1,7 +1,6 @@
 //! `kvlens generate`: one conversation through the engine on the CPU, streamed or as JSON.
 
 use crate::runtime::{load, BackendChoice, Frontend};
-use crate::startup::cpu_device;
 use crate::UsageError;
 use anyhow::Result;
 use kvlens_engine::backend::BackendKind;
@@ -51,9 +50,9 @@ pub struct GenerateArgs {
     /// Compute backend: cpu, wgpu or cuda (those this build holds).
     #[arg(long, default_value = "cpu")]
     pub backend: BackendKind,
-    /// Weights precision: float32, or float16 to keep 2-D weights in half precision where the
-    /// backend can (wgpu; activations and the KV cache stay float32).
-    #[arg(long, default_value = "float32", value_parser = ["float32", "float16"])]
+    /// Weights precision: float32, or half precision for 2-D weights where the backend keeps them
+    /// (wgpu: float16; cuda: bfloat16); activations and the KV cache stay float32.
+    #[arg(long, default_value = "float32", value_parser = ["float32", "float16", "bfloat16"])]
     pub dtype: String,
     /// Print one JSON object (per run).
     #[arg(long)]
@@ -106,7 +105,7 @@ pub fn run(a: &GenerateArgs) -> Result<()> {
     let msgs = messages(a)?;
     let choice = BackendChoice {
         kind: a.backend,
-        f16_weights: a.dtype == "float16",
+        f16_weights: a.dtype != "float32",
     };
     let (runner, front) = load(&a.model, choice)?;
     let params = SamplingParams {
@@ -126,7 +125,8 @@ pub fn run(a: &GenerateArgs) -> Result<()> {
     // Sized by the server's start-up code, for this one conversation: one sequence, the whole
     // prompt in one step, its images as the largest the profile runs.
     let cfg = runner.config().clone();
-    let mut plan_req = PlanRequest::new("generate", cfg.clone(), cpu_device(None)?);
+    let (device, non_torch) = runner.device(None)?;
+    let mut plan_req = PlanRequest::new("generate", cfg.clone(), device);
     let patch = cfg.vision.patch_size as u64;
     let largest = grids.iter().map(|g| u64::from(g[1] * g[2]) * patch * patch).max();
     plan_req.image_limits = ImageLimits {
@@ -140,7 +140,7 @@ pub fn run(a: &GenerateArgs) -> Result<()> {
     plan_req.max_model_len = Some((req.prompt.len() + a.max_tokens).min(cfg.text.max_position_embeddings));
     plan_req.max_num_batched_tokens = Some(req.prompt.len().max(1));
     plan_req.max_num_seqs = Some(1);
-    plan_req.non_torch_bytes = Some(0);
+    plan_req.non_torch_bytes = Some(non_torch);
     let opts = EngineOptions {
         enable_prefix_caching: !a.no_enable_prefix_caching,
         long_prefill_token_threshold: 0,

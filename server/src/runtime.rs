@@ -6,6 +6,8 @@ use crate::preprocess::{Busy, PreprocessBudget};
 use crate::UsageError;
 use anyhow::Result;
 use kvlens_engine::backend::cpu::CpuBackend;
+#[cfg(feature = "cuda")]
+use kvlens_engine::backend::cuda::{CudaBackend, CudaOptions};
 use kvlens_engine::backend::wgpu::{WgpuBackend, WgpuOptions};
 use kvlens_engine::backend::{Backend, BackendKind};
 use kvlens_engine::builder::{build_engine, BuildError, EngineOptions, StartupReport};
@@ -17,6 +19,7 @@ use kvlens_engine::input::image_budget::largest_preprocessing_bytes;
 pub use kvlens_engine::input::processor::PromptOptions;
 use kvlens_engine::input::processor::{ImageHost, InputProcessor, Prompt};
 use kvlens_engine::input::InputError;
+use kvlens_engine::memory::device::DeviceProfile;
 use kvlens_engine::memory::ledger::MemoryLedger;
 use kvlens_engine::memory::planner::PlanRequest;
 use kvlens_engine::model::weights::SafetensorsFiles;
@@ -102,7 +105,8 @@ fn usage(msg: impl Into<String>) -> anyhow::Error {
 pub struct BackendChoice {
     /// The backend.
     pub kind: BackendKind,
-    /// Store 2-D weights as f16 where the backend can (wgpu); activations stay f32.
+    /// Keep 2-D weights in half precision where the backend can (wgpu: f16; cuda: bf16);
+    /// activations stay f32.
     pub f16_weights: bool,
 }
 
@@ -113,6 +117,9 @@ pub enum LoadedRunner {
     Cpu(ModelRunner<CpuBackend>),
     /// On the wgpu backend.
     Wgpu(ModelRunner<WgpuBackend>),
+    /// On the CUDA backend (boxed: its kernel table makes it the largest variant).
+    #[cfg(feature = "cuda")]
+    Cuda(Box<ModelRunner<CudaBackend>>),
 }
 
 impl LoadedRunner {
@@ -121,7 +128,27 @@ impl LoadedRunner {
         match self {
             LoadedRunner::Cpu(r) => &r.model().cfg,
             LoadedRunner::Wgpu(r) => &r.model().cfg,
+            #[cfg(feature = "cuda")]
+            LoadedRunner::Cuda(r) => &r.model().cfg,
         }
+    }
+
+    /// The device start-up sizes the engine for, and the memory on it that is not the engine's
+    /// (vLLM's non-torch memory): the CPU "device" of `cpu_memory_gib` with nothing else on it,
+    /// or the GPU as `cuMemGetInfo` sees it after loading, less the weights (the CUDA context,
+    /// cuBLAS's workspace and other processes).
+    pub fn device(&self, cpu_memory_gib: Option<f64>) -> Result<(DeviceProfile, u64)> {
+        #[cfg(feature = "cuda")]
+        if let LoadedRunner::Cuda(r) = self {
+            let be = r.backend();
+            let m = be.memory().map_err(|e| usage(e.to_string()))?;
+            let device = kvlens_engine::memory::device::cuda_device(be.device_name(), m.total);
+            // Called after loading, when the weights are all the backend holds.
+            let weights = be.ledger().bytes(kvlens_engine::memory::ledger::Category::Weights);
+            let used = m.total.saturating_sub(m.free);
+            return Ok((device, used.saturating_sub(weights)));
+        }
+        Ok((crate::startup::cpu_device(cpu_memory_gib)?, 0))
     }
 
     /// Profiles, sizes and builds the engine (see [`build_engine`]).
@@ -134,6 +161,8 @@ impl LoadedRunner {
         match self {
             LoadedRunner::Cpu(r) => build_engine(r, req, opts, seconds),
             LoadedRunner::Wgpu(r) => build_engine(r, req, opts, seconds),
+            #[cfg(feature = "cuda")]
+            LoadedRunner::Cuda(r) => build_engine(*r, req, opts, seconds),
         }
     }
 }
@@ -183,6 +212,18 @@ pub fn load(dir: &Path, choice: BackendChoice) -> Result<(LoadedRunner, Frontend
             let model = load_weights(&ckpt, &backend)?;
             LoadedRunner::Cpu(ModelRunner::new(backend, model))
         }
+        #[cfg(feature = "cuda")]
+        BackendKind::Cuda => {
+            let opts = CudaOptions {
+                ordinal: 0,
+                bf16_weights: choice.f16_weights,
+            };
+            let backend = CudaBackend::new(ledger.clone(), opts).map_err(|e| usage(e.to_string()))?;
+            tracing::info!("{}", backend.describe());
+            let model = load_weights(&ckpt, &backend)?;
+            LoadedRunner::Cuda(Box::new(ModelRunner::new(backend, model)))
+        }
+        #[cfg(not(feature = "cuda"))]
         BackendKind::Cuda => return Err(usage(BackendKind::Cuda.ensure_built().err().unwrap_or_default())),
     };
     let frontend = Frontend::new(&ckpt, ledger)?;

@@ -32,7 +32,8 @@ pub struct EngineArgs {
     #[command(flatten)]
     #[serde(flatten)]
     pub vllm: VllmFlags,
-    /// Memory of the CPU "device" in GiB [default: 40% of the machine's RAM].
+    /// Memory of the CPU "device" in GiB, for the cpu and wgpu backends [default: 40% of the
+    /// machine's RAM]; the cuda backend sizes for the GPU's memory.
     #[arg(long)]
     pub cpu_memory_gib: Option<f64>,
     /// Most tokens one request computes per step, so one long prompt cannot hold every step
@@ -65,6 +66,10 @@ pub struct EngineArgs {
     /// Compute backend: cpu, wgpu or cuda (those this build holds).
     #[arg(long, default_value = "cpu")]
     pub backend: BackendKind,
+    /// vLLM's tensor parallelism: kvlens runs on one device, so only 1 is accepted (`kvlens plan`
+    /// plans larger degrees).
+    #[arg(long, default_value_t = 1)]
+    pub tensor_parallel_size: usize,
 }
 
 /// A started engine and everything the server reports about how it was sized.
@@ -172,8 +177,13 @@ pub fn start(a: &EngineArgs) -> Result<Started> {
     } else {
         a.served_model_name.clone()
     };
-    let device = cpu_device(a.cpu_memory_gib)?;
-    let total = device.total_bytes;
+    if a.tensor_parallel_size > 1 {
+        return Err(usage(format!(
+            "--tensor-parallel-size {}: kvlens runs a model on one device. `kvlens plan --tensor-parallel-size {}` \
+             plans the per-rank budget vLLM would use; serve with --tensor-parallel-size 1",
+            a.tensor_parallel_size, a.tensor_parallel_size
+        )));
+    }
     // Parsed before the (possibly long) load; checked against the checkpoint's limits after it.
     let pixels = match &a.mm_processor_kwargs {
         Some(json) => ProcessorKwargs::parse(json).map_err(|e| usage(e.to_string()))?,
@@ -183,6 +193,8 @@ pub fn start(a: &EngineArgs) -> Result<Started> {
         tracing::warn!("--mm-processor-kwargs: {key} is ignored (kvlens reads min_pixels and max_pixels)");
     }
     let (runner, mut frontend) = load(&model_dir, choice)?;
+    let (device, non_torch) = runner.device(a.cpu_memory_gib)?;
+    let total = device.total_bytes;
     if let Some(path) = &a.chat_template {
         frontend.set_chat_template(path)?;
     }
@@ -206,8 +218,8 @@ pub fn start(a: &EngineArgs) -> Result<Started> {
         .apply(&mut req, &HeaderSettings::default())
         .map_err(|e| usage(e.to_string()))?;
     req.limit_mm_per_prompt = MmLimits { video: 0, ..limits };
-    // Nothing else shares the CPU "device": all of it is free before the weights load.
-    req.non_torch_bytes = Some(0);
+    // Nothing else shares the CPU "device"; on a GPU, what the driver holds beyond our allocations.
+    req.non_torch_bytes = Some(non_torch);
     let opts = EngineOptions {
         enable_prefix_caching: !a.no_enable_prefix_caching,
         long_prefill_token_threshold: a.long_prefill_token_threshold,

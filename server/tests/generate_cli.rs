@@ -95,6 +95,29 @@ fn a_warm_engine_reuses_prefix_and_encoder_caches() {
 }
 
 #[test]
+fn a_backend_that_cannot_run_here_and_tensor_parallelism_are_one_line_errors() {
+    // Without `--features cuda` the build says it has no CUDA backend; with it, a machine without
+    // an NVIDIA driver says what is missing. Neither panics.
+    let out = generate(checkpoint(), &["--prompt", "hi", "--backend", "cuda"]);
+    if !out.status.success() {
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{err}");
+        assert!(!err.contains("panicked"), "{err}");
+        assert!(err.contains("cuda") || err.contains("CUDA"), "{err}");
+    }
+    let serve = kvlens(&[
+        "serve",
+        "--model",
+        checkpoint().to_str().unwrap(),
+        "-tp",
+        "2",
+        "--port",
+        "0",
+    ]);
+    assert_usage_error(&serve, "kvlens runs a model on one device");
+}
+
+#[test]
 fn bad_checkpoints_are_one_line_errors() {
     let empty = scratch("generate-cli-empty");
     std::fs::create_dir_all(&empty).unwrap();

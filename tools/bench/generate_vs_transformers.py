@@ -1,6 +1,7 @@
-"""Benchmark: `kvlens generate` on the CPU against Hugging Face transformers (the anchor), same
-checkpoint, same prompt and image, measured in the same run. Prints prefill and decode tokens/s,
-the ratios, and the decode memory-bandwidth roofline. Run through `cargo xtask bench`."""
+"""Benchmark: `kvlens generate` against Hugging Face transformers (the anchor), same checkpoint,
+same prompt and image, measured in the same run, on the CPU (`cargo xtask bench`) or on a CUDA GPU
+(`--device cuda`, from the folder `cargo xtask gpu-check` prepares). Prints prefill and decode
+tokens/s, the ratios, and the decode memory-bandwidth roofline."""
 
 import argparse
 import json
@@ -27,8 +28,19 @@ def make_image(path, width, height):
     Image.fromarray(img).save(path)
 
 
-def memory_bandwidth_gb_s():
+def memory_bandwidth_gb_s(device):
     """Sustained copy bandwidth (read + write) of a 1 GiB array, best of three."""
+    if device == "cuda":
+        a = torch.ones(1 << 28, dtype=torch.float32, device="cuda")
+        b = torch.empty_like(a)
+        best = 0.0
+        for _ in range(5):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            b.copy_(a)
+            torch.cuda.synchronize()
+            best = max(best, 2 * a.numel() * 4 / (time.perf_counter() - t) / 1e9)
+        return best
     a = np.ones(1 << 28, dtype=np.float32)
     b = np.empty_like(a)
     best = 0.0
@@ -39,10 +51,10 @@ def memory_bandwidth_gb_s():
     return best
 
 
-def run_kvlens(kvlens, ckpt, image, max_tokens):
+def run_kvlens(kvlens, ckpt, image, max_tokens, extra):
     out = subprocess.run(
         [kvlens, "generate", "--model", ckpt, "--prompt", PROMPT, "--image", image,
-         "--max-tokens", str(max_tokens), "--ignore-eos", "--json"],
+         "--max-tokens", str(max_tokens), "--ignore-eos", "--json"] + extra,
         check=True, capture_output=True, text=True)
     return json.loads(out.stdout)
 
@@ -50,27 +62,30 @@ def run_kvlens(kvlens, ckpt, image, max_tokens):
 class TokenTimes(BaseStreamer):
     """Records when generate hands over the prompt and each new token (one generate call)."""
 
-    def __init__(self):
+    def __init__(self, device):
         self.start = 0.0
         self.times = []
+        self.device = device
 
     def put(self, value):
+        if self.device == "cuda":
+            torch.cuda.synchronize()
         self.times.append(time.perf_counter())
 
     def end(self):
         pass
 
 
-def run_transformers(ckpt, image, max_tokens, dtype):
+def run_transformers(ckpt, image, max_tokens, dtype, device):
     torch.manual_seed(0)
-    model = AutoModelForImageTextToText.from_pretrained(ckpt, dtype=dtype, attn_implementation="sdpa")
+    model = AutoModelForImageTextToText.from_pretrained(ckpt, dtype=dtype, attn_implementation="sdpa").to(device)
     proc = AutoProcessor.from_pretrained(ckpt)
     proc.image_processor = Qwen2VLImageProcessorPil.from_pretrained(ckpt)
     msgs = [{"role": "user", "content": [{"type": "image", "url": image}, {"type": "text", "text": PROMPT}]}]
     inputs = proc.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=True,
-                                      return_tensors="pt")
+                                      return_tensors="pt").to(device)
     prompt_len = inputs["input_ids"].shape[1]
-    stamps = TokenTimes()
+    stamps = TokenTimes(device)
     with torch.inference_mode():
         stamps.start = time.perf_counter()
         out = model.generate(**inputs, max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False,
@@ -98,7 +113,11 @@ def main():
     ap.add_argument("--config", default="Qwen3-VL-2B-Instruct")
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                    help="cuda: kvlens --backend cuda with bf16 weights, transformers on the GPU")
     a = ap.parse_args()
+    extra = ["--backend", "cuda", "--dtype", "bfloat16"] if a.device == "cuda" else []
+    label = "kvlens cuda (bf16 w)" if a.device == "cuda" else "kvlens (f32)"
     os.makedirs(a.work, exist_ok=True)
     ckpt = os.path.join(a.work, a.config + "-random-bf16")
     if not os.path.exists(os.path.join(ckpt, "model.safetensors.index.json")) and \
@@ -108,20 +127,22 @@ def main():
     image = os.path.join(a.work, "photo_1024x768.png")
     make_image(image, 1024, 768)
 
-    results = {"machine": {"cpus": os.cpu_count(), "torch": torch.__version__, "torch_threads": torch.get_num_threads()}}
-    results["memory_bandwidth_gb_s"] = memory_bandwidth_gb_s()
-    results["kvlens"] = run_kvlens(a.kvlens, ckpt, image, a.max_tokens)
-    results["transformers_f32"] = run_transformers(ckpt, image, a.max_tokens, torch.float32)
-    results["transformers_bf16"] = run_transformers(ckpt, image, a.max_tokens, torch.bfloat16)
+    results = {"machine": {"cpus": os.cpu_count(), "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+                           "device": torch.cuda.get_device_name(0) if a.device == "cuda" else "cpu"}}
+    results["memory_bandwidth_gb_s"] = memory_bandwidth_gb_s(a.device)
+    results["kvlens"] = run_kvlens(a.kvlens, ckpt, image, a.max_tokens, extra)
+    results["transformers_f32"] = run_transformers(ckpt, image, a.max_tokens, torch.float32, a.device)
+    results["transformers_bf16"] = run_transformers(ckpt, image, a.max_tokens, torch.bfloat16, a.device)
     k = results["kvlens"]["timing"]
     weights = sum(os.path.getsize(os.path.join(ckpt, f)) for f in os.listdir(ckpt) if f.endswith(".safetensors"))
-    f32_bytes = weights * 2  # kvlens computes in f32: bf16 weights are widened at load
+    f32_bytes = weights * 2  # bf16 weights widened to f32
     results["roofline_decode_tokens_per_s_f32"] = results["memory_bandwidth_gb_s"] * 1e9 / f32_bytes
     results["roofline_decode_tokens_per_s_bf16"] = results["memory_bandwidth_gb_s"] * 1e9 / weights
 
-    print(f"{a.config} random checkpoint, one 1024x768 image, {a.max_tokens} new tokens, {os.cpu_count()} CPUs")
+    print(f"{a.config} random checkpoint, one 1024x768 image, {a.max_tokens} new tokens, "
+          f"{results['machine']['device']}, {os.cpu_count()} CPUs")
     print(f"{'engine':<22}{'prompt':>8}{'prefill tok/s':>15}{'decode tok/s':>14}")
-    for name, r in [("kvlens (f32)", dict(k, prompt_tokens=len(results['kvlens']['prompt_token_ids']))),
+    for name, r in [(label, dict(k, prompt_tokens=len(results['kvlens']['prompt_token_ids']))),
                     ("transformers f32", results["transformers_f32"]),
                     ("transformers bf16", results["transformers_bf16"])]:
         print(f"{name:<22}{r['prompt_tokens']:>8}{r['prefill_tokens_per_s']:>15.1f}{r['decode_tokens_per_s']:>14.2f}")

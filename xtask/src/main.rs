@@ -3,6 +3,7 @@
 
 use anyhow::{bail, Context, Result};
 use std::env;
+use std::fs;
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -35,8 +36,9 @@ fn main() -> Result<()> {
         "bench" => bench(&env::args().skip(2).collect::<Vec<_>>()),
         "soak" => soak(&env::args().skip(2).skip_while(|a| a == "--").collect::<Vec<_>>()),
         "fuzz" => fuzz(env::args().nth(2).as_deref()),
+        "gpu-check" => gpu_check(),
         _ => {
-            eprintln!("usage: cargo xtask <task>\n\n  test   fmt check, clippy (warnings denied), all tests, the engine's wasm32 build, the engine and the playground in headless Chromium\n  browser-test  the engine in headless Chromium against native `kvlens generate`\n  e2e    the playground (trunk's release build) in headless Chromium, driven by Playwright\n  demo   build the playground and serve it on http://127.0.0.1:8000/ (extra args go to `kvlens serve`)\n  golden regenerate engine/tests/fixtures/golden/ with Hugging Face transformers (extra args go to golden.py)\n  bench  kvlens generate vs transformers on a full-size random Qwen3-VL-2B (extra args go to the script)\n  bench kernels  the wgpu matmul kernels (decode GEMV, prefill GEMM) against the CPU backend (extra args go to `kvlens bench kernels`, e.g. --quick)\n  soak   kvlens serve on the demo model under 256 streaming clients for 10 minutes, then the leak checks (extra args go to `kvlens bench soak`)\n  fuzz [ITERATIONS]  every fuzz target in fuzz/ for ITERATIONS inputs each (default {DEFAULT_FUZZ_RUNS})");
+            eprintln!("usage: cargo xtask <task>\n\n  test   fmt check, clippy (warnings denied), all tests, the engine's wasm32 build, the engine and the playground in headless Chromium\n  browser-test  the engine in headless Chromium against native `kvlens generate`\n  e2e    the playground (trunk's release build) in headless Chromium, driven by Playwright\n  demo   build the playground and serve it on http://127.0.0.1:8000/ (extra args go to `kvlens serve`)\n  golden regenerate engine/tests/fixtures/golden/ with Hugging Face transformers (extra args go to golden.py)\n  bench  kvlens generate vs transformers on a full-size random Qwen3-VL-2B (extra args go to the script)\n  bench kernels  the wgpu matmul kernels (decode GEMV, prefill GEMM) against the CPU backend (extra args go to `kvlens bench kernels`, e.g. --quick)\n  soak   kvlens serve on the demo model under 256 streaming clients for 10 minutes, then the leak checks (extra args go to `kvlens bench soak`)\n  fuzz [ITERATIONS]  every fuzz target in fuzz/ for ITERATIONS inputs each (default {DEFAULT_FUZZ_RUNS})\n  gpu-check  gpu-check/: the release kvlens with --features cuda, the engine's CUDA tests, the golden fixtures and tools/gpu_check/ (at most 64 MiB), to run on a GPU machine with gpu-check/run.sh OUT");
             std::process::exit(2);
         }
     }
@@ -145,6 +147,27 @@ fn ensure_venv(name: &str, check_code: &str, packages: &[&str], upgrade: bool) -
     Ok(python)
 }
 
+/// NVRTC from PyPI (the CUDA 13 runtime compiler, no GPU needed), so the CUDA kernels' compile
+/// test runs on any machine.
+const NVRTC_PACKAGES: &[&str] = &["nvidia-cuda-nvrtc==13.5.37"];
+
+/// The directory holding `libnvrtc.so.13` (installed into the venv `~/.cache/kvlens/nvrtc-venv`).
+fn ensure_nvrtc() -> Result<PathBuf> {
+    let python = ensure_venv(
+        "nvrtc-venv",
+        "import nvidia.cu13, os; assert os.path.exists(os.path.join(nvidia.cu13.__path__[0], 'lib', 'libnvrtc.so.13'))",
+        NVRTC_PACKAGES,
+        false,
+    )?;
+    let out = Command::new(&python)
+        .args([
+            "-c",
+            "import nvidia.cu13, os; print(os.path.join(nvidia.cu13.__path__[0], 'lib'))",
+        ])
+        .output()?;
+    Ok(PathBuf::from(String::from_utf8(out.stdout)?.trim()))
+}
+
 fn test() -> Result<()> {
     ensure_wasm_target()?;
     ensure_tokenizer()?;
@@ -154,14 +177,35 @@ fn test() -> Result<()> {
     ensure_lavapipe()?;
     run(cargo().args(["fmt", "--all", "--", "--check"]))?;
     run(cargo().args(["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"]))?;
+    run(cargo().args([
+        "clippy",
+        "-p",
+        "kvlens",
+        "-p",
+        "kvlens-engine",
+        "--features",
+        "kvlens/cuda",
+        "--all-targets",
+        "--",
+        "-D",
+        "warnings",
+    ]))?;
     let (passed, failed) = cargo_test(&["--workspace"])?;
     run(cargo().args(["build", "--target", "wasm32-unknown-unknown", "-p", "kvlens-engine"]))?;
     // `cargo test --workspace` has just built target/debug/kvlens (the server's tests run it).
     let (browser_passed, browser_failed) = browser_test(false)?;
     let (e2e_passed, e2e_failed) = e2e(false)?;
+    // Last, so the steps above ran the default build of target/debug/kvlens: the CUDA backend
+    // builds and links without a CUDA toolkit, and its GPU-free tests run (the rest are ignored).
+    run(cargo().args(["build", "-p", "kvlens", "--features", "cuda"]))?;
+    let nvrtc = ensure_nvrtc()?;
+    let (cuda_passed, cuda_failed) = cargo_test_in(
+        cargo().env("LD_LIBRARY_PATH", nvrtc),
+        &["-p", "kvlens-engine", "--features", "cuda", "--lib", "backend::cuda"],
+    )?;
     let (passed, failed) = (
-        passed + browser_passed + e2e_passed,
-        failed + browser_failed + e2e_failed,
+        passed + browser_passed + e2e_passed + cuda_passed,
+        failed + browser_failed + e2e_failed + cuda_failed,
     );
     // One closing line for the whole run: cargo's last "test result" line is often the doc tests'.
     println!("{passed} passed, {failed} failed");
@@ -171,7 +215,11 @@ fn test() -> Result<()> {
 /// Runs `cargo test --no-fail-fast`, echoing its output, adds up the "test result" lines and, when
 /// something failed, lists every failing test at the end.
 fn cargo_test(args: &[&str]) -> Result<(u64, u64)> {
-    let mut cmd = cargo();
+    cargo_test_in(&mut cargo(), args)
+}
+
+/// [`cargo_test`] with `cmd` (a `cargo` command, its environment set) instead of a plain one.
+fn cargo_test_in(cmd: &mut Command, args: &[&str]) -> Result<(u64, u64)> {
     cmd.args(["test", "--no-fail-fast"]).args(args).stdout(Stdio::piped());
     eprintln!("+ {cmd:?}");
     let mut child = cmd.spawn().context("cannot start cargo test")?;
@@ -629,6 +677,84 @@ fn target_dir() -> PathBuf {
     env::var_os("CARGO_TARGET_DIR")
         .map(PathBuf::from)
         .unwrap_or_else(|| PathBuf::from("target"))
+}
+
+/// The most that travels to the GPU machine in one call.
+const GPU_CHECK_MAX_BYTES: u64 = 64 << 20;
+
+/// `cargo xtask gpu-check`: the folder the GPU machine runs (see tools/gpu_check/check.py).
+fn gpu_check() -> Result<()> {
+    let tokenizer = ensure_tokenizer()?;
+    run(cargo().args(["build", "--release", "-p", "kvlens", "--features", "cuda"]))?;
+    let out = cargo()
+        .args([
+            "test",
+            "--release",
+            "-p",
+            "kvlens-engine",
+            "--features",
+            "cuda",
+            "--lib",
+            "--no-run",
+        ])
+        .args(["--message-format", "json"])
+        .stderr(Stdio::inherit())
+        .output()?;
+    let tests = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|v| v["target"]["name"] == "kvlens_engine" && v["profile"]["test"] == true)
+        .find_map(|v| v["executable"].as_str().map(PathBuf::from))
+        .context("cargo did not name the engine's test executable")?;
+    let dir = workspace_root().join("gpu-check");
+    if dir.exists() {
+        fs::remove_dir_all(&dir)?;
+    }
+    fs::create_dir_all(dir.join("fixtures"))?;
+    for (from, to) in [
+        (target_dir().join("release").join("kvlens"), "kvlens"),
+        (tests, "engine-cuda-tests"),
+    ] {
+        fs::copy(&from, dir.join(to))?;
+        // Line tables are for local backtraces; the GPU machine gets the code only.
+        run(Command::new("strip").arg(dir.join(to)))?;
+    }
+    fs::copy(&tokenizer, dir.join("tokenizer.json"))?;
+    for f in ["check.py", "run.sh"] {
+        fs::copy(workspace_root().join("tools/gpu_check").join(f), dir.join(f))?;
+    }
+    fs::copy(
+        workspace_root().join("tools/bench/generate_vs_transformers.py"),
+        dir.join("generate_vs_transformers.py"),
+    )?;
+    run(Command::new("cp")
+        .args(["-r", "engine/tests/fixtures/golden"])
+        .arg(dir.join("fixtures")))?;
+    fs::create_dir_all(dir.join("tools/golden"))?;
+    run(Command::new("cp")
+        .args(["-r", "tools/golden/configs"])
+        .arg(dir.join("tools/golden")))?;
+    let bytes: u64 = walk(&dir)?.iter().map(|p| p.metadata().map_or(0, |m| m.len())).sum();
+    println!("{}: {:.1} MiB", dir.display(), bytes as f64 / (1 << 20) as f64);
+    if bytes > GPU_CHECK_MAX_BYTES {
+        bail!("gpu-check/ is over the 64 MiB a GPU call carries");
+    }
+    println!("on the GPU machine: gpu-check/run.sh OUT  (results in OUT/summary.json)");
+    Ok(())
+}
+
+/// Every file under `dir`.
+fn walk(dir: &Path) -> Result<Vec<PathBuf>> {
+    let mut files = Vec::new();
+    for entry in fs::read_dir(dir)? {
+        let path = entry?.path();
+        if path.is_dir() {
+            files.extend(walk(&path)?);
+        } else {
+            files.push(path);
+        }
+    }
+    Ok(files)
 }
 
 /// `cargo xtask bench`: kvlens generate against transformers on a full-size random checkpoint.

@@ -3,6 +3,8 @@
 //! allocation in the [`MemoryLedger`](crate::memory::ledger::MemoryLedger).
 
 pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod instrumented;
 mod readback;
 #[doc(hidden)]
@@ -149,7 +151,7 @@ impl BackendKind {
         match self {
             BackendKind::Cpu => true,
             BackendKind::Wgpu => cfg!(feature = "wgpu"),
-            BackendKind::Cuda => false,
+            BackendKind::Cuda => cfg!(feature = "cuda"),
         }
     }
 
@@ -304,7 +306,10 @@ mod tests {
         assert!("tpu".parse::<BackendKind>().unwrap_err().contains("cpu, wgpu or cuda"));
         assert_eq!(BackendKind::Cpu.ensure_built(), Ok(()));
         assert_eq!(BackendKind::Wgpu.ensure_built().is_ok(), cfg!(feature = "wgpu"));
-        let err = BackendKind::Cuda.ensure_built().unwrap_err();
-        assert!(err.contains("no cuda backend (it has: cpu"), "{err}");
+        assert_eq!(BackendKind::Cuda.ensure_built().is_ok(), cfg!(feature = "cuda"));
+        if !cfg!(feature = "cuda") {
+            let err = BackendKind::Cuda.ensure_built().unwrap_err();
+            assert!(err.contains("no cuda backend (it has: cpu"), "{err}");
+        }
     }
 }

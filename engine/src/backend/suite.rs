@@ -6,11 +6,16 @@ use super::{block_on, Activation, Backend, KvLayout, PagedBatch, PagedSeq};
 use crate::memory::ledger::Category;
 use crate::sample::{DeviceSampling, Rng};
 
-/// Declares one `#[test]` per suite function for the backend `$make` builds.
+/// Declares one `#[test]` per suite function for the backend `$make` builds; with
+/// `ignored "why";` first, each test is `#[ignore]`d with that reason (a backend that needs
+/// hardware the test machine may lack, run with `--ignored` where it is present).
 #[macro_export]
 macro_rules! backend_suite {
-    ($make:expr) => {
-        $crate::backend_suite!(@tests $make;
+    (ignored $why:literal; $make:expr) => {
+        $crate::backend_suite!(@list [$why] $make);
+    };
+    (@list [$($why:literal)?] $make:expr) => {
+        $crate::backend_suite!(@tests [$($why)?] $make;
             linear_norms_and_activations,
             paged_attention_matches_dense_causal_attention,
             chunked_segment_attention_matches_a_direct_softmax,
@@ -18,13 +23,25 @@ macro_rules! backend_suite {
             rows_gather_scatter_and_concat,
             sampling_matches_the_host_definition);
     };
-    (@tests $make:expr; $($name:ident),*) => {
+    (@tests [] $make:expr; $($name:ident),*) => {
         $(
             #[test]
             fn $name() {
                 $crate::backend::suite::$name(&$make);
             }
         )*
+    };
+    (@tests [$why:literal] $make:expr; $($name:ident),*) => {
+        $(
+            #[test]
+            #[ignore = $why]
+            fn $name() {
+                $crate::backend::suite::$name(&$make);
+            }
+        )*
+    };
+    ($make:expr) => {
+        $crate::backend_suite!(@list [] $make);
     };
 }
 

@@ -211,6 +211,30 @@ pub fn device_preset(name: &str) -> Option<DeviceProfile> {
     device_presets().into_iter().find(|d| d.name.eq_ignore_ascii_case(name))
 }
 
+/// A CUDA device seen at run time: the preset its name matches (bandwidth, peak FLOP/s, vLLM's
+/// defaults), the H100's when none does, with its name as the description and the measured total.
+pub fn cuda_device(device_name: &str, total_bytes: u64) -> DeviceProfile {
+    let n = device_name.to_ascii_lowercase();
+    let preset = if n.contains("h200") {
+        "h200-141g"
+    } else if n.contains("a100") && total_bytes as f64 > 50.0 * GIB {
+        "a100-80g"
+    } else if n.contains("a100") {
+        "a100-40g"
+    } else if n.contains("l40s") {
+        "l40s-48g"
+    } else if n.contains("4090") {
+        "rtx4090-24g"
+    } else {
+        "h100-80g"
+    };
+    let mut d = device_preset(preset)
+        .expect("the CUDA presets exist")
+        .with_total_bytes(total_bytes);
+    d.description = device_name.to_string();
+    d
+}
+
 /// Comma-separated preset names, for error messages.
 pub fn device_preset_names() -> String {
     PRESETS.iter().map(|p| p.name).collect::<Vec<_>>().join(", ")
@@ -219,6 +243,16 @@ pub fn device_preset_names() -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_cuda_device_takes_the_preset_its_name_matches_and_its_measured_total() {
+        let d = cuda_device("NVIDIA A100-SXM4-80GB", 85_100_000_000);
+        assert_eq!((d.name.as_str(), d.total_bytes), ("a100-80g", 85_100_000_000));
+        assert_eq!(d.description, "NVIDIA A100-SXM4-80GB");
+        assert_eq!(cuda_device("NVIDIA A100-PCIE-40GB", 42_000_000_000).name, "a100-40g");
+        assert_eq!(cuda_device("NVIDIA H100 80GB HBM3", 85_000_000_000).name, "h100-80g");
+        assert_eq!(cuda_device("Tesla T4", 15_000_000_000).platform, Platform::Cuda);
+    }
 
     #[test]
     fn presets_and_platform_defaults() {

@@ -136,8 +136,8 @@ impl ServeArgs {
     }
 }
 
-/// vLLM flags that take a value and mean nothing to kvlens (one process, one CPU device, no
-/// compilation, no uvicorn).
+/// vLLM flags that take a value and mean nothing to kvlens (one process, one device, no
+/// compilation, no uvicorn); `--tensor-parallel-size` above 1 is passed on to be refused.
 const IGNORED_WITH_VALUE: &[&str] = &[
     "--tensor-parallel-size",
     "-tp",
@@ -216,14 +216,20 @@ fn split_ignored(args: Vec<OsString>) -> (Vec<OsString>, Vec<String>) {
         if IGNORED_SWITCHES.contains(&name) {
             ignored.push(text);
         } else if IGNORED_WITH_VALUE.contains(&name) {
-            if name == text {
-                match rest.next() {
-                    Some(value) => ignored.push(format!("{text} {}", value.to_string_lossy())),
-                    None => ignored.push(text),
-                }
-            } else {
-                ignored.push(text);
+            let value = match text.split_once('=') {
+                Some((_, v)) => Some(v.to_string()),
+                None => rest.next().map(|v| v.to_string_lossy().into_owned()),
+            };
+            // A degree above 1 is not ignored: `kvlens serve` refuses it, saying why.
+            if matches!(name, "--tensor-parallel-size" | "-tp") && value.as_deref().is_some_and(|v| v.trim() != "1") {
+                kept.push("--tensor-parallel-size".into());
+                kept.extend(value.map(OsString::from));
+                continue;
             }
+            ignored.push(match value {
+                Some(v) if name == text => format!("{text} {v}"),
+                _ => text,
+            });
         } else {
             kept.push(arg);
         }
@@ -268,6 +274,15 @@ mod tests {
                 "--uvicorn-log-level warning"
             ]
         );
+    }
+
+    #[test]
+    fn a_tensor_parallel_degree_above_one_reaches_serve_to_be_refused() {
+        let (kept, ignored) = split(&["kvlens", "serve", "-tp", "2", "--tensor-parallel-size=1"]);
+        assert_eq!(kept, ["kvlens", "serve", "--tensor-parallel-size", "2"]);
+        assert_eq!(ignored, ["--tensor-parallel-size=1"]);
+        let (kept, _) = split(&["kvlens", "serve", "--tensor-parallel-size=4"]);
+        assert_eq!(kept, ["kvlens", "serve", "--tensor-parallel-size", "4"]);
     }
 
     #[test]

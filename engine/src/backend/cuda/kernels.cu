@@ -1,0 +1,308 @@
+// The CUDA backend's kernels, compiled by NVRTC once per process (see launch.rs for how each is
+// launched). Activations and the KV cache are f32; weights are f32 or bf16 (raw u16 bits).
+// Row-major 2-D tensors throughout. No headers: NVRTC compiles this without a CUDA toolkit.
+
+#define WARP 32
+#define ATTN_WARPS 4
+#define MAX_LANE_DIMS 8 // head_dim ≤ 256 = 32 lanes × 8
+#define NEG_INF (__int_as_float(0xff800000))
+
+__device__ __forceinline__ float bf16_to_f32(unsigned short b) {
+    return __uint_as_float(((unsigned int)b) << 16);
+}
+
+// Round to nearest even, as torch and half::bf16::from_f32 do (NaN stays NaN).
+__device__ __forceinline__ unsigned short f32_to_bf16(float f) {
+    unsigned int u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((u >> 16) | 0x40);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (unsigned short)(u >> 16);
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = WARP / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+    for (int o = WARP / 2; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// Sum over the block (blockDim.x a multiple of 32, at most 1024); every thread gets the result.
+__device__ float block_sum(float v) {
+    __shared__ float part[WARP];
+    int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
+    v = warp_sum(v);
+    __syncthreads();
+    if (lane == 0) part[warp] = v;
+    __syncthreads();
+    float t = lane < (int)(blockDim.x / WARP) ? part[lane] : 0.0f;
+    return warp_sum(t);
+}
+
+extern "C" __global__ void to_bf16(const float* x, unsigned short* y, unsigned int n) {
+    unsigned int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) y[i] = f32_to_bf16(x[i]);
+}
+
+extern "C" __global__ void bf16_to_f32s(const unsigned short* x, float* y, unsigned int n) {
+    unsigned int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) y[i] = bf16_to_f32(x[i]);
+}
+
+// y[r, c] += b[c]
+extern "C" __global__ void add_bias(float* y, const float* b, unsigned int rows, unsigned int cols) {
+    unsigned int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < rows * cols) y[i] += b[i % cols];
+}
+
+extern "C" __global__ void embedding_f32(const float* table, const unsigned int* ids, float* out,
+                                         unsigned int n, unsigned int dim) {
+    unsigned int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n * dim) out[i] = table[(unsigned long long)ids[i / dim] * dim + i % dim];
+}
+
+extern "C" __global__ void embedding_bf16(const unsigned short* table, const unsigned int* ids, float* out,
+                                          unsigned int n, unsigned int dim) {
+    unsigned int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n * dim) out[i] = bf16_to_f32(table[(unsigned long long)ids[i / dim] * dim + i % dim]);
+}
+
+// One block per row.
+extern "C" __global__ void rms_norm(const float* x, const float* w, float* out, unsigned int cols, float eps) {
+    const float* row = x + (unsigned long long)blockIdx.x * cols;
+    float s = 0.0f;
+    for (unsigned int c = threadIdx.x; c < cols; c += blockDim.x) s += row[c] * row[c];
+    float inv = rsqrtf(block_sum(s) / cols + eps);
+    for (unsigned int c = threadIdx.x; c < cols; c += blockDim.x)
+        out[(unsigned long long)blockIdx.x * cols + c] = row[c] * inv * w[c];
+}
+
+// One block per row; two passes (mean, then variance of the centred values) as the CPU does.
+extern "C" __global__ void layer_norm(const float* x, const float* w, const float* b, float* out,
+                                      unsigned int cols, float eps) {
+    const float* row = x + (unsigned long long)blockIdx.x * cols;
+    float s = 0.0f;
+    for (unsigned int c = threadIdx.x; c < cols; c += blockDim.x) s += row[c];
+    float mean = block_sum(s) / cols;
+    float v = 0.0f;
+    for (unsigned int c = threadIdx.x; c < cols; c += blockDim.x) v += (row[c] - mean) * (row[c] - mean);
+    float inv = rsqrtf(block_sum(v) / cols + eps);
+    for (unsigned int c = threadIdx.x; c < cols; c += blockDim.x)
+        out[(unsigned long long)blockIdx.x * cols + c] = (row[c] - mean) * inv * w[c] + b[c];
+}
+
+// kind: 0 silu, 1 gelu (tanh), 2 gelu (erf), 3 quick gelu; the numbering of launch.rs's Activation map.
+extern "C" __global__ void activate(const float* x, float* out, unsigned int n, unsigned int kind) {
+    unsigned int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    float v = x[i], r;
+    if (kind == 0) {
+        r = v / (1.0f + expf(-v));
+    } else if (kind == 1) {
+        r = 0.5f * v * (1.0f + tanhf(0.7978845608028654f * (v + 0.044715f * v * v * v)));
+    } else if (kind == 2) {
+        r = 0.5f * v * (1.0f + erff(v * 0.7071067811865476f));
+    } else {
+        r = v / (1.0f + expf(-1.702f * v));
+    }
+    out[i] = r;
+}
+
+extern "C" __global__ void silu_mul(const float* g, const float* u, float* out, unsigned int n) {
+    unsigned int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+}
+
+extern "C" __global__ void add(const float* a, const float* b, float* out, unsigned int n) {
+    unsigned int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = a[i] + b[i];
+}
+
+// Rotate-half rotary embedding: x [n, cols] in heads of d, cos/sin [n, d].
+extern "C" __global__ void rope(const float* x, const float* cos_t, const float* sin_t, float* out,
+                                unsigned int n, unsigned int cols, unsigned int d) {
+    unsigned int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n * cols) return;
+    unsigned int r = i / cols, c = i % cols, j = c % d, half = d / 2;
+    float rot = j < half ? -x[i + half] : x[i - half];
+    out[i] = x[i] * cos_t[r * d + j] + rot * sin_t[r * d + j];
+}
+
+extern "C" __global__ void narrow_cols(const float* x, float* out, unsigned int rows, unsigned int cols,
+                                       unsigned int start, unsigned int len) {
+    unsigned int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < rows * len) out[i] = x[(unsigned long long)(i / len) * cols + start + i % len];
+}
+
+extern "C" __global__ void gather_rows(const float* x, const unsigned int* idx, float* out, unsigned int n,
+                                       unsigned int cols) {
+    unsigned int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n * cols) out[i] = x[(unsigned long long)idx[i / cols] * cols + i % cols];
+}
+
+// out already holds x; rows idx[i] get row i of src (added when add != 0). Indices are distinct
+// or, when repeated, written by one launch in an unspecified order (as the CPU's last-wins for
+// copies; additions of repeated indices are not used by the model).
+extern "C" __global__ void scatter_rows(float* out, const unsigned int* idx, const float* src, unsigned int n,
+                                        unsigned int cols, unsigned int add) {
+    unsigned int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n * cols) return;
+    unsigned long long dst = (unsigned long long)idx[i / cols] * cols + i % cols;
+    out[dst] = add ? out[dst] + src[i] : src[i];
+}
+
+// K and V rows into their slots: cache [slots, width] per layer.
+extern "C" __global__ void write_kv(float* kc, float* vc, const float* k, const float* v, const unsigned int* slots,
+                                    unsigned int n, unsigned int width) {
+    unsigned int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n * width) return;
+    unsigned long long dst = (unsigned long long)slots[i / width] * width + i % width;
+    kc[dst] = k[i];
+    vc[dst] = v[i];
+}
+
+// One query row and head: ATTN_WARPS warps split the keys (key j goes to warp j % ATTN_WARPS), each
+// with its own online softmax over its keys; lanes split the head's d values. The warps' partial
+// results are merged through shared memory. `key_row(j)` is the row of key j in keys/values.
+template <class KeyRow>
+__device__ void attend(const float* q, const float* keys, const float* values, unsigned int stride,
+                       unsigned int n_keys, KeyRow key_row, float scale, unsigned int d, float* out) {
+    __shared__ float s_max[ATTN_WARPS], s_sum[ATTN_WARPS];
+    __shared__ float s_acc[ATTN_WARPS][WARP * MAX_LANE_DIMS];
+    int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
+    float qv[MAX_LANE_DIMS], acc[MAX_LANE_DIMS];
+    for (int e = 0; e < MAX_LANE_DIMS; e++) {
+        unsigned int c = lane + e * WARP;
+        qv[e] = c < d ? q[c] * scale : 0.0f;
+        acc[e] = 0.0f;
+    }
+    float m = NEG_INF, l = 0.0f;
+    for (unsigned int j = warp; j < n_keys; j += ATTN_WARPS) {
+        const float* k = keys + (unsigned long long)key_row(j) * stride;
+        const float* v = values + (unsigned long long)key_row(j) * stride;
+        float s = 0.0f;
+        for (int e = 0; e < MAX_LANE_DIMS; e++) {
+            unsigned int c = lane + e * WARP;
+            if (c < d) s += qv[e] * k[c];
+        }
+        s = warp_sum(s);
+        float m2 = fmaxf(m, s);
+        float correction = expf(m - m2), p = expf(s - m2);
+        l = l * correction + p;
+        for (int e = 0; e < MAX_LANE_DIMS; e++) {
+            unsigned int c = lane + e * WARP;
+            if (c < d) acc[e] = acc[e] * correction + p * v[c];
+        }
+        m = m2;
+    }
+    if (lane == 0) {
+        s_max[warp] = m;
+        s_sum[warp] = l;
+    }
+    for (int e = 0; e < MAX_LANE_DIMS; e++) s_acc[warp][lane + e * WARP] = acc[e];
+    __syncthreads();
+    if (warp != 0) return;
+    float gm = NEG_INF;
+    for (int w = 0; w < ATTN_WARPS; w++) gm = fmaxf(gm, s_max[w]);
+    float total = 0.0f;
+    for (int w = 0; w < ATTN_WARPS; w++) total += s_max[w] == NEG_INF ? 0.0f : s_sum[w] * expf(s_max[w] - gm);
+    for (int e = 0; e < MAX_LANE_DIMS; e++) {
+        unsigned int c = lane + e * WARP;
+        if (c >= d) continue;
+        float o = 0.0f;
+        for (int w = 0; w < ATTN_WARPS; w++)
+            if (s_max[w] != NEG_INF) o += s_acc[w][lane + e * WARP] * expf(s_max[w] - gm);
+        out[c] = o / total;
+    }
+}
+
+struct SegmentRow {
+    unsigned int start;
+    __device__ unsigned int operator()(unsigned int j) const { return start + j; }
+};
+
+// Bidirectional attention within segments: grid (rows, heads); seg[2r], seg[2r+1] are the start
+// and length of row r's segment.
+extern "C" __global__ void segment_attention(const float* q, const float* k, const float* v, const unsigned int* seg,
+                                             float* out, unsigned int heads, unsigned int d, float scale) {
+    unsigned int r = blockIdx.x, h = blockIdx.y, cols = heads * d;
+    SegmentRow key_row = {seg[2 * r]};
+    attend(q + (unsigned long long)r * cols + h * d, k + h * d, v + h * d, cols, seg[2 * r + 1], key_row, scale, d,
+           out + (unsigned long long)r * cols + h * d);
+}
+
+struct PagedRow {
+    const unsigned int* table;
+    unsigned int block_size;
+    __device__ unsigned int operator()(unsigned int j) const { return table[j / block_size] * block_size + j % block_size; }
+};
+
+// Causal attention over the paged cache: grid (rows, heads). meta[2r] is the number of keys row r
+// sees (its position + 1), meta[2r+1] the offset of its sequence's block table in `tables`.
+extern "C" __global__ void paged_attention(const float* q, const float* kc, const float* vc, const unsigned int* meta,
+                                           const unsigned int* tables, float* out, unsigned int heads,
+                                           unsigned int kv_heads, unsigned int d, unsigned int block_size,
+                                           float scale) {
+    unsigned int r = blockIdx.x, h = blockIdx.y, cols = heads * d, kv_width = kv_heads * d;
+    unsigned int kvh = h / (heads / kv_heads);
+    PagedRow key_row = {tables + meta[2 * r + 1], block_size};
+    attend(q + (unsigned long long)r * cols + h * d, kc + kvh * d, vc + kvh * d, kv_width, meta[2 * r], key_row, scale, d,
+           out + (unsigned long long)r * cols + h * d);
+}
+
+// Greedy sampling, one block per row: the first largest of the allowed ids and its log-probability
+// under the whole row (as DeviceSampling::pick). out[2r] = id (as f32), out[2r+1] = log-probability.
+extern "C" __global__ void greedy(const float* logits, const unsigned int* allowed, float* out, unsigned int width) {
+    __shared__ float s_val[1024];
+    __shared__ unsigned int s_idx[1024];
+    const float* row = logits + (unsigned long long)blockIdx.x * width;
+    unsigned int limit = allowed[blockIdx.x];
+    float best = NEG_INF, mx = NEG_INF;
+    unsigned int bi = 0xffffffffu;
+    for (unsigned int c = threadIdx.x; c < width; c += blockDim.x) {
+        float v = row[c];
+        mx = fmaxf(mx, v);
+        if (c < limit && (v > best || bi == 0xffffffffu)) {
+            best = v;
+            bi = c;
+        }
+    }
+    s_val[threadIdx.x] = best;
+    s_idx[threadIdx.x] = bi;
+    __syncthreads();
+    for (unsigned int o = blockDim.x / 2; o > 0; o >>= 1) {
+        if (threadIdx.x < o) {
+            float ov = s_val[threadIdx.x + o];
+            unsigned int oi = s_idx[threadIdx.x + o];
+            float mv = s_val[threadIdx.x];
+            unsigned int mi = s_idx[threadIdx.x];
+            bool take = oi != 0xffffffffu && (mi == 0xffffffffu || ov > mv || (ov == mv && oi < mi));
+            if (take) {
+                s_val[threadIdx.x] = ov;
+                s_idx[threadIdx.x] = oi;
+            }
+        }
+        __syncthreads();
+    }
+    float token_logit = s_val[0];
+    unsigned int token = s_idx[0];
+    __syncthreads();
+    // The row's maximum, then the sum of exponentials (as log_normaliser: shifted by the maximum).
+    s_val[threadIdx.x] = mx;
+    __syncthreads();
+    for (unsigned int o = blockDim.x / 2; o > 0; o >>= 1) {
+        if (threadIdx.x < o) s_val[threadIdx.x] = fmaxf(s_val[threadIdx.x], s_val[threadIdx.x + o]);
+        __syncthreads();
+    }
+    mx = s_val[0];
+    __syncthreads();
+    float z = 0.0f;
+    for (unsigned int c = threadIdx.x; c < width; c += blockDim.x) z += expf(row[c] - mx);
+    z = block_sum(z);
+    if (threadIdx.x == 0) {
+        out[2 * blockIdx.x] = (float)token;
+        out[2 * blockIdx.x + 1] = token_logit - (logf(z) + mx);
+    }
+}

@@ -1,0 +1,865 @@
+//! The CUDA backend (`--features cuda`): cudarc loads the driver, NVRTC and cuBLAS at run time, so
+//! the build needs no CUDA toolkit and links no CUDA library; our kernels (`kernels.cu`) are
+//! compiled by NVRTC for the device when the backend starts. GEMMs run on cuBLAS (f32 weights with
+//! `sgemm`, bf16 weights with `cublasGemmEx` over bf16 inputs and f32 accumulation); activations
+//! and the paged KV cache are f32. Every allocation is recorded in the ledger.
+//!
+//! The only module of the workspace that allows `unsafe`: kernel launches, uninitialised device
+//! allocations and cuBLAS calls are unsafe in cudarc. Each block states what makes it sound.
+#![allow(unsafe_code)]
+
+mod launch;
+#[cfg(test)]
+mod tests;
+
+use super::{ready, Activation, BResult, Backend, BackendError, KvLayout, PagedBatch, RawDType, RawTensor, Readback};
+use crate::fault::ledger_summary;
+use crate::memory::ledger::{Category, Held, MemoryLedger};
+use crate::sample::DeviceSampling;
+use cudarc::cublas::{sys as blas, CudaBlas, Gemm, GemmConfig};
+use cudarc::driver::{
+    sys as drv, CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchArgs, LaunchConfig,
+    PushKernelArg,
+};
+use launch::Geometry;
+pub use launch::{compile_options, KERNELS, SOURCE};
+use std::cell::Cell;
+use std::collections::HashMap;
+use std::sync::Arc;
+
+/// How to open the CUDA backend.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CudaOptions {
+    /// The device's ordinal.
+    pub ordinal: usize,
+    /// Keep 2-D weights (the embedding table too) in bf16: a bf16 checkpoint's as stored, others
+    /// rounded; activations and the KV cache stay f32.
+    pub bf16_weights: bool,
+}
+
+/// A tensor's device storage.
+#[derive(Debug)]
+enum Data {
+    F32(CudaSlice<f32>),
+    /// bf16 bit patterns.
+    Bf16(CudaSlice<u16>),
+}
+
+/// A tensor on the GPU: its storage (shared by views) and the ledger entry that counts it.
+#[derive(Debug, Clone)]
+pub struct CudaTensor {
+    data: Arc<Data>,
+    shape: Vec<usize>,
+    _held: Arc<Held>,
+}
+
+impl CudaTensor {
+    fn f32(&self) -> BResult<&CudaSlice<f32>> {
+        match &*self.data {
+            Data::F32(s) => Ok(s),
+            Data::Bf16(_) => Err(BackendError::Shape(
+                "a bf16 weight where the operation takes f32 activations".into(),
+            )),
+        }
+    }
+
+    fn dims2(&self) -> BResult<(usize, usize)> {
+        match self.shape[..] {
+            [r, c] => Ok((r, c)),
+            [c] => Ok((1, c)),
+            _ => Err(BackendError::Shape(format!(
+                "expected a 2-D tensor, got {:?}",
+                self.shape
+            ))),
+        }
+    }
+
+    fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+}
+
+/// The paged KV cache: per layer, keys and values as `[num_blocks · block_size, kv_heads · head_dim]`.
+#[derive(Debug)]
+pub struct CudaKvCache {
+    layout: KvLayout,
+    keys: Vec<CudaSlice<f32>>,
+    values: Vec<CudaSlice<f32>>,
+    _held: Held,
+}
+
+/// A step's paged-attention metadata on the device, checked against the KV cache's layout.
+#[derive(Debug)]
+pub struct CudaPaged {
+    slots: CudaSlice<u32>,
+    meta: CudaSlice<u32>,
+    tables: CudaSlice<u32>,
+    rows: usize,
+    layout: KvLayout,
+    _held: Held,
+}
+
+/// The vision tower's segments on the device: each row's `(start, len)`.
+#[derive(Debug)]
+pub struct CudaSegments {
+    rows: CudaSlice<u32>,
+    num_rows: usize,
+    _held: Held,
+}
+
+/// The CUDA backend on one device.
+pub struct CudaBackend {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    blas: CudaBlas,
+    kernels: HashMap<&'static str, CudaFunction>,
+    ledger: MemoryLedger,
+    options: CudaOptions,
+    device_name: String,
+    compute_capability: (i32, i32),
+    /// The layout of the KV cache allocated last: step metadata is checked against it.
+    kv_layout: Cell<Option<KvLayout>>,
+}
+
+impl std::fmt::Debug for CudaBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaBackend")
+            .field("device", &self.device_name)
+            .field("compute_capability", &self.compute_capability)
+            .field("options", &self.options)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Launches kernel `$name` of `$be` over geometry `$g` with the arguments in order. Scalars must
+/// be named locals: the launch reads them through their addresses.
+macro_rules! launch {
+    ($be:expr, $name:literal, $g:expr; $($arg:expr),* $(,)?) => {{
+        let g = $g;
+        let mut args = $be.stream.launch_builder($be.kernel($name)?);
+        $( args.arg($arg); )*
+        $be.run(args, g)
+    }};
+}
+
+fn lib<E: std::error::Error + Send + Sync + 'static>(e: E) -> BackendError {
+    BackendError::Library(Box::new(e))
+}
+
+fn missing(what: &str) -> BackendError {
+    BackendError::Library(what.into())
+}
+
+/// Free and total device memory in bytes, as `cuMemGetInfo` reports them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeviceMemory {
+    /// Free bytes on the device (all processes counted).
+    pub free: u64,
+    /// The device's memory.
+    pub total: u64,
+}
+
+/// [`SOURCE`] compiled by NVRTC for compute capability `major.minor` (needs only the NVRTC
+/// library, no GPU).
+pub fn compile(major: i32, minor: i32) -> BResult<cudarc::nvrtc::Ptx> {
+    let options = cudarc::nvrtc::CompileOptions {
+        options: compile_options(major, minor),
+        ..Default::default()
+    };
+    cudarc::nvrtc::compile_ptx_with_opts(SOURCE, options).map_err(lib)
+}
+
+impl CudaBackend {
+    /// Opens device `options.ordinal`, compiles the kernels with NVRTC and creates a cuBLAS handle.
+    /// Fails with what is missing when the driver, NVRTC or cuBLAS library cannot be loaded.
+    pub fn new(ledger: MemoryLedger, options: CudaOptions) -> BResult<Self> {
+        // SAFETY: each probe only tries to open the shared library (dlopen), nothing is called.
+        if !unsafe { drv::is_culib_present() } {
+            return Err(missing(
+                "the CUDA driver library (libcuda.so.1) was not found: is an NVIDIA driver installed?",
+            ));
+        }
+        if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+            return Err(missing(
+                "NVRTC (libnvrtc.so.13 or .12) was not found: add the CUDA runtime libraries to LD_LIBRARY_PATH",
+            ));
+        }
+        if !unsafe { blas::is_culib_present() } {
+            return Err(missing(
+                "cuBLAS (libcublas.so.13 or .12) was not found: add the CUDA libraries to LD_LIBRARY_PATH",
+            ));
+        }
+        let ctx = CudaContext::new(options.ordinal).map_err(lib)?;
+        // SAFETY: the backend uses one stream, so cross-stream event tracking is not needed.
+        unsafe { ctx.disable_event_tracking() };
+        let stream = ctx.default_stream();
+        let compute_capability = ctx.compute_capability().map_err(lib)?;
+        let device_name = ctx.name().map_err(lib)?;
+        let (major, minor) = compute_capability;
+        let ptx = compile(major, minor)?;
+        let module = ctx.load_module(ptx).map_err(lib)?;
+        let kernels = KERNELS
+            .iter()
+            .map(|&name| Ok((name, module.load_function(name).map_err(lib)?)))
+            .collect::<BResult<HashMap<_, _>>>()?;
+        let blas = CudaBlas::new(stream.clone()).map_err(lib)?;
+        Ok(CudaBackend {
+            ctx,
+            stream,
+            blas,
+            kernels,
+            ledger,
+            options,
+            device_name,
+            compute_capability,
+            kv_layout: Cell::new(None),
+        })
+    }
+
+    /// The device's name and compute capability, for the start-up log.
+    pub fn describe(&self) -> String {
+        let (major, minor) = self.compute_capability;
+        format!(
+            "CUDA device {}: {} (compute capability {major}.{minor}), weights in {}",
+            self.options.ordinal,
+            self.device_name,
+            if self.options.bf16_weights { "bf16" } else { "f32" }
+        )
+    }
+
+    /// The device's name as the driver reports it.
+    pub fn device_name(&self) -> &str {
+        &self.device_name
+    }
+
+    /// Free and total memory of the device now.
+    pub fn memory(&self) -> BResult<DeviceMemory> {
+        let (free, total) = self.ctx.mem_get_info().map_err(lib)?;
+        Ok(DeviceMemory {
+            free: free as u64,
+            total: total as u64,
+        })
+    }
+
+    fn oom(&self, bytes: u64) -> BackendError {
+        BackendError::OutOfMemory {
+            bytes,
+            ledger: ledger_summary(&self.ledger),
+        }
+    }
+
+    /// Maps a driver error of an allocation of `bytes`, naming out-of-memory as such.
+    fn alloc_err(&self, bytes: u64) -> impl Fn(cudarc::driver::DriverError) -> BackendError + '_ {
+        move |e| {
+            if e.0 == drv::CUresult::CUDA_ERROR_OUT_OF_MEMORY {
+                self.oom(bytes)
+            } else {
+                lib(e)
+            }
+        }
+    }
+
+    /// An uninitialised f32 buffer of `n` elements.
+    fn alloc_f32(&self, n: usize) -> BResult<CudaSlice<f32>> {
+        // SAFETY: every caller writes all `n` elements (a kernel or a copy) before reading them.
+        unsafe { self.stream.alloc::<f32>(n.max(1)) }.map_err(self.alloc_err(4 * n as u64))
+    }
+
+    fn wrap(&self, data: Data, shape: Vec<usize>, category: Category) -> CudaTensor {
+        let bytes = match &data {
+            Data::F32(s) => 4 * s.len(),
+            Data::Bf16(s) => 2 * s.len(),
+        } as u64;
+        CudaTensor {
+            data: Arc::new(data),
+            shape,
+            _held: Arc::new(self.ledger.hold(category, bytes)),
+        }
+    }
+
+    fn activation(&self, data: CudaSlice<f32>, shape: Vec<usize>) -> CudaTensor {
+        self.wrap(Data::F32(data), shape, Category::Activations)
+    }
+
+    fn upload_u32(&self, data: &[u32]) -> BResult<CudaSlice<u32>> {
+        let data = if data.is_empty() { &[0][..] } else { data };
+        self.stream
+            .clone_htod(data)
+            .map_err(self.alloc_err(4 * data.len() as u64))
+    }
+
+    fn kernel(&self, name: &str) -> BResult<&CudaFunction> {
+        self.kernels
+            .get(name)
+            .ok_or_else(|| missing("a kernel missing from the compiled module"))
+    }
+
+    /// Launches prepared arguments over `g`.
+    fn run(&self, mut args: LaunchArgs<'_>, g: Geometry) -> BResult<()> {
+        let cfg = LaunchConfig {
+            grid_dim: g.grid,
+            block_dim: g.block,
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: every `launch!` passes the arguments its kernel in kernels.cu declares, in order,
+        // with buffers at least as long as the element counts it is given.
+        unsafe { args.launch(cfg) }.map(|_| ()).map_err(lib)
+    }
+
+    fn same_shape(a: &CudaTensor, b: &CudaTensor, op: &str) -> BResult<()> {
+        if a.shape == b.shape {
+            Ok(())
+        } else {
+            Err(BackendError::Shape(format!(
+                "{op}: shapes {:?} and {:?}",
+                a.shape, b.shape
+            )))
+        }
+    }
+
+    /// `y [n, out] = x [n, in] · wᵀ` with bf16 weights: x rounded to bf16, f32 accumulation.
+    fn gemm_bf16(
+        &self,
+        x: &CudaSlice<f32>,
+        w: &CudaSlice<u16>,
+        y: &mut CudaSlice<f32>,
+        dims: (usize, usize, usize),
+    ) -> BResult<()> {
+        let (n, k, m) = dims;
+        let mut xb = unsafe { self.stream.alloc::<u16>((n * k).max(1)) }.map_err(self.alloc_err(2 * (n * k) as u64))?;
+        let _held = self.ledger.hold(Category::Activations, 2 * (n * k) as u64);
+        let count = (n * k) as u32;
+        launch!(self, "to_bf16", launch::elementwise(n * k)?; x, &mut xb, &count)?;
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        let (wp, _w) = w.device_ptr(&self.stream);
+        let (xp, _x) = xb.device_ptr(&self.stream);
+        let (yp, _y) = y.device_ptr_mut(&self.stream);
+        // SAFETY: column-major view of row-major data: wᵀ is [k, m] (ld k), x is [k, n] (ld k),
+        // y is [m, n] (ld m); each buffer holds at least that many elements.
+        unsafe {
+            cudarc::cublas::result::gemm_ex(
+                *self.blas.handle(),
+                blas::cublasOperation_t::CUBLAS_OP_T,
+                blas::cublasOperation_t::CUBLAS_OP_N,
+                m as i32,
+                n as i32,
+                k as i32,
+                (&alpha) as *const f32 as *const _,
+                wp as *const _,
+                blas::cudaDataType::CUDA_R_16BF,
+                k as i32,
+                xp as *const _,
+                blas::cudaDataType::CUDA_R_16BF,
+                k as i32,
+                (&beta) as *const f32 as *const _,
+                yp as *mut _,
+                blas::cudaDataType::CUDA_R_32F,
+                m as i32,
+                blas::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                blas::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }
+        .map_err(lib)
+    }
+}
+
+impl Backend for CudaBackend {
+    type Tensor = CudaTensor;
+    type KvCache = CudaKvCache;
+    type Paged = CudaPaged;
+    type Segments = CudaSegments;
+
+    fn name(&self) -> &'static str {
+        "cuda"
+    }
+
+    fn dtype(&self) -> crate::config::DType {
+        crate::config::DType::F32
+    }
+
+    fn ledger(&self) -> &MemoryLedger {
+        &self.ledger
+    }
+
+    fn load_weight(&self, raw: RawTensor<'_>) -> BResult<CudaTensor> {
+        let n: usize = raw.shape.iter().product();
+        let expected = n * match raw.dtype {
+            RawDType::F32 => 4,
+            RawDType::F16 | RawDType::Bf16 => 2,
+        };
+        if raw.data.len() != expected {
+            return Err(BackendError::Shape(format!(
+                "weight of shape {:?} has {} bytes, expected {expected}",
+                raw.shape,
+                raw.data.len()
+            )));
+        }
+        let floats = || -> Vec<f32> {
+            match raw.dtype {
+                RawDType::F32 => raw
+                    .data
+                    .chunks_exact(4)
+                    .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                    .collect(),
+                RawDType::F16 => raw
+                    .data
+                    .chunks_exact(2)
+                    .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
+                    .collect(),
+                RawDType::Bf16 => raw
+                    .data
+                    .chunks_exact(2)
+                    .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
+                    .collect(),
+            }
+        };
+        // Matrices in bf16 when asked: a bf16 checkpoint's bits as stored, others rounded to
+        // nearest even; vectors (norms, biases) stay f32.
+        let data = if self.options.bf16_weights && raw.shape.len() == 2 {
+            let bits: Vec<u16> = match raw.dtype {
+                RawDType::Bf16 => raw
+                    .data
+                    .chunks_exact(2)
+                    .map(|b| u16::from_le_bytes([b[0], b[1]]))
+                    .collect(),
+                _ => floats()
+                    .into_iter()
+                    .map(|v| half::bf16::from_f32(v).to_bits())
+                    .collect(),
+            };
+            Data::Bf16(self.stream.clone_htod(&bits).map_err(self.alloc_err(2 * n as u64))?)
+        } else {
+            Data::F32(
+                self.stream
+                    .clone_htod(&floats())
+                    .map_err(self.alloc_err(4 * n as u64))?,
+            )
+        };
+        Ok(self.wrap(data, raw.shape, Category::Weights))
+    }
+
+    fn upload(&self, data: Vec<f32>, shape: &[usize]) -> BResult<CudaTensor> {
+        if data.len() != shape.iter().product::<usize>() {
+            return Err(BackendError::Shape(format!(
+                "{} values for shape {shape:?}",
+                data.len()
+            )));
+        }
+        let host = if data.is_empty() { vec![0.0] } else { data };
+        let s = self
+            .stream
+            .clone_htod(&host)
+            .map_err(self.alloc_err(4 * host.len() as u64))?;
+        Ok(self.activation(s, shape.to_vec()))
+    }
+
+    fn keep(&self, t: &CudaTensor, category: Category) -> CudaTensor {
+        let bytes = match &*t.data {
+            Data::F32(s) => 4 * s.len(),
+            Data::Bf16(s) => 2 * s.len(),
+        } as u64;
+        CudaTensor {
+            data: t.data.clone(),
+            shape: t.shape.clone(),
+            _held: Arc::new(self.ledger.hold(category, bytes)),
+        }
+    }
+
+    fn read(&self, t: &CudaTensor) -> Readback {
+        let n = t.numel();
+        let host = match &*t.data {
+            Data::F32(s) => self.stream.clone_dtoh(s).map_err(lib),
+            Data::Bf16(s) => self
+                .stream
+                .clone_dtoh(s)
+                .map(|bits| bits.into_iter().map(|b| half::bf16::from_bits(b).to_f32()).collect())
+                .map_err(lib),
+        };
+        ready(host.map(|mut v: Vec<f32>| {
+            v.truncate(n);
+            v
+        }))
+    }
+
+    fn upload_paged(&self, batch: PagedBatch) -> BResult<CudaPaged> {
+        let layout = self
+            .kv_layout
+            .get()
+            .ok_or_else(|| BackendError::Shape("attention metadata before any KV cache was allocated".into()))?;
+        let rows = launch::paged_rows(&batch, layout.block_size, layout.num_blocks)?;
+        let bytes = 4 * (rows.slots.len() + rows.meta.len() + rows.tables.len()) as u64;
+        Ok(CudaPaged {
+            slots: self.upload_u32(&rows.slots)?,
+            meta: self.upload_u32(&rows.meta)?,
+            tables: self.upload_u32(&rows.tables)?,
+            rows: rows.rows,
+            layout,
+            _held: self.ledger.hold(Category::Activations, bytes),
+        })
+    }
+
+    fn upload_segments(&self, segments: &[(usize, usize)]) -> BResult<CudaSegments> {
+        let rows = launch::segment_rows(segments)?;
+        Ok(CudaSegments {
+            _held: self.ledger.hold(Category::Activations, 4 * rows.len() as u64),
+            num_rows: rows.len() / 2,
+            rows: self.upload_u32(&rows)?,
+        })
+    }
+
+    fn shape(&self, t: &CudaTensor) -> Vec<usize> {
+        t.shape.clone()
+    }
+
+    fn linear(&self, x: &CudaTensor, w: &CudaTensor, b: Option<&CudaTensor>) -> BResult<CudaTensor> {
+        let (n, k) = x.dims2()?;
+        let (m, wk) = w.dims2()?;
+        if wk != k || b.is_some_and(|b| b.numel() != m) {
+            return Err(BackendError::Shape(format!(
+                "linear: x {:?}, w {:?}, bias {:?}",
+                x.shape,
+                w.shape,
+                b.map(|b| &b.shape)
+            )));
+        }
+        let xs = x.f32()?;
+        let mut y = self.alloc_f32(n * m)?;
+        if n == 0 || m == 0 || k == 0 {
+            self.stream.memset_zeros(&mut y).map_err(lib)?;
+        } else {
+            match &*w.data {
+                Data::F32(ws) => {
+                    let cfg = GemmConfig {
+                        transa: blas::cublasOperation_t::CUBLAS_OP_T,
+                        transb: blas::cublasOperation_t::CUBLAS_OP_N,
+                        m: m as i32,
+                        n: n as i32,
+                        k: k as i32,
+                        alpha: 1.0f32,
+                        lda: k as i32,
+                        ldb: k as i32,
+                        beta: 0.0f32,
+                        ldc: m as i32,
+                    };
+                    // SAFETY: as in gemm_bf16, with f32 buffers of the stated sizes.
+                    unsafe { self.blas.gemm(cfg, ws, xs, &mut y) }.map_err(lib)?;
+                }
+                Data::Bf16(ws) => self.gemm_bf16(xs, ws, &mut y, (n, k, m))?,
+            }
+        }
+        if let Some(b) = b {
+            let (bs, rows, cols) = (b.f32()?, n as u32, m as u32);
+            launch!(self, "add_bias", launch::elementwise(n * m)?; &mut y, bs, &rows, &cols)?;
+        }
+        Ok(self.activation(y, vec![n, m]))
+    }
+
+    fn embedding(&self, table: &CudaTensor, ids: &[u32]) -> BResult<CudaTensor> {
+        let (vocab, dim) = table.dims2()?;
+        if let Some(bad) = ids.iter().find(|&&i| i as usize >= vocab) {
+            return Err(BackendError::Shape(format!(
+                "token id {bad} is outside the vocabulary of {vocab}"
+            )));
+        }
+        let idx = self.upload_u32(ids)?;
+        let mut out = self.alloc_f32(ids.len() * dim)?;
+        let (n, d, g) = (ids.len() as u32, dim as u32, launch::elementwise(ids.len() * dim)?);
+        match &*table.data {
+            Data::F32(t) => launch!(self, "embedding_f32", g; t, &idx, &mut out, &n, &d)?,
+            Data::Bf16(t) => launch!(self, "embedding_bf16", g; t, &idx, &mut out, &n, &d)?,
+        }
+        Ok(self.activation(out, vec![ids.len(), dim]))
+    }
+
+    fn rms_norm(&self, x: &CudaTensor, w: &CudaTensor, eps: f64) -> BResult<CudaTensor> {
+        let (rows, cols) = x.dims2()?;
+        if w.numel() != cols {
+            return Err(BackendError::Shape(format!(
+                "rms_norm: {cols} columns, {} weights",
+                w.numel()
+            )));
+        }
+        let (xs, ws, c, e) = (x.f32()?, w.f32()?, cols as u32, eps as f32);
+        let mut out = self.alloc_f32(rows * cols)?;
+        if rows > 0 {
+            launch!(self, "rms_norm", launch::per_row(rows)?; xs, ws, &mut out, &c, &e)?;
+        }
+        Ok(self.activation(out, x.shape.clone()))
+    }
+
+    fn layer_norm(&self, x: &CudaTensor, w: &CudaTensor, b: &CudaTensor, eps: f64) -> BResult<CudaTensor> {
+        let (rows, cols) = x.dims2()?;
+        if w.numel() != cols || b.numel() != cols {
+            return Err(BackendError::Shape(format!(
+                "layer_norm: {cols} columns, {} weights",
+                w.numel()
+            )));
+        }
+        let (xs, ws, bs, c, e) = (x.f32()?, w.f32()?, b.f32()?, cols as u32, eps as f32);
+        let mut out = self.alloc_f32(rows * cols)?;
+        if rows > 0 {
+            launch!(self, "layer_norm", launch::per_row(rows)?; xs, ws, bs, &mut out, &c, &e)?;
+        }
+        Ok(self.activation(out, x.shape.clone()))
+    }
+
+    fn activate(&self, x: &CudaTensor, act: Activation) -> BResult<CudaTensor> {
+        let (xs, n, kind) = (x.f32()?, x.numel() as u32, launch::activation_kind(act));
+        let mut out = self.alloc_f32(x.numel())?;
+        launch!(self, "activate", launch::elementwise(x.numel())?; xs, &mut out, &n, &kind)?;
+        Ok(self.activation(out, x.shape.clone()))
+    }
+
+    fn silu_mul(&self, gate: &CudaTensor, up: &CudaTensor) -> BResult<CudaTensor> {
+        Self::same_shape(gate, up, "silu_mul")?;
+        let (g, u, n) = (gate.f32()?, up.f32()?, gate.numel() as u32);
+        let mut out = self.alloc_f32(gate.numel())?;
+        launch!(self, "silu_mul", launch::elementwise(gate.numel())?; g, u, &mut out, &n)?;
+        Ok(self.activation(out, gate.shape.clone()))
+    }
+
+    fn add(&self, a: &CudaTensor, b: &CudaTensor) -> BResult<CudaTensor> {
+        Self::same_shape(a, b, "add")?;
+        let (x, y, n) = (a.f32()?, b.f32()?, a.numel() as u32);
+        let mut out = self.alloc_f32(a.numel())?;
+        launch!(self, "add", launch::elementwise(a.numel())?; x, y, &mut out, &n)?;
+        Ok(self.activation(out, a.shape.clone()))
+    }
+
+    fn rope(&self, x: &CudaTensor, cos: &CudaTensor, sin: &CudaTensor) -> BResult<CudaTensor> {
+        let (n, cols) = x.dims2()?;
+        let (cn, d) = cos.dims2()?;
+        if d == 0 || !d.is_multiple_of(2) || !cols.is_multiple_of(d) || cn != n || sin.shape != cos.shape {
+            return Err(BackendError::Shape(format!(
+                "rope: x {:?}, cos {:?}, sin {:?}",
+                x.shape, cos.shape, sin.shape
+            )));
+        }
+        let (xs, cs, ss) = (x.f32()?, cos.f32()?, sin.f32()?);
+        let (n32, c32, d32) = (n as u32, cols as u32, d as u32);
+        let mut out = self.alloc_f32(n * cols)?;
+        launch!(self, "rope", launch::elementwise(n * cols)?; xs, cs, ss, &mut out, &n32, &c32, &d32)?;
+        Ok(self.activation(out, x.shape.clone()))
+    }
+
+    fn narrow_cols(&self, x: &CudaTensor, start: usize, len: usize) -> BResult<CudaTensor> {
+        let (rows, cols) = x.dims2()?;
+        if start + len > cols {
+            return Err(BackendError::Shape(format!("narrow_cols: {start}+{len} of {cols}")));
+        }
+        let xs = x.f32()?;
+        let (r, c, s, l) = (rows as u32, cols as u32, start as u32, len as u32);
+        let mut out = self.alloc_f32(rows * len)?;
+        launch!(self, "narrow_cols", launch::elementwise(rows * len)?; xs, &mut out, &r, &c, &s, &l)?;
+        Ok(self.activation(out, vec![rows, len]))
+    }
+
+    fn reshape(&self, x: &CudaTensor, rows: usize, cols: usize) -> BResult<CudaTensor> {
+        if rows * cols != x.numel() {
+            return Err(BackendError::Shape(format!("reshape {:?} to {rows}×{cols}", x.shape)));
+        }
+        Ok(CudaTensor {
+            shape: vec![rows, cols],
+            ..x.clone()
+        })
+    }
+
+    fn gather_rows(&self, x: &CudaTensor, idx: &[usize]) -> BResult<CudaTensor> {
+        let (rows, cols) = x.dims2()?;
+        if let Some(bad) = idx.iter().find(|&&i| i >= rows) {
+            return Err(BackendError::Shape(format!("gather_rows: row {bad} of {rows}")));
+        }
+        let ids: Vec<u32> = idx.iter().map(|&i| i as u32).collect();
+        let dev = self.upload_u32(&ids)?;
+        let (xs, n, c) = (x.f32()?, idx.len() as u32, cols as u32);
+        let mut out = self.alloc_f32(idx.len() * cols)?;
+        launch!(self, "gather_rows", launch::elementwise(idx.len() * cols)?; xs, &dev, &mut out, &n, &c)?;
+        Ok(self.activation(out, vec![idx.len(), cols]))
+    }
+
+    fn scatter_rows(&self, x: &CudaTensor, idx: &[usize], src: &CudaTensor, add: bool) -> BResult<CudaTensor> {
+        let (rows, cols) = x.dims2()?;
+        let (srows, scols) = src.dims2()?;
+        if scols != cols || srows != idx.len() || idx.iter().any(|&i| i >= rows) {
+            return Err(BackendError::Shape(format!(
+                "scatter of {srows}×{scols} rows into {rows}×{cols} at {} positions",
+                idx.len()
+            )));
+        }
+        let mut out = self.alloc_f32(rows * cols)?;
+        if rows * cols > 0 {
+            self.stream.memcpy_dtod(x.f32()?, &mut out).map_err(lib)?;
+        }
+        let ids: Vec<u32> = idx.iter().map(|&i| i as u32).collect();
+        let dev = self.upload_u32(&ids)?;
+        let (s, n, c, a32) = (src.f32()?, idx.len() as u32, cols as u32, add as u32);
+        launch!(self, "scatter_rows", launch::elementwise(idx.len() * cols)?; &mut out, &dev, s, &n, &c, &a32)?;
+        Ok(self.activation(out, vec![rows, cols]))
+    }
+
+    fn concat_rows(&self, parts: &[CudaTensor]) -> BResult<CudaTensor> {
+        let cols = match parts.first() {
+            Some(p) => p.dims2()?.1,
+            None => return Err(BackendError::Shape("concat_rows of nothing".into())),
+        };
+        let mut rows = 0;
+        for p in parts {
+            let (r, c) = p.dims2()?;
+            if c != cols {
+                return Err(BackendError::Shape(format!(
+                    "concat_rows: {c} columns, expected {cols}"
+                )));
+            }
+            rows += r;
+        }
+        let mut out = self.alloc_f32(rows * cols)?;
+        let mut at = 0;
+        for p in parts {
+            let n = p.numel();
+            if n > 0 {
+                let mut dst = out.slice_mut(at..at + n);
+                self.stream.memcpy_dtod(&p.f32()?.slice(0..n), &mut dst).map_err(lib)?;
+            }
+            at += n;
+        }
+        Ok(self.activation(out, vec![rows, cols]))
+    }
+
+    fn segment_attention(
+        &self,
+        q: &CudaTensor,
+        k: &CudaTensor,
+        v: &CudaTensor,
+        heads: usize,
+        segments: &CudaSegments,
+    ) -> BResult<CudaTensor> {
+        let (rows, cols) = q.dims2()?;
+        if heads == 0
+            || !cols.is_multiple_of(heads)
+            || k.shape != q.shape
+            || v.shape != q.shape
+            || segments.num_rows != rows
+        {
+            return Err(BackendError::Shape(format!(
+                "segment_attention: q {:?}, k {:?}, v {:?}, {heads} heads, segments of {} rows",
+                q.shape, k.shape, v.shape, segments.num_rows
+            )));
+        }
+        let d = cols / heads;
+        let g = launch::attention(rows, heads, d)?;
+        let (qs, ks, vs) = (q.f32()?, k.f32()?, v.f32()?);
+        let (h, d32, scale) = (heads as u32, d as u32, 1.0 / (d as f32).sqrt());
+        let mut out = self.alloc_f32(rows * cols)?;
+        if rows > 0 {
+            launch!(self, "segment_attention", g; qs, ks, vs, &segments.rows, &mut out, &h, &d32, &scale)?;
+        }
+        Ok(self.activation(out, vec![rows, cols]))
+    }
+
+    fn alloc_kv(&self, layout: KvLayout) -> BResult<CudaKvCache> {
+        let per_layer = layout.num_blocks * layout.block_size * layout.kv_heads * layout.head_dim;
+        let bytes = layout.bytes(4);
+        let mut keys = Vec::with_capacity(layout.layers);
+        let mut values = Vec::with_capacity(layout.layers);
+        for _ in 0..layout.layers {
+            for side in [&mut keys, &mut values] {
+                side.push(
+                    self.stream
+                        .alloc_zeros::<f32>(per_layer.max(1))
+                        .map_err(self.alloc_err(bytes))?,
+                );
+            }
+        }
+        self.kv_layout.set(Some(layout));
+        Ok(CudaKvCache {
+            layout,
+            keys,
+            values,
+            _held: self.ledger.hold(Category::KvCache, bytes),
+        })
+    }
+
+    fn write_kv(
+        &self,
+        cache: &mut CudaKvCache,
+        layer: usize,
+        k: &CudaTensor,
+        v: &CudaTensor,
+        batch: &CudaPaged,
+    ) -> BResult<()> {
+        let l = cache.layout;
+        let width = l.kv_heads * l.head_dim;
+        if batch.layout != l || k.numel() != batch.rows * width || v.shape != k.shape || layer >= l.layers {
+            return Err(BackendError::Shape(format!(
+                "write_kv: {} slots for k {:?} in layer {layer}",
+                batch.rows, k.shape
+            )));
+        }
+        let (ks, vs, n, w) = (k.f32()?, v.f32()?, batch.rows as u32, width as u32);
+        if batch.rows > 0 {
+            let (kc, vc) = (&mut cache.keys[layer], &mut cache.values[layer]);
+            launch!(self, "write_kv", launch::elementwise(batch.rows * width)?; kc, vc, ks, vs, &batch.slots, &n, &w)?;
+        }
+        Ok(())
+    }
+
+    fn paged_attention(
+        &self,
+        cache: &CudaKvCache,
+        layer: usize,
+        q: &CudaTensor,
+        heads: usize,
+        batch: &CudaPaged,
+    ) -> BResult<CudaTensor> {
+        let l = cache.layout;
+        let (rows, cols) = q.dims2()?;
+        let d = l.head_dim;
+        if batch.layout != l
+            || cols != heads * d
+            || l.kv_heads == 0
+            || !heads.is_multiple_of(l.kv_heads)
+            || layer >= l.layers
+            || rows != batch.rows
+        {
+            return Err(BackendError::Shape(format!(
+                "paged_attention: q {rows}×{cols}, {heads} heads of {d}, {} batch rows",
+                batch.rows
+            )));
+        }
+        let g = launch::attention(rows, heads, d)?;
+        let qs = q.f32()?;
+        let (h, kvh, d32, bs) = (heads as u32, l.kv_heads as u32, d as u32, l.block_size as u32);
+        let scale = 1.0 / (d as f32).sqrt();
+        let mut out = self.alloc_f32(rows * cols)?;
+        if rows > 0 {
+            let (kc, vc) = (&cache.keys[layer], &cache.values[layer]);
+            launch!(self, "paged_attention", g; qs, kc, vc, &batch.meta, &batch.tables, &mut out, &h, &kvh, &d32, &bs, &scale)?;
+        }
+        Ok(self.activation(out, vec![rows, cols]))
+    }
+
+    fn sample(&self, logits: &CudaTensor, rows: &[DeviceSampling]) -> BResult<CudaTensor> {
+        let (n, width) = logits.dims2()?;
+        if n != rows.len() || width == 0 {
+            return Err(BackendError::Shape(format!(
+                "sample: {} settings for {n} rows of {width} logits",
+                rows.len()
+            )));
+        }
+        if !rows.iter().all(|s| s.is_greedy()) {
+            // Top-k / top-p / min-p draws on the host, from the rows as the device computed them.
+            let data = super::block_on(self.read(logits))?;
+            let picked = rows.iter().zip(data.chunks_exact(width)).flat_map(|(s, row)| {
+                let (token, logprob) = s.pick(row);
+                [token as f32, logprob]
+            });
+            return self.upload(picked.collect(), &[n, 2]);
+        }
+        let allowed: Vec<u32> = rows.iter().map(|s| s.allowed.clamp(1, width) as u32).collect();
+        let dev = self.upload_u32(&allowed)?;
+        let (ls, w) = (logits.f32()?, width as u32);
+        let mut out = self.alloc_f32(2 * n)?;
+        launch!(self, "greedy", launch::per_row(n)?; ls, &dev, &mut out, &w)?;
+        Ok(self.activation(out, vec![n, 2]))
+    }
+}

@@ -1,0 +1,218 @@
+//! The CUDA backend against the shared suite and, op by op, against the CPU backend. They need an
+//! NVIDIA GPU, so they are `#[ignore]`d: `cargo xtask gpu-check` runs them with `--ignored` on the
+//! GPU machine. Without a GPU only the opening of the backend is tested: it must fail with a
+//! message, never panic.
+
+use super::{CudaBackend, CudaOptions};
+use crate::backend::cpu::CpuBackend;
+use crate::backend::{block_on, Backend, KvLayout, PagedBatch, PagedSeq, RawDType, RawTensor};
+use crate::memory::ledger::{Category, MemoryLedger};
+
+fn backend_with(bf16_weights: bool) -> CudaBackend {
+    CudaBackend::new(
+        MemoryLedger::new(),
+        CudaOptions {
+            ordinal: 0,
+            bf16_weights,
+        },
+    )
+    .unwrap_or_else(|e| panic!("no CUDA device: {e}"))
+}
+
+fn backend() -> CudaBackend {
+    backend_with(false)
+}
+
+crate::backend_suite!(ignored "needs an NVIDIA GPU: cargo xtask gpu-check runs it there"; backend());
+
+/// NVRTC compiles every kernel for the H100 (9.0) and the oldest architecture CUDA 13 targets
+/// (7.5). Needs only the NVRTC library: `cargo xtask test` installs PyPI's `nvidia-cuda-nvrtc`
+/// and puts it on the library path.
+#[test]
+fn every_kernel_compiles_under_nvrtc() {
+    // SAFETY: only opens the library.
+    #[allow(unsafe_code)]
+    let present = unsafe { cudarc::nvrtc::sys::is_culib_present() };
+    assert!(
+        present,
+        "NVRTC (libnvrtc.so.13) is not on the library path: run through `cargo xtask test`, which installs it"
+    );
+    for (major, minor) in [(9, 0), (7, 5)] {
+        let ptx = super::compile(major, minor).unwrap_or_else(|e| panic!("compute_{major}{minor}: {e}"));
+        let text = ptx.to_src();
+        for name in super::KERNELS {
+            assert!(text.contains(&format!(".entry {name}(")), "{name} missing from the PTX");
+        }
+        assert!(
+            text.contains(&format!(".target sm_{major}{minor}")),
+            "PTX for another target"
+        );
+    }
+}
+
+#[test]
+fn opening_without_a_usable_gpu_is_an_error_not_a_panic() {
+    let opened = std::panic::catch_unwind(|| CudaBackend::new(MemoryLedger::new(), CudaOptions::default()).map(|_| ()));
+    let result = opened.expect("opening the CUDA backend panicked");
+    if let Err(e) = result {
+        assert!(!e.to_string().is_empty());
+    }
+}
+
+/// Deterministic values in [-1, 1).
+fn noise(n: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    (0..n)
+        .map(|_| {
+            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        })
+        .collect()
+}
+
+fn host<B: Backend>(b: &B, t: &B::Tensor) -> Vec<f32> {
+    block_on(b.read(t)).unwrap()
+}
+
+fn max_err(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+}
+
+fn bf16_bytes(data: &[f32]) -> Vec<u8> {
+    data.iter()
+        .flat_map(|&v| half::bf16::from_f32(v).to_le_bytes())
+        .collect()
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: cargo xtask gpu-check runs it there"]
+fn bf16_linear_matches_the_cpu_on_the_same_rounded_inputs() {
+    let cpu = CpuBackend::default();
+    let gpu = backend_with(true);
+    for (n, k, m) in [(1, 64, 300), (7, 130, 33), (300, 256, 512)] {
+        let w = noise(m * k, 1);
+        let bytes = bf16_bytes(&w);
+        let raw = || RawTensor {
+            dtype: RawDType::Bf16,
+            shape: vec![m, k],
+            data: &bytes,
+        };
+        // The GPU rounds x to bf16 before the GEMM; give the CPU the same rounded x.
+        let x: Vec<f32> = noise(n * k, 2)
+            .iter()
+            .map(|&v| half::bf16::from_f32(v).to_f32())
+            .collect();
+        let want = host(
+            &cpu,
+            &cpu.linear(
+                &cpu.upload(x.clone(), &[n, k]).unwrap(),
+                &cpu.load_weight(raw()).unwrap(),
+                None,
+            )
+            .unwrap(),
+        );
+        let wg = gpu.load_weight(raw()).unwrap();
+        assert_eq!(
+            gpu.ledger().bytes(Category::Weights),
+            (2 * m * k) as u64,
+            "bf16 weights are kept as stored"
+        );
+        let got = host(&gpu, &gpu.linear(&gpu.upload(x, &[n, k]).unwrap(), &wg, None).unwrap());
+        assert!(
+            max_err(&got, &want) < 1e-3 * k as f32,
+            "{n}×{k}·{m}: {}",
+            max_err(&got, &want)
+        );
+        drop(wg);
+    }
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: cargo xtask gpu-check runs it there"]
+fn long_attention_matches_the_cpu() {
+    let cpu = CpuBackend::default();
+    let gpu = backend();
+    // The vision tower: two segments, one longer than the CPU's query chunk; heads of 80.
+    let (heads, d) = (3, 80);
+    let rows = 700;
+    let [q, k, v] = [1, 2, 3].map(|s| noise(rows * heads * d, s));
+    let segs = [(0, 600), (600, 100)];
+    let want = {
+        let t = |x: &Vec<f32>| cpu.upload(x.clone(), &[rows, heads * d]).unwrap();
+        host(
+            &cpu,
+            &cpu.segment_attention(&t(&q), &t(&k), &t(&v), heads, &cpu.upload_segments(&segs).unwrap())
+                .unwrap(),
+        )
+    };
+    let got = {
+        let t = |x: &Vec<f32>| gpu.upload(x.clone(), &[rows, heads * d]).unwrap();
+        host(
+            &gpu,
+            &gpu.segment_attention(&t(&q), &t(&k), &t(&v), heads, &gpu.upload_segments(&segs).unwrap())
+                .unwrap(),
+        )
+    };
+    assert!(max_err(&got, &want) < 1e-4, "segments: {}", max_err(&got, &want));
+
+    // The decoder: GQA (4 heads over 2 KV heads of 128), 300 tokens over shuffled blocks of 16,
+    // prefilled in one step, then one decode row.
+    let layout = KvLayout {
+        layers: 1,
+        num_blocks: 40,
+        block_size: 16,
+        kv_heads: 2,
+        head_dim: 128,
+    };
+    let table: Vec<usize> = (1..=19).rev().collect();
+    let tokens = 300;
+    let slots: Vec<usize> = (0..tokens).map(|p| table[p / 16] * 16 + p % 16).collect();
+    let batch = PagedBatch {
+        slots,
+        seqs: vec![PagedSeq {
+            query_start: 0,
+            query_len: tokens,
+            context_len: tokens,
+            block_table: table.clone(),
+        }],
+    };
+    let [kq, kk, kv] = [4, 5, 6].map(|s| noise(tokens * 4 * 128, s));
+    fn prefill<B: Backend>(b: &B, layout: KvLayout, batch: &PagedBatch, q: &[f32], k: &[f32], v: &[f32]) -> Vec<f32> {
+        let rows = batch.slots.len();
+        let mut cache = b.alloc_kv(layout).unwrap();
+        let p = b.upload_paged(batch.clone()).unwrap();
+        let kt = b.upload(k[..rows * 256].to_vec(), &[rows, 256]).unwrap();
+        let vt = b.upload(v[..rows * 256].to_vec(), &[rows, 256]).unwrap();
+        b.write_kv(&mut cache, 0, &kt, &vt, &p).unwrap();
+        let qt = b.upload(q.to_vec(), &[rows, 512]).unwrap();
+        block_on(b.read(&b.paged_attention(&cache, 0, &qt, 4, &p).unwrap())).unwrap()
+    }
+    let want = prefill(&cpu, layout, &batch, &kq, &kk, &kv);
+    let got = prefill(&gpu, layout, &batch, &kq, &kk, &kv);
+    assert!(max_err(&got, &want) < 1e-4, "paged: {}", max_err(&got, &want));
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: cargo xtask gpu-check runs it there"]
+fn a_metadata_slot_outside_the_cache_is_refused_before_any_kernel() {
+    let gpu = backend();
+    let layout = KvLayout {
+        layers: 1,
+        num_blocks: 2,
+        block_size: 4,
+        kv_heads: 1,
+        head_dim: 8,
+    };
+    let _cache = gpu.alloc_kv(layout).unwrap();
+    let batch = PagedBatch {
+        slots: vec![9],
+        seqs: vec![PagedSeq {
+            query_start: 0,
+            query_len: 1,
+            context_len: 1,
+            block_table: vec![1],
+        }],
+    };
+    assert!(gpu.upload_paged(batch).is_err());
+}
