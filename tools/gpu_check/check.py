@@ -9,6 +9,7 @@ so a run cut short still brings back what it measured. OUT/summary.md collects t
 
 import argparse
 import glob
+import hashlib
 import json
 import os
 import re
@@ -61,6 +62,10 @@ def golden_checkpoint(fixture, work):
     p = run([KVLENS] + args + ["--tokenizer", TOKENIZER], 300)
     if p.returncode != 0:
         raise RuntimeError(p.stderr)
+    with open(os.path.join(ckpt, "model.safetensors"), "rb") as f:
+        sha = hashlib.sha256(f.read()).hexdigest()
+    if sha != fixture["checkpoint"]["model_safetensors_sha256"]:
+        raise RuntimeError(f"{ckpt}: the regenerated checkpoint differs from the fixture's")
     return ckpt
 
 
