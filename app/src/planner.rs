@@ -10,6 +10,7 @@ use kvlens_engine::memory::log_budget::{HeaderSettings, LogBudget, WhatIf};
 use kvlens_engine::memory::plan_inputs::{bundled_model, PlanInputs, DEFAULT_DEVICE, DEFAULT_MODEL};
 use kvlens_engine::memory::vllm_log::{parse_vllm_log, RecognisedLine};
 use kvlens_engine::memory::{plan, Plan, Source};
+use kvlens_engine::model::weight_format::WeightFormat;
 use leptos::prelude::*;
 
 /// Text and number fields: (query key, vLLM's flag, what an empty field means).
@@ -35,6 +36,13 @@ const FIELDS: &[(&str, &str, &str)] = &[
 
 /// `--dtype` choices.
 const DTYPES: &[&str] = &["auto", "bfloat16", "float16", "float32"];
+/// `--quantization` choices: the weight formats the engine quantizes to on load.
+fn quantizations() -> Vec<(String, String)> {
+    WeightFormat::ALL
+        .iter()
+        .map(|f| (f.name().to_string(), f.name().to_string()))
+        .collect()
+}
 /// `--kv-cache-dtype` choices.
 const KV_DTYPES: &[&str] = &["auto", "bfloat16", "float16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2"];
 
@@ -182,6 +190,7 @@ pub fn PlannerPage() -> impl IntoView {
                 {FIELDS.iter().map(|f| field(*f, inputs, form_error)).collect_view()}
                 {select("dtype", "--dtype", dtypes(DTYPES), inputs, form_error)}
                 {select("kv_cache_dtype", "--kv-cache-dtype", dtypes(KV_DTYPES), inputs, form_error)}
+                {select("quantization", "--quantization", quantizations(), inputs, form_error)}
             </div>
             {move || form_error.get().map(|e| view! { <p class="error" data-testid="planner-form-error">{e}</p> })}
             <p class="planner-link">"Link to this configuration: "

@@ -9,7 +9,10 @@ use kvlens_engine::config::ImageLimits;
 use kvlens_engine::engine::{Engine, FinishReason};
 use kvlens_engine::input::chat::{ChatMessage, Content, ContentPart, ImageUrl};
 use kvlens_engine::input::tokenizer::IncrementalDecoder;
+use kvlens_engine::memory::ledger::Category;
 use kvlens_engine::memory::planner::{MmLimits, PlanRequest};
+use kvlens_engine::memory::weights::{weight_bytes_per_rank, Part};
+use kvlens_engine::model::weight_format::WeightFormat;
 use kvlens_engine::sample::SamplingParams;
 use std::io::Write;
 use std::path::PathBuf;
@@ -54,6 +57,9 @@ pub struct GenerateArgs {
     /// (wgpu: float16; cuda: bfloat16); activations and the KV cache stay float32.
     #[arg(long, default_value = "float32", value_parser = ["float32", "float16", "bfloat16"])]
     pub dtype: String,
+    /// Weight matrices quantized on load (cpu backend): q8_0 or q4_0, GGML's block formats.
+    #[arg(long, short = 'q', default_value = "none")]
+    pub quantization: WeightFormat,
     /// Print one JSON object (per run).
     #[arg(long)]
     pub json: bool,
@@ -106,6 +112,7 @@ pub fn run(a: &GenerateArgs) -> Result<()> {
     let choice = BackendChoice {
         kind: a.backend,
         f16_weights: a.dtype != "float32",
+        quantization: a.quantization,
     };
     let (runner, front) = load(&a.model, choice)?;
     let params = SamplingParams {
@@ -125,6 +132,22 @@ pub fn run(a: &GenerateArgs) -> Result<()> {
     // Sized by the server's start-up code, for this one conversation: one sequence, the whole
     // prompt in one step, its images as the largest the profile runs.
     let cfg = runner.config().clone();
+    // What one decode step reads: the decoder and the output head (the embedding when tied), at
+    // the bytes per unquantized value the backend keeps (half precision off the CPU with --dtype).
+    let elem_bytes = if a.dtype != "float32" && a.backend != BackendKind::Cpu {
+        2
+    } else {
+        4
+    };
+    let decode_read_bytes: u64 = weight_bytes_per_rank(&cfg, 1, elem_bytes, a.quantization)
+        .iter()
+        .filter(|(part, _)| match part {
+            Part::Text | Part::LmHead => true,
+            Part::Embedding => cfg.tie_word_embeddings,
+            Part::Vision => false,
+        })
+        .map(|(_, b)| b)
+        .sum();
     let (device, non_torch) = runner.device(None)?;
     let mut plan_req = PlanRequest::new("generate", cfg.clone(), device);
     let patch = cfg.vision.patch_size as u64;
@@ -179,6 +202,11 @@ pub fn run(a: &GenerateArgs) -> Result<()> {
                 "decode_s": decode,
                 "prefill_tokens_per_s": prompt_ids.len() as f64 / prefill.max(1e-9),
                 "decode_tokens_per_s": decode_tokens as f64 / decode.max(1e-9),
+            });
+            obj["weights"] = serde_json::json!({
+                "quantization": a.quantization,
+                "bytes": engine.ledger().bytes(Category::Weights),
+                "decode_read_bytes_per_token": decode_read_bytes,
             });
             if a.repeat > 1 {
                 obj["counters"] = serde_json::json!({

@@ -22,6 +22,7 @@ use kvlens_engine::input::InputError;
 use kvlens_engine::memory::device::DeviceProfile;
 use kvlens_engine::memory::ledger::MemoryLedger;
 use kvlens_engine::memory::planner::PlanRequest;
+use kvlens_engine::model::weight_format::WeightFormat;
 use kvlens_engine::model::weights::SafetensorsFiles;
 use kvlens_engine::model::QwenVl;
 use kvlens_engine::runner::ModelRunner;
@@ -108,6 +109,8 @@ pub struct BackendChoice {
     /// Keep 2-D weights in half precision where the backend can (wgpu: f16; cuda: bf16);
     /// activations stay f32.
     pub f16_weights: bool,
+    /// Weight matrices quantized on load (`--quantization`; the CPU backend only).
+    pub quantization: WeightFormat,
 }
 
 /// A checkpoint's weights on the chosen backend, in its model runner.
@@ -194,6 +197,12 @@ fn load_weights<B: Backend>(ckpt: &Checkpoint, backend: &B) -> Result<QwenVl<B>>
 
 /// Opens the backend, loads the weights onto it and builds the frontend.
 pub fn load(dir: &Path, choice: BackendChoice) -> Result<(LoadedRunner, Frontend)> {
+    if choice.quantization != WeightFormat::Unquantized && choice.kind != BackendKind::Cpu {
+        return Err(usage(format!(
+            "--quantization {}: quantized weights run on the cpu backend; the {} backend keeps float32 or half-precision weights (--dtype)",
+            choice.quantization, choice.kind
+        )));
+    }
     let ckpt = Checkpoint::open(dir)?;
     let ledger = MemoryLedger::new();
     let runner = match choice.kind {
@@ -208,7 +217,7 @@ pub fn load(dir: &Path, choice: BackendChoice) -> Result<(LoadedRunner, Frontend
             LoadedRunner::Wgpu(ModelRunner::new(backend, model))
         }
         BackendKind::Cpu => {
-            let backend = CpuBackend::new(ledger.clone());
+            let backend = CpuBackend::with_weights(ledger.clone(), choice.quantization);
             let model = load_weights(&ckpt, &backend)?;
             LoadedRunner::Cpu(ModelRunner::new(backend, model))
         }

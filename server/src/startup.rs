@@ -160,6 +160,7 @@ pub fn start(a: &EngineArgs) -> Result<Started> {
         kind: a.backend,
         // Half-precision weights where the backend keeps them (wgpu); compute stays f32.
         f16_weights: dtype.is_some_and(|d| d != DType::F32),
+        quantization: a.vllm.quantization.parse().map_err(usage)?,
     };
     let limits = match &a.vllm.limit_mm_per_prompt {
         Some(s) => MmLimits::parse(s).map_err(|e| usage(e.to_string()))?,

@@ -58,6 +58,12 @@ struct Run {
     logprob_tol: f64,
     /// Reference margins (top-1 minus top-2 log-probability) above which tokens must agree.
     min_margin: f64,
+    /// Largest allowed mean difference over the reference's top-5 tokens found in ours.
+    mean_tol: f64,
+    /// Least share of steps (while the sequences agree) whose greedy token is the reference's.
+    min_agreement: f64,
+    /// Least number of the reference's top-5 tokens found among ours, over all cases.
+    min_pairs: usize,
 }
 
 /// The CPU backend (f32), the reference precision.
@@ -65,6 +71,9 @@ const CPU: Run = Run {
     args: &["--backend", "cpu"],
     logprob_tol: 1e-3,
     min_margin: 1e-3,
+    mean_tol: 1e-3,
+    min_agreement: 0.0,
+    min_pairs: 50,
 };
 
 /// The wgpu backend with f32 weights: the same tolerances as the CPU.
@@ -72,6 +81,9 @@ const WGPU_F32: Run = Run {
     args: &["--backend", "wgpu"],
     logprob_tol: 1e-3,
     min_margin: 1e-3,
+    mean_tol: 1e-3,
+    min_agreement: 0.0,
+    min_pairs: 50,
 };
 
 /// The wgpu backend with f16 weights: each weight rounded to 11 significant bits. Measured on
@@ -82,6 +94,37 @@ const WGPU_F16: Run = Run {
     args: &["--backend", "wgpu", "--dtype", "float16"],
     logprob_tol: 0.15,
     min_margin: 0.3,
+    mean_tol: 0.15,
+    min_agreement: 0.0,
+    min_pairs: 50,
+};
+
+/// Quantized weights move the logits of these random checkpoints far more than of a trained
+/// model: their large random weights amplify any perturbation layer after layer (f16 weights
+/// already move a log-probability by 0.1), so tokens are not required to agree. Measured here
+/// (docs/PERFORMANCE.md): `q8_0` top-1 agreement 67–86 %, mean difference 0.08–0.19, largest 2.1;
+/// `q4_0` diverges at the first token (0/5), its few shared top-5 tokens differ by 0.5–1.6. The
+/// bounds sit above those; `QuantizedMatrix`'s own test bounds the kernels against f32.
+const NO_MARGIN_CHECK: f64 = f64::INFINITY;
+
+/// The CPU backend with `q8_0` weight matrices (8.5 bits per weight).
+const CPU_Q8_0: Run = Run {
+    args: &["--backend", "cpu", "--quantization", "q8_0"],
+    logprob_tol: 3.0,
+    min_margin: NO_MARGIN_CHECK,
+    mean_tol: 0.3,
+    min_agreement: 0.6,
+    min_pairs: 50,
+};
+
+/// The CPU backend with `q4_0` weight matrices (4.5 bits per weight).
+const CPU_Q4_0: Run = Run {
+    args: &["--backend", "cpu", "--quantization", "q4_0"],
+    logprob_tol: 2.5,
+    min_margin: NO_MARGIN_CHECK,
+    mean_tol: 2.0,
+    min_agreement: 0.0,
+    min_pairs: 1,
 };
 
 fn run_family(name: &str, run: &Run) {
@@ -94,6 +137,9 @@ fn run_family(name: &str, run: &Run) {
     checkpoint(&fixture, &ckpt);
     let mut compared_tokens = 0;
     let mut worst: f64 = 0.0;
+    // Over the steps whose prefix equals the reference's: top-1 agreement, and the differences of
+    // the reference's top-5 log-probabilities found among ours.
+    let (mut steps_seen, mut top1_agree, mut pairs, mut diff_sum) = (0usize, 0usize, 0usize, 0f64);
     for case in fixture["cases"].as_array().unwrap() {
         let case_name = case["name"].as_str().unwrap();
         // Image paths in the fixture are relative to the fixtures directory.
@@ -155,10 +201,14 @@ fn run_family(name: &str, run: &Run) {
                 .iter()
                 .map(|p| (p[0].as_u64().unwrap(), p[1].as_f64().unwrap()))
                 .collect();
+            steps_seen += 1;
+            top1_agree += usize::from(got_tokens[i] == want_tokens[i]);
             for w in want_top {
                 let (id, lp) = (w[0].as_u64().unwrap(), w[1].as_f64().unwrap());
                 if let Some((_, g)) = got_step.iter().find(|(gid, _)| *gid == id) {
                     worst = worst.max((g - lp).abs());
+                    pairs += 1;
+                    diff_sum += (g - lp).abs();
                     assert!(
                         (g - lp).abs() < run.logprob_tol,
                         "{name}/{case_name} step {i}: token {id} logprob {g} vs {lp}"
@@ -178,12 +228,28 @@ fn run_family(name: &str, run: &Run) {
             }
         }
     }
+    let mean = diff_sum / pairs.max(1) as f64;
+    let agreement = top1_agree as f64 / steps_seen.max(1) as f64;
     eprintln!(
-        "{name} {:?}: {compared_tokens} tokens compared, largest logprob difference {worst:.2e}",
+        "{name} {:?}: {compared_tokens} tokens compared; top-1 agreement {top1_agree}/{steps_seen}; {pairs} top-5 log-probabilities found, largest difference {worst:.2e}, mean {mean:.2e}",
         run.args
     );
     assert!(
-        compared_tokens >= 10,
+        pairs >= run.min_pairs,
+        "{name}: only {pairs} of the reference's top-5 tokens were among ours"
+    );
+    assert!(
+        mean <= run.mean_tol,
+        "{name}: mean logprob difference {mean} above {}",
+        run.mean_tol
+    );
+    assert!(
+        agreement >= run.min_agreement,
+        "{name}: top-1 agreement {agreement} below {}",
+        run.min_agreement
+    );
+    assert!(
+        compared_tokens >= 10 || run.min_margin == NO_MARGIN_CHECK,
         "{name}: only {compared_tokens} tokens had a clear reference margin"
     );
     std::fs::remove_dir_all(&tmp).unwrap();
@@ -232,4 +298,34 @@ fn qwen2_5_vl_on_wgpu_f16_matches_transformers_where_margins_allow() {
 #[test]
 fn qwen3_vl_on_wgpu_f16_matches_transformers_where_margins_allow() {
     run_family("qwen3_vl", &WGPU_F16);
+}
+
+#[test]
+fn qwen2_vl_with_q8_0_weights_stays_within_the_stated_bounds() {
+    run_family("qwen2_vl", &CPU_Q8_0);
+}
+
+#[test]
+fn qwen2_5_vl_with_q8_0_weights_stays_within_the_stated_bounds() {
+    run_family("qwen2_5_vl", &CPU_Q8_0);
+}
+
+#[test]
+fn qwen3_vl_with_q8_0_weights_stays_within_the_stated_bounds() {
+    run_family("qwen3_vl", &CPU_Q8_0);
+}
+
+#[test]
+fn qwen2_vl_with_q4_0_weights_stays_within_the_stated_bounds() {
+    run_family("qwen2_vl", &CPU_Q4_0);
+}
+
+#[test]
+fn qwen2_5_vl_with_q4_0_weights_stays_within_the_stated_bounds() {
+    run_family("qwen2_5_vl", &CPU_Q4_0);
+}
+
+#[test]
+fn qwen3_vl_with_q4_0_weights_stays_within_the_stated_bounds() {
+    run_family("qwen3_vl", &CPU_Q4_0);
 }

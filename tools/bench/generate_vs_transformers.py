@@ -1,7 +1,8 @@
 """Benchmark: `kvlens generate` against Hugging Face transformers (the anchor), same checkpoint,
 same prompt and image, measured in the same run, on the CPU (`cargo xtask bench`) or on a CUDA GPU
 (`--device cuda`, from the folder `cargo xtask gpu-check` prepares). Prints prefill and decode
-tokens/s, the ratios, and the decode memory-bandwidth roofline."""
+tokens/s for each weight format, the ratios, and each format's decode roofline: the host's read
+bandwidth (`kvlens bench bandwidth`) over the bytes one decode step reads."""
 
 import argparse
 import json
@@ -28,27 +29,32 @@ def make_image(path, width, height):
     Image.fromarray(img).save(path)
 
 
-def memory_bandwidth_gb_s(device):
-    """Sustained copy bandwidth (read + write) of a 1 GiB array, best of three."""
-    if device == "cuda":
-        a = torch.ones(1 << 28, dtype=torch.float32, device="cuda")
-        b = torch.empty_like(a)
-        best = 0.0
-        for _ in range(5):
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            b.copy_(a)
-            torch.cuda.synchronize()
-            best = max(best, 2 * a.numel() * 4 / (time.perf_counter() - t) / 1e9)
-        return best
-    a = np.ones(1 << 28, dtype=np.float32)
-    b = np.empty_like(a)
+def cuda_copy_bandwidth_gb_s():
+    """Sustained device-to-device copy bandwidth (read + write) of a 1 GiB array, best of five."""
+    a = torch.ones(1 << 28, dtype=torch.float32, device="cuda")
+    b = torch.empty_like(a)
     best = 0.0
-    for _ in range(3):
+    for _ in range(5):
+        torch.cuda.synchronize()
         t = time.perf_counter()
-        np.copyto(b, a)
-        best = max(best, 2 * a.nbytes / (time.perf_counter() - t) / 1e9)
+        b.copy_(a)
+        torch.cuda.synchronize()
+        best = max(best, 2 * a.numel() * 4 / (time.perf_counter() - t) / 1e9)
     return best
+
+
+def host_bandwidth(kvlens):
+    """Read and copy bandwidth of the host, all cores (`kvlens bench bandwidth --json`)."""
+    out = subprocess.run([kvlens, "bench", "bandwidth", "--json"], check=True, capture_output=True, text=True)
+    return json.loads(out.stdout)
+
+
+def cpu_model():
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(l.split(":", 1)[1].strip() for l in f if l.startswith("model name"))
+    except (OSError, StopIteration):
+        return "cpu"
 
 
 def run_kvlens(kvlens, ckpt, image, max_tokens, extra):
@@ -115,9 +121,13 @@ def main():
     ap.add_argument("--out", default=None)
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                     help="cuda: kvlens --backend cuda with bf16 weights, transformers on the GPU")
+    ap.add_argument("--formats", default="none,q8_0,q4_0",
+                    help="comma-separated --quantization values to run kvlens with (cpu)")
     a = ap.parse_args()
-    extra = ["--backend", "cuda", "--dtype", "bfloat16"] if a.device == "cuda" else []
-    label = "kvlens cuda (bf16 w)" if a.device == "cuda" else "kvlens (f32)"
+    if a.device == "cuda":
+        runs = [("kvlens cuda (bf16 w)", ["--backend", "cuda", "--dtype", "bfloat16"])]
+    else:
+        runs = [(f"kvlens {'f32' if f == 'none' else f}", ["--quantization", f]) for f in a.formats.split(",")]
     os.makedirs(a.work, exist_ok=True)
     ckpt = os.path.join(a.work, a.config + "-random-bf16")
     if not os.path.exists(os.path.join(ckpt, "model.safetensors.index.json")) and \
@@ -127,32 +137,42 @@ def main():
     image = os.path.join(a.work, "photo_1024x768.png")
     make_image(image, 1024, 768)
 
+    device = torch.cuda.get_device_name(0) if a.device == "cuda" else cpu_model()
     results = {"machine": {"cpus": os.cpu_count(), "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
-                           "device": torch.cuda.get_device_name(0) if a.device == "cuda" else "cpu"}}
-    results["memory_bandwidth_gb_s"] = memory_bandwidth_gb_s(a.device)
-    results["kvlens"] = run_kvlens(a.kvlens, ckpt, image, a.max_tokens, extra)
+                           "device": device}}
+    if a.device == "cuda":
+        results["bandwidth"] = {"read_gb_s": cuda_copy_bandwidth_gb_s(), "kind": "device copy (read + write)"}
+    else:
+        results["bandwidth"] = dict(host_bandwidth(a.kvlens), kind="host read, all cores")
+    bw = results["bandwidth"]["read_gb_s"]
+    results["kvlens"] = {}
+    for label, extra in runs:
+        results["kvlens"][label] = run_kvlens(a.kvlens, ckpt, image, a.max_tokens, extra)
     results["transformers_f32"] = run_transformers(ckpt, image, a.max_tokens, torch.float32, a.device)
     results["transformers_bf16"] = run_transformers(ckpt, image, a.max_tokens, torch.bfloat16, a.device)
-    k = results["kvlens"]["timing"]
-    weights = sum(os.path.getsize(os.path.join(ckpt, f)) for f in os.listdir(ckpt) if f.endswith(".safetensors"))
-    f32_bytes = weights * 2  # bf16 weights widened to f32
-    results["roofline_decode_tokens_per_s_f32"] = results["memory_bandwidth_gb_s"] * 1e9 / f32_bytes
-    results["roofline_decode_tokens_per_s_bf16"] = results["memory_bandwidth_gb_s"] * 1e9 / weights
 
     print(f"{a.config} random checkpoint, one 1024x768 image, {a.max_tokens} new tokens, "
-          f"{results['machine']['device']}, {os.cpu_count()} CPUs")
-    print(f"{'engine':<22}{'prompt':>8}{'prefill tok/s':>15}{'decode tok/s':>14}")
-    for name, r in [(label, dict(k, prompt_tokens=len(results['kvlens']['prompt_token_ids']))),
-                    ("transformers f32", results["transformers_f32"]),
-                    ("transformers bf16", results["transformers_bf16"])]:
-        print(f"{name:<22}{r['prompt_tokens']:>8}{r['prefill_tokens_per_s']:>15.1f}{r['decode_tokens_per_s']:>14.2f}")
+          f"{device}, {os.cpu_count()} CPUs")
+    print(f"bandwidth: {bw:.1f} GB/s ({results['bandwidth']['kind']})")
+    print(f"{'engine':<22}{'prompt':>8}{'prefill tok/s':>15}{'decode tok/s':>14}{'weights GB':>12}"
+          f"{'read/token GB':>15}{'roofline tok/s':>16}{'of roofline':>13}")
+    for label, k in results["kvlens"].items():
+        t, w = k["timing"], k["weights"]
+        roof = bw * 1e9 / w["decode_read_bytes_per_token"]
+        k["roofline_decode_tokens_per_s"] = roof
+        print(f"{label:<22}{len(k['prompt_token_ids']):>8}{t['prefill_tokens_per_s']:>15.1f}"
+              f"{t['decode_tokens_per_s']:>14.2f}{w['bytes'] / 1e9:>12.2f}{w['decode_read_bytes_per_token'] / 1e9:>15.2f}"
+              f"{roof:>16.2f}{t['decode_tokens_per_s'] / roof:>12.0%}")
     for ref in ("transformers_f32", "transformers_bf16"):
         r = results[ref]
-        print(f"kvlens / {ref}: prefill {k['prefill_tokens_per_s'] / r['prefill_tokens_per_s']:.2f}x, "
-              f"decode {k['decode_tokens_per_s'] / r['decode_tokens_per_s']:.2f}x")
-    print(f"memory bandwidth {results['memory_bandwidth_gb_s']:.1f} GB/s; decode roofline "
-          f"{results['roofline_decode_tokens_per_s_f32']:.2f} tok/s at f32 weights, "
-          f"{results['roofline_decode_tokens_per_s_bf16']:.2f} at bf16")
+        print(f"{ref.replace('_', ' '):<22}{r['prompt_tokens']:>8}{r['prefill_tokens_per_s']:>15.1f}"
+              f"{r['decode_tokens_per_s']:>14.2f}")
+    for label, k in results["kvlens"].items():
+        t = k["timing"]
+        print(f"{label}: " + ", ".join(
+            f"{t['prefill_tokens_per_s'] / results[ref]['prefill_tokens_per_s']:.2f}x prefill / "
+            f"{t['decode_tokens_per_s'] / results[ref]['decode_tokens_per_s']:.2f}x decode of {ref.replace('_', ' ')}"
+            for ref in ("transformers_f32", "transformers_bf16")))
     if a.out:
         with open(a.out, "w") as f:
             json.dump(results, f, indent=1)

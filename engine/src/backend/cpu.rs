@@ -1,23 +1,30 @@
-//! The CPU backend: candle-core tensors in f32 for dense math, a paged KV cache in host memory with
-//! attention written out over the block tables.
+//! The CPU backend: candle-core tensors in f32 for dense math, weight matrices in f32 or quantized
+//! on load ([`WeightFormat`]), a paged KV cache in host memory with attention written out over the
+//! block tables.
 
 mod attention;
+mod quantized;
 
 use super::{ready, Activation, BResult, Backend, BackendError, KvLayout, PagedBatch, RawDType, RawTensor, Readback};
 use crate::memory::ledger::{Category, Held, MemoryLedger};
+use crate::model::weight_format::WeightFormat;
 use crate::sample::DeviceSampling;
 use attention::SeqAttention;
 use candle_core::{DType, Device, Tensor, D};
+use quantized::QuantizedMatrix;
 use std::sync::Arc;
 
 fn lib(e: candle_core::Error) -> BackendError {
     BackendError::Library(Box::new(e))
 }
 
-/// A CPU tensor: an f32 candle tensor plus the ledger entry of the storage it owns.
+/// A CPU tensor: an f32 candle tensor plus the ledger entry of the storage it owns; or a weight
+/// matrix in a quantized format, which only [`Backend::linear`] and [`Backend::embedding`] read
+/// (its candle tensor is then empty, so any other operation fails on the shape).
 #[derive(Debug, Clone)]
 pub struct CpuTensor {
     t: Tensor,
+    q: Option<Arc<QuantizedMatrix>>,
     _held: Option<Arc<Held>>,
 }
 
@@ -34,20 +41,36 @@ pub struct CpuKvCache {
 #[derive(Debug, Clone, Default)]
 pub struct CpuBackend {
     ledger: MemoryLedger,
+    weights: WeightFormat,
 }
 
 impl CpuBackend {
-    /// A CPU backend recording into `ledger`.
+    /// A CPU backend with f32 weights, recording into `ledger`.
     pub fn new(ledger: MemoryLedger) -> Self {
-        CpuBackend { ledger }
+        Self::with_weights(ledger, WeightFormat::Unquantized)
+    }
+
+    /// A CPU backend that stores the weight matrices `weights` quantizes in that format.
+    pub fn with_weights(ledger: MemoryLedger, weights: WeightFormat) -> Self {
+        CpuBackend { ledger, weights }
     }
 
     fn wrap(&self, t: Tensor, category: Category) -> CpuTensor {
         let bytes = (t.elem_count() * 4) as u64;
         CpuTensor {
             t,
+            q: None,
             _held: Some(Arc::new(self.ledger.hold(category, bytes))),
         }
+    }
+
+    /// A quantized weight matrix, recorded as weights.
+    fn wrap_quantized(&self, q: QuantizedMatrix) -> BResult<CpuTensor> {
+        Ok(CpuTensor {
+            t: Tensor::zeros(0, DType::F32, &Device::Cpu).map_err(lib)?,
+            _held: Some(Arc::new(self.ledger.hold(Category::Weights, q.bytes()))),
+            q: Some(Arc::new(q)),
+        })
     }
 
     fn act(&self, t: candle_core::Result<Tensor>) -> BResult<CpuTensor> {
@@ -63,6 +86,7 @@ impl CpuBackend {
     fn view(parent: &CpuTensor, t: candle_core::Result<Tensor>) -> BResult<CpuTensor> {
         Ok(CpuTensor {
             t: t.map_err(lib)?,
+            q: None,
             _held: parent._held.clone(),
         })
     }
@@ -108,6 +132,14 @@ impl Backend for CpuBackend {
     }
 
     fn load_weight(&self, raw: RawTensor<'_>) -> BResult<CpuTensor> {
+        if let &[rows, cols] = raw.shape.as_slice() {
+            if self.weights.quantizes(&raw.shape) {
+                let values = crate::model::weights::host_f32(&raw);
+                if let Some(q) = QuantizedMatrix::quantize(self.weights, &values, rows, cols) {
+                    return self.wrap_quantized(q);
+                }
+            }
+        }
         let dtype = match raw.dtype {
             RawDType::F32 => DType::F32,
             RawDType::F16 => DType::F16,
@@ -123,7 +155,9 @@ impl Backend for CpuBackend {
     }
 
     fn keep(&self, t: &CpuTensor, category: Category) -> CpuTensor {
-        self.wrap(t.t.clone(), category)
+        let mut kept = self.wrap(t.t.clone(), category);
+        kept.q = t.q.clone();
+        kept
     }
 
     fn read(&self, t: &CpuTensor) -> Readback {
@@ -139,11 +173,21 @@ impl Backend for CpuBackend {
     }
 
     fn shape(&self, t: &CpuTensor) -> Vec<usize> {
-        t.t.dims().to_vec()
+        match &t.q {
+            Some(q) => vec![q.dims().0, q.dims().1],
+            None => t.t.dims().to_vec(),
+        }
     }
 
     fn linear(&self, x: &CpuTensor, w: &CpuTensor, b: Option<&CpuTensor>) -> BResult<CpuTensor> {
-        let y = x.t.matmul(&w.t.t().map_err(lib)?).map_err(lib)?;
+        let y = match &w.q {
+            Some(q) => {
+                let (m, _) = dims2(&x.t)?;
+                let y = q.matmul(&Self::host(x)?, m).map_err(lib)?;
+                Tensor::from_vec(y, (m, q.dims().0), &Device::Cpu).map_err(lib)?
+            }
+            None => x.t.matmul(&w.t.t().map_err(lib)?).map_err(lib)?,
+        };
         self.act(match b {
             Some(b) => y.broadcast_add(&b.t),
             None => Ok(y),
@@ -151,11 +195,15 @@ impl Backend for CpuBackend {
     }
 
     fn embedding(&self, table: &CpuTensor, ids: &[u32]) -> BResult<CpuTensor> {
-        let vocab = table.t.dim(0).map_err(lib)?;
+        let vocab = self.shape(table)[0];
         if let Some(bad) = ids.iter().find(|&&i| i as usize >= vocab) {
             return Err(BackendError::Shape(format!(
                 "token id {bad} is outside the vocabulary of {vocab}"
             )));
+        }
+        if let Some(q) = &table.q {
+            let rows: Vec<usize> = ids.iter().map(|&i| i as usize).collect();
+            return self.upload(q.gather(&rows), &[ids.len(), q.dims().1]);
         }
         let idx = Tensor::new(ids, &Device::Cpu).map_err(lib)?;
         self.act(table.t.index_select(&idx, 0))

@@ -7,6 +7,7 @@ use super::log_budget::{header_settings, rebuild, what_if, DeviceTotal, HeaderSe
 use super::planner::{MmLimits, PlanError, PlanRequest, DEFAULT_MM_PROCESSOR_CACHE_GB};
 use super::vllm_log::ParsedLog;
 use crate::config::{bundled_config, DType, ImageLimits, ModelConfig};
+use crate::model::weight_format::WeightFormat;
 
 /// The model planned when neither a flag nor a log names one.
 pub const DEFAULT_MODEL: &str = "Qwen3-VL-8B-Instruct";
@@ -46,6 +47,10 @@ pub struct VllmFlags {
     /// fp8_e5m2.
     #[cfg_attr(feature = "cli", arg(long, default_value = "auto"))]
     pub kv_cache_dtype: String,
+    /// Weight matrices quantized on load: q8_0 or q4_0 (GGML's block formats); none keeps the
+    /// dtype.
+    #[cfg_attr(feature = "cli", arg(long, short = 'q', default_value = "none"))]
+    pub quantization: String,
 }
 
 impl Default for VllmFlags {
@@ -60,6 +65,7 @@ impl Default for VllmFlags {
             mm_processor_cache_gb: DEFAULT_MM_PROCESSOR_CACHE_GB,
             dtype: "auto".into(),
             kv_cache_dtype: "auto".into(),
+            quantization: "none".into(),
         }
     }
 }
@@ -89,6 +95,7 @@ impl VllmFlags {
         };
         r.kv_cache_dtype = parse_dtype("kv-cache-dtype", kv_dtype)?;
         r.dtype = parse_dtype("dtype", &self.dtype)?;
+        r.quantization = self.quantization.parse().map_err(PlanError::Invalid)?;
         Ok(())
     }
 }
@@ -156,6 +163,7 @@ pub const QUERY_KEYS: &[&str] = &[
     "mm_processor_cache_gb",
     "dtype",
     "kv_cache_dtype",
+    "quantization",
     "weights_gib",
     "activation_peak_gib",
     "non_torch_gib",
@@ -273,6 +281,11 @@ impl PlanInputs {
                     &mut v.kv_cache_dtype
                 } = value.to_string();
             }
+            "quantization" => {
+                let value = if value.is_empty() { "none" } else { value };
+                value.parse::<WeightFormat>().map_err(PlanError::Invalid)?;
+                v.quantization = value.to_string();
+            }
             "weights_gib" => self.weights_gib = gib()?,
             "activation_peak_gib" => self.activation_peak_gib = gib()?,
             "non_torch_gib" => self.non_torch_gib = gib()?,
@@ -306,6 +319,7 @@ impl PlanInputs {
             "mm_processor_cache_gb" => f(Some(v.mm_processor_cache_gb)),
             "dtype" => Some(v.dtype.clone()),
             "kv_cache_dtype" => Some(v.kv_cache_dtype.clone()),
+            "quantization" => Some(v.quantization.clone()),
             "weights_gib" => f(self.weights_gib),
             "activation_peak_gib" => f(self.activation_peak_gib),
             "non_torch_gib" => f(self.non_torch_gib),
@@ -451,6 +465,7 @@ mod tests {
             ("mm_processor_cache_gb", "0"),
             ("dtype", "float16"),
             ("kv_cache_dtype", "fp8"),
+            ("quantization", "q4_0"),
             ("weights_gib", "15.2"),
             ("activation_peak_gib", "2.5"),
             ("non_torch_gib", "0.3"),
@@ -488,6 +503,7 @@ mod tests {
                 "gpu_memory_utilization: \"most\" is not a number",
             ),
             ("dtype=int3", "--dtype: unknown dtype \"int3\""),
+            ("quantization=awq", "--quantization: unknown format \"awq\""),
             ("limit_mm_per_prompt=pictures%3D3", "unknown modality \"pictures\""),
             (
                 "max_model_length=8192",

@@ -10,6 +10,7 @@
 use super::device::DeviceProfile;
 use super::weights::weight_bytes_per_rank;
 use crate::config::{DType, Family, ImageLimits, ModelConfig};
+use crate::model::weight_format::WeightFormat;
 
 use super::GIB;
 /// vLLM's default `--limit-mm-per-prompt` for each modality in V1.
@@ -132,6 +133,8 @@ pub struct PlanRequest {
     pub dtype: Option<DType>,
     /// `--kv-cache-dtype` (None = auto, the model dtype).
     pub kv_cache_dtype: Option<DType>,
+    /// `--quantization`: the weight matrices in a block format quantized on load.
+    pub quantization: WeightFormat,
     /// `--kv-cache-memory`: skips the utilization rule.
     pub kv_cache_memory_bytes: Option<u64>,
     /// Measured weights memory replacing the estimate.
@@ -160,6 +163,7 @@ impl PlanRequest {
             mm_processor_cache_gb: DEFAULT_MM_PROCESSOR_CACHE_GB,
             dtype: None,
             kv_cache_dtype: None,
+            quantization: WeightFormat::Unquantized,
             kv_cache_memory_bytes: None,
             weights_bytes: None,
             activation_peak_bytes: None,
@@ -236,6 +240,8 @@ pub struct Plan {
     pub dtype: DType,
     /// KV cache dtype.
     pub kv_cache_dtype: DType,
+    /// Weight matrices' format (`--quantization`).
+    pub quantization: WeightFormat,
     /// Device total as the runtime reports it.
     pub total_bytes: u64,
     /// `gpu_memory_utilization`.
@@ -491,7 +497,7 @@ pub fn plan(req: &PlanRequest) -> Result<Plan, PlanError> {
     let (budget, items, modality) = encoder_budget(limits, image_tokens, video_tokens, mnbt, mns, max_len);
 
     let deepstack = m.vision.deepstack_visual_indexes.len() as u64 * mnbt as u64 * t.hidden_size as u64 * act_bytes;
-    let estimated_weights: u64 = weight_bytes_per_rank(m, tp, act_bytes)
+    let estimated_weights: u64 = weight_bytes_per_rank(m, tp, act_bytes, req.quantization)
         .iter()
         .map(|(_, b)| b)
         .sum::<u64>()
@@ -509,6 +515,7 @@ pub fn plan(req: &PlanRequest) -> Result<Plan, PlanError> {
         block_size,
         dtype,
         kv_cache_dtype: kv_dtype,
+        quantization: req.quantization,
         total_bytes: total,
         gpu_memory_utilization: util,
         requested_bytes: requested,
@@ -647,7 +654,7 @@ impl Plan {
     /// The settings the budget was computed with, in one line.
     pub fn summary(&self) -> String {
         format!(
-            "{} on {} (TP {}), max_model_len {}, block {}, max_num_batched_tokens {}, max_num_seqs {}, dtype {:?}, KV {:?}",
+            "{} on {} (TP {}), max_model_len {}, block {}, max_num_batched_tokens {}, max_num_seqs {}, dtype {:?}, KV {:?}{}",
             self.model,
             self.device,
             self.tensor_parallel_size,
@@ -656,7 +663,11 @@ impl Plan {
             self.max_num_batched_tokens,
             self.max_num_seqs,
             self.dtype,
-            self.kv_cache_dtype
+            self.kv_cache_dtype,
+            match self.quantization {
+                WeightFormat::Unquantized => String::new(),
+                q => format!(", weights {q}"),
+            }
         )
     }
 

@@ -4,8 +4,9 @@
 //! are fewer than ranks).
 
 use crate::config::ModelConfig;
-use crate::model::spec::tensor_specs;
+use crate::model::spec::{tensor_specs, TensorSpec};
 pub use crate::model::spec::{Part, Shard};
+use crate::model::weight_format::WeightFormat;
 
 /// A group of parameters with one sharding rule.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -54,8 +55,12 @@ pub struct ParamCounts {
 /// Lists every parameter group of the model: its tensors summed by [`TensorSpec::group`](crate::model::spec::TensorSpec::group),
 /// in order of first appearance.
 pub fn param_groups(cfg: &ModelConfig) -> Vec<ParamGroup> {
+    groups_of(tensor_specs(cfg))
+}
+
+fn groups_of(specs: impl IntoIterator<Item = TensorSpec>) -> Vec<ParamGroup> {
     let mut groups: Vec<ParamGroup> = Vec::new();
-    for t in tensor_specs(cfg) {
+    for t in specs {
         match groups.iter_mut().find(|g| g.name == t.group) {
             Some(g) => g.numel += t.numel(),
             None => groups.push(ParamGroup {
@@ -90,14 +95,38 @@ pub fn param_counts(cfg: &ModelConfig) -> ParamCounts {
     c
 }
 
-/// Bytes of weights one tensor-parallel rank holds, per part, for element size `dtype_bytes`.
-pub fn weight_bytes_per_rank(cfg: &ModelConfig, tp: usize, dtype_bytes: u64) -> Vec<(Part, u64)> {
+/// The shape of the slice of `t` one of `tp` ranks holds.
+fn rank_shape(t: &TensorSpec, tp: usize) -> Vec<usize> {
+    let mut shape = t.shape.clone();
+    match t.shard {
+        Shard::Replicated => {}
+        Shard::Split(d) => shape[d] = shape[d].div_ceil(tp.max(1)),
+        Shard::KvHeads(heads) => {
+            let heads = heads.max(1);
+            shape[0] = shape[0] / heads * (heads / tp.max(1)).max(1);
+        }
+    }
+    shape
+}
+
+/// Bytes of weights one tensor-parallel rank holds, per part, for element size `dtype_bytes`,
+/// with the matrices `format` quantizes (on each rank's slice, as a loader quantizing its shard
+/// would) in their blocks.
+pub fn weight_bytes_per_rank(cfg: &ModelConfig, tp: usize, dtype_bytes: u64, format: WeightFormat) -> Vec<(Part, u64)> {
+    let (quantized, kept): (Vec<TensorSpec>, Vec<TensorSpec>) = tensor_specs(cfg)
+        .into_iter()
+        .partition(|t| !t.host && format.quantizes(&rank_shape(t, tp)));
+    let kept = groups_of(kept)
+        .into_iter()
+        .map(|grp| (grp.part, grp.numel_per_rank(tp) * dtype_bytes));
+    let quantized = quantized
+        .iter()
+        .map(|t| (t.part, format.tensor_bytes(&rank_shape(t, tp), dtype_bytes)));
     let mut out: Vec<(Part, u64)> = Vec::new();
-    for grp in param_groups(cfg) {
-        let bytes = grp.numel_per_rank(tp) * dtype_bytes;
-        match out.iter_mut().find(|(p, _)| *p == grp.part) {
+    for (part, bytes) in kept.chain(quantized) {
+        match out.iter_mut().find(|(p, _)| *p == part) {
             Some((_, b)) => *b += bytes,
-            None => out.push((grp.part, bytes)),
+            None => out.push((part, bytes)),
         }
     }
     out
@@ -240,8 +269,14 @@ mod tests {
     #[test]
     fn tensor_parallel_split_keeps_replicated_parts_whole() {
         let cfg = bundled_config("Qwen3-VL-8B-Instruct").unwrap();
-        let one: u64 = weight_bytes_per_rank(&cfg, 1, 2).iter().map(|(_, b)| b).sum();
-        let two: u64 = weight_bytes_per_rank(&cfg, 2, 2).iter().map(|(_, b)| b).sum();
+        let one: u64 = weight_bytes_per_rank(&cfg, 1, 2, WeightFormat::Unquantized)
+            .iter()
+            .map(|(_, b)| b)
+            .sum();
+        let two: u64 = weight_bytes_per_rank(&cfg, 2, 2, WeightFormat::Unquantized)
+            .iter()
+            .map(|(_, b)| b)
+            .sum();
         assert_eq!(one, 2 * 8_767_123_696);
         // Each rank holds a bit more than half: norms, patch embedding and biases are replicated.
         assert!(two > one / 2 && two < one / 2 + one / 50, "{two} vs {one}");

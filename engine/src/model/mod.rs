@@ -7,6 +7,7 @@ pub mod spec;
 pub mod stream;
 pub mod text;
 pub mod vision;
+pub mod weight_format;
 pub mod weights;
 
 use crate::backend::{Backend, BackendError};

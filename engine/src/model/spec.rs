@@ -603,7 +603,11 @@ mod tests {
                         Shard::KvHeads(heads) => t.numel() / heads as u64 * (heads / tp).max(1) as u64,
                     })
                     .sum();
-                let planner: u64 = weight_bytes_per_rank(&cfg, tp, 1).iter().map(|(_, b)| b).sum();
+                let planner: u64 =
+                    weight_bytes_per_rank(&cfg, tp, 1, crate::model::weight_format::WeightFormat::Unquantized)
+                        .iter()
+                        .map(|(_, b)| b)
+                        .sum();
                 assert_eq!(per_tensor, planner, "{name} at tp {tp}");
                 checked += 1;
             }

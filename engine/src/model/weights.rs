@@ -145,7 +145,7 @@ pub(super) fn check_shape(name: &str, found: &[usize], want: &[usize]) -> Result
 }
 
 /// Converts checkpoint bytes to host floats (f16 and bf16 widen exactly).
-pub(super) fn host_f32(raw: &RawTensor<'_>) -> Vec<f32> {
+pub(crate) fn host_f32(raw: &RawTensor<'_>) -> Vec<f32> {
     match raw.dtype {
         RawDType::F32 => raw
             .data

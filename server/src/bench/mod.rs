@@ -6,6 +6,7 @@
 //! memory timeline from `/v1/memory` that can be plotted.
 
 mod arrival;
+mod bandwidth;
 mod client;
 mod dataset;
 mod kernels;
@@ -46,6 +47,9 @@ enum BenchCommand {
     /// The wgpu backend's matmul kernels against the CPU backend at Qwen3-VL-2B's shapes: decode
     /// GEMV in GB/s and prefill GEMM in GFLOP/s, with f32 and f16 weights (no server involved).
     Kernels(kernels::KernelsArgs),
+    /// The host's memory read bandwidth (all cores, a buffer far above the caches): the roofline
+    /// of a decode step that reads every weight once.
+    Bandwidth(bandwidth::BandwidthArgs),
 }
 
 /// Flags of `kvlens bench plot`.
@@ -158,6 +162,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
             .build()?
             .block_on(soak::run(a)),
         BenchCommand::Kernels(a) => kernels::run(a),
+        BenchCommand::Bandwidth(a) => bandwidth::run(a),
     }
 }
 
