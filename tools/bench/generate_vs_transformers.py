@@ -7,7 +7,9 @@ bandwidth (`kvlens bench bandwidth`) over the bytes one decode step reads."""
 import argparse
 import json
 import os
+import re
 import subprocess
+import tempfile
 import time
 
 import numpy as np
@@ -58,11 +60,24 @@ def cpu_model():
 
 
 def run_kvlens(kvlens, ckpt, image, max_tokens, extra):
-    out = subprocess.run(
-        [kvlens, "generate", "--model", ckpt, "--prompt", PROMPT, "--image", image,
-         "--max-tokens", str(max_tokens), "--ignore-eos", "--json"] + extra,
-        check=True, capture_output=True, text=True)
-    return json.loads(out.stdout)
+    """One `kvlens generate --json`, with its load time (from its log line) and its peak resident
+    memory (the child's own maxrss, from wait4)."""
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        p = subprocess.Popen(
+            [kvlens, "generate", "--model", ckpt, "--prompt", PROMPT, "--image", image,
+             "--max-tokens", str(max_tokens), "--ignore-eos", "--json"] + extra, stdout=out, stderr=err)
+        _, status, usage = os.wait4(p.pid, 0)
+        p.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        err.seek(0)
+        log = err.read()
+        if p.returncode != 0:
+            raise RuntimeError(f"kvlens generate {' '.join(extra)} failed:\n{log[-3000:]}")
+        result = json.loads(out.read())
+    load = re.search(r"Loading model weights took [0-9.]+ GiB and ([0-9.]+) seconds", log)
+    result["load_s"] = float(load.group(1)) if load else None
+    result["peak_rss_bytes"] = usage.ru_maxrss * 1024
+    return result
 
 
 class TokenTimes(BaseStreamer):
@@ -155,14 +170,15 @@ def main():
           f"{device}, {os.cpu_count()} CPUs")
     print(f"bandwidth: {bw:.1f} GB/s ({results['bandwidth']['kind']})")
     print(f"{'engine':<22}{'prompt':>8}{'prefill tok/s':>15}{'decode tok/s':>14}{'weights GB':>12}"
-          f"{'read/token GB':>15}{'roofline tok/s':>16}{'of roofline':>13}")
+          f"{'read/token GB':>15}{'roofline tok/s':>16}{'of roofline':>13}{'load s':>8}{'peak RSS GB':>13}")
     for label, k in results["kvlens"].items():
         t, w = k["timing"], k["weights"]
         roof = bw * 1e9 / w["decode_read_bytes_per_token"]
         k["roofline_decode_tokens_per_s"] = roof
         print(f"{label:<22}{len(k['prompt_token_ids']):>8}{t['prefill_tokens_per_s']:>15.1f}"
               f"{t['decode_tokens_per_s']:>14.2f}{w['bytes'] / 1e9:>12.2f}{w['decode_read_bytes_per_token'] / 1e9:>15.2f}"
-              f"{roof:>16.2f}{t['decode_tokens_per_s'] / roof:>12.0%}")
+              f"{roof:>16.2f}{t['decode_tokens_per_s'] / roof:>13.0%}{k['load_s'] or 0:>8.1f}"
+              f"{k['peak_rss_bytes'] / 1e9:>13.2f}")
     for ref in ("transformers_f32", "transformers_bf16"):
         r = results[ref]
         print(f"{ref.replace('_', ' '):<22}{r['prompt_tokens']:>8}{r['prefill_tokens_per_s']:>15.1f}"

@@ -49,8 +49,26 @@ fn t<B: Backend>(b: &B, data: &[f32], rows: usize, cols: usize) -> B::Tensor {
     b.upload(data.to_vec(), &[rows, cols]).unwrap()
 }
 
-fn host<B: Backend>(b: &B, t: &B::Tensor) -> Vec<f32> {
+/// The tensor's values on the host.
+pub fn host<B: Backend>(b: &B, t: &B::Tensor) -> Vec<f32> {
     block_on(b.read(t)).unwrap()
+}
+
+/// Deterministic values in [-1, 1).
+pub fn noise(n: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    (0..n)
+        .map(|_| {
+            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        })
+        .collect()
+}
+
+/// The largest element-wise difference of two equally long slices.
+pub fn max_err(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
 }
 
 fn close(got: &[f32], want: &[f32], tol: f32) {

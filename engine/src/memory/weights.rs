@@ -288,4 +288,22 @@ mod tests {
         assert_eq!(kv.numel_per_rank(16), kv.numel / 8);
         assert_eq!(kv.numel_per_rank(4), kv.numel / 4);
     }
+
+    /// Qwen3-VL-2B in bf16 and in each block format: every matrix of the 2B has rows of a multiple
+    /// of 32, so nearly all of it shrinks to 34/32 or 18/32 bytes per weight; norms, biases, the
+    /// patch embedding and the position table stay at 2 bytes. `CpuBackend`'s ledger equals these
+    /// figures on the tiny checkpoints (`model::weight_format`'s test).
+    #[test]
+    fn block_formats_shrink_the_matrices_only() {
+        let cfg = bundled_config("Qwen3-VL-2B-Instruct").unwrap();
+        let total = |tp, f| -> u64 { weight_bytes_per_rank(&cfg, tp, 2, f).iter().map(|(_, b)| b).sum() };
+        assert_eq!(total(1, WeightFormat::Unquantized), 4_255_064_064);
+        assert_eq!(total(1, WeightFormat::Q8_0), 2_264_653_824);
+        assert_eq!(total(1, WeightFormat::Q4_0), 1_203_101_696);
+        let all_matrices_q8 = 2_127_532_032u64 * 34 / 32;
+        assert!(total(1, WeightFormat::Q8_0) - all_matrices_q8 < 5 << 20);
+        // Split across two ranks, each holds a bit more than half (replicated norms and biases).
+        let (one, two) = (total(1, WeightFormat::Q4_0), total(2, WeightFormat::Q4_0));
+        assert!(two > one / 2 && two < one / 2 + one / 50, "{two} vs {one}");
+    }
 }

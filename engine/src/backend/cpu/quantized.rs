@@ -81,6 +81,12 @@ impl QuantizedMatrix {
         Ok(out)
     }
 
+    /// The whole matrix in f32 (row-major).
+    pub fn dequantize(&self) -> Vec<f32> {
+        let all: Vec<usize> = (0..self.rows).collect();
+        self.gather(&all)
+    }
+
     /// Rows `ids`, dequantized (an embedding lookup); ids must be below `rows`.
     pub fn gather(&self, ids: &[usize]) -> Vec<f32> {
         debug_assert!(ids.iter().all(|&i| i < self.rows));
@@ -136,6 +142,9 @@ mod tests {
                     }
                 }
             }
+            let whole = q.dequantize();
+            assert_eq!(whole.len(), rows * cols);
+            assert!(whole.iter().zip(&w).all(|(a, b)| (a - b).abs() <= step * 1.001));
             let rows_back = q.gather(&[3, 0]);
             for (k, &v) in rows_back.iter().enumerate() {
                 let src = if k < cols { w[3 * cols + k] } else { w[k - cols] };

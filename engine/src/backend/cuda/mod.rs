@@ -394,25 +394,7 @@ impl Backend for CudaBackend {
                 raw.data.len()
             )));
         }
-        let floats = || -> Vec<f32> {
-            match raw.dtype {
-                RawDType::F32 => raw
-                    .data
-                    .chunks_exact(4)
-                    .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                    .collect(),
-                RawDType::F16 => raw
-                    .data
-                    .chunks_exact(2)
-                    .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
-                    .collect(),
-                RawDType::Bf16 => raw
-                    .data
-                    .chunks_exact(2)
-                    .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
-                    .collect(),
-            }
-        };
+        let floats = || crate::model::weights::host_f32(&raw);
         // Matrices in bf16 when asked: a bf16 checkpoint's bits as stored, others rounded to
         // nearest even; vectors (norms, biases) stay f32.
         let data = if self.options.bf16_weights && raw.shape.len() == 2 {

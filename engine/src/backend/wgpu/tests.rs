@@ -4,6 +4,7 @@
 
 use super::{WgpuBackend, WgpuOptions};
 use crate::backend::cpu::CpuBackend;
+use crate::backend::suite::{host, max_err, noise};
 use crate::backend::{block_on, Activation, Backend, KvLayout, PagedBatch, PagedSeq, RawDType, RawTensor};
 use crate::memory::ledger::MemoryLedger;
 
@@ -48,26 +49,6 @@ mod other_kernels {
 fn every_kernel_compiles() {
     let compiled = block_on(backend().check_kernels()).unwrap_or_else(|e| panic!("kernels that do not compile:\n{e}"));
     assert!(compiled >= 10, "{compiled} pipelines");
-}
-
-/// Deterministic values in [-1, 1).
-fn noise(n: usize, seed: u64) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-    (0..n)
-        .map(|_| {
-            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-            ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-        })
-        .collect()
-}
-
-fn host<B: Backend>(b: &B, t: &B::Tensor) -> Vec<f32> {
-    block_on(b.read(t)).unwrap()
-}
-
-fn max_err(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
 }
 
 fn raw(data: &[f32], shape: &[usize]) -> (Vec<u8>, Vec<usize>) {
