@@ -174,3 +174,31 @@ fn bad_input_is_one_line_and_exit_code_2() {
         );
     }
 }
+
+/// `--quantization` takes the weight formats the loader quantizes to: the 2B in q4_0 (its
+/// matrices at 18 bytes per 32 weights, plus the deepstack buffers) fits a 4 GiB WebGPU laptop
+/// that the bf16 weights leave no KV cache on; an unknown format is a usage error.
+#[test]
+fn quantization_shrinks_the_weights_to_the_formats_blocks() {
+    let q4 = plan_json(&[
+        "--model",
+        "Qwen3-VL-2B-Instruct",
+        "--device",
+        "webgpu-4g",
+        "--quantization",
+        "q4_0",
+    ]);
+    assert_eq!(q4["quantization"], "q4_0");
+    assert_eq!(
+        q4["weights_bytes"].as_u64().unwrap() - q4["deepstack_buffer_bytes"].as_u64().unwrap(),
+        1_203_101_696
+    );
+    assert_eq!(q4["estimated_max_model_len"], 6720);
+    let bf16 = plan_json(&["--model", "Qwen3-VL-2B-Instruct", "--device", "webgpu-4g"]);
+    assert_eq!(bf16["quantization"], "unquantized");
+    assert!(bf16["available_kv_bytes"].as_i64().unwrap() <= 0);
+    let out = kvlens(&["plan", "--model", "Qwen3-VL-2B-Instruct", "-q", "awq"]);
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--quantization: unknown format \"awq\""), "{err}");
+}
