@@ -195,7 +195,7 @@ fn quantization_shrinks_the_weights_to_the_formats_blocks() {
     );
     assert_eq!(q4["estimated_max_model_len"], 6720);
     let bf16 = plan_json(&["--model", "Qwen3-VL-2B-Instruct", "--device", "webgpu-4g"]);
-    assert_eq!(bf16["quantization"], "unquantized");
+    assert_eq!(bf16["quantization"], "none");
     assert!(bf16["available_kv_bytes"].as_i64().unwrap() <= 0);
     let out = kvlens(&["plan", "--model", "Qwen3-VL-2B-Instruct", "-q", "awq"]);
     assert_eq!(out.status.code(), Some(2));

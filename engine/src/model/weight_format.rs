@@ -15,6 +15,7 @@
 pub enum WeightFormat {
     /// The compute dtype (f32 on the CPU), or half precision where the backend keeps it.
     #[default]
+    #[serde(rename = "none")]
     Unquantized,
     /// GGML `q8_0`: 8.5 bits per weight.
     Q8_0,
