@@ -186,23 +186,24 @@ impl Backend for CpuBackend {
 
     fn linear(&self, x: &CpuTensor, w: &CpuTensor, b: Option<&CpuTensor>) -> BResult<CpuTensor> {
         let y = match &w.q {
-            // Many rows (prefill, the vision tower): the matrix dequantized once, one transient
-            // f32 copy recorded as activations, and the f32 GEMM, which reuses each weight across
-            // rows far better than the quantized kernel's row tiles.
-            Some(q) if dims2(&x.t)?.0 >= DEQUANTIZE_FROM_ROWS => {
-                let (rows, cols) = q.dims();
-                let dense = self.wrap(
-                    Tensor::from_vec(q.dequantize(), (rows, cols), &Device::Cpu).map_err(lib)?,
-                    Category::Activations,
-                );
-                x.t.matmul(&dense.t.t().map_err(lib)?).map_err(lib)?
-            }
+            None => x.t.matmul(&w.t.t().map_err(lib)?).map_err(lib)?,
             Some(q) => {
                 let (m, _) = dims2(&x.t)?;
-                let y = q.matmul(&Self::host(x)?, m).map_err(lib)?;
-                Tensor::from_vec(y, (m, q.dims().0), &Device::Cpu).map_err(lib)?
+                let (rows, cols) = q.dims();
+                if m >= DEQUANTIZE_FROM_ROWS {
+                    // Many rows (prefill, the vision tower): the matrix dequantized once, one
+                    // transient f32 copy recorded as activations, and the f32 GEMM, which reuses
+                    // each weight across rows far better than the quantized kernel's row tiles.
+                    let dense = self.wrap(
+                        Tensor::from_vec(q.dequantize(), (rows, cols), &Device::Cpu).map_err(lib)?,
+                        Category::Activations,
+                    );
+                    x.t.matmul(&dense.t.t().map_err(lib)?).map_err(lib)?
+                } else {
+                    let y = q.matmul(&Self::host(x)?, m).map_err(lib)?;
+                    Tensor::from_vec(y, (m, rows), &Device::Cpu).map_err(lib)?
+                }
             }
-            None => x.t.matmul(&w.t.t().map_err(lib)?).map_err(lib)?,
         };
         self.act(match b {
             Some(b) => y.broadcast_add(&b.t),

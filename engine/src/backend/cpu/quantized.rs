@@ -83,8 +83,12 @@ impl QuantizedMatrix {
 
     /// The whole matrix in f32 (row-major).
     pub fn dequantize(&self) -> Vec<f32> {
-        let all: Vec<usize> = (0..self.rows).collect();
-        self.gather(&all)
+        let mut out = vec![0f32; self.rows * self.cols];
+        match &self.blocks {
+            Blocks::Q8_0(b) => BlockQ8_0::to_float(b, &mut out),
+            Blocks::Q4_0(b) => BlockQ4_0::to_float(b, &mut out),
+        }
+        out
     }
 
     /// Rows `ids`, dequantized (an embedding lookup); ids must be below `rows`.
