@@ -53,8 +53,8 @@ pub struct GenerateArgs {
     /// Compute backend: cpu, wgpu or cuda (those this build holds).
     #[arg(long, default_value = "cpu")]
     pub backend: BackendKind,
-    /// Weights precision: float32, or half precision for 2-D weights where the backend keeps them
-    /// (wgpu: float16; cuda: bfloat16); activations and the KV cache stay float32.
+    /// Weights precision: float32, or half precision for 2-D weights (wgpu: float16; cuda and cpu:
+    /// bfloat16, whichever half type is named); activations and the KV cache stay float32.
     #[arg(long, default_value = "float32", value_parser = ["float32", "float16", "bfloat16"])]
     pub dtype: String,
     /// Weight matrices quantized on load (cpu backend): q8_0 or q4_0, GGML's block formats.
@@ -133,12 +133,8 @@ pub fn run(a: &GenerateArgs) -> Result<()> {
     // prompt in one step, its images as the largest the profile runs.
     let cfg = runner.config().clone();
     // What one decode step reads: the decoder and the output head (the embedding when tied), at
-    // the bytes per unquantized value the backend keeps (half precision off the CPU with --dtype).
-    let elem_bytes = if a.dtype != "float32" && a.backend != BackendKind::Cpu {
-        2
-    } else {
-        4
-    };
+    // the bytes per unquantized value the backend keeps (half precision with --dtype).
+    let elem_bytes = if a.dtype != "float32" { 2 } else { 4 };
     let decode_read_bytes: u64 = weight_bytes_per_rank(&cfg, 1, elem_bytes, a.quantization)
         .iter()
         .filter(|(part, _)| match part {
@@ -204,6 +200,7 @@ pub fn run(a: &GenerateArgs) -> Result<()> {
                 "decode_tokens_per_s": decode_tokens as f64 / decode.max(1e-9),
             });
             obj["weights"] = serde_json::json!({
+                "dtype": a.dtype,
                 "quantization": a.quantization,
                 "bytes": engine.ledger().bytes(Category::Weights),
                 "decode_read_bytes_per_token": decode_read_bytes,

@@ -106,8 +106,7 @@ fn usage(msg: impl Into<String>) -> anyhow::Error {
 pub struct BackendChoice {
     /// The backend.
     pub kind: BackendKind,
-    /// Keep 2-D weights in half precision where the backend can (wgpu: f16; cuda: bf16);
-    /// activations stay f32.
+    /// Keep 2-D weights in half precision (wgpu: f16; cuda and cpu: bf16); activations stay f32.
     pub f16_weights: bool,
     /// Weight matrices quantized on load (`--quantization`; the CPU backend only).
     pub quantization: WeightFormat,
@@ -217,7 +216,8 @@ pub fn load(dir: &Path, choice: BackendChoice) -> Result<(LoadedRunner, Frontend
             LoadedRunner::Wgpu(ModelRunner::new(backend, model))
         }
         BackendKind::Cpu => {
-            let backend = CpuBackend::with_weights(ledger.clone(), choice.quantization);
+            let backend =
+                CpuBackend::with_weights(ledger.clone(), choice.quantization).with_bf16_matrices(choice.f16_weights);
             let model = load_weights(&ckpt, &backend)?;
             LoadedRunner::Cpu(ModelRunner::new(backend, model))
         }

@@ -158,8 +158,9 @@ pub fn start(a: &EngineArgs) -> Result<Started> {
     }
     let choice = BackendChoice {
         kind: a.backend,
-        // Half-precision weights where the backend keeps them (wgpu); compute stays f32.
-        f16_weights: dtype.is_some_and(|d| d != DType::F32),
+        // Half-precision weights where the backend keeps them (wgpu, cuda); compute stays f32.
+        // The CPU server keeps f32: its start-up budget and replay line assume float32 weights.
+        f16_weights: a.backend != BackendKind::Cpu && dtype.is_some_and(|d| d != DType::F32),
         quantization: a.vllm.quantization.parse().map_err(usage)?,
     };
     let limits = match &a.vllm.limit_mm_per_prompt {

@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::{fixture, kvlens, root, scratch, tiny_checkpoint};
+use common::{fixture, kvlens, root, scratch, tiny_checkpoint, tiny_checkpoint_in};
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 use std::process::Output;
@@ -92,6 +92,53 @@ fn a_warm_engine_reuses_prefix_and_encoder_caches() {
     assert_eq!(runs[1]["counters"]["prompt_tokens_computed"].as_u64(), Some(prompt_len));
     assert_eq!(runs[1]["counters"]["vision_runs"], 0);
     assert_eq!(runs[1]["counters"]["encoder_hits"], 1);
+}
+
+/// A bfloat16 checkpoint kept in bfloat16 on the CPU computes what widening it to f32 computes
+/// (the widening is exact; only the summation order differs), in half the bytes.
+#[test]
+fn bf16_matrices_on_the_cpu_give_the_f32_path_s_tokens_in_half_the_bytes() {
+    let ckpt = tiny_checkpoint_in("generate-cli-bf16", "bf16");
+    let image = fixture("golden/images/c_150x150.png");
+    let run = |dtype: &str| -> Value {
+        let out = generate(
+            &ckpt,
+            &[
+                "--prompt",
+                "Describe the picture.",
+                "--image",
+                &image,
+                "--ignore-eos",
+                "--logprobs",
+                "3",
+                "--dtype",
+                dtype,
+            ],
+        );
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        serde_json::from_slice(&out.stdout).unwrap()
+    };
+    let (wide, kept) = (run("float32"), run("bfloat16"));
+    assert_eq!(wide["token_ids"], kept["token_ids"]);
+    assert_eq!(wide["token_ids"].as_array().unwrap().len(), 4);
+    let logprobs = |v: &Value| -> Vec<f64> {
+        let steps = v["top_logprobs"].as_array().unwrap();
+        steps
+            .iter()
+            .flat_map(|s| s.as_array().unwrap().iter().map(|p| p[1].as_f64().unwrap()))
+            .collect()
+    };
+    let (a, b) = (logprobs(&wide), logprobs(&kept));
+    assert_eq!(a.len(), 4 * 3);
+    let worst = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0.0, f64::max);
+    assert!(worst < 1e-3, "largest log-probability difference {worst}");
+    let bytes = |v: &Value| v["weights"]["bytes"].as_u64().unwrap();
+    let (wide_bytes, kept_bytes) = (bytes(&wide), bytes(&kept));
+    assert!(
+        kept_bytes * 10 < wide_bytes * 6 && kept_bytes * 2 > wide_bytes,
+        "bf16 {kept_bytes} vs f32 {wide_bytes}"
+    );
+    assert_eq!(kept["weights"]["dtype"], "bfloat16");
 }
 
 #[test]

@@ -136,13 +136,15 @@ def main():
     ap.add_argument("--out", default=None)
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                     help="cuda: kvlens --backend cuda with bf16 weights, transformers on the GPU")
-    ap.add_argument("--formats", default="none,q8_0,q4_0",
-                    help="comma-separated --quantization values to run kvlens with (cpu)")
+    ap.add_argument("--formats", default="none,bf16,q8_0,q4_0",
+                    help="comma-separated weight formats to run kvlens with (cpu): none (f32), bf16 "
+                         "(--dtype bfloat16) or a --quantization value")
     a = ap.parse_args()
     if a.device == "cuda":
         runs = [("kvlens cuda (bf16 w)", ["--backend", "cuda", "--dtype", "bfloat16"])]
     else:
-        runs = [(f"kvlens {'f32' if f == 'none' else f}", ["--quantization", f]) for f in a.formats.split(",")]
+        runs = [(f"kvlens {'f32' if f == 'none' else f}",
+                 ["--dtype", "bfloat16"] if f == "bf16" else ["--quantization", f]) for f in a.formats.split(",")]
     os.makedirs(a.work, exist_ok=True)
     ckpt = os.path.join(a.work, a.config + "-random-bf16")
     if not os.path.exists(os.path.join(ckpt, "model.safetensors.index.json")) and \

@@ -1,9 +1,9 @@
-//! The CPU backend: candle-core tensors in f32 for dense math, weight matrices in f32 or quantized
-//! on load ([`WeightFormat`]), a paged KV cache in host memory with attention written out over the
-//! block tables.
+//! The CPU backend: candle-core tensors in f32 for dense math, weight matrices in f32, bfloat16 or
+//! quantized on load ([`WeightFormat`]), a paged KV cache in host memory with attention written out
+//! over the block tables.
 
 mod attention;
-mod quantized;
+mod packed;
 
 use super::{ready, Activation, BResult, Backend, BackendError, KvLayout, PagedBatch, RawDType, RawTensor, Readback};
 use crate::memory::ledger::{Category, Held, MemoryLedger};
@@ -11,7 +11,7 @@ use crate::model::weight_format::WeightFormat;
 use crate::sample::DeviceSampling;
 use attention::SeqAttention;
 use candle_core::{DType, Device, Tensor, D};
-use quantized::QuantizedMatrix;
+use packed::PackedMatrix;
 use std::sync::Arc;
 
 fn lib(e: candle_core::Error) -> BackendError {
@@ -19,12 +19,13 @@ fn lib(e: candle_core::Error) -> BackendError {
 }
 
 /// A CPU tensor: an f32 candle tensor plus the ledger entry of the storage it owns; or a weight
-/// matrix in a quantized format, which only [`Backend::linear`] and [`Backend::embedding`] read
-/// (its candle tensor is then empty, so any other operation fails on the shape).
+/// matrix in bfloat16 or a quantized format, which only [`Backend::linear`] and
+/// [`Backend::embedding`] read (its candle tensor is then empty, so any other operation fails on
+/// the shape).
 #[derive(Debug, Clone)]
 pub struct CpuTensor {
     t: Tensor,
-    q: Option<Arc<QuantizedMatrix>>,
+    q: Option<Arc<PackedMatrix>>,
     _held: Option<Arc<Held>>,
 }
 
@@ -42,6 +43,7 @@ pub struct CpuKvCache {
 pub struct CpuBackend {
     ledger: MemoryLedger,
     weights: WeightFormat,
+    bf16_matrices: bool,
 }
 
 impl CpuBackend {
@@ -52,7 +54,19 @@ impl CpuBackend {
 
     /// A CPU backend that stores the weight matrices `weights` quantizes in that format.
     pub fn with_weights(ledger: MemoryLedger, weights: WeightFormat) -> Self {
-        CpuBackend { ledger, weights }
+        CpuBackend {
+            ledger,
+            weights,
+            bf16_matrices: false,
+        }
+    }
+
+    /// Keeps the weight matrices the format leaves unquantized in bfloat16 (as Qwen checkpoints
+    /// store them: copied, not widened; other dtypes rounded) instead of f32. Norms, biases and
+    /// the patch embedding stay f32; products accumulate in f32 against f32 activations.
+    pub fn with_bf16_matrices(mut self, on: bool) -> Self {
+        self.bf16_matrices = on;
+        self
     }
 
     fn wrap(&self, t: Tensor, category: Category) -> CpuTensor {
@@ -64,8 +78,8 @@ impl CpuBackend {
         }
     }
 
-    /// A quantized weight matrix, recorded as weights.
-    fn wrap_quantized(&self, q: QuantizedMatrix) -> BResult<CpuTensor> {
+    /// A packed weight matrix, recorded as weights.
+    fn wrap_packed(&self, q: PackedMatrix) -> BResult<CpuTensor> {
         Ok(CpuTensor {
             t: Tensor::zeros(0, DType::F32, &Device::Cpu).map_err(lib)?,
             _held: Some(Arc::new(self.ledger.hold(Category::Weights, q.bytes()))),
@@ -92,9 +106,9 @@ impl CpuBackend {
     }
 }
 
-/// Rows of activations from which a quantized matrix is dequantized for an f32 GEMM instead of
-/// multiplied block by block (measured on Qwen3-VL-2B: the quantized kernel prefills at a quarter
-/// of the f32 GEMM's rate, while decode's single rows are bound by the bytes read).
+/// Rows of activations from which a packed matrix is widened to f32 for the f32 GEMM instead of
+/// multiplied row by row (measured on Qwen3-VL-2B: the quantized kernel prefills at a quarter of
+/// the f32 GEMM's rate, while decode's single rows are bound by the bytes read).
 const DEQUANTIZE_FROM_ROWS: usize = 32;
 
 /// Query rows per block of the vision tower's attention.
@@ -140,8 +154,23 @@ impl Backend for CpuBackend {
         if let &[rows, cols] = raw.shape.as_slice() {
             if self.weights.quantizes(&raw.shape) {
                 let values = crate::model::weights::host_f32(&raw);
-                if let Some(q) = QuantizedMatrix::quantize(self.weights, &values, rows, cols) {
-                    return self.wrap_quantized(q);
+                if let Some(q) = PackedMatrix::quantize(self.weights, &values, rows, cols) {
+                    return self.wrap_packed(q);
+                }
+            } else if self.bf16_matrices {
+                let bits = match raw.dtype {
+                    RawDType::Bf16 => raw
+                        .data
+                        .chunks_exact(2)
+                        .map(|b| u16::from_le_bytes([b[0], b[1]]))
+                        .collect(),
+                    _ => crate::model::weights::host_f32(&raw)
+                        .into_iter()
+                        .map(|v| half::bf16::from_f32(v).to_bits())
+                        .collect(),
+                };
+                if let Some(m) = PackedMatrix::bf16(bits, rows, cols) {
+                    return self.wrap_packed(m);
                 }
             }
         }

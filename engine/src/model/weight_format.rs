@@ -149,6 +149,19 @@ mod tests {
                 assert_eq!(ledger.bytes(Category::Weights), 0, "{format}: freed with the model");
             }
             assert!(totals[0] > 3 * totals[1] && totals[1] > totals[2], "{totals:?}");
+            // bfloat16 matrices: two bytes per matrix value, four per norm, bias and the patch
+            // embedding (the planner's `--dtype bfloat16` counts two for those as well).
+            let ledger = MemoryLedger::new();
+            let be = CpuBackend::new(ledger.clone()).with_bf16_matrices(true);
+            let model = QwenVl::load(cfg.clone(), &source, &be, |_, _| {}).unwrap();
+            let want: u64 = specs
+                .iter()
+                .filter(|t| !t.host)
+                .map(|t| t.numel() * if t.shape.len() == 2 { 2 } else { 4 })
+                .sum();
+            assert_eq!(ledger.bytes(Category::Weights), want);
+            assert!(want * 10 < (totals[0] - host) * 6, "{want} vs f32 {}", totals[0] - host);
+            drop(model);
         }
     }
 }

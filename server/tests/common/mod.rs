@@ -41,6 +41,11 @@ pub fn scratch(name: &str) -> PathBuf {
 /// Writes the tiny Qwen3-VL checkpoint (f32, images of 1024 to 65536 pixels) into the scratch
 /// directory under `name` (overwritten by every run) and returns its path.
 pub fn tiny_checkpoint(name: &str) -> PathBuf {
+    tiny_checkpoint_in(name, "f32")
+}
+
+/// [`tiny_checkpoint`] with its tensors stored as `dtype` (`f32`, `bf16` or `f16`).
+pub fn tiny_checkpoint_in(name: &str, dtype: &str) -> PathBuf {
     let dir = scratch(name);
     let config = root().join("tools/golden/configs/qwen3_vl_tiny.json");
     let out = kvlens(&[
@@ -50,7 +55,7 @@ pub fn tiny_checkpoint(name: &str) -> PathBuf {
         "--out",
         dir.to_str().unwrap(),
         "--dtype",
-        "f32",
+        dtype,
         "--image-limits",
         "1024,65536",
         "--force",

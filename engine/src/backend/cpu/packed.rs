@@ -1,0 +1,307 @@
+//! Weight matrices stored in fewer bytes than f32 on the CPU: bfloat16 as the checkpoint holds it,
+//! or GGML's block formats ([`WeightFormat`]).
+//!
+//! Block formats are multiplied by candle's quantized kernels (`k_quants::matmul`: the activations
+//! quantized to `q8_0` row by row, integer dot products with AVX2, NEON or wasm simd128 chosen at
+//! run time, f32 results, the columns spread over candle's thread pool). The blocks are the only
+//! copy of the matrix: candle's `QMatMul` would also keep a repacked copy on AVX-512 machines,
+//! which the ledger could not see. bfloat16 rows are widened to f32 inside the dot product (exactly:
+//! a bfloat16 is the upper half of an f32) against f32 activations, so a bfloat16 checkpoint gives
+//! the f32 path's numbers at half the bytes read; candle's own bf16 kernel would round the
+//! activations to bfloat16 as well.
+
+use crate::model::weight_format::WeightFormat;
+use candle_core::quantized::k_quants::{self, BlockQ4_0, BlockQ8_0, GgmlType};
+use std::sync::Mutex;
+
+/// The values of one matrix.
+#[derive(Debug)]
+enum Packing {
+    /// bfloat16 bit patterns, row-major.
+    Bf16(Vec<u16>),
+    Q8_0(Vec<BlockQ8_0>),
+    Q4_0(Vec<BlockQ4_0>),
+}
+
+/// A matrix `[rows, cols]` in bfloat16 or quantized row by row.
+#[derive(Debug)]
+pub struct PackedMatrix {
+    rows: usize,
+    cols: usize,
+    packing: Packing,
+}
+
+fn quantize_rows<T: GgmlType>(values: &[f32], cols: usize) -> Vec<T> {
+    let per_row = cols / T::BLCK_SIZE;
+    let mut out = vec![T::zeros(); values.len() / cols * per_row];
+    for (src, dst) in values.chunks_exact(cols).zip(out.chunks_exact_mut(per_row)) {
+        T::from_float(src, dst);
+    }
+    out
+}
+
+fn dequantize_rows<T: GgmlType>(blocks: &[T], cols: usize, ids: &[usize]) -> Vec<f32> {
+    let per_row = cols / T::BLCK_SIZE;
+    let mut out = vec![0f32; ids.len() * cols];
+    for (&id, dst) in ids.iter().zip(out.chunks_exact_mut(cols)) {
+        T::to_float(&blocks[id * per_row..(id + 1) * per_row], dst);
+    }
+    out
+}
+
+/// A bfloat16 bit pattern as the f32 it stands for (exact).
+#[inline(always)]
+fn widen(bits: u16) -> f32 {
+    f32::from_bits((bits as u32) << 16)
+}
+
+/// Lanes of the dot product's accumulators: two AVX2 registers, so the compiler vectorises.
+const LANES: usize = 16;
+
+/// `out[i] = x_i · w` for the `out.len()` rows `x_i` of `xs`, `w` one bfloat16 row. `FMA` picks
+/// fused multiply-adds, which only a function compiled with the `fma` feature may ask for.
+#[inline(always)]
+fn dot_rows<const FMA: bool>(w: &[u16], xs: &[f32], out: &mut [f32]) {
+    let cols = w.len();
+    for (x, o) in xs.chunks_exact(cols).zip(out.iter_mut()) {
+        let mut acc = [0f32; LANES];
+        let (wc, xc) = (w.chunks_exact(LANES), x.chunks_exact(LANES));
+        let (w_tail, x_tail) = (wc.remainder(), xc.remainder());
+        for (w, x) in wc.zip(xc) {
+            for l in 0..LANES {
+                acc[l] = if FMA {
+                    x[l].mul_add(widen(w[l]), acc[l])
+                } else {
+                    acc[l] + x[l] * widen(w[l])
+                };
+            }
+        }
+        let tail: f32 = w_tail.iter().zip(x_tail).map(|(&w, x)| x * widen(w)).sum();
+        *o = acc.iter().sum::<f32>() + tail;
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+fn dot_rows_avx2(w: &[u16], xs: &[f32], out: &mut [f32]) {
+    dot_rows::<true>(w, xs, out)
+}
+
+/// [`dot_rows`] with the widest instructions this CPU has (the one `unsafe` call: a function
+/// compiled for AVX2 and FMA, called once they are detected).
+#[allow(unsafe_code)]
+fn dot_rows_fastest(w: &[u16], xs: &[f32], out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+        // SAFETY: the features `dot_rows_avx2` is compiled with were detected on this CPU.
+        return unsafe { dot_rows_avx2(w, xs, out) };
+    }
+    dot_rows::<false>(w, xs, out)
+}
+
+/// Output rows (of the weight matrix) per task of the bfloat16 product.
+const BF16_ROWS_PER_TASK: usize = 64;
+
+/// `x · wᵀ` for `x [m, cols]` and bfloat16 `w [rows, cols]`: `[m, rows]`. Tasks of
+/// [`BF16_ROWS_PER_TASK`] weight rows go to candle's thread pool (the one its other kernels use);
+/// each weight row is read once for all `m` activation rows.
+fn bf16_matmul(w: &[u16], rows: usize, cols: usize, x: &[f32], m: usize) -> Vec<f32> {
+    // Transposed, `[rows, m]`, so that each task writes one contiguous part.
+    let mut out_t = vec![0f32; rows * m];
+    let parts: Vec<Mutex<&mut [f32]>> = out_t.chunks_mut(BF16_ROWS_PER_TASK * m).map(Mutex::new).collect();
+    candle_core::utils::barrier_pool().execute_chunked(parts.len(), |tasks| {
+        for t in tasks {
+            let mut part = parts[t].lock().unwrap_or_else(|e| e.into_inner());
+            let first = t * BF16_ROWS_PER_TASK;
+            for (r, out) in part.chunks_mut(m).enumerate() {
+                let row = first + r;
+                dot_rows_fastest(&w[row * cols..(row + 1) * cols], x, out);
+            }
+        }
+    });
+    drop(parts);
+    if m == 1 {
+        return out_t;
+    }
+    let mut out = vec![0f32; m * rows];
+    for (r, col) in out_t.chunks_exact(m).enumerate() {
+        for (i, &v) in col.iter().enumerate() {
+            out[i * rows + r] = v;
+        }
+    }
+    out
+}
+
+fn quantized_matmul<T: GgmlType>(mkn: (usize, usize, usize), x: &[f32], blocks: &[T]) -> candle_core::Result<Vec<f32>> {
+    let mut out = vec![0f32; mkn.0 * mkn.2];
+    k_quants::matmul(mkn, x, blocks, &mut out)?;
+    Ok(out)
+}
+
+impl PackedMatrix {
+    /// Quantizes `values` (row-major `[rows, cols]`), or None when `format` keeps this shape.
+    pub fn quantize(format: WeightFormat, values: &[f32], rows: usize, cols: usize) -> Option<Self> {
+        if !format.quantizes(&[rows, cols]) || values.len() != rows * cols {
+            return None;
+        }
+        let packing = match format {
+            WeightFormat::Q8_0 => Packing::Q8_0(quantize_rows(values, cols)),
+            WeightFormat::Q4_0 => Packing::Q4_0(quantize_rows(values, cols)),
+            WeightFormat::Unquantized => return None,
+        };
+        Some(PackedMatrix { rows, cols, packing })
+    }
+
+    /// A bfloat16 matrix from its bit patterns (row-major), or None when the count is not
+    /// `rows · cols`.
+    pub fn bf16(bits: Vec<u16>, rows: usize, cols: usize) -> Option<Self> {
+        (bits.len() == rows * cols).then_some(PackedMatrix {
+            rows,
+            cols,
+            packing: Packing::Bf16(bits),
+        })
+    }
+
+    /// `[rows, cols]`.
+    pub fn dims(&self) -> (usize, usize) {
+        (self.rows, self.cols)
+    }
+
+    /// Bytes of the packed values.
+    pub fn bytes(&self) -> u64 {
+        (match &self.packing {
+            Packing::Bf16(v) => std::mem::size_of_val(v.as_slice()),
+            Packing::Q8_0(b) => std::mem::size_of_val(b.as_slice()),
+            Packing::Q4_0(b) => std::mem::size_of_val(b.as_slice()),
+        }) as u64
+    }
+
+    /// `x · selfᵀ` for `x [m, cols]` (row-major): `[m, rows]`.
+    pub fn matmul(&self, x: &[f32], m: usize) -> candle_core::Result<Vec<f32>> {
+        if x.len() != m * self.cols {
+            candle_core::bail!("{} values are not {m} rows of {}", x.len(), self.cols);
+        }
+        let mkn = (m, self.cols, self.rows);
+        match &self.packing {
+            Packing::Bf16(w) => Ok(bf16_matmul(w, self.rows, self.cols, x, m)),
+            Packing::Q8_0(b) => quantized_matmul(mkn, x, b),
+            Packing::Q4_0(b) => quantized_matmul(mkn, x, b),
+        }
+    }
+
+    /// The whole matrix in f32 (row-major).
+    pub fn dequantize(&self) -> Vec<f32> {
+        let mut out = vec![0f32; self.rows * self.cols];
+        match &self.packing {
+            Packing::Bf16(v) => out.iter_mut().zip(v).for_each(|(o, &b)| *o = widen(b)),
+            Packing::Q8_0(b) => BlockQ8_0::to_float(b, &mut out),
+            Packing::Q4_0(b) => BlockQ4_0::to_float(b, &mut out),
+        }
+        out
+    }
+
+    /// Rows `ids` in f32 (an embedding lookup); ids must be below `rows`.
+    pub fn gather(&self, ids: &[usize]) -> Vec<f32> {
+        debug_assert!(ids.iter().all(|&i| i < self.rows));
+        match &self.packing {
+            Packing::Bf16(v) => ids
+                .iter()
+                .flat_map(|&id| v[id * self.cols..(id + 1) * self.cols].iter().map(|&b| widen(b)))
+                .collect(),
+            Packing::Q8_0(b) => dequantize_rows(b, self.cols, ids),
+            Packing::Q4_0(b) => dequantize_rows(b, self.cols, ids),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn matrix(rows: usize, cols: usize) -> Vec<f32> {
+        (0..rows * cols)
+            .map(|i| ((i * 7919 % 1000) as f32 / 500.0 - 1.0) * 0.1)
+            .collect()
+    }
+
+    #[test]
+    fn block_sizes_are_the_planner_s() {
+        for format in [WeightFormat::Q8_0, WeightFormat::Q4_0] {
+            let q = PackedMatrix::quantize(format, &matrix(48, 64), 48, 64).unwrap();
+            assert_eq!(q.bytes(), format.tensor_bytes(&[48, 64], 4), "{format}");
+        }
+        assert!(PackedMatrix::quantize(WeightFormat::Q8_0, &matrix(4, 37), 4, 37).is_none());
+        assert!(PackedMatrix::quantize(WeightFormat::Unquantized, &matrix(4, 64), 4, 64).is_none());
+    }
+
+    /// The product is the f32 product within each format's rounding, for one row (decode) and
+    /// for many (prefill), and gathered rows are the dequantized values.
+    #[test]
+    fn matmul_and_gather_stay_close_to_f32() {
+        let (rows, cols) = (40, 96);
+        let w = matrix(rows, cols);
+        // A value is off by at most one step of its block's scale, `max |w| / 127` or `/ 8`.
+        let max = w.iter().map(|v| v.abs()).fold(0.0, f32::max);
+        for (format, tol, step) in [
+            (WeightFormat::Q8_0, 0.01, max / 127.0),
+            (WeightFormat::Q4_0, 0.08, max / 8.0),
+        ] {
+            let q = PackedMatrix::quantize(format, &w, rows, cols).unwrap();
+            for m in [1, 5, 33] {
+                let x = matrix(m, cols);
+                let got = q.matmul(&x, m).unwrap();
+                let scale = max * cols as f32 * 0.1;
+                for i in 0..m {
+                    for j in 0..rows {
+                        let want: f32 = (0..cols).map(|c| x[i * cols + c] * w[j * cols + c]).sum();
+                        let err = (got[i * rows + j] - want).abs();
+                        assert!(err <= tol * scale, "{format} m={m} [{i},{j}]: {err} vs {want}");
+                    }
+                }
+            }
+            let whole = q.dequantize();
+            assert_eq!(whole.len(), rows * cols);
+            assert!(whole.iter().zip(&w).all(|(a, b)| (a - b).abs() <= step * 1.001));
+            let rows_back = q.gather(&[3, 0]);
+            for (k, &v) in rows_back.iter().enumerate() {
+                let src = if k < cols { w[3 * cols + k] } else { w[k - cols] };
+                assert!((v - src).abs() <= step * 1.001, "{format} {k}: {v} vs {src}");
+            }
+        }
+        assert!(PackedMatrix::quantize(WeightFormat::Q8_0, &w, rows, cols)
+            .unwrap()
+            .matmul(&[0.0; 5], 1)
+            .is_err());
+    }
+
+    /// bfloat16 weights give the f32 product of the widened values (only the summation order
+    /// differs), for one row, a few, and row counts off the lane width and the task size.
+    #[test]
+    fn bf16_products_are_the_widened_f32_products() {
+        for (rows, cols) in [(130, 96), (3, 37)] {
+            let w: Vec<u16> = matrix(rows, cols)
+                .iter()
+                .map(|&v| half::bf16::from_f32(v).to_bits())
+                .collect();
+            let wide: Vec<f32> = w.iter().map(|&b| widen(b)).collect();
+            let p = PackedMatrix::bf16(w, rows, cols).unwrap();
+            assert_eq!(p.bytes(), (rows * cols * 2) as u64);
+            assert_eq!(p.dequantize(), wide);
+            assert_eq!(p.gather(&[2, 0]), [&wide[2 * cols..3 * cols], &wide[..cols]].concat());
+            for m in [1, 2, 7] {
+                let x = matrix(m, cols);
+                let got = p.matmul(&x, m).unwrap();
+                for i in 0..m {
+                    for j in 0..rows {
+                        let want: f64 = (0..cols)
+                            .map(|c| x[i * cols + c] as f64 * wide[j * cols + c] as f64)
+                            .sum();
+                        let err = (got[i * rows + j] as f64 - want).abs();
+                        assert!(err <= 1e-5, "{rows}x{cols} m={m} [{i},{j}]: {err}");
+                    }
+                }
+            }
+        }
+        assert!(PackedMatrix::bf16(vec![0; 5], 2, 3).is_none());
+    }
+}
