@@ -93,6 +93,11 @@ impl CpuBackend {
 
     /// The tensor's values on the host.
     fn host(t: &CpuTensor) -> BResult<Vec<f32>> {
+        if t.q.is_some() {
+            return Err(BackendError::Shape(
+                "a packed weight matrix is read only by linear and embedding".into(),
+            ));
+        }
         t.t.flatten_all().and_then(|f| f.to_vec1::<f32>()).map_err(lib)
     }
 

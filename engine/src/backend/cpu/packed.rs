@@ -106,6 +106,9 @@ const BF16_ROWS_PER_TASK: usize = 64;
 /// [`BF16_ROWS_PER_TASK`] weight rows go to candle's thread pool (the one its other kernels use);
 /// each weight row is read once for all `m` activation rows.
 fn bf16_matmul(w: &[u16], rows: usize, cols: usize, x: &[f32], m: usize) -> Vec<f32> {
+    if m == 0 || rows == 0 {
+        return vec![0f32; m * rows];
+    }
     // Transposed, `[rows, m]`, so that each task writes one contiguous part.
     let mut out_t = vec![0f32; rows * m];
     let parts: Vec<Mutex<&mut [f32]>> = out_t.chunks_mut(BF16_ROWS_PER_TASK * m).map(Mutex::new).collect();
@@ -284,6 +287,25 @@ mod tests {
                 .map(|&v| half::bf16::from_f32(v).to_bits())
                 .collect();
             let wide: Vec<f32> = w.iter().map(|&b| widen(b)).collect();
+            let want = |x: &[f32], i: usize, j: usize| -> f64 {
+                (0..cols)
+                    .map(|c| x[i * cols + c] as f64 * wide[j * cols + c] as f64)
+                    .sum()
+            };
+            // The portable dot product (the only one on aarch64 and wasm) and the fused one,
+            // whichever this CPU would pick.
+            let x = matrix(3, cols);
+            for fma in [false, true] {
+                let mut out = [0f32; 3];
+                if fma {
+                    dot_rows::<true>(&w[..cols], &x, &mut out);
+                } else {
+                    dot_rows::<false>(&w[..cols], &x, &mut out);
+                }
+                for (i, &o) in out.iter().enumerate() {
+                    assert!((o as f64 - want(&x, i, 0)).abs() <= 1e-5, "fma {fma}, row {i}");
+                }
+            }
             let p = PackedMatrix::bf16(w, rows, cols).unwrap();
             assert_eq!(p.bytes(), (rows * cols * 2) as u64);
             assert_eq!(p.dequantize(), wide);
@@ -293,14 +315,12 @@ mod tests {
                 let got = p.matmul(&x, m).unwrap();
                 for i in 0..m {
                     for j in 0..rows {
-                        let want: f64 = (0..cols)
-                            .map(|c| x[i * cols + c] as f64 * wide[j * cols + c] as f64)
-                            .sum();
-                        let err = (got[i * rows + j] as f64 - want).abs();
+                        let err = (got[i * rows + j] as f64 - want(&x, i, j)).abs();
                         assert!(err <= 1e-5, "{rows}x{cols} m={m} [{i},{j}]: {err}");
                     }
                 }
             }
+            assert!(p.matmul(&[], 0).unwrap().is_empty());
         }
         assert!(PackedMatrix::bf16(vec![0; 5], 2, 3).is_none());
     }
