@@ -127,6 +127,10 @@ async function screenshot(page, name) {
 
 const byTest = (page, id) => page.locator(`[data-testid="${id}"]`);
 
+// In `waitForFunction` predicates an element is read with `?.`: a predicate that throws (an
+// element the wasm app has not rendered yet, on 2 busy cores) fails the wait at once instead of
+// being polled again.
+
 function assert(cond, msg) {
   if (!cond) throw new Error(msg);
 }
@@ -202,7 +206,7 @@ async function playgroundOnWebGpu(base) {
   try {
     const page = await newPage(b, 'webgpu');
     await page.goto(`${base}/`);
-    await page.waitForFunction(() => !document.querySelector('[data-testid="device"]').textContent.includes('looking'), null, { timeout: LONG });
+    await page.waitForFunction(() => !(document.querySelector('[data-testid="device"]')?.textContent ?? 'looking').includes('looking'), null, { timeout: LONG });
     const device = await byTest(page, 'device').textContent();
     assert(device.startsWith('WebGPU'), `no WebGPU adapter in the page: ${device}`);
     await loadDemo(page);
@@ -213,7 +217,7 @@ async function playgroundOnWebGpu(base) {
     sameTokens(first, 'WebGPU');
     const seen = await page.evaluate(() => window.__seen['kv-usage']);
     assert(seen.some((s) => s.live && blocksInUse(s.text) > 0), `kv-usage never showed blocks in use during generation: ${JSON.stringify(seen)}`);
-    await page.waitForFunction(() => /^0\//.test(document.querySelector('[data-testid="kv-usage"]').textContent), null, { timeout: LONG });
+    await page.waitForFunction(() => /^0\//.test(document.querySelector('[data-testid="kv-usage"]')?.textContent || ''), null, { timeout: LONG });
     const cached = await page.locator('[data-testid="kv-grid"] .cell.cached').first().getAttribute('title');
     assert(/prefix cache · hash [0-9a-f]{16}/.test(cached || ''), `a cached-free block's tooltip has no hash: ${cached}`);
     const ec = await byTest(page, 'encoder-cache-usage').textContent();
@@ -228,7 +232,7 @@ async function playgroundOnWebGpu(base) {
     assert(hits2 > hits, `the same image again did not hit the encoder cache (${hits} -> ${hits2})`);
 
     await byTest(page, 'reset-encoder-cache').click();
-    await page.waitForFunction(() => document.querySelector('[data-testid="encoder-cache-usage"]').textContent.startsWith('0 entries'), null, { timeout: LONG });
+    await page.waitForFunction(() => (document.querySelector('[data-testid="encoder-cache-usage"]')?.textContent || '').startsWith('0 entries'), null, { timeout: LONG });
     assert((await byTest(page, 'reset-result').textContent()).includes('freed'), 'the reset does not say what it freed');
   } finally {
     await b.close();
@@ -252,7 +256,7 @@ async function playgroundOnCpu(base) {
   try {
     const page = await newPage(b, 'cpu');
     await page.goto(`${base}/`);
-    await page.waitForFunction(() => !document.querySelector('[data-testid="device"]').textContent.includes('looking'), null, { timeout: LONG });
+    await page.waitForFunction(() => !(document.querySelector('[data-testid="device"]')?.textContent ?? 'looking').includes('looking'), null, { timeout: LONG });
     const device = await byTest(page, 'device').textContent();
     assert(device.startsWith('CPU backend'), `WebGPU was off, yet: ${device}`);
     await loadDemo(page);
