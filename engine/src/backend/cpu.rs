@@ -3,6 +3,7 @@
 //! over the block tables.
 
 mod attention;
+mod blocks;
 mod packed;
 
 use super::{ready, Activation, BResult, Backend, BackendError, KvLayout, PagedBatch, RawDType, RawTensor, Readback};

@@ -1,0 +1,454 @@
+//! GGML's `q8_0` and `q4_0` block formats on the CPU, and their product with activations.
+//!
+//! Each block of 32 values keeps GGML's scale `d` (an f16) and quantization, so the dequantized
+//! numbers are GGML's (and candle's, which a test checks). The bytes are GGML's count, laid out for
+//! the integer dot product: the scales of a row in one array, the quants in another and unsigned,
+//! `value = d · (q − offset)`: `q8_0` stores GGML's i8 plus 128, `q4_0` GGML's nibbles (value `j`
+//! in the low half of byte `j`, value `j + 16` in the high half).
+//!
+//! Products quantize the activations once per call, as GGML does (`q8_0`, but with an f32 scale),
+//! and sum `Σ_b d_w · (d_x · Σ q_w q_x − offset · d_x · Σ q_x)` per row: integer dot products with
+//! AVX-512 VNNI where the CPU has it (64 weights per instruction), else a portable loop the
+//! compiler vectorises (AVX2 where present, wasm simd128, NEON).
+
+use super::packed::prefetch_ahead;
+use half::f16;
+
+/// Values per block.
+pub const BLOCK: usize = 32;
+
+/// Blocks whose scales one step of the vectorised product reads (one 512-bit register of f32).
+const SCALE_GROUP: usize = 16;
+
+/// The two block formats.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BlockKind {
+    Q8_0,
+    Q4_0,
+}
+
+impl BlockKind {
+    /// Bytes of one block's quants.
+    fn quant_bytes(self) -> usize {
+        match self {
+            BlockKind::Q8_0 => BLOCK,
+            BlockKind::Q4_0 => BLOCK / 2,
+        }
+    }
+
+    /// What a stored quant is offset by.
+    fn offset(self) -> f32 {
+        match self {
+            BlockKind::Q8_0 => 128.0,
+            BlockKind::Q4_0 => 8.0,
+        }
+    }
+}
+
+/// GGML's `q8_0` rounding of one block: its scale and its values in `-127..=127`.
+fn quantize_q8(values: &[f32], out: &mut [i8]) -> f32 {
+    let amax = values.iter().fold(0f32, |a, v| a.max(v.abs()));
+    let d = amax / 127.0;
+    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+    for (q, &v) in out.iter_mut().zip(values) {
+        *q = (v * id).round() as i8;
+    }
+    d
+}
+
+/// Rows of a matrix quantized block by block (see the module's documentation for the layout).
+#[derive(Debug)]
+pub struct BlockRows {
+    kind: BlockKind,
+    cols: usize,
+    /// f16 bit patterns, `cols / 32` per row.
+    scales: Vec<u16>,
+    /// `quant_bytes` per block.
+    quants: Vec<u8>,
+}
+
+impl BlockRows {
+    /// Quantizes `values`, row-major with `cols` (a multiple of 32) per row.
+    pub fn quantize(kind: BlockKind, values: &[f32], cols: usize) -> Self {
+        debug_assert!(cols.is_multiple_of(BLOCK) && values.len().is_multiple_of(cols));
+        let blocks = values.len() / BLOCK;
+        let mut scales = Vec::with_capacity(blocks);
+        let mut quants = vec![0u8; blocks * kind.quant_bytes()];
+        let mut q8 = [0i8; BLOCK];
+        for (block, out) in values
+            .chunks_exact(BLOCK)
+            .zip(quants.chunks_exact_mut(kind.quant_bytes()))
+        {
+            let d = match kind {
+                BlockKind::Q8_0 => {
+                    let d = quantize_q8(block, &mut q8);
+                    for (o, &q) in out.iter_mut().zip(&q8) {
+                        *o = (q as i16 + 128) as u8;
+                    }
+                    d
+                }
+                BlockKind::Q4_0 => {
+                    // The value of largest magnitude, with its sign, maps to -8.
+                    let max = block.iter().fold(0f32, |m, &v| if v.abs() > m.abs() { v } else { m });
+                    let d = max / -8.0;
+                    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+                    let nibble = |v: f32| ((v * id + 8.5) as u8).min(15);
+                    for (j, o) in out.iter_mut().enumerate() {
+                        *o = nibble(block[j]) | (nibble(block[j + BLOCK / 2]) << 4);
+                    }
+                    d
+                }
+            };
+            scales.push(f16::from_f32(d).to_bits());
+        }
+        BlockRows {
+            kind,
+            cols,
+            scales,
+            quants,
+        }
+    }
+
+    /// The format.
+    pub fn kind(&self) -> BlockKind {
+        self.kind
+    }
+
+    /// Bytes of scales and quants.
+    pub fn bytes(&self) -> usize {
+        self.scales.len() * 2 + self.quants.len()
+    }
+
+    fn blocks_per_row(&self) -> usize {
+        self.cols / BLOCK
+    }
+
+    /// Row `row`'s values in f32.
+    pub fn dequantize_row(&self, row: usize, out: &mut [f32]) {
+        let nb = self.blocks_per_row();
+        let qb = self.kind.quant_bytes();
+        let offset = self.kind.offset();
+        for b in row * nb..(row + 1) * nb {
+            let d = f16::from_bits(self.scales[b]).to_f32();
+            let q = &self.quants[b * qb..(b + 1) * qb];
+            let out = &mut out[(b - row * nb) * BLOCK..][..BLOCK];
+            match self.kind {
+                BlockKind::Q8_0 => {
+                    for (o, &q) in out.iter_mut().zip(q) {
+                        *o = d * (q as f32 - offset);
+                    }
+                }
+                BlockKind::Q4_0 => {
+                    let (lo, hi) = out.split_at_mut(BLOCK / 2);
+                    for ((l, h), &q) in lo.iter_mut().zip(hi).zip(q) {
+                        *l = d * ((q & 0x0F) as f32 - offset);
+                        *h = d * ((q >> 4) as f32 - offset);
+                    }
+                }
+            }
+        }
+    }
+
+    /// `out[i] = x_i · row` for each row `x_i` of `acts` (quantized for this matrix's format).
+    pub fn dot_row(&self, row: usize, acts: &Activations, out: &mut [f32]) {
+        debug_assert_eq!(acts.kind, self.kind);
+        let nb = self.blocks_per_row();
+        let qb = self.kind.quant_bytes();
+        prefetch_ahead(&self.scales, row * nb..(row + 1) * nb);
+        prefetch_ahead(&self.quants, row * nb * qb..(row + 1) * nb * qb);
+        let scales = &self.scales[row * nb..(row + 1) * nb];
+        let quants = &self.quants[row * nb * qb..(row + 1) * nb * qb];
+        for (i, o) in out.iter_mut().enumerate() {
+            *o = dot_fastest(self.kind, scales, quants, &acts.row(i));
+        }
+    }
+}
+
+/// Activation rows quantized for one product, padded to whole groups of [`SCALE_GROUP`] blocks
+/// (zeros): per block the scale `d_x`, the correction `offset · d_x · Σ q_x`, and the i8 values,
+/// in the order the vectorised product reads them (for `q4_0`, per pair of blocks A, B:
+/// `A[0..16] B[0..16] A[16..32] B[16..32]`, the order its nibbles unpack in).
+#[derive(Debug)]
+pub struct Activations {
+    kind: BlockKind,
+    padded_blocks: usize,
+    scales: Vec<f32>,
+    corrections: Vec<f32>,
+    quants: Vec<i8>,
+}
+
+/// One quantized activation row.
+struct ActRow<'a> {
+    scales: &'a [f32],
+    corrections: &'a [f32],
+    quants: &'a [i8],
+}
+
+impl Activations {
+    /// Quantizes the rows of `x` (`cols`, a multiple of 32, per row) for a `kind` matrix.
+    pub fn quantize(kind: BlockKind, x: &[f32], cols: usize) -> Self {
+        let nb = cols / BLOCK;
+        let padded_blocks = nb.div_ceil(SCALE_GROUP) * SCALE_GROUP;
+        let m = x.len() / cols;
+        let mut acts = Activations {
+            kind,
+            padded_blocks,
+            scales: vec![0.0; m * padded_blocks],
+            corrections: vec![0.0; m * padded_blocks],
+            quants: vec![0; m * padded_blocks * BLOCK],
+        };
+        let mut q = [0i8; BLOCK];
+        for (i, row) in x.chunks_exact(cols).enumerate() {
+            for (b, block) in row.chunks_exact(BLOCK).enumerate() {
+                let d = quantize_q8(block, &mut q);
+                let sum: i32 = q.iter().map(|&v| v as i32).sum();
+                let at = i * padded_blocks + b;
+                acts.scales[at] = d;
+                acts.corrections[at] = kind.offset() * d * sum as f32;
+                let base = at * BLOCK;
+                match kind {
+                    BlockKind::Q8_0 => acts.quants[base..base + BLOCK].copy_from_slice(&q),
+                    BlockKind::Q4_0 => {
+                        let pair = i * padded_blocks * BLOCK + (b / 2) * 2 * BLOCK;
+                        let half = (b % 2) * BLOCK / 2;
+                        acts.quants[pair + half..][..BLOCK / 2].copy_from_slice(&q[..BLOCK / 2]);
+                        acts.quants[pair + BLOCK + half..][..BLOCK / 2].copy_from_slice(&q[BLOCK / 2..]);
+                    }
+                }
+            }
+        }
+        acts
+    }
+
+    fn row(&self, i: usize) -> ActRow<'_> {
+        let (s, n) = (i * self.padded_blocks, self.padded_blocks);
+        ActRow {
+            scales: &self.scales[s..s + n],
+            corrections: &self.corrections[s..s + n],
+            quants: &self.quants[s * BLOCK..(s + n) * BLOCK],
+        }
+    }
+}
+
+/// The dot product of one weight row (`scales`, `quants`) with one activation row, in portable
+/// code.
+#[inline(always)]
+fn dot_portable(kind: BlockKind, scales: &[u16], quants: &[u8], x: &ActRow<'_>) -> f32 {
+    let mut sum = 0f32;
+    for (b, &d) in scales.iter().enumerate() {
+        let isum: i32 = match kind {
+            BlockKind::Q8_0 => quants[b * BLOCK..][..BLOCK]
+                .iter()
+                .zip(&x.quants[b * BLOCK..][..BLOCK])
+                .map(|(&w, &x)| w as i32 * x as i32)
+                .sum(),
+            BlockKind::Q4_0 => {
+                let pair = &x.quants[(b / 2) * 2 * BLOCK..][..2 * BLOCK];
+                let half = (b % 2) * BLOCK / 2;
+                let (lo, hi) = (&pair[half..][..BLOCK / 2], &pair[BLOCK + half..][..BLOCK / 2]);
+                quants[b * BLOCK / 2..][..BLOCK / 2]
+                    .iter()
+                    .zip(lo.iter().zip(hi))
+                    .map(|(&w, (&l, &h))| (w & 0x0F) as i32 * l as i32 + (w >> 4) as i32 * h as i32)
+                    .sum()
+            }
+        };
+        sum += f16::from_bits(d).to_f32() * (x.scales[b] * isum as f32 - x.corrections[b]);
+    }
+    sum
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+fn dot_avx2(kind: BlockKind, scales: &[u16], quants: &[u8], x: &ActRow<'_>) -> f32 {
+    dot_portable(kind, scales, quants, x)
+}
+
+/// The product with AVX-512 VNNI: per pair of blocks one 64-byte `vpdpbusd` (unsigned weights
+/// times signed activations into 16 i32 sums, 8 per block, or for `q4_0` 4+4 per block in its
+/// unpacking order), scaled per block in f32; the scales of 16 blocks are widened at once and the
+/// corrections summed apart. Whole groups of 16 blocks run unmasked; the last, partial group is
+/// read with masked loads.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
+#[allow(unsafe_code)]
+fn dot_vnni<const Q4: bool>(scales: &[u16], quants: &[u8], x: &ActRow<'_>) -> f32 {
+    use std::arch::x86_64::*;
+    let nb = scales.len();
+    let qb = if Q4 { BLOCK / 2 } else { BLOCK };
+    // The reads below stay inside these lengths.
+    assert!(quants.len() == nb * qb && x.scales.len() >= nb.div_ceil(SCALE_GROUP) * SCALE_GROUP);
+    assert!(x.corrections.len() == x.scales.len() && x.quants.len() == x.scales.len() * BLOCK);
+    // Which block of a pair each i32 sum belongs to.
+    let lanes = if Q4 {
+        _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1)
+    } else {
+        _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1)
+    };
+    let pair_scale: [__m512i; SCALE_GROUP / 2] =
+        std::array::from_fn(|p| _mm512_add_epi32(lanes, _mm512_set1_epi32(2 * p as i32)));
+    let low_nibbles = _mm256_set1_epi8(0x0F);
+    let mut acc = [_mm512_setzero_ps(); 2];
+    let mut corr = _mm512_setzero_ps();
+    // One group of `n` blocks from block `g`; `full` groups are read without masks.
+    let mut group = |g: usize, n: usize, full: bool| {
+        let group_mask = if full { !0 } else { ((1u32 << n) - 1) as __mmask16 };
+        // SAFETY: masked to the `n` scales left; the activations are padded to whole groups.
+        let (dw, dx, cx) = unsafe {
+            (
+                _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(
+                    group_mask,
+                    scales.as_ptr().add(g) as *const i16,
+                )),
+                _mm512_loadu_ps(x.scales.as_ptr().add(g)),
+                _mm512_loadu_ps(x.corrections.as_ptr().add(g)),
+            )
+        };
+        let s = _mm512_mul_ps(dw, dx);
+        corr = _mm512_fmadd_ps(dw, cx, corr);
+        for (p, idx) in pair_scale.iter().enumerate().take(n.div_ceil(2)) {
+            let b = g + 2 * p;
+            let both = full || b + 1 < nb;
+            // SAFETY: a pair's second block is read only when it exists (masked otherwise); the
+            // activations hold whole pairs.
+            let (w, xq) = unsafe {
+                let at = quants.as_ptr().add(b * qb) as *const i8;
+                let w = if Q4 {
+                    let v = if both {
+                        _mm256_loadu_si256(at as *const _)
+                    } else {
+                        _mm256_maskz_loadu_epi8(0xFFFF, at)
+                    };
+                    let lo = _mm256_and_si256(v, low_nibbles);
+                    let hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low_nibbles);
+                    _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1)
+                } else if both {
+                    _mm512_loadu_si512(at as *const _)
+                } else {
+                    _mm512_maskz_loadu_epi8(0xFFFF_FFFF, at)
+                };
+                (w, _mm512_loadu_si512(x.quants.as_ptr().add(b * BLOCK) as *const _))
+            };
+            let sums = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, xq);
+            let scale = _mm512_permutexvar_ps(*idx, s);
+            acc[p % 2] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), scale, acc[p % 2]);
+        }
+    };
+    let mut g = 0;
+    while g + SCALE_GROUP <= nb {
+        group(g, SCALE_GROUP, true);
+        g += SCALE_GROUP;
+    }
+    if g < nb {
+        group(g, nb - g, false);
+    }
+    _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1])) - _mm512_reduce_add_ps(corr)
+}
+
+/// [`dot_portable`] with the widest instructions this CPU has (the `unsafe` calls: functions
+/// compiled for CPU features, called once those are detected).
+#[allow(unsafe_code)]
+fn dot_fastest(kind: BlockKind, scales: &[u16], quants: &[u8], x: &ActRow<'_>) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::is_x86_feature_detected!("avx512vnni")
+            && std::is_x86_feature_detected!("avx512bw")
+            && std::is_x86_feature_detected!("avx512vl")
+        {
+            // SAFETY: the features `dot_vnni` is compiled with were detected on this CPU.
+            return unsafe {
+                match kind {
+                    BlockKind::Q8_0 => dot_vnni::<false>(scales, quants, x),
+                    BlockKind::Q4_0 => dot_vnni::<true>(scales, quants, x),
+                }
+            };
+        }
+        if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+            // SAFETY: as above, for `dot_avx2`.
+            return unsafe { dot_avx2(kind, scales, quants, x) };
+        }
+    }
+    dot_portable(kind, scales, quants, x)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::quantized::k_quants::{BlockQ4_0, BlockQ8_0, GgmlType};
+
+    fn values(n: usize, seed: usize) -> Vec<f32> {
+        (0..n)
+            .map(|i| (((i + seed) * 7919 % 1000) as f32 / 500.0 - 1.0) * 0.1)
+            .collect()
+    }
+
+    /// The dequantized values are GGML's, as candle's `k_quants` computes them.
+    #[test]
+    fn blocks_dequantize_to_ggml_s_values() {
+        let cols = 96;
+        let w = values(5 * cols, 3);
+        for kind in [BlockKind::Q8_0, BlockKind::Q4_0] {
+            let rows = BlockRows::quantize(kind, &w, cols);
+            assert_eq!(rows.bytes(), w.len() / BLOCK * (2 + kind.quant_bytes()));
+            let mut want = vec![0f32; w.len()];
+            match kind {
+                BlockKind::Q8_0 => {
+                    let mut b = vec![BlockQ8_0::zeros(); w.len() / BLOCK];
+                    BlockQ8_0::from_float(&w, &mut b);
+                    BlockQ8_0::to_float(&b, &mut want);
+                }
+                BlockKind::Q4_0 => {
+                    let mut b = vec![BlockQ4_0::zeros(); w.len() / BLOCK];
+                    BlockQ4_0::from_float(&w, &mut b);
+                    BlockQ4_0::to_float(&b, &mut want);
+                }
+            }
+            let mut got = vec![0f32; w.len()];
+            for (r, out) in got.chunks_exact_mut(cols).enumerate() {
+                rows.dequantize_row(r, out);
+            }
+            assert_eq!(got, want, "{kind:?}");
+        }
+    }
+
+    /// Every dot product this CPU can run gives the dequantized weights' product with the
+    /// quantized activations, for rows whose block count is off the pair and the group size.
+    #[test]
+    fn dot_products_are_the_dequantized_products() {
+        for kind in [BlockKind::Q8_0, BlockKind::Q4_0] {
+            for cols in [32, 64, 96, 17 * 32, 35 * 32] {
+                let w = BlockRows::quantize(kind, &values(3 * cols, 1), cols);
+                let x = values(2 * cols, 7);
+                let acts = Activations::quantize(kind, &x, cols);
+                for i in 0..2 {
+                    // The activations as the product sees them: each block's i8 values times d_x.
+                    let mut xq = vec![0i8; cols];
+                    let xd: Vec<f32> = x[i * cols..(i + 1) * cols]
+                        .chunks_exact(BLOCK)
+                        .zip(xq.chunks_exact_mut(BLOCK))
+                        .flat_map(|(v, q)| {
+                            let d = quantize_q8(v, q);
+                            q.iter().map(move |&q| q as f32 * d).collect::<Vec<_>>()
+                        })
+                        .collect();
+                    let row = acts.row(i);
+                    let mut wide = vec![0f32; cols];
+                    for r in 0..3 {
+                        w.dequantize_row(r, &mut wide);
+                        let want: f64 = wide.iter().zip(&xd).map(|(&a, &b)| a as f64 * b as f64).sum();
+                        let nb = cols / BLOCK;
+                        let (s, q) = (
+                            &w.scales[r * nb..(r + 1) * nb],
+                            &w.quants[r * nb * kind.quant_bytes()..(r + 1) * nb * kind.quant_bytes()],
+                        );
+                        let mut got = vec![("portable", dot_portable(kind, s, q, &row))];
+                        got.push(("fastest", dot_fastest(kind, s, q, &row)));
+                        for (name, g) in got {
+                            assert!((g as f64 - want).abs() <= 1e-4, "{kind:?} {cols} {name}: {g} vs {want}");
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
