@@ -1,22 +1,28 @@
 //! Causal attention over the paged KV cache in tiles: queries in chunks, keys in tiles gathered
 //! from their blocks one tile at a time, with an online softmax (running max and sum) across the
 //! tiles. Memory stays at one tile's scores however long the context, and every buffer a tile
-//! holds is recorded in the ledger as activations while it lives.
+//! holds is recorded in the ledger as activations while it lives. A few query rows (decode) instead
+//! read the keys and values where they sit in the cache, one task per KV head: gathering them
+//! into tiles would copy the whole context for every token.
 
 use crate::memory::ledger::{Category, MemoryLedger};
 use candle_core::{Device, Tensor, D};
+use std::sync::Mutex;
 
-/// Tile sizes: query rows per chunk and context positions per key tile.
+/// Tile sizes: query rows per chunk and context positions per key tile; up to `in_place` query
+/// rows, no tiles: the cache is read in place.
 #[derive(Debug, Clone, Copy)]
 pub(super) struct Tiles {
     pub queries: usize,
     pub keys: usize,
+    pub in_place: usize,
 }
 
 /// The tiles the backend uses.
 pub(super) const TILES: Tiles = Tiles {
     queries: 512,
     keys: 1024,
+    in_place: 16,
 };
 
 /// One sequence's attention input.
@@ -43,6 +49,11 @@ pub(super) fn attend(s: &SeqAttention<'_>, ledger: &MemoryLedger, tiles: Tiles) 
     let group = heads / kvh;
     let width = kvh * d;
     let scale = 1.0 / (d as f64).sqrt();
+    if n <= tiles.in_place {
+        let q = s.q.flatten_all()?.to_vec1::<f32>()?;
+        let out = attend_in_place(s, &q, n, scale as f32, ledger);
+        return Tensor::from_vec(out, (n, cols), dev);
+    }
     let mut outs = Vec::new();
     for q0 in (0..n).step_by(tiles.queries) {
         let qn = tiles.queries.min(n - q0);
@@ -62,10 +73,12 @@ pub(super) fn attend(s: &SeqAttention<'_>, ledger: &MemoryLedger, tiles: Tiles) 
         let mut o = Tensor::zeros((kvh, rows, d), candle_core::DType::F32, dev)?;
         for k0 in (0..=last_pos).step_by(tiles.keys) {
             let kl = tiles.keys.min(last_pos + 1 - k0);
-            // Gathered keys and values, the scores and their exponentials.
+            // Gathered keys and values and at most three score-sized buffers at once (scores,
+            // scores minus the row max, their exponentials); the mask, smaller than one, is
+            // dropped before the third exists.
             let _tile = ledger.hold(
                 Category::Activations,
-                ((2 * kl * width + 3 * kvh * rows * kl + rows * kl) * 4) as u64,
+                ((2 * kl * width + 3 * kvh * rows * kl) * 4) as u64,
             );
             let mut kc = Vec::with_capacity(kl * width);
             let mut vc = Vec::with_capacity(kl * width);
@@ -108,6 +121,196 @@ pub(super) fn attend(s: &SeqAttention<'_>, ledger: &MemoryLedger, tiles: Tiles) 
     Tensor::cat(&outs, 0)
 }
 
+/// Lanes of the dot products' accumulators (vectorised by the compiler).
+const LANES: usize = 8;
+
+#[inline(always)]
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; LANES];
+    let (ac, bc) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
+    let tail: f32 = ac.remainder().iter().zip(bc.remainder()).map(|(x, y)| x * y).sum();
+    for (x, y) in ac.zip(bc) {
+        for l in 0..LANES {
+            acc[l] += x[l] * y[l];
+        }
+    }
+    acc.iter().sum::<f32>() + tail
+}
+
+/// `out += p · v`.
+#[inline(always)]
+fn add_scaled(out: &mut [f32], p: f32, v: &[f32]) {
+    for (o, &x) in out.iter_mut().zip(v) {
+        *o += p * x;
+    }
+}
+
+/// Context positions per task of [`attend_in_place`].
+const POSITIONS_PER_TASK: usize = 64;
+
+/// What the tasks of [`attend_in_place`] read. Rows are numbered `(kv_head · n + i) · group + g`
+/// for query row `i` and head `kv_head · group + g`.
+struct InPlace<'a> {
+    keys: &'a [f32],
+    values: &'a [f32],
+    kv_heads: usize,
+    head_dim: usize,
+    context_len: usize,
+    q: &'a [f32],
+    slots: &'a [usize],
+    n: usize,
+    group: usize,
+    scale: f32,
+}
+
+/// The two passes over the cache.
+#[derive(Clone, Copy)]
+enum Pass<'a> {
+    /// Scaled scores of the task's positions, `[rows, positions]`.
+    Scores,
+    /// The task's positions' values weighted by the softmax `probs` (`[rows, context]`),
+    /// summed: `[rows, d]`.
+    Values(&'a [f32]),
+}
+
+impl InPlace<'_> {
+    fn rows(&self) -> usize {
+        self.kv_heads * self.n * self.group
+    }
+
+    /// Query row `i` sees positions `0..visible(i)`.
+    fn visible(&self, i: usize) -> usize {
+        self.context_len - self.n + i + 1
+    }
+
+    /// One pass over positions `first..first + len`, all heads (each slot's keys and values are
+    /// one contiguous row of the cache).
+    #[inline(always)]
+    fn run(&self, pass: Pass<'_>, first: usize, len: usize) -> Vec<f32> {
+        let (d, n, group) = (self.head_dim, self.n, self.group);
+        let width = self.kv_heads * d;
+        let cols = width * group;
+        let mut out = vec![0f32; self.rows() * if let Pass::Scores = pass { len } else { d }];
+        for pos in first..first + len {
+            let slot = self.slots[pos];
+            for kh in 0..self.kv_heads {
+                let at = slot * width + kh * d;
+                for i in (0..n).filter(|&i| pos < self.visible(i)) {
+                    for g in 0..group {
+                        let r = (kh * n + i) * group + g;
+                        match pass {
+                            Pass::Scores => {
+                                let q = &self.q[i * cols + (kh * group + g) * d..][..d];
+                                out[r * len + pos - first] = dot(q, &self.keys[at..at + d]) * self.scale;
+                            }
+                            Pass::Values(probs) => {
+                                let p = probs[r * self.context_len + pos];
+                                add_scaled(&mut out[r * d..(r + 1) * d], p, &self.values[at..at + d]);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    fn run_avx2(&self, pass: Pass<'_>, first: usize, len: usize) -> Vec<f32> {
+        self.run(pass, first, len)
+    }
+
+    /// [`InPlace::run`] compiled for the widest instructions this CPU has (the one `unsafe`
+    /// call: a function compiled for AVX2 and FMA, called once they are detected).
+    #[allow(unsafe_code)]
+    fn run_fastest(&self, pass: Pass<'_>, first: usize, len: usize) -> Vec<f32> {
+        #[cfg(target_arch = "x86_64")]
+        if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+            // SAFETY: the features `run_avx2` is compiled with were detected on this CPU.
+            return unsafe { self.run_avx2(pass, first, len) };
+        }
+        self.run(pass, first, len)
+    }
+
+    /// `pass` over every position in tasks of [`POSITIONS_PER_TASK`] on candle's thread pool:
+    /// each task's result, in position order.
+    fn each_task(&self, pass: Pass<'_>) -> Vec<Vec<f32>> {
+        let ctx = self.context_len;
+        let tasks = ctx.div_ceil(POSITIONS_PER_TASK);
+        let parts: Vec<Mutex<Vec<f32>>> = (0..tasks).map(|_| Mutex::new(Vec::new())).collect();
+        candle_core::utils::barrier_pool().execute_chunked(tasks, |range| {
+            for t in range {
+                let first = t * POSITIONS_PER_TASK;
+                let part = self.run_fastest(pass, first, POSITIONS_PER_TASK.min(ctx - first));
+                *parts[t].lock().unwrap_or_else(|e| e.into_inner()) = part;
+            }
+        });
+        parts
+            .into_iter()
+            .map(|p| p.into_inner().unwrap_or_else(|e| e.into_inner()))
+            .collect()
+    }
+}
+
+/// Attention of `n` query rows (`q`, `[n, heads · d]`) over the cache in place, in two passes over
+/// the context split into tasks on candle's thread pool: the scores of every head against each
+/// position's keys, a softmax per row, then the values summed with those weights. Holds (and
+/// records) two scores per row, head and position, or one and each task's sums of values.
+fn attend_in_place(s: &SeqAttention<'_>, q: &[f32], n: usize, scale: f32, ledger: &MemoryLedger) -> Vec<f32> {
+    let (kvh, d, ctx) = (s.kv_heads, s.head_dim, s.context_len);
+    let cols = q.len() / n.max(1);
+    let slots: Vec<usize> = (0..ctx).map(s.slot_of).collect();
+    let job = InPlace {
+        keys: s.keys,
+        values: s.values,
+        kv_heads: kvh,
+        head_dim: d,
+        context_len: ctx,
+        q,
+        slots: &slots,
+        n,
+        group: cols / d / kvh.max(1),
+        scale,
+    };
+    let rows = job.rows();
+    // The probabilities, and beside them first the tasks' scores, then their sums of values.
+    let value_parts = (ctx.div_ceil(POSITIONS_PER_TASK) + 1) * rows * d;
+    let floats = rows * ctx + (rows * ctx).max(value_parts);
+    let _held = ledger.hold(
+        Category::Activations,
+        (floats * 4 + ctx * std::mem::size_of::<usize>()) as u64,
+    );
+    let mut probs = vec![0f32; rows * ctx];
+    for (t, part) in job.each_task(Pass::Scores).into_iter().enumerate() {
+        let len = part.len() / rows.max(1);
+        for (r, chunk) in part.chunks_exact(len.max(1)).enumerate() {
+            probs[r * ctx + t * POSITIONS_PER_TASK..][..len].copy_from_slice(chunk);
+        }
+    }
+    for (r, row) in probs.chunks_exact_mut(ctx).enumerate() {
+        let row = &mut row[..job.visible(r / job.group % n)];
+        let max = row.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+        let mut sum = 0f32;
+        for x in row.iter_mut() {
+            *x = (*x - max).exp();
+            sum += *x;
+        }
+        row.iter_mut().for_each(|x| *x /= sum);
+    }
+    let mut sums = vec![0f32; rows * d];
+    for part in job.each_task(Pass::Values(&probs)) {
+        sums.iter_mut().zip(&part).for_each(|(s, p)| *s += p);
+    }
+    // Rows `[kv_head, n, group, d]` to `[n, heads · d]`.
+    let mut out = vec![0f32; n * cols];
+    for (r, o) in sums.chunks_exact(d).enumerate() {
+        let (kh, i, g) = (r / (n * job.group), r / job.group % n, r % job.group);
+        out[i * cols + (kh * job.group + g) * d..][..d].copy_from_slice(o);
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -139,7 +342,7 @@ mod tests {
 
     #[test]
     fn tiles_of_any_size_give_dense_causal_attention_and_release_their_bytes() {
-        let (heads, kvh, d, ctx, n) = (4, 2, 3, 23, 9);
+        let (heads, kvh, d, ctx, n) = (4, 2, 3, 150, 9);
         let k: Vec<f32> = (0..ctx * kvh * d).map(|i| (i as f32 * 0.37).sin()).collect();
         let v: Vec<f32> = (0..ctx * kvh * d).map(|i| (i as f32 * 0.11).cos()).collect();
         let q: Vec<f32> = (0..n * heads * d).map(|i| (i as f32 * 0.23).sin()).collect();
@@ -153,7 +356,7 @@ mod tests {
             vr[slot_of(p) * w..][..w].copy_from_slice(&v[p * w..][..w]);
         }
         let ledger = MemoryLedger::new();
-        for (queries, keys) in [(512, 1024), (2, 3), (4, 5), (1, 1), (9, 23)] {
+        for (queries, keys, in_place) in [(512, 1024, 0), (2, 3, 0), (4, 5, 0), (1, 1, 0), (9, 23, 0), (1, 1, 9)] {
             let s = SeqAttention {
                 q: Tensor::from_vec(q.clone(), (n, heads * d), &Device::Cpu).unwrap(),
                 keys: &kr,
@@ -163,10 +366,22 @@ mod tests {
                 kv_heads: kvh,
                 head_dim: d,
             };
-            let got = attend(&s, &ledger, Tiles { queries, keys }).unwrap();
+            let got = attend(
+                &s,
+                &ledger,
+                Tiles {
+                    queries,
+                    keys,
+                    in_place,
+                },
+            )
+            .unwrap();
             let got = got.flatten_all().unwrap().to_vec1::<f32>().unwrap();
             for (a, b) in got.iter().zip(&want) {
-                assert!((a - b).abs() < 1e-5, "tiles {queries}×{keys}: {a} vs {b}");
+                assert!(
+                    (a - b).abs() < 1e-5,
+                    "tiles {queries}×{keys}, in place {in_place}: {a} vs {b}"
+                );
             }
             assert_eq!(ledger.bytes(Category::Activations), 0);
             assert!(ledger.peak(Category::Activations) > 0);
