@@ -2,7 +2,7 @@
 //! from their blocks one tile at a time, with an online softmax (running max and sum) across the
 //! tiles. Memory stays at one tile's scores however long the context, and every buffer a tile
 //! holds is recorded in the ledger as activations while it lives. A few query rows (decode) instead
-//! read the keys and values where they sit in the cache, one task per KV head: gathering them
+//! read the keys and values where they sit in the cache, in tasks of positions: gathering them
 //! into tiles would copy the whole context for every token.
 
 use crate::memory::ledger::{Category, MemoryLedger};
