@@ -5,6 +5,8 @@
 mod attention;
 mod blocks;
 mod packed;
+mod segment_attention;
+mod vector_math;
 
 use super::{ready, Activation, BResult, Backend, BackendError, KvLayout, PagedBatch, RawDType, RawTensor, Readback};
 use crate::memory::ledger::{Category, Held, MemoryLedger};
@@ -13,7 +15,9 @@ use crate::sample::DeviceSampling;
 use attention::SeqAttention;
 use candle_core::{DType, Device, Tensor, D};
 use packed::PackedMatrix;
+use segment_attention::RowsView;
 use std::sync::Arc;
+use vector_math::Elementwise;
 
 fn lib(e: candle_core::Error) -> BackendError {
     BackendError::Library(Box::new(e))
@@ -102,6 +106,32 @@ impl CpuBackend {
         t.t.flatten_all().and_then(|f| f.to_vec1::<f32>()).map_err(lib)
     }
 
+    /// `step` over `a` (and `b`, of `a`'s shape), one new tensor.
+    fn elementwise(&self, step: Elementwise, a: &CpuTensor, b: Option<&CpuTensor>) -> BResult<CpuTensor> {
+        let a = a.t.contiguous().map_err(lib)?;
+        let b = match b {
+            Some(b) if b.t.dims() != a.dims() => {
+                return Err(BackendError::Shape(format!(
+                    "{:?} and {:?} differ",
+                    a.dims(),
+                    b.t.dims()
+                )))
+            }
+            Some(b) => Some(b.t.contiguous().map_err(lib)?),
+            None => None,
+        };
+        let (sa, la) = a.storage_and_layout();
+        let x = contiguous_values(&sa, la)?;
+        let out = match &b {
+            Some(b) => {
+                let (sb, lb) = b.storage_and_layout();
+                step.apply(x, contiguous_values(&sb, lb)?)
+            }
+            None => step.apply(x, &[]),
+        };
+        self.act(Tensor::from_vec(out, a.shape(), &Device::Cpu))
+    }
+
     /// A view sharing its parent's storage (no new ledger entry).
     fn view(parent: &CpuTensor, t: candle_core::Result<Tensor>) -> BResult<CpuTensor> {
         Ok(CpuTensor {
@@ -118,16 +148,6 @@ impl CpuBackend {
 /// AVX-512 ones; decode's few rows are bound by the bytes read).
 const DEQUANTIZE_FROM_ROWS: usize = 32;
 
-/// Query rows per block of the vision tower's attention.
-const ATTENTION_CHUNK: usize = 512;
-
-fn softmax_last(x: &Tensor) -> candle_core::Result<Tensor> {
-    let max = x.max_keepdim(D::Minus1)?;
-    let e = x.broadcast_sub(&max)?.exp()?;
-    let sum = e.sum_keepdim(D::Minus1)?;
-    e.broadcast_div(&sum)
-}
-
 fn rotate_half(x: &Tensor) -> candle_core::Result<Tensor> {
     let d = x.dim(D::Minus1)?;
     let a = x.narrow(D::Minus1, 0, d / 2)?;
@@ -137,6 +157,44 @@ fn rotate_half(x: &Tensor) -> candle_core::Result<Tensor> {
 
 fn dims2(t: &Tensor) -> BResult<(usize, usize)> {
     t.dims2().map_err(lib)
+}
+
+/// `t` itself when its rows have unit column stride (a column slice does), else a contiguous copy.
+fn unit_column_stride(t: &Tensor) -> BResult<Tensor> {
+    match t.stride() {
+        [_, 1] => Ok(t.clone()),
+        _ => t.contiguous().map_err(lib),
+    }
+}
+
+/// An f32 CPU tensor's whole storage.
+fn storage_values(storage: &candle_core::Storage) -> BResult<&[f32]> {
+    match storage {
+        candle_core::Storage::Cpu(cpu) => cpu.as_slice::<f32>().map_err(lib),
+        _ => Err(BackendError::Shape("not a CPU tensor".into())),
+    }
+}
+
+/// The values of a contiguous f32 CPU tensor, where they lie in its storage.
+fn contiguous_values<'a>(storage: &'a candle_core::Storage, layout: &candle_core::Layout) -> BResult<&'a [f32]> {
+    if !layout.is_contiguous() {
+        return Err(BackendError::Shape("not a contiguous tensor".into()));
+    }
+    Ok(&storage_values(storage)?[layout.start_offset()..][..layout.shape().elem_count()])
+}
+
+/// The rows of a 2-D f32 CPU tensor with unit column stride, where they lie in its storage.
+fn rows_view<'a>(storage: &'a candle_core::Storage, layout: &candle_core::Layout) -> BResult<RowsView<'a>> {
+    match layout.stride() {
+        [row_stride, 1] => Ok(RowsView {
+            data: storage_values(storage)?,
+            offset: layout.start_offset(),
+            row_stride: *row_stride,
+        }),
+        s => Err(BackendError::Shape(format!(
+            "rows with strides {s:?}, not unit column stride"
+        ))),
+    }
 }
 
 impl Backend for CpuBackend {
@@ -283,16 +341,14 @@ impl Backend for CpuBackend {
     }
 
     fn activate(&self, x: &CpuTensor, act: Activation) -> BResult<CpuTensor> {
-        self.act(match act {
-            Activation::Silu => x.t.silu(),
-            Activation::GeluTanh => x.t.gelu(),
-            Activation::GeluErf => x.t.gelu_erf(),
-            Activation::QuickGelu => (|| x.t.mul(&((x.t.affine(-1.702, 0.0)?.exp()? + 1.0)?.recip()?)))(),
-        })
+        match Elementwise::activation(act) {
+            Some(step) => self.elementwise(step, x, None),
+            None => self.act(x.t.gelu_erf()),
+        }
     }
 
     fn silu_mul(&self, gate: &CpuTensor, up: &CpuTensor) -> BResult<CpuTensor> {
-        self.act(gate.t.silu().and_then(|g| g.mul(&up.t)))
+        self.elementwise(Elementwise::SiluTimes, gate, Some(up))
     }
 
     fn add(&self, a: &CpuTensor, b: &CpuTensor) -> BResult<CpuTensor> {
@@ -367,31 +423,28 @@ impl Backend for CpuBackend {
         heads: usize,
         segments: &Vec<(usize, usize)>,
     ) -> BResult<CpuTensor> {
-        let (_, cols) = dims2(&q.t)?;
+        let (n, cols) = dims2(&q.t)?;
         let d = cols / heads.max(1);
-        let scale = 1.0 / (d as f64).sqrt();
-        let f = || -> candle_core::Result<Tensor> {
-            let mut outs = Vec::with_capacity(segments.len());
-            for &(start, len) in segments.iter() {
-                let split = |t: &Tensor, from: usize, n: usize| {
-                    t.narrow(0, from, n)?
-                        .reshape((n, heads, d))?
-                        .transpose(0, 1)?
-                        .contiguous()
-                };
-                let kt = split(&k.t, start, len)?.t()?.contiguous()?;
-                let vs = split(&v.t, start, len)?;
-                // Queries in chunks bound the score matrix to heads × chunk × len.
-                for from in (start..start + len).step_by(ATTENTION_CHUNK) {
-                    let n = ATTENTION_CHUNK.min(start + len - from);
-                    let scores = (split(&q.t, from, n)?.matmul(&kt)? * scale)?;
-                    let out = softmax_last(&scores)?.matmul(&vs)?;
-                    outs.push(out.transpose(0, 1)?.reshape((n, cols))?);
-                }
-            }
-            Tensor::cat(&outs, 0)
-        };
-        self.act(f())
+        if d * heads != cols || dims2(&k.t)? != (n, cols) || dims2(&v.t)? != (n, cols) {
+            return Err(BackendError::Shape(format!(
+                "segment attention: q, k and v must all be [{n}, {heads} heads · d]"
+            )));
+        }
+        let [q, k, v] = [q, k, v].map(|t| unit_column_stride(&t.t));
+        let (q, k, v) = (q?, k?, v?);
+        let [(qs, ql), (ks, kl), (vs, vl)] = [&q, &k, &v].map(|t| t.storage_and_layout());
+        let out = segment_attention::segment_attention(
+            rows_view(&qs, ql)?,
+            rows_view(&ks, kl)?,
+            rows_view(&vs, vl)?,
+            n,
+            heads,
+            d,
+            segments,
+            &self.ledger,
+        )
+        .map_err(BackendError::Shape)?;
+        self.act(Tensor::from_vec(out, (n, cols), &Device::Cpu))
     }
 
     fn alloc_kv(&self, layout: KvLayout) -> BResult<CpuKvCache> {
