@@ -94,8 +94,10 @@ fn a_warm_engine_reuses_prefix_and_encoder_caches() {
     assert_eq!(runs[1]["counters"]["encoder_hits"], 1);
 }
 
-/// A bfloat16 checkpoint kept in bfloat16 on the CPU computes what widening it to f32 computes
-/// (the widening is exact; only the summation order differs), in half the bytes.
+/// A bfloat16 checkpoint kept in bfloat16 on the CPU gives the tokens widening it to f32 gives, in
+/// half the bytes. Decode's products widen the weights exactly; prefill's, on CPUs with AVX-512
+/// BF16, round the activations to bfloat16 as a bfloat16 model does, which moved a
+/// log-probability of this checkpoint by 0.021 (without that instruction set, by under 1e-3).
 #[test]
 fn bf16_matrices_on_the_cpu_give_the_f32_path_s_tokens_in_half_the_bytes() {
     let ckpt = tiny_checkpoint_in("generate-cli-bf16", "bf16");
@@ -131,7 +133,7 @@ fn bf16_matrices_on_the_cpu_give_the_f32_path_s_tokens_in_half_the_bytes() {
     let (a, b) = (logprobs(&wide), logprobs(&kept));
     assert_eq!(a.len(), 4 * 3);
     let worst = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0.0, f64::max);
-    assert!(worst < 1e-3, "largest log-probability difference {worst}");
+    assert!(worst < 0.05, "largest log-probability difference {worst}");
     let bytes = |v: &Value| v["weights"]["bytes"].as_u64().unwrap();
     let (wide_bytes, kept_bytes) = (bytes(&wide), bytes(&kept));
     assert!(

@@ -3,6 +3,7 @@
 //! over the block tables.
 
 mod attention;
+mod bf16_gemm;
 mod blocks;
 mod packed;
 mod segment_attention;
@@ -284,7 +285,18 @@ impl Backend for CpuBackend {
             Some(q) => {
                 let (m, _) = dims2(&x.t)?;
                 let (rows, cols) = q.dims();
-                if m >= DEQUANTIZE_FROM_ROWS {
+                if let Some(bits) = q
+                    .bf16_bits()
+                    .filter(|_| m >= DEQUANTIZE_FROM_ROWS && bf16_gemm::available())
+                {
+                    // Many rows with bfloat16 weights on a CPU with AVX-512 BF16: computed in
+                    // bfloat16, the weights read as stored.
+                    let xs = x.t.contiguous().map_err(lib)?;
+                    let (storage, layout) = xs.storage_and_layout();
+                    let values = contiguous_values(&storage, layout)?;
+                    let y = bf16_gemm::matmul(values, m, bits, rows, cols, &self.ledger);
+                    Tensor::from_vec(y, (m, rows), &Device::Cpu).map_err(lib)?
+                } else if m >= DEQUANTIZE_FROM_ROWS {
                     // Many rows (prefill, the vision tower): the matrix dequantized once, one
                     // transient f32 copy recorded as activations, and the f32 GEMM, which reuses
                     // each weight across rows far better than the quantized kernel's row tiles.

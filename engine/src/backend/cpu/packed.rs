@@ -211,6 +211,14 @@ impl PackedMatrix {
         out
     }
 
+    /// The matrix's bfloat16 bits, row-major, when it is kept in bfloat16.
+    pub fn bf16_bits(&self) -> Option<&[u16]> {
+        match &self.packing {
+            Packing::Bf16(v) => Some(v),
+            Packing::Blocks(_) => None,
+        }
+    }
+
     /// Rows `ids` in f32 (an embedding lookup); ids must be below `rows`.
     pub fn gather(&self, ids: &[usize]) -> Vec<f32> {
         debug_assert!(ids.iter().all(|&i| i < self.rows));

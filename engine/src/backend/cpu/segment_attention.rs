@@ -117,7 +117,11 @@ impl Inputs<'_> {
             cols: self.k.row_stride,
         };
         matmul([b.len, n, d], scores, n, q, kt, self.scale);
-        let sums: Vec<f32> = scores.chunks_exact_mut(n).map(exp_shifted_by_max).collect();
+        // A loop, not an iterator adapter: a closure would be compiled without `run_avx2`'s features.
+        let mut sums = Vec::with_capacity(b.len);
+        for row in scores.chunks_exact_mut(n) {
+            sums.push(exp_shifted_by_max(row));
+        }
         let p = Operand {
             data: scores,
             rows: n,
