@@ -6,6 +6,7 @@ mod attention;
 mod bf16_gemm;
 mod blocks;
 mod packed;
+mod parallel;
 mod segment_attention;
 mod vector_math;
 

@@ -9,8 +9,8 @@
 //! columns, each k-pair's 32 column pairs together; activations become rows of k-pairs. A task
 //! takes [`MR`]-row groups of the output and runs every panel over them, accumulators in registers.
 
+use super::parallel::for_each_piece;
 use crate::memory::ledger::{Category, MemoryLedger};
-use std::sync::Mutex;
 
 /// Output columns per panel (two 16-lane vectors).
 const NR: usize = 32;
@@ -53,59 +53,41 @@ pub(super) fn matmul(x: &[f32], m: usize, w: &[u16], n: usize, k: usize, ledger:
     let rows = m.div_ceil(MR) * MR;
     let panels = n.div_ceil(NR);
     let _held = ledger.hold(Category::Activations, ((rows + panels * NR) * kp * 4) as u64);
-    let pool = candle_core::utils::barrier_pool();
     // Activation rows as bfloat16 pairs, padded to whole tiles with zeros.
     let mut xb = vec![0u32; rows * kp];
-    {
-        let parts: Vec<Mutex<&mut [u32]>> = xb.chunks_mut(kp).take(m).map(Mutex::new).collect();
-        pool.execute_chunked(m, |range| {
-            for r in range {
-                let mut part = parts[r].lock().unwrap_or_else(|e| e.into_inner());
-                let row = &x[r * k..(r + 1) * k];
-                for (p, v) in part.iter_mut().enumerate() {
-                    let b = row.get(2 * p + 1).copied().unwrap_or(0.0);
-                    *v = pair(round_bf16(row[2 * p]), round_bf16(b));
-                }
-            }
-        });
-    }
+    for_each_piece(&mut xb[..m * kp], kp, |r, pairs| {
+        let row = &x[r * k..(r + 1) * k];
+        for (p, v) in pairs.iter_mut().enumerate() {
+            let b = row.get(2 * p + 1).copied().unwrap_or(0.0);
+            *v = pair(round_bf16(row[2 * p]), round_bf16(b));
+        }
+    });
     // Weight panels: panel j holds columns j·NR.., k-pair by k-pair.
     let mut packed = vec![0u32; panels * kp * NR];
-    {
-        let parts: Vec<Mutex<&mut [u32]>> = packed.chunks_mut(kp * NR).map(Mutex::new).collect();
-        pool.execute_chunked(panels, |range| {
-            for j in range {
-                let mut panel = parts[j].lock().unwrap_or_else(|e| e.into_inner());
-                for c in 0..NR.min(n - j * NR) {
-                    let row = &w[(j * NR + c) * k..][..k];
-                    for p in 0..kp {
-                        panel[p * NR + c] = pair(row[2 * p], row.get(2 * p + 1).copied().unwrap_or(0));
-                    }
-                }
+    for_each_piece(&mut packed, kp * NR, |j, panel| {
+        for c in 0..NR.min(n - j * NR) {
+            let row = &w[(j * NR + c) * k..][..k];
+            for p in 0..kp {
+                panel[p * NR + c] = pair(row[2 * p], row.get(2 * p + 1).copied().unwrap_or(0));
             }
-        });
-    }
+        }
+    });
     let mut out = vec![0f32; m * n];
     let per_task = MR * TILES_PER_TASK;
-    let parts: Vec<Mutex<&mut [f32]>> = out.chunks_mut(per_task * n).map(Mutex::new).collect();
-    pool.execute_chunked(parts.len(), |range| {
-        for t in range {
-            let mut part = parts[t].lock().unwrap_or_else(|e| e.into_inner());
-            let first = t * per_task;
-            let mut tile = [[0f32; NR]; MR];
-            for j in 0..panels {
-                let panel = &packed[j * kp * NR..][..kp * NR];
-                let cols = NR.min(n - j * NR);
-                for r0 in (first..(first + per_task).min(m)).step_by(MR) {
-                    tile_product(&xb[r0 * kp..][..MR * kp], panel, kp, &mut tile);
-                    for (i, row) in tile.iter().enumerate().take(m - r0) {
-                        part[(r0 - first + i) * n + j * NR..][..cols].copy_from_slice(&row[..cols]);
-                    }
+    for_each_piece(&mut out, per_task * n, |t, part| {
+        let first = t * per_task;
+        let mut tile = [[0f32; NR]; MR];
+        for j in 0..panels {
+            let panel = &packed[j * kp * NR..][..kp * NR];
+            let cols = NR.min(n - j * NR);
+            for r0 in (first..(first + per_task).min(m)).step_by(MR) {
+                tile_product(&xb[r0 * kp..][..MR * kp], panel, kp, &mut tile);
+                for (i, row) in tile.iter().enumerate().take(m - r0) {
+                    part[(r0 - first + i) * n + j * NR..][..cols].copy_from_slice(&row[..cols]);
                 }
             }
         }
     });
-    drop(parts);
     out
 }
 

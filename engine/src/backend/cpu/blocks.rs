@@ -12,6 +12,7 @@
 //! compiler vectorises (AVX2 where present, wasm simd128, NEON).
 
 use super::packed::prefetch_ahead;
+use super::parallel::for_each_piece;
 use half::f16;
 
 /// Values per block.
@@ -56,6 +57,31 @@ fn quantize_q8(values: &[f32], out: &mut [i8]) -> f32 {
     d
 }
 
+/// Quantizes one block of 32 values into `out` (`kind`'s stored quants); returns its scale.
+fn quantize_block(kind: BlockKind, block: &[f32], out: &mut [u8]) -> f32 {
+    match kind {
+        BlockKind::Q8_0 => {
+            let mut q8 = [0i8; BLOCK];
+            let d = quantize_q8(block, &mut q8);
+            for (o, &q) in out.iter_mut().zip(&q8) {
+                *o = (q as i16 + 128) as u8;
+            }
+            d
+        }
+        BlockKind::Q4_0 => {
+            // The value of largest magnitude, with its sign, maps to -8.
+            let max = block.iter().fold(0f32, |m, &v| if v.abs() > m.abs() { v } else { m });
+            let d = max / -8.0;
+            let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+            let nibble = |v: f32| ((v * id + 8.5) as u8).min(15);
+            for (j, o) in out.iter_mut().enumerate() {
+                *o = nibble(block[j]) | (nibble(block[j + BLOCK / 2]) << 4);
+            }
+            d
+        }
+    }
+}
+
 /// Rows of a matrix quantized block by block (see the module's documentation for the layout).
 #[derive(Debug)]
 pub struct BlockRows {
@@ -68,39 +94,27 @@ pub struct BlockRows {
 }
 
 impl BlockRows {
-    /// Quantizes `values`, row-major with `cols` (a multiple of 32) per row.
+    /// Quantizes `values`, row-major with `cols` (a multiple of 32) per row, in pieces of rows on
+    /// candle's thread pool.
     pub fn quantize(kind: BlockKind, values: &[f32], cols: usize) -> Self {
         debug_assert!(cols.is_multiple_of(BLOCK) && values.len().is_multiple_of(cols));
-        let blocks = values.len() / BLOCK;
-        let mut scales = Vec::with_capacity(blocks);
-        let mut quants = vec![0u8; blocks * kind.quant_bytes()];
-        let mut q8 = [0i8; BLOCK];
-        for (block, out) in values
-            .chunks_exact(BLOCK)
-            .zip(quants.chunks_exact_mut(kind.quant_bytes()))
-        {
-            let d = match kind {
-                BlockKind::Q8_0 => {
-                    let d = quantize_q8(block, &mut q8);
-                    for (o, &q) in out.iter_mut().zip(&q8) {
-                        *o = (q as i16 + 128) as u8;
-                    }
-                    d
-                }
-                BlockKind::Q4_0 => {
-                    // The value of largest magnitude, with its sign, maps to -8.
-                    let max = block.iter().fold(0f32, |m, &v| if v.abs() > m.abs() { v } else { m });
-                    let d = max / -8.0;
-                    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
-                    let nibble = |v: f32| ((v * id + 8.5) as u8).min(15);
-                    for (j, o) in out.iter_mut().enumerate() {
-                        *o = nibble(block[j]) | (nibble(block[j + BLOCK / 2]) << 4);
-                    }
-                    d
-                }
-            };
-            scales.push(f16::from_f32(d).to_bits());
-        }
+        const ROWS_PER_TASK: usize = 64;
+        let (blocks, qb) = (values.len() / BLOCK, kind.quant_bytes());
+        let per_task = ROWS_PER_TASK * cols / BLOCK;
+        let mut scales = vec![0u16; blocks];
+        let mut quants = vec![0u8; blocks * qb];
+        let mut pieces: Vec<(&mut [u16], &mut [u8])> = scales
+            .chunks_mut(per_task.max(1))
+            .zip(quants.chunks_mut(per_task.max(1) * qb))
+            .collect();
+        for_each_piece(&mut pieces, 1, |t, piece| {
+            let (scales, quants) = &mut piece[0];
+            let first = t * per_task * BLOCK;
+            for (i, (scale, out)) in scales.iter_mut().zip(quants.chunks_exact_mut(qb)).enumerate() {
+                let block = &values[first + i * BLOCK..][..BLOCK];
+                *scale = f16::from_f32(quantize_block(kind, block, out)).to_bits();
+            }
+        });
         BlockRows {
             kind,
             cols,

@@ -9,8 +9,8 @@
 //! against activations quantized once per product.
 
 use super::blocks::{Activations, BlockKind, BlockRows};
+use super::parallel::for_each_piece;
 use crate::model::weight_format::WeightFormat;
-use std::sync::Mutex;
 
 /// The values of one matrix.
 #[derive(Debug)]
@@ -119,16 +119,11 @@ fn by_weight_rows(rows: usize, m: usize, dot: impl Fn(usize, &mut [f32]) + Sync)
     }
     // Transposed, `[rows, m]`, so that each task writes one contiguous part.
     let mut out_t = vec![0f32; rows * m];
-    let parts: Vec<Mutex<&mut [f32]>> = out_t.chunks_mut(ROWS_PER_TASK * m).map(Mutex::new).collect();
-    candle_core::utils::barrier_pool().execute_chunked(parts.len(), |tasks| {
-        for t in tasks {
-            let mut part = parts[t].lock().unwrap_or_else(|e| e.into_inner());
-            for (r, out) in part.chunks_mut(m).enumerate() {
-                dot(t * ROWS_PER_TASK + r, out);
-            }
+    for_each_piece(&mut out_t, ROWS_PER_TASK * m, |t, part| {
+        for (r, out) in part.chunks_mut(m).enumerate() {
+            dot(t * ROWS_PER_TASK + r, out);
         }
     });
-    drop(parts);
     if m == 1 {
         return out_t;
     }
@@ -199,15 +194,22 @@ impl PackedMatrix {
 
     /// The whole matrix in f32 (row-major).
     pub fn dequantize(&self) -> Vec<f32> {
-        let mut out = vec![0f32; self.rows * self.cols];
-        match &self.packing {
-            Packing::Bf16(v) => out.iter_mut().zip(v).for_each(|(o, &b)| *o = widen(b)),
-            Packing::Blocks(b) => {
-                for (r, row) in out.chunks_exact_mut(self.cols).enumerate() {
-                    b.dequantize_row(r, row);
+        let cols = self.cols;
+        let mut out = vec![0f32; self.rows * cols];
+        for_each_piece(&mut out, ROWS_PER_TASK * cols, |t, part| {
+            let first = t * ROWS_PER_TASK;
+            match &self.packing {
+                Packing::Bf16(v) => {
+                    let v = &v[first * cols..][..part.len()];
+                    part.iter_mut().zip(v).for_each(|(o, &b)| *o = widen(b))
+                }
+                Packing::Blocks(b) => {
+                    for (r, row) in part.chunks_exact_mut(cols).enumerate() {
+                        b.dequantize_row(first + r, row);
+                    }
                 }
             }
-        }
+        });
         out
     }
 

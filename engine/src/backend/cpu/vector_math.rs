@@ -4,8 +4,8 @@
 //! (`½x(1 + tanh u) = x · σ(2u)`) and quick GELU. candle's versions call libm once per element
 //! and allocate a tensor per step; the vision tower's softmax alone takes billions of exponentials.
 
+use super::parallel::for_each_piece;
 use crate::backend::Activation;
-use std::sync::Mutex;
 
 /// e^x, with x clamped to [−87, 88] (e^−87 ≈ 1.6e−38 stands in for smaller results).
 #[inline(always)]
@@ -102,21 +102,16 @@ impl Elementwise {
         self.run(a, b, out)
     }
 
-    /// The step over all of `a` (and `b`, as long), in chunks on candle's thread pool.
+    /// The step over all of `a` (and `b`, as long), in pieces on candle's thread pool.
     pub(super) fn apply(self, a: &[f32], b: &[f32]) -> Vec<f32> {
         const PER_TASK: usize = 1 << 16;
         let mut out = vec![0f32; a.len()];
-        let parts: Vec<Mutex<&mut [f32]>> = out.chunks_mut(PER_TASK).map(Mutex::new).collect();
-        candle_core::utils::barrier_pool().execute_chunked(parts.len(), |tasks| {
-            for t in tasks {
-                let mut part = parts[t].lock().unwrap_or_else(|e| e.into_inner());
-                let from = t * PER_TASK;
-                let to = from + part.len();
-                let b = if b.is_empty() { &[][..] } else { &b[from..to] };
-                self.run_fastest(&a[from..to], b, &mut part);
-            }
+        for_each_piece(&mut out, PER_TASK, |t, part| {
+            let from = t * PER_TASK;
+            let to = from + part.len();
+            let b = if b.is_empty() { &[][..] } else { &b[from..to] };
+            self.run_fastest(&a[from..to], b, part);
         });
-        drop(parts);
         out
     }
 }
