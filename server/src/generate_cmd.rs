@@ -199,11 +199,18 @@ pub fn run(a: &GenerateArgs) -> Result<()> {
                 "prefill_tokens_per_s": prompt_ids.len() as f64 / prefill.max(1e-9),
                 "decode_tokens_per_s": decode_tokens as f64 / decode.max(1e-9),
             });
+            // Each decode step also reads its sequence's keys and values: on average the prompt
+            // and half the generated tokens, at the bytes per position the cache was sized with.
+            let kv = engine.kv();
+            let slots = (kv.num_blocks() * kv.block_size()).max(1) as u64;
+            let kv_per_position = engine.ledger().bytes(Category::KvCache) / slots;
+            let mean_context = prompt_ids.len() as u64 + (decode_tokens as u64).div_ceil(2);
             obj["weights"] = serde_json::json!({
                 "dtype": a.dtype,
                 "quantization": a.quantization,
                 "bytes": engine.ledger().bytes(Category::Weights),
                 "decode_read_bytes_per_token": decode_read_bytes,
+                "decode_kv_read_bytes_per_token": kv_per_position * mean_context,
             });
             if a.repeat > 1 {
                 obj["counters"] = serde_json::json!({

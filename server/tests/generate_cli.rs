@@ -141,6 +141,17 @@ fn bf16_matrices_on_the_cpu_give_the_f32_path_s_tokens_in_half_the_bytes() {
         "bf16 {kept_bytes} vs f32 {wide_bytes}"
     );
     assert_eq!(kept["weights"]["dtype"], "bfloat16");
+    // A decode step also reads the keys and values of its context: f32 on the CPU, on average
+    // the prompt and half of the 3 tokens decoded after the first.
+    let config: Value = serde_json::from_slice(&std::fs::read(ckpt.join("config.json")).unwrap()).unwrap();
+    let t = &config["text_config"];
+    let dim = |k: &str| t[k].as_u64().unwrap();
+    let per_position = 2 * dim("num_hidden_layers") * dim("num_key_value_heads") * dim("head_dim") * 4;
+    let prompt = kept["prompt_token_ids"].as_array().unwrap().len() as u64;
+    assert_eq!(
+        kept["weights"]["decode_kv_read_bytes_per_token"].as_u64(),
+        Some(per_position * (prompt + 2))
+    );
 }
 
 #[test]

@@ -175,10 +175,12 @@ def main():
           f"{'read/token GB':>15}{'roofline tok/s':>16}{'of roofline':>13}{'load s':>8}{'peak RSS GB':>13}")
     for label, k in results["kvlens"].items():
         t, w = k["timing"], k["weights"]
-        roof = bw * 1e9 / w["decode_read_bytes_per_token"]
+        # Bytes a decode step reads: the weights it multiplies and the KV cache it attends over.
+        read = w["decode_read_bytes_per_token"] + w.get("decode_kv_read_bytes_per_token", 0)
+        roof = bw * 1e9 / read
         k["roofline_decode_tokens_per_s"] = roof
         print(f"{label:<22}{len(k['prompt_token_ids']):>8}{t['prefill_tokens_per_s']:>15.1f}"
-              f"{t['decode_tokens_per_s']:>14.2f}{w['bytes'] / 1e9:>12.2f}{w['decode_read_bytes_per_token'] / 1e9:>15.2f}"
+              f"{t['decode_tokens_per_s']:>14.2f}{w['bytes'] / 1e9:>12.2f}{read / 1e9:>15.2f}"
               f"{roof:>16.2f}{t['decode_tokens_per_s'] / roof:>13.0%}{k['load_s'] or 0:>8.1f}"
               f"{k['peak_rss_bytes'] / 1e9:>13.2f}")
     for ref in ("transformers_f32", "transformers_bf16"):
