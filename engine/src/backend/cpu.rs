@@ -295,7 +295,8 @@ impl Backend for CpuBackend {
                     let xs = x.t.contiguous().map_err(lib)?;
                     let (storage, layout) = xs.storage_and_layout();
                     let values = contiguous_values(&storage, layout)?;
-                    let y = bf16_gemm::matmul(values, m, bits, rows, cols, &self.ledger);
+                    let y =
+                        bf16_gemm::matmul(values, m, bits, rows, cols, &self.ledger).map_err(BackendError::Shape)?;
                     Tensor::from_vec(y, (m, rows), &Device::Cpu).map_err(lib)?
                 } else if m >= DEQUANTIZE_FROM_ROWS {
                     // Many rows (prefill, the vision tower): the matrix dequantized once, one

@@ -45,14 +45,30 @@ fn pair(lo: u16, hi: u16) -> u32 {
     lo as u32 | (hi as u32) << 16
 }
 
-/// `x` (`[m, k]` f32) times the transpose of `w` (`[n, k]` bfloat16 bits): `[m, n]`. Callers
-/// check [`available`] first. The repacked operands are recorded in `ledger` while they live.
-pub(super) fn matmul(x: &[f32], m: usize, w: &[u16], n: usize, k: usize, ledger: &MemoryLedger) -> Vec<f32> {
-    assert!(x.len() == m * k && w.len() == n * k, "bf16 matmul: shapes");
+/// `x` (`[m, k]` f32) times the transpose of `w` (`[n, k]` bfloat16 bits): `[m, n]`; an error
+/// where the shapes disagree or the CPU lacks AVX-512 BF16 ([`available`]). The repacked operands
+/// and the result are recorded in `ledger` while this runs.
+pub(super) fn matmul(
+    x: &[f32],
+    m: usize,
+    w: &[u16],
+    n: usize,
+    k: usize,
+    ledger: &MemoryLedger,
+) -> Result<Vec<f32>, String> {
+    if x.len() != m * k || w.len() != n * k {
+        return Err(format!(
+            "{} activations are not {m} rows of {k}, or the weights not [{n}, {k}]",
+            x.len()
+        ));
+    }
+    if !available() {
+        return Err("this CPU has no AVX-512 BF16".into());
+    }
     let kp = k.div_ceil(2);
     let rows = m.div_ceil(MR) * MR;
     let panels = n.div_ceil(NR);
-    let _held = ledger.hold(Category::Activations, ((rows + panels * NR) * kp * 4) as u64);
+    let _held = ledger.hold(Category::Activations, (((rows + panels * NR) * kp + m * n) * 4) as u64);
     // Activation rows as bfloat16 pairs, padded to whole tiles with zeros.
     let mut xb = vec![0u32; rows * kp];
     for_each_piece(&mut xb[..m * kp], kp, |r, pairs| {
@@ -88,10 +104,10 @@ pub(super) fn matmul(x: &[f32], m: usize, w: &[u16], n: usize, k: usize, ledger:
             }
         }
     });
-    out
+    Ok(out)
 }
 
-/// One register tile: `MR` rows of pairs `a` against one panel.
+/// One register tile: `MR` rows of pairs `a` against one panel (only after [`available`]).
 #[allow(unsafe_code)]
 fn tile_product(a: &[u32], panel: &[u32], kp: usize, tile: &mut [[f32; NR]; MR]) {
     assert!(a.len() >= MR * kp && panel.len() >= kp * NR);
@@ -138,16 +154,24 @@ mod tests {
         }
         assert!(f32::from_bits((round_bf16(f32::NAN) as u32) << 16).is_nan());
         if !available() {
+            let ledger = MemoryLedger::new();
+            assert!(matmul(&[1.0, 2.0], 1, &[0, 0], 1, 2, &ledger)
+                .unwrap_err()
+                .contains("AVX-512 BF16"));
             eprintln!("this CPU has no AVX-512 BF16: the kernel is not run here");
             return;
         }
+        let ledger = MemoryLedger::new();
+        assert!(matmul(&[1.0; 3], 1, &[0; 4], 2, 2, &ledger)
+            .unwrap_err()
+            .contains("not 1 rows of 2"));
         for (m, n, k) in [(1, 1, 1), (13, 33, 7), (37, 70, 64), (MR * TILES_PER_TASK + 1, NR, 130)] {
             let x: Vec<f32> = (0..m * k).map(|i| ((i * 37 % 101) as f32 - 50.0) / 7.0).collect();
             let w: Vec<u16> = (0..n * k)
                 .map(|i| half::bf16::from_f32(((i * 53 % 89) as f32 - 44.0) / 13.0).to_bits())
                 .collect();
             let ledger = MemoryLedger::new();
-            let got = matmul(&x, m, &w, n, k, &ledger);
+            let got = matmul(&x, m, &w, n, k, &ledger).unwrap();
             assert_eq!(ledger.total(), 0);
             assert_eq!(got.len(), m * n);
             let wide = |b: u16| f32::from_bits((b as u32) << 16) as f64;

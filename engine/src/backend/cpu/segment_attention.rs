@@ -1,7 +1,7 @@
 //! The vision tower's attention on the CPU: bidirectional within each segment (an image, or one
 //! of Qwen2.5-VL's windows), fused per block of query rows and head. A task computes its rows'
-//! scores against the segment's keys into a buffer its thread reuses, the softmax's exponentials,
-//! and the weighted values. Nothing larger than one block's scores exists, so the memory is
+//! scores against the segment's keys into a buffer its thread reuses for all its tasks, the
+//! softmax's exponentials, and the weighted values. Nothing larger than one block's scores exists, so the memory is
 //! threads × rows × segment length however large the image, and q, k and v are read where they are
 //! (strided views, no transposed copies).
 
@@ -181,7 +181,14 @@ pub(super) fn segment_attention(
                 "segments must cover the {n} rows in order; one starts at {start}, not {next}"
             ));
         }
-        next = start + seg_len;
+        next = match start.checked_add(seg_len) {
+            Some(end) if end <= n => end,
+            _ => {
+                return Err(format!(
+                    "a segment of {seg_len} rows from row {start} runs past the {n} rows"
+                ))
+            }
+        };
         for first in (start..next).step_by(ROWS_PER_TASK) {
             let len = ROWS_PER_TASK.min(next - first);
             blocks.push(Block {
@@ -196,6 +203,9 @@ pub(super) fn segment_attention(
         return Err(format!("segments cover {next} rows of {n}"));
     }
     let cols = heads * d;
+    if cols == 0 {
+        return Ok(Vec::new());
+    }
     for (name, view) in [("q", &q), ("k", &k), ("v", &v)] {
         if n > 0 && (view.row_stride < cols || view.offset + (n - 1) * view.row_stride + cols > view.data.len()) {
             return Err(format!("{name} does not hold {n} rows of {cols} columns"));
@@ -203,11 +213,14 @@ pub(super) fn segment_attention(
     }
     let longest = segments.iter().map(|s| s.1).max().unwrap_or(0);
     let tasks = blocks.len() * heads;
-    let threads = candle_core::utils::get_num_threads().min(tasks).max(1);
-    // Each thread's scores, and the tasks' outputs before they are laid into the result.
+    let pool = candle_core::utils::barrier_pool();
+    let threads = (pool.n_workers() + 1).min(tasks).max(1);
+    let block_rows = ROWS_PER_TASK.min(longest);
+    // Each thread's scores, the tasks' outputs and the result they are laid into (returned to
+    // the caller, which records it as the output).
     let _held = ledger.hold(
         Category::Activations,
-        ((threads * ROWS_PER_TASK * longest + n * cols) * 4) as u64,
+        ((threads * block_rows * longest + n * cols) * 4) as u64,
     );
     let inputs = Inputs {
         q,
@@ -217,8 +230,8 @@ pub(super) fn segment_attention(
         scale: 1.0 / (d as f32).sqrt(),
     };
     let parts: Vec<Mutex<Vec<f32>>> = (0..tasks).map(|_| Mutex::new(Vec::new())).collect();
-    candle_core::utils::barrier_pool().execute_chunked(tasks, |range| {
-        let mut scores = Vec::new();
+    pool.execute_chunked(tasks, |range| {
+        let mut scores = Vec::with_capacity(block_rows * longest);
         for t in range {
             let part = inputs.run_fastest(blocks[t / heads], t % heads, &mut scores);
             *parts[t].lock().unwrap_or_else(|e| e.into_inner()) = part;
@@ -300,8 +313,15 @@ mod tests {
         let ledger = MemoryLedger::new();
         let run = |segs: &[(usize, usize)]| segment_attention(v, v, v, 10, 2, 2, segs, &ledger);
         assert!(run(&[(0, 10)]).is_ok());
+        assert_eq!(
+            segment_attention(v, v, v, 10, 2, 0, &[(0, 10)], &ledger),
+            Ok(Vec::new())
+        );
         assert!(run(&[(0, 4), (5, 5)]).unwrap_err().contains("starts at 5"));
         assert!(run(&[(0, 9)]).unwrap_err().contains("cover 9 rows of 10"));
+        assert!(run(&[(0, 4), (4, usize::MAX)])
+            .unwrap_err()
+            .contains("runs past the 10 rows"));
         let short = RowsView { data: &data[..39], ..v };
         assert!(segment_attention(short, v, v, 10, 2, 2, &[(0, 10)], &ledger)
             .unwrap_err()
