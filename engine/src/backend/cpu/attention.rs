@@ -5,6 +5,7 @@
 //! read the keys and values where they sit in the cache, in tasks of positions: gathering them
 //! into tiles would copy the whole context for every token.
 
+use super::vector_math::exp_shifted_by_max;
 use crate::memory::ledger::{Category, MemoryLedger};
 use candle_core::{Device, Tensor, D};
 use std::sync::Mutex;
@@ -290,12 +291,7 @@ fn attend_in_place(s: &SeqAttention<'_>, q: &[f32], n: usize, scale: f32, ledger
     }
     for (r, row) in probs.chunks_exact_mut(ctx).enumerate() {
         let row = &mut row[..job.visible(r / job.group % n)];
-        let max = row.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
-        let mut sum = 0f32;
-        for x in row.iter_mut() {
-            *x = (*x - max).exp();
-            sum += *x;
-        }
+        let sum = exp_shifted_by_max(row);
         row.iter_mut().for_each(|x| *x /= sum);
     }
     let mut sums = vec![0f32; rows * d];

@@ -32,11 +32,7 @@ pub(super) fn available() -> bool {
 /// The bfloat16 nearest `x` (ties to even), as bits.
 #[inline(always)]
 fn round_bf16(x: f32) -> u16 {
-    let b = x.to_bits();
-    if x.is_nan() {
-        return ((b >> 16) | 0x40) as u16;
-    }
-    ((b + 0x7fff + ((b >> 16) & 1)) >> 16) as u16
+    half::bf16::from_f32(x).to_bits()
 }
 
 /// Two bfloat16 values in one 32-bit lane, the first in the low half (`vdpbf16ps`'s order).
@@ -146,13 +142,9 @@ mod tests {
     use super::*;
 
     /// Shapes with partial tiles, partial panels and an odd k, against the same product in f64
-    /// of the activations rounded to bfloat16 (the rounding checked against `half`).
+    /// of the activations rounded to bfloat16.
     #[test]
     fn matches_the_product_of_bf16_rounded_activations() {
-        for v in [1.0f32, -2.7, 3.1e-5, 65_504.0, 1.0e38, 0.0, -0.0] {
-            assert_eq!(round_bf16(v), half::bf16::from_f32(v).to_bits(), "{v}");
-        }
-        assert!(f32::from_bits((round_bf16(f32::NAN) as u32) << 16).is_nan());
         if !available() {
             let ledger = MemoryLedger::new();
             assert!(matmul(&[1.0, 2.0], 1, &[0, 0], 1, 2, &ledger)
