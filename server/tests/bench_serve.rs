@@ -238,6 +238,62 @@ fn synthetic_vision_against_kvlens_serve() {
     assert!(text.contains("POST /reset_encoder_cache") && text.contains("encoder cache"));
 }
 
+/// A `/v1/memory` reading sent before the after-run reset but answered after it must not show the
+/// reset under a time before the event: against a server that answers readings late (200 ms, the
+/// sampler asking every 10 ms), every sample before the reset shows the encoder cache full and
+/// every one after it empty.
+#[test]
+fn a_reset_splits_the_timeline_where_it_happened() {
+    let dir = work_dir("slow-memory");
+    let mock = Mock::with_slow_memory();
+    let result = dir.join("result.json");
+    succeed(
+        kvlens()
+            .args([
+                "bench",
+                "serve",
+                "--port",
+                &mock.port.to_string(),
+                "--model",
+                "m",
+                "--tokenizer",
+            ])
+            .arg(checkpoint())
+            .args([
+                "--num-prompts",
+                "2",
+                "--output-len",
+                "2",
+                "--ready-check-timeout-sec",
+                "0",
+            ])
+            .args([
+                "--memory-interval-ms",
+                "10",
+                "--after-run-s",
+                "2",
+                "--reset-encoder-cache-after-run",
+            ])
+            .args(["--disable-tqdm", "--save-result", "--result-filename"])
+            .arg(&result),
+    );
+    let r = read_json(&result);
+    let reset_at = r["timeline"]["events"][0]["t"].as_f64().unwrap();
+    let samples = r["timeline"]["samples"].as_array().unwrap();
+    let after_chats: Vec<(f64, u64)> = samples
+        .iter()
+        .map(|s| (s["t"].as_f64().unwrap(), s["encoder_cache_bytes"].as_u64().unwrap()))
+        .skip_while(|&(_, bytes)| bytes == 0)
+        .collect();
+    let (before, after): (Vec<_>, Vec<_>) = after_chats.iter().partition(|(t, _)| *t < reset_at);
+    assert!(!before.is_empty() && !after.is_empty(), "{}", r["timeline"]);
+    assert!(
+        before.iter().all(|&(_, b)| b == 4096),
+        "reset_at {reset_at}: {before:?}"
+    );
+    assert!(after.iter().all(|&(_, b)| b == 0), "reset_at {reset_at}: {after:?}");
+}
+
 /// Without `--tokenizer`, against a server whose model name is not a directory, the prompt tokens
 /// are counted by the server's `/tokenize`, to the same figures the checkpoint's tokenizer gives;
 /// against a server without `/tokenize` the benchmark stops and says why.
@@ -309,7 +365,8 @@ fn tokens_are_counted_by_the_server_without_a_tokenizer() {
 
 /// A vLLM-like server on a raw socket: `/v1/models`, streaming chat completions (a ping comment,
 /// then a role chunk after 20 ms, two tokens per content chunk, a finish chunk and a usage chunk),
-/// and 404 for everything else, `/v1/memory` included.
+/// and 404 for everything else, `/v1/memory` included. [`Mock::with_slow_memory`] adds a
+/// `/v1/memory` that answers late and `POST /reset_encoder_cache`.
 struct Mock {
     port: u16,
     chats: Arc<AtomicUsize>,
@@ -317,22 +374,40 @@ struct Mock {
 
 const MOCK_PROMPT_TOKENS: usize = 1000;
 
+/// What the mock's `/v1/memory` reports: encoder-cache bytes, filled by every chat, emptied by the
+/// reset, read only when the answer is written.
+#[derive(Default)]
+struct MockMemory {
+    encoder_cache_bytes: AtomicUsize,
+}
+
+/// How long the mock's `/v1/memory` waits before it reads its state and answers.
+const MOCK_MEMORY_DELAY: Duration = Duration::from_millis(200);
+
 impl Mock {
     fn start() -> Mock {
+        Mock::serve(None)
+    }
+
+    fn with_slow_memory() -> Mock {
+        Mock::serve(Some(Arc::default()))
+    }
+
+    fn serve(memory: Option<Arc<MockMemory>>) -> Mock {
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let port = listener.local_addr().unwrap().port();
         let chats = Arc::new(AtomicUsize::new(0));
         let counter = chats.clone();
         std::thread::spawn(move || {
             for stream in listener.incoming().map_while(Result::ok) {
-                let counter = counter.clone();
-                std::thread::spawn(move || Mock::answer(stream, &counter));
+                let (counter, memory) = (counter.clone(), memory.clone());
+                std::thread::spawn(move || Mock::answer(stream, &counter, memory.as_deref()));
             }
         });
         Mock { port, chats }
     }
 
-    fn answer(mut stream: TcpStream, chats: &AtomicUsize) -> std::io::Result<()> {
+    fn answer(mut stream: TcpStream, chats: &AtomicUsize, memory: Option<&MockMemory>) -> std::io::Result<()> {
         let mut reader = BufReader::new(stream.try_clone()?);
         let mut request_line = String::new();
         reader.read_line(&mut request_line)?;
@@ -361,8 +436,24 @@ impl Mock {
         let mut parts = request_line.split_whitespace();
         match (parts.next(), parts.next()) {
             (Some("GET"), Some("/v1/models")) => reply(&mut stream, "200 OK", r#"{"data": [{"id": "mock-model"}]}"#),
+            (Some("GET"), Some("/v1/memory")) if memory.is_some() => {
+                std::thread::sleep(MOCK_MEMORY_DELAY);
+                let bytes = memory.unwrap().encoder_cache_bytes.load(Ordering::SeqCst);
+                reply(
+                    &mut stream,
+                    "200 OK",
+                    &format!(r#"{{"ledger": {{"encoder_cache": {bytes}}}}}"#),
+                )
+            }
+            (Some("POST"), Some("/reset_encoder_cache")) if memory.is_some() => {
+                memory.unwrap().encoder_cache_bytes.store(0, Ordering::SeqCst);
+                reply(&mut stream, "200 OK", "{}")
+            }
             (Some("POST"), Some("/v1/chat/completions")) => {
                 chats.fetch_add(1, Ordering::SeqCst);
+                if let Some(m) = memory {
+                    m.encoder_cache_bytes.store(4096, Ordering::SeqCst);
+                }
                 let req: Value = serde_json::from_slice(&body).unwrap();
                 assert_eq!(req["stream"], true);
                 let n = req["max_completion_tokens"].as_u64().unwrap() as usize;

@@ -10,7 +10,7 @@ use anyhow::{bail, Result};
 use indicatif::ProgressBar;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use tokio::sync::{oneshot, Semaphore};
+use tokio::sync::{oneshot, Mutex, Semaphore};
 
 /// How to send.
 #[derive(Debug, Clone)]
@@ -90,7 +90,14 @@ pub async fn benchmark(http: &Http, requests: &[BenchRequest], delays: &[f64], t
         .map(|c| Arc::new(Semaphore::new(c)));
     let t0 = Instant::now();
     let (stop, stopped) = oneshot::channel();
-    let sampler = tokio::spawn(timeline::record(http.clone(), t.memory_interval, t0, stopped));
+    let quiet = Arc::new(Mutex::new(()));
+    let sampler = tokio::spawn(timeline::record(
+        http.clone(),
+        t.memory_interval,
+        t0,
+        quiet.clone(),
+        stopped,
+    ));
     let mut tasks = Vec::with_capacity(requests.len());
     for (i, (req, &delay)) in requests.iter().zip(delays).enumerate() {
         tokio::time::sleep_until((t0 + Duration::from_secs_f64(delay)).into()).await;
@@ -119,7 +126,10 @@ pub async fn benchmark(http: &Http, requests: &[BenchRequest], delays: &[f64], t
         tokio::time::sleep(t.after_run / 2).await;
         if let Some(path) = &t.after_run_post {
             // Samples right before and after the request show what it changed, however busy the
-            // machine and whatever the sampling interval.
+            // machine and whatever the sampling interval. The sampler waits meanwhile: a reading
+            // it sent before the request could be answered after it, and would show the reset
+            // under a time before the event.
+            let _quiet = quiet.lock().await;
             around_events.extend(timeline::sample_now(http, t0).await);
             let answer = http.post(path).await;
             let status = answer.as_ref().map_or(0, |(s, _)| s.as_u16());

@@ -6,8 +6,9 @@ use super::client::Http;
 use hyper::StatusCode;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
-use tokio::sync::oneshot;
+use tokio::sync::{oneshot, Mutex};
 
 /// One reading of `/v1/memory`.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -136,8 +137,15 @@ pub async fn sample_now(http: &Http, t0: Instant) -> Option<Sample> {
 
 /// Samples `/v1/memory` every `interval` from now until `stop` fires, then once more. Stops early
 /// with a note when the first answer is not a JSON object (no such endpoint); a reading that fails
-/// later is skipped.
-pub async fn record(http: Http, interval: Duration, t0: Instant, mut stop: oneshot::Receiver<()>) -> Timeline {
+/// later is skipped. Each reading holds `quiet`: whoever holds it (the benchmark sending a reset)
+/// knows no reading is in flight, so none sent before a request can be answered after it.
+pub async fn record(
+    http: Http,
+    interval: Duration,
+    t0: Instant,
+    quiet: Arc<Mutex<()>>,
+    mut stop: oneshot::Receiver<()>,
+) -> Timeline {
     let mut timeline = Timeline {
         source: http.url("/v1/memory"),
         interval_ms: interval.as_millis() as u64,
@@ -145,7 +153,11 @@ pub async fn record(http: Http, interval: Duration, t0: Instant, mut stop: onesh
     };
     let mut stopping = false;
     loop {
-        match read_memory(&http, t0).await {
+        let reading = {
+            let _quiet = quiet.lock().await;
+            read_memory(&http, t0).await
+        };
+        match reading {
             Reading::Sample(s) => timeline.samples.push(s),
             Reading::NotKvlens(status) if timeline.samples.is_empty() => {
                 timeline.note = Some(format!(
