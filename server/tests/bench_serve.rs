@@ -6,7 +6,8 @@
 //!   timeline shows the encoder cache holding something.
 //! * Against a vLLM-like mock (what kvlens serve cannot show): no `/v1/memory` means no timeline and
 //!   a note, SSE comments and several tokens per chunk are read as vLLM reads them, and the initial
-//!   single-prompt test run is one more request.
+//!   single-prompt test run is one more request. A mock whose `/v1/memory` answers late: the
+//!   after-run reset splits the timeline where it happened.
 //! * Without `--tokenizer`: prompt tokens counted by kvlens serve's `/tokenize` equal the local
 //!   tokenizer's; a server without `/tokenize` stops the run with the reason.
 //! * Against nothing: one line on stderr, exit code 1.
