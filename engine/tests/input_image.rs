@@ -471,8 +471,9 @@ mod input {
                 "{name}: {result:?}"
             );
             assert!(peak < 1 << 20, "{name}: {peak} bytes allocated");
-            // Decoding would take minutes; reading a header takes microseconds.
-            assert!(elapsed.as_secs_f64() < 1.0, "{name}: {elapsed:?}");
+            // Decoding would take minutes; reading a header takes microseconds (the bound is loose
+            // for a busy machine: the allocation bound above is the sharp check).
+            assert!(elapsed.as_secs_f64() < 30.0, "{name}: {elapsed:?}");
         }
         // 100 000 × 100 000 in the formats whose decoders refuse such headers themselves.
         for (name, bytes) in [

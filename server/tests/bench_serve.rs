@@ -547,7 +547,9 @@ fn jsonl_against_a_server_without_v1_memory() {
     let chunks: Vec<usize> = itls.iter().map(|l| l.as_array().unwrap().len() + 1).collect();
     assert_eq!(chunks, [5, 66, 5, 66, 5]);
     for (ttft, e2el) in numbers(&r, "ttfts").iter().zip(numbers(&r, "e2els")) {
-        assert!(*ttft >= 0.02 && *ttft < e2el, "{ttft} {e2el}");
+        // Equal when the whole answer arrives in one read (a busy machine): the client stamps
+        // each read, as vLLM's does.
+        assert!(*ttft >= 0.02 && *ttft <= e2el, "{ttft} {e2el}");
     }
     // The mock's prompt tokens less the templated text for the image requests, 0 for the others.
     let image_lens = numbers(&r, "input_image_lens");
@@ -604,7 +606,11 @@ fn jsonl_against_a_server_without_v1_memory() {
 
 #[test]
 fn unreachable_server_is_one_line_and_exit_1() {
-    let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    // A port held by a socket that is bound but not listening: connections are refused, and no
+    // other test can take the port meanwhile.
+    let held = tokio::net::TcpSocket::new_v4().unwrap();
+    held.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+    let port = held.local_addr().unwrap().port();
     let out = kvlens()
         .args([
             "bench",

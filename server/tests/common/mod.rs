@@ -232,10 +232,12 @@ impl Server {
         self.child.lock().unwrap().try_wait().unwrap().is_none()
     }
 
-    /// Waits until `/health` answers 200.
+    /// Waits until `/health` answers 200 and the log holds every start-up line (the server logs
+    /// `Application startup complete.` just after it turns healthy, and the log is read by
+    /// another thread).
     pub fn wait_ready(&self) {
         let deadline = Instant::now() + Duration::from_secs(300);
-        while self.get("/health").status != 200 {
+        while self.get("/health").status != 200 || !self.log().contains("Application startup complete.") {
             assert!(Instant::now() < deadline, "never healthy:\n{}", self.log());
             assert!(self.running(), "the server exited:\n{}", self.log());
             std::thread::sleep(Duration::from_millis(100));
