@@ -249,17 +249,7 @@ fn a_reset_splits_the_timeline_where_it_happened() {
     let mock = Mock::with_slow_memory();
     let result = dir.join("result.json");
     succeed(
-        kvlens()
-            .args([
-                "bench",
-                "serve",
-                "--port",
-                &mock.port.to_string(),
-                "--model",
-                "m",
-                "--tokenizer",
-            ])
-            .arg(checkpoint())
+        mock.bench(checkpoint())
             .args([
                 "--num-prompts",
                 "2",
@@ -392,6 +382,22 @@ impl Mock {
 
     fn with_slow_memory() -> Mock {
         Mock::serve(Some(Arc::default()))
+    }
+
+    /// `kvlens bench serve` against this mock, model `m`, prompts counted with `tokenizer`'s.
+    fn bench(&self, tokenizer: &Path) -> Command {
+        let mut cmd = kvlens();
+        cmd.args([
+            "bench",
+            "serve",
+            "--port",
+            &self.port.to_string(),
+            "--model",
+            "m",
+            "--tokenizer",
+        ])
+        .arg(tokenizer);
+        cmd
     }
 
     fn serve(memory: Option<Arc<MockMemory>>) -> Mock {
@@ -565,17 +571,7 @@ fn jsonl_against_a_server_without_v1_memory() {
 
     // vLLM's random dataset: prompts of --random-input-len tokens, sent all at once.
     let stdout = succeed(
-        kvlens()
-            .args([
-                "bench",
-                "serve",
-                "--port",
-                &mock.port.to_string(),
-                "--model",
-                "m",
-                "--tokenizer",
-            ])
-            .arg(ckpt)
+        mock.bench(ckpt)
             .args([
                 "--dataset-name",
                 "random",
