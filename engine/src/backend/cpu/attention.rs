@@ -5,10 +5,10 @@
 //! read the keys and values where they sit in the cache, in tasks of positions: gathering them
 //! into tiles would copy the whole context for every token.
 
+use super::parallel::for_each_piece;
 use super::vector_math::exp_shifted_by_max;
 use crate::memory::ledger::{Category, MemoryLedger};
 use candle_core::{Device, Tensor, D};
-use std::sync::Mutex;
 
 /// Tile sizes: query rows per chunk and context positions per key tile; up to `in_place` query
 /// rows, no tiles: the cache is read in place.
@@ -164,14 +164,13 @@ struct InPlace<'a> {
     scale: f32,
 }
 
-/// The two passes over the cache.
-#[derive(Clone, Copy)]
-enum Pass<'a> {
-    /// Scaled scores of the task's positions, `[rows, positions]`.
-    Scores,
-    /// The task's positions' values weighted by the softmax `probs` (`[rows, context]`),
-    /// summed: `[rows, d]`.
-    Values(&'a [f32]),
+/// One task's share of the softmax: per row the largest score of its positions, the sum of their
+/// exponentials shifted by it, and their values weighted by those (`[rows, d]`). A row that sees
+/// none of the positions has max −∞ and sums 0.
+struct Partial {
+    max: Vec<f32>,
+    sum: Vec<f32>,
+    values: Vec<f32>,
 }
 
 impl InPlace<'_> {
@@ -184,80 +183,78 @@ impl InPlace<'_> {
         self.context_len - self.n + i + 1
     }
 
-    /// One pass over positions `first..first + len`, all heads (each slot's keys and values are
-    /// one contiguous row of the cache).
+    /// Positions `first..first + len`, all heads, in one pass: the scores against each slot's
+    /// keys, their exponentials, the values weighted by them (each slot's keys and values are one
+    /// contiguous row of the cache).
     #[inline(always)]
-    fn run(&self, pass: Pass<'_>, first: usize, len: usize) -> Vec<f32> {
+    fn run(&self, first: usize, len: usize) -> Partial {
         let (d, n, group) = (self.head_dim, self.n, self.group);
         let width = self.kv_heads * d;
         let cols = width * group;
-        let mut out = vec![0f32; self.rows() * if let Pass::Scores = pass { len } else { d }];
+        let rows = self.rows();
+        let mut scores = vec![0f32; rows * len];
         for pos in first..first + len {
-            let slot = self.slots[pos];
+            let at = self.slots[pos] * width;
             for kh in 0..self.kv_heads {
-                let at = slot * width + kh * d;
+                let k = &self.keys[at + kh * d..][..d];
                 for i in (0..n).filter(|&i| pos < self.visible(i)) {
                     for g in 0..group {
                         let r = (kh * n + i) * group + g;
-                        match pass {
-                            Pass::Scores => {
-                                let q = &self.q[i * cols + (kh * group + g) * d..][..d];
-                                out[r * len + pos - first] = dot(q, &self.keys[at..at + d]) * self.scale;
-                            }
-                            Pass::Values(probs) => {
-                                let p = probs[r * self.context_len + pos];
-                                add_scaled(&mut out[r * d..(r + 1) * d], p, &self.values[at..at + d]);
-                            }
-                        }
+                        let q = &self.q[i * cols + (kh * group + g) * d..][..d];
+                        scores[r * len + pos - first] = dot(q, k) * self.scale;
                     }
                 }
             }
         }
-        out
+        let mut part = Partial {
+            max: vec![f32::NEG_INFINITY; rows],
+            sum: vec![0f32; rows],
+            values: vec![0f32; rows * d],
+        };
+        for (r, row) in scores.chunks_exact_mut(len.max(1)).enumerate() {
+            let seen = self.visible(r / group % n).saturating_sub(first).min(len);
+            if seen > 0 {
+                (part.max[r], part.sum[r]) = exp_shifted_by_max(&mut row[..seen]);
+            }
+        }
+        for pos in first..first + len {
+            let at = self.slots[pos] * width;
+            for kh in 0..self.kv_heads {
+                let v = &self.values[at + kh * d..][..d];
+                for i in (0..n).filter(|&i| pos < self.visible(i)) {
+                    for g in 0..group {
+                        let r = (kh * n + i) * group + g;
+                        add_scaled(&mut part.values[r * d..(r + 1) * d], scores[r * len + pos - first], v);
+                    }
+                }
+            }
+        }
+        part
     }
 
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2,fma")]
-    fn run_avx2(&self, pass: Pass<'_>, first: usize, len: usize) -> Vec<f32> {
-        self.run(pass, first, len)
+    fn run_avx2(&self, first: usize, len: usize) -> Partial {
+        self.run(first, len)
     }
 
     /// [`InPlace::run`] compiled for the widest instructions this CPU has (the one `unsafe`
     /// call: a function compiled for AVX2 and FMA, called once they are detected).
     #[allow(unsafe_code)]
-    fn run_fastest(&self, pass: Pass<'_>, first: usize, len: usize) -> Vec<f32> {
+    fn run_fastest(&self, first: usize, len: usize) -> Partial {
         #[cfg(target_arch = "x86_64")]
         if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
             // SAFETY: the features `run_avx2` is compiled with were detected on this CPU.
-            return unsafe { self.run_avx2(pass, first, len) };
+            return unsafe { self.run_avx2(first, len) };
         }
-        self.run(pass, first, len)
-    }
-
-    /// `pass` over every position in tasks of [`POSITIONS_PER_TASK`] on candle's thread pool:
-    /// each task's result, in position order.
-    fn each_task(&self, pass: Pass<'_>) -> Vec<Vec<f32>> {
-        let ctx = self.context_len;
-        let tasks = ctx.div_ceil(POSITIONS_PER_TASK);
-        let parts: Vec<Mutex<Vec<f32>>> = (0..tasks).map(|_| Mutex::new(Vec::new())).collect();
-        candle_core::utils::barrier_pool().execute_chunked(tasks, |range| {
-            for t in range {
-                let first = t * POSITIONS_PER_TASK;
-                let part = self.run_fastest(pass, first, POSITIONS_PER_TASK.min(ctx - first));
-                *parts[t].lock().unwrap_or_else(|e| e.into_inner()) = part;
-            }
-        });
-        parts
-            .into_iter()
-            .map(|p| p.into_inner().unwrap_or_else(|e| e.into_inner()))
-            .collect()
+        self.run(first, len)
     }
 }
 
-/// Attention of `n` query rows (`q`, `[n, heads · d]`) over the cache in place, in two passes over
-/// the context split into tasks on candle's thread pool: the scores of every head against each
-/// position's keys, a softmax per row, then the values summed with those weights. Holds (and
-/// records) two scores per row, head and position, or one and each task's sums of values.
+/// Attention of `n` query rows (`q`, `[n, heads · d]`) over the cache in place, in one pass over
+/// the context split into tasks of [`POSITIONS_PER_TASK`] positions on candle's thread pool (each
+/// task's scores, softmax share and weighted values, see [`Partial`]), the shares then combined
+/// per row. Holds (and records) each task's scores and share.
 fn attend_in_place(s: &SeqAttention<'_>, q: &[f32], n: usize, scale: f32, ledger: &MemoryLedger) -> Vec<f32> {
     let (kvh, d, ctx) = (s.kv_heads, s.head_dim, s.context_len);
     let cols = q.len() / n.max(1);
@@ -275,28 +272,27 @@ fn attend_in_place(s: &SeqAttention<'_>, q: &[f32], n: usize, scale: f32, ledger
         scale,
     };
     let rows = job.rows();
-    // The probabilities, and beside them first the tasks' scores, then their sums of values.
-    let value_parts = (ctx.div_ceil(POSITIONS_PER_TASK) + 1) * rows * d;
-    let floats = rows * ctx + (rows * ctx).max(value_parts);
+    let tasks = ctx.div_ceil(POSITIONS_PER_TASK);
     let _held = ledger.hold(
         Category::Activations,
-        (floats * 4 + ctx * std::mem::size_of::<usize>()) as u64,
+        ((tasks * rows * (d + 2 + POSITIONS_PER_TASK)) * 4 + ctx * std::mem::size_of::<usize>()) as u64,
     );
-    let mut probs = vec![0f32; rows * ctx];
-    for (t, part) in job.each_task(Pass::Scores).into_iter().enumerate() {
-        let len = part.len() / rows.max(1);
-        for (r, chunk) in part.chunks_exact(len.max(1)).enumerate() {
-            probs[r * ctx + t * POSITIONS_PER_TASK..][..len].copy_from_slice(chunk);
-        }
-    }
-    for (r, row) in probs.chunks_exact_mut(ctx).enumerate() {
-        let row = &mut row[..job.visible(r / job.group % n)];
-        let sum = exp_shifted_by_max(row);
-        row.iter_mut().for_each(|x| *x /= sum);
-    }
+    let mut parts: Vec<Option<Partial>> = (0..tasks).map(|_| None).collect();
+    for_each_piece(&mut parts, 1, |t, part| {
+        let first = t * POSITIONS_PER_TASK;
+        part[0] = Some(job.run_fastest(first, POSITIONS_PER_TASK.min(ctx - first)));
+    });
+    let parts: Vec<Partial> = parts.into_iter().flatten().collect();
     let mut sums = vec![0f32; rows * d];
-    for part in job.each_task(Pass::Values(&probs)) {
-        sums.iter_mut().zip(&part).for_each(|(s, p)| *s += p);
+    for (r, out) in sums.chunks_exact_mut(d).enumerate() {
+        let max = parts.iter().fold(f32::NEG_INFINITY, |m, p| m.max(p.max[r]));
+        let mut total = 0f32;
+        for p in parts.iter().filter(|p| p.sum[r] > 0.0) {
+            let w = (p.max[r] - max).exp();
+            total += w * p.sum[r];
+            add_scaled(out, w, &p.values[r * d..(r + 1) * d]);
+        }
+        out.iter_mut().for_each(|x| *x /= total);
     }
     // Rows `[kv_head, n, group, d]` to `[n, heads · d]`.
     let mut out = vec![0f32; n * cols];
@@ -338,11 +334,9 @@ mod tests {
 
     #[test]
     fn tiles_of_any_size_give_dense_causal_attention_and_release_their_bytes() {
-        let (heads, kvh, d, ctx, n) = (4, 2, 3, 150, 9);
+        let (heads, kvh, d, ctx) = (4, 2, 3, 150);
         let k: Vec<f32> = (0..ctx * kvh * d).map(|i| (i as f32 * 0.37).sin()).collect();
         let v: Vec<f32> = (0..ctx * kvh * d).map(|i| (i as f32 * 0.11).cos()).collect();
-        let q: Vec<f32> = (0..n * heads * d).map(|i| (i as f32 * 0.23).sin()).collect();
-        let want = dense(&q, &k, &v, (n, ctx, heads, kvh, d));
         // Slots reversed, so the gather is exercised.
         let slot_of = |p: usize| ctx - 1 - p;
         let (mut kr, mut vr) = (vec![0.0; k.len()], vec![0.0; v.len()]);
@@ -352,7 +346,19 @@ mod tests {
             vr[slot_of(p) * w..][..w].copy_from_slice(&v[p * w..][..w]);
         }
         let ledger = MemoryLedger::new();
-        for (queries, keys, in_place) in [(512, 1024, 0), (2, 3, 0), (4, 5, 0), (1, 1, 0), (9, 23, 0), (1, 1, 9)] {
+        // 80 query rows in place: the first rows see none of the last task's positions.
+        for (n, queries, keys, in_place) in [
+            (9, 512, 1024, 0),
+            (9, 2, 3, 0),
+            (9, 4, 5, 0),
+            (9, 1, 1, 0),
+            (9, 9, 23, 0),
+            (9, 1, 1, 9),
+            (80, 7, 33, 0),
+            (80, 1, 1, 80),
+        ] {
+            let q: Vec<f32> = (0..n * heads * d).map(|i| (i as f32 * 0.23).sin()).collect();
+            let want = dense(&q, &k, &v, (n, ctx, heads, kvh, d));
             let s = SeqAttention {
                 q: Tensor::from_vec(q.clone(), (n, heads * d), &Device::Cpu).unwrap(),
                 keys: &kr,
@@ -376,7 +382,7 @@ mod tests {
             for (a, b) in got.iter().zip(&want) {
                 assert!(
                     (a - b).abs() < 1e-5,
-                    "tiles {queries}×{keys}, in place {in_place}: {a} vs {b}"
+                    "{n} rows, tiles {queries}×{keys}, in place {in_place}: {a} vs {b}"
                 );
             }
             assert_eq!(ledger.bytes(Category::Activations), 0);

@@ -120,7 +120,7 @@ impl Inputs<'_> {
         // A loop, not an iterator adapter: a closure would be compiled without `run_avx2`'s features.
         let mut sums = Vec::with_capacity(b.len);
         for row in scores.chunks_exact_mut(n) {
-            sums.push(exp_shifted_by_max(row));
+            sums.push(exp_shifted_by_max(row).1);
         }
         let p = Operand {
             data: scores,

@@ -116,9 +116,10 @@ impl Elementwise {
     }
 }
 
-/// `row[i] = e^(row[i] − max(row))`, in place; returns their sum (the softmax's divisor).
+/// `row[i] = e^(row[i] − max(row))`, in place; returns the max and their sum (the softmax's
+/// divisor).
 #[inline(always)]
-pub(super) fn exp_shifted_by_max(row: &mut [f32]) -> f32 {
+pub(super) fn exp_shifted_by_max(row: &mut [f32]) -> (f32, f32) {
     const LANES: usize = 16;
     let mut maxes = [f32::NEG_INFINITY; LANES];
     let chunks = row.chunks_exact(LANES);
@@ -142,7 +143,7 @@ pub(super) fn exp_shifted_by_max(row: &mut [f32]) -> f32 {
         *x = exp(*x - max);
         sum += *x;
     }
-    sums.iter().sum::<f32>() + sum
+    (max, sums.iter().sum::<f32>() + sum)
 }
 
 #[cfg(test)]
@@ -199,8 +200,9 @@ mod tests {
     fn softmax_sum_and_values() {
         let mut row: Vec<f32> = (0..37).map(|i| i as f32 * 0.5 - 3.0).collect();
         let orig = row.clone();
-        let sum = exp_shifted_by_max(&mut row);
+        let (got_max, sum) = exp_shifted_by_max(&mut row);
         let max = orig.iter().cloned().fold(f32::MIN, f32::max);
+        assert_eq!(got_max, max);
         let want: f64 = orig.iter().map(|&x| ((x - max) as f64).exp()).sum();
         assert!(((sum as f64) - want).abs() < 1e-5 * want);
         for (x, o) in row.iter().zip(&orig) {
