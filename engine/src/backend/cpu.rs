@@ -319,6 +319,27 @@ impl Backend for CpuBackend {
         })
     }
 
+    /// Few rows (decode) against packed matrices: every product in one pass over the pool, the
+    /// activations quantized once; otherwise one [`Backend::linear`] each.
+    fn linears(&self, x: &CpuTensor, ws: &[(&CpuTensor, Option<&CpuTensor>)]) -> BResult<Vec<CpuTensor>> {
+        let (m, _) = dims2(&x.t)?;
+        let packed: Option<Vec<&PackedMatrix>> = ws.iter().map(|(w, _)| w.q.as_deref()).collect();
+        let Some(packed) = packed.filter(|_| m < DEQUANTIZE_FROM_ROWS) else {
+            return ws.iter().map(|&(w, b)| self.linear(x, w, b)).collect();
+        };
+        let ys = PackedMatrix::matmul_many(&packed, &Self::host(x)?, m).map_err(lib)?;
+        ys.into_iter()
+            .zip(packed.iter().zip(ws))
+            .map(|(y, (w, &(_, b)))| {
+                let y = Tensor::from_vec(y, (m, w.dims().0), &Device::Cpu).map_err(lib)?;
+                self.act(match b {
+                    Some(b) => y.broadcast_add(&b.t),
+                    None => Ok(y),
+                })
+            })
+            .collect()
+    }
+
     fn embedding(&self, table: &CpuTensor, ids: &[u32]) -> BResult<CpuTensor> {
         let vocab = self.shape(table)[0];
         if let Some(bad) = ids.iter().find(|&&i| i as usize >= vocab) {

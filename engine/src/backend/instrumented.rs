@@ -164,6 +164,9 @@ impl<B: Backend> Backend for Instrumented<B> {
     fn linear(&self, x: &Self::Tensor, w: &Self::Tensor, b: Option<&Self::Tensor>) -> BResult<Self::Tensor> {
         self.inner.linear(x, w, b)
     }
+    fn linears(&self, x: &Self::Tensor, ws: &[(&Self::Tensor, Option<&Self::Tensor>)]) -> BResult<Vec<Self::Tensor>> {
+        self.inner.linears(x, ws)
+    }
     fn embedding(&self, table: &Self::Tensor, ids: &[u32]) -> BResult<Self::Tensor> {
         self.index_list();
         self.inner.embedding(table, ids)

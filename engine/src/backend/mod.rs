@@ -234,6 +234,11 @@ pub trait Backend: std::fmt::Debug + 'static {
 
     /// `x · wᵀ (+ b)` for `x [n, in]`, `w [out, in]`.
     fn linear(&self, x: &Self::Tensor, w: &Self::Tensor, b: Option<&Self::Tensor>) -> BResult<Self::Tensor>;
+    /// [`Backend::linear`] of one `x` with several `(w, b)` (a layer's q/k/v, its gate and up), in
+    /// one pass where the backend can share the work.
+    fn linears(&self, x: &Self::Tensor, ws: &[(&Self::Tensor, Option<&Self::Tensor>)]) -> BResult<Vec<Self::Tensor>> {
+        ws.iter().map(|&(w, b)| self.linear(x, w, b)).collect()
+    }
     /// Rows `ids` of `table [vocab, dim]`.
     fn embedding(&self, table: &Self::Tensor, ids: &[u32]) -> BResult<Self::Tensor>;
     /// RMSNorm over the last axis.

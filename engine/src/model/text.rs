@@ -7,7 +7,7 @@
 use super::spec::{Projection, TextMlpSpec, TextSpec};
 use super::weights::{Loader, TensorSource};
 use super::ModelError;
-use crate::backend::Backend;
+use crate::backend::{Backend, BackendError};
 use crate::config::{ModelConfig, TextConfig};
 
 #[derive(Debug)]
@@ -108,9 +108,14 @@ impl<B: Backend> TextModel<B> {
         let rows = be.shape(&x).first().copied().unwrap_or(0);
         for (i, layer) in self.layers.iter().enumerate() {
             let h = be.rms_norm(&x, &layer.input_norm, eps)?;
-            let mut q = be.linear(&h, &layer.q.0, layer.q.1.as_ref())?;
-            let mut k = be.linear(&h, &layer.k.0, layer.k.1.as_ref())?;
-            let v = be.linear(&h, &layer.v.0, layer.v.1.as_ref())?;
+            let [mut q, mut k, v] = products(be.linears(
+                &h,
+                &[
+                    (&layer.q.0, layer.q.1.as_ref()),
+                    (&layer.k.0, layer.k.1.as_ref()),
+                    (&layer.v.0, layer.v.1.as_ref()),
+                ],
+            )?)?;
             if let Some((qn, kn)) = &layer.qk_norm {
                 q = be.reshape(&be.rms_norm(&be.reshape(&q, rows * nq, hd)?, qn, eps)?, rows, nq * hd)?;
                 k = be.reshape(&be.rms_norm(&be.reshape(&k, rows * nkv, hd)?, kn, eps)?, rows, nkv * hd)?;
@@ -121,7 +126,8 @@ impl<B: Backend> TextModel<B> {
             let a = be.paged_attention(cache, i, &q, nq, inp.paged)?;
             x = be.add(&x, &be.linear(&a, &layer.o, None)?)?;
             let h = be.rms_norm(&x, &layer.post_norm, eps)?;
-            let m = be.silu_mul(&be.linear(&h, &layer.gate, None)?, &be.linear(&h, &layer.up, None)?)?;
+            let [gate, up] = products(be.linears(&h, &[(&layer.gate, None), (&layer.up, None)])?)?;
+            let m = be.silu_mul(&gate, &up)?;
             x = be.add(&x, &be.linear(&m, &layer.down, None)?)?;
             if let Some((features, rows_at)) = inp.deepstack {
                 if let Some(f) = features.get(i) {
@@ -136,4 +142,10 @@ impl<B: Backend> TextModel<B> {
     pub fn logits(&self, be: &B, hidden: &B::Tensor) -> Result<B::Tensor, ModelError> {
         Ok(be.linear(hidden, self.lm_head.as_ref().unwrap_or(&self.embed), None)?)
     }
+}
+
+/// The `N` products [`Backend::linears`] returned, as an array.
+fn products<T, const N: usize>(ys: Vec<T>) -> Result<[T; N], ModelError> {
+    ys.try_into()
+        .map_err(|ys: Vec<T>| BackendError::Shape(format!("{} products where {N} were asked for", ys.len())).into())
 }

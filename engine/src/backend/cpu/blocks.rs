@@ -163,13 +163,14 @@ impl BlockRows {
         }
     }
 
-    /// `out[i] = x_i · row` for each row `x_i` of `acts` (quantized for this matrix's format).
-    pub fn dot_row(&self, row: usize, acts: &Activations, out: &mut [f32]) {
+    /// `out[i] = x_i · row` for each row `x_i` of `acts` (quantized for this matrix's format);
+    /// `cold`: the first row of a run (see [`prefetch_ahead`]).
+    pub fn dot_row(&self, row: usize, acts: &Activations, cold: bool, out: &mut [f32]) {
         debug_assert_eq!(acts.kind, self.kind);
         let nb = self.blocks_per_row();
         let qb = self.kind.quant_bytes();
-        prefetch_ahead(&self.scales, row * nb..(row + 1) * nb);
-        prefetch_ahead(&self.quants, row * nb * qb..(row + 1) * nb * qb);
+        prefetch_ahead(&self.scales, row * nb..(row + 1) * nb, cold);
+        prefetch_ahead(&self.quants, row * nb * qb..(row + 1) * nb * qb, cold);
         let scales = &self.scales[row * nb..(row + 1) * nb];
         let quants = &self.quants[row * nb * qb..(row + 1) * nb * qb];
         for (i, o) in out.iter_mut().enumerate() {
@@ -199,6 +200,11 @@ struct ActRow<'a> {
 }
 
 impl Activations {
+    /// The block format these activations were quantized for.
+    pub fn kind(&self) -> BlockKind {
+        self.kind
+    }
+
     /// Quantizes the rows of `x` (`cols`, a multiple of 32, per row) for a `kind` matrix.
     pub fn quantize(kind: BlockKind, x: &[f32], cols: usize) -> Self {
         let nb = cols / BLOCK;

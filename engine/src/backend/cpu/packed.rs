@@ -84,16 +84,17 @@ fn dot_rows_fastest(w: &[u16], xs: &[f32], out: &mut [f32]) {
 const PREFETCH_BYTES: usize = 8192;
 
 /// Asks the CPU to bring `data[range]`'s elements [`PREFETCH_BYTES`] further on into its caches
-/// (clamped to `data`; a hint, no effect on the results).
+/// (clamped to `data`); `cold`, the first range of a run, also from `range.start` on, since no
+/// earlier range asked for it. A hint, no effect on the results.
 #[allow(unsafe_code)]
-pub(super) fn prefetch_ahead<T>(data: &[T], range: std::ops::Range<usize>) {
+pub(super) fn prefetch_ahead<T>(data: &[T], range: std::ops::Range<usize>, cold: bool) {
     #[cfg(target_arch = "x86_64")]
     {
         use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
         let size = std::mem::size_of::<T>().max(1);
         let ahead = PREFETCH_BYTES / size;
         let (start, end) = (
-            (range.start + ahead).min(data.len()),
+            (if cold { range.start } else { range.start + ahead }).min(data.len()),
             (range.end + ahead).min(data.len()),
         );
         let step = (64 / size).max(1);
@@ -103,37 +104,65 @@ pub(super) fn prefetch_ahead<T>(data: &[T], range: std::ops::Range<usize>) {
         }
     }
     #[cfg(not(target_arch = "x86_64"))]
-    let _ = (data, range);
+    let _ = (data, range, cold);
 }
 
-/// Output rows (of the weight matrix) per task of a product.
+/// Output rows (of the weight matrix) per task of [`PackedMatrix::dequantize`].
 const ROWS_PER_TASK: usize = 64;
 
-/// The product `[m, rows]` of `m` activation rows with a `rows`-row weight matrix, where
-/// `dot(row, out)` writes weight row `row`'s products with the `m` activation rows into `out`.
-/// Tasks of [`ROWS_PER_TASK`] weight rows go to candle's thread pool (the one its other kernels
-/// use).
-fn by_weight_rows(rows: usize, m: usize, dot: impl Fn(usize, &mut [f32]) + Sync) -> Vec<f32> {
-    if m == 0 || rows == 0 {
-        return vec![0f32; m * rows];
+/// One matrix's row products: `dot(row, cold, out)` writes weight row `row`'s products with the
+/// `m` activation rows into `out`; `cold` marks the first row of a run (nothing prefetched yet).
+type RowDot<'a> = dyn Fn(usize, bool, &mut [f32]) + Sync + 'a;
+
+/// The products `[m, rows]` of `m` activation rows with each of several matrices, given as
+/// `(rows, dot)`. Their rows are shared out as one sequence, one contiguous run per thread of
+/// candle's pool (the one its other kernels use), so each thread reads one stream: in pieces of a
+/// few dozen rows taken in turns, every piece started cold and prefetched into the rows the other
+/// thread was about to read.
+fn by_weight_rows(parts: &[(usize, &RowDot<'_>)], m: usize) -> Vec<Vec<f32>> {
+    let total: usize = parts.iter().map(|p| p.0).sum();
+    if m == 0 || total == 0 {
+        return parts.iter().map(|p| vec![0f32; m * p.0]).collect();
     }
-    // Transposed, `[rows, m]`, so that each task writes one contiguous part.
-    let mut out_t = vec![0f32; rows * m];
-    for_each_piece(&mut out_t, ROWS_PER_TASK * m, |t, part| {
-        for (r, out) in part.chunks_mut(m).enumerate() {
-            dot(t * ROWS_PER_TASK + r, out);
+    let threads = candle_core::utils::barrier_pool().n_workers() + 1;
+    let per_thread = total.div_ceil(threads);
+    // Transposed, `[total, m]`, so that each run writes one contiguous part.
+    let mut out_t = vec![0f32; total * m];
+    for_each_piece(&mut out_t, per_thread * m, |t, run| {
+        let mut row = t * per_thread;
+        // The part holding `row`, and its first row in the sequence.
+        let (mut j, mut first) = (0, 0);
+        while row >= first + parts[j].0 {
+            first += parts[j].0;
+            j += 1;
+        }
+        let mut cold = true;
+        for out in run.chunks_mut(m) {
+            if row == first + parts[j].0 {
+                first += parts[j].0;
+                j += 1;
+                cold = true;
+            }
+            (parts[j].1)(row - first, cold, out);
+            cold = false;
+            row += 1;
         }
     });
-    if m == 1 {
-        return out_t;
-    }
-    let mut out = vec![0f32; m * rows];
-    for (r, col) in out_t.chunks_exact(m).enumerate() {
-        for (i, &v) in col.iter().enumerate() {
-            out[i * rows + r] = v;
-        }
-    }
-    out
+    let mut first = 0;
+    parts
+        .iter()
+        .map(|&(rows, _)| {
+            let part = &out_t[first * m..(first + rows) * m];
+            first += rows;
+            let mut out = vec![0f32; m * rows];
+            for (r, col) in part.chunks_exact(m).enumerate() {
+                for (i, &v) in col.iter().enumerate() {
+                    out[i * rows + r] = v;
+                }
+            }
+            out
+        })
+        .collect()
 }
 
 impl PackedMatrix {
@@ -176,20 +205,41 @@ impl PackedMatrix {
 
     /// `x · selfᵀ` for `x [m, cols]` (row-major): `[m, rows]`.
     pub fn matmul(&self, x: &[f32], m: usize) -> candle_core::Result<Vec<f32>> {
-        if x.len() != m * self.cols {
-            candle_core::bail!("{} values are not {m} rows of {}", x.len(), self.cols);
+        Ok(Self::matmul_many(&[self], x, m)?.pop().unwrap_or_default())
+    }
+
+    /// `x · wᵀ` for each matrix `w` of `mats` (all `cols` wide) and `x [m, cols]`, in one pass over
+    /// the thread pool, the activations quantized once per block format.
+    pub fn matmul_many(mats: &[&PackedMatrix], x: &[f32], m: usize) -> candle_core::Result<Vec<Vec<f32>>> {
+        if let Some(w) = mats.iter().find(|w| x.len() != m * w.cols) {
+            candle_core::bail!("{} values are not {m} rows of {}", x.len(), w.cols);
         }
-        let cols = self.cols;
-        Ok(match &self.packing {
-            Packing::Bf16(w) => by_weight_rows(self.rows, m, |row, out| {
-                prefetch_ahead(w, row * cols..(row + 1) * cols);
-                dot_rows_fastest(&w[row * cols..(row + 1) * cols], x, out)
-            }),
-            Packing::Blocks(b) => {
-                let acts = Activations::quantize(b.kind(), x, cols);
-                by_weight_rows(self.rows, m, |row, out| b.dot_row(row, &acts, out))
+        let mut acts: Vec<Activations> = Vec::new();
+        for w in mats {
+            if let Packing::Blocks(b) = &w.packing {
+                if !acts.iter().any(|a| a.kind() == b.kind()) {
+                    acts.push(Activations::quantize(b.kind(), x, w.cols));
+                }
             }
-        })
+        }
+        let mut dots: Vec<Box<RowDot<'_>>> = Vec::with_capacity(mats.len());
+        for w in mats {
+            let cols = w.cols;
+            dots.push(match &w.packing {
+                Packing::Bf16(bits) => Box::new(move |row, cold, out| {
+                    prefetch_ahead(bits, row * cols..(row + 1) * cols, cold);
+                    dot_rows_fastest(&bits[row * cols..(row + 1) * cols], x, out)
+                }),
+                Packing::Blocks(b) => {
+                    let Some(a) = acts.iter().find(|a| a.kind() == b.kind()) else {
+                        candle_core::bail!("no {:?} activations", b.kind());
+                    };
+                    Box::new(move |row, cold, out| b.dot_row(row, a, cold, out))
+                }
+            });
+        }
+        let parts: Vec<(usize, &RowDot<'_>)> = mats.iter().zip(&dots).map(|(w, d)| (w.rows, d.as_ref())).collect();
+        Ok(by_weight_rows(&parts, m))
     }
 
     /// The whole matrix in f32 (row-major).
@@ -298,6 +348,37 @@ mod tests {
             .unwrap()
             .matmul(&[0.0; 5], 1)
             .is_err());
+    }
+
+    /// Several matrices of different formats and heights in one pass give each matrix's own
+    /// product (the runs the threads take cross from one matrix into the next), and a matrix of
+    /// another width is refused.
+    #[test]
+    fn products_of_several_matrices_are_each_matrix_s_product() {
+        let cols = 64;
+        let bits = |rows: usize| {
+            matrix(rows, cols)
+                .iter()
+                .map(|&v| half::bf16::from_f32(v).to_bits())
+                .collect()
+        };
+        let mats = [
+            PackedMatrix::quantize(WeightFormat::Q4_0, &matrix(5, cols), 5, cols).unwrap(),
+            PackedMatrix::bf16(bits(70), 70, cols).unwrap(),
+            PackedMatrix::quantize(WeightFormat::Q8_0, &matrix(3, cols), 3, cols).unwrap(),
+            PackedMatrix::quantize(WeightFormat::Q4_0, &matrix(131, cols), 131, cols).unwrap(),
+        ];
+        let refs: Vec<&PackedMatrix> = mats.iter().collect();
+        for m in [1, 3] {
+            let x = matrix(m, cols);
+            let all = PackedMatrix::matmul_many(&refs, &x, m).unwrap();
+            assert_eq!(all.len(), mats.len());
+            for (w, got) in mats.iter().zip(&all) {
+                assert_eq!(got, &w.matmul(&x, m).unwrap(), "m={m}, {} rows", w.rows);
+            }
+        }
+        let narrow = PackedMatrix::quantize(WeightFormat::Q8_0, &matrix(2, 32), 2, 32).unwrap();
+        assert!(PackedMatrix::matmul_many(&[&mats[0], &narrow], &matrix(1, cols), 1).is_err());
     }
 
     /// bfloat16 weights give the f32 product of the widened values (only the summation order
