@@ -29,11 +29,22 @@ pub(super) fn available() -> bool {
     false
 }
 
-/// The bfloat16 nearest `x` (ties to even), as bits.
+/// The bfloat16 nearest `x` (ties to even), as bits; NaN stays NaN. `half::bf16::from_f32`'s
+/// numbers without its branches, so a row of them vectorises.
 #[inline(always)]
 fn round_bf16(x: f32) -> u16 {
-    half::bf16::from_f32(x).to_bits()
+    let b = x.to_bits();
+    let rounded = (b.wrapping_add(0x7FFF + ((b >> 16) & 1)) >> 16) as u16;
+    if x.is_nan() {
+        (b >> 16) as u16 | 0x40
+    } else {
+        rounded
+    }
 }
+
+/// Panel rows repacked per pass: `PANEL_BLOCK` k-pairs of a panel's [`NR`] columns (8 KiB, in the
+/// first-level cache while the columns' rows are read into it).
+const PANEL_BLOCK: usize = 64;
 
 /// Two bfloat16 values in one 32-bit lane, the first in the low half (`vdpbf16ps`'s order).
 #[inline(always)]
@@ -68,19 +79,30 @@ pub(super) fn matmul(
     // Activation rows as bfloat16 pairs, padded to whole tiles with zeros.
     let mut xb = vec![0u32; rows * kp];
     for_each_piece(&mut xb[..m * kp], kp, |r, pairs| {
-        let row = &x[r * k..(r + 1) * k];
-        for (p, v) in pairs.iter_mut().enumerate() {
-            let b = row.get(2 * p + 1).copied().unwrap_or(0.0);
-            *v = pair(round_bf16(row[2 * p]), round_bf16(b));
+        let (whole, odd) = x[r * k..(r + 1) * k].as_chunks::<2>();
+        for (v, &[a, b]) in pairs.iter_mut().zip(whole) {
+            *v = pair(round_bf16(a), round_bf16(b));
+        }
+        if let [a] = odd {
+            pairs[kp - 1] = pair(round_bf16(*a), 0);
         }
     });
-    // Weight panels: panel j holds columns j·NR.., k-pair by k-pair.
+    // Weight panels: panel j holds columns j·NR.., k-pair by k-pair; written in blocks of
+    // PANEL_BLOCK pairs so that the block being filled stays in the first-level cache.
     let mut packed = vec![0u32; panels * kp * NR];
     for_each_piece(&mut packed, kp * NR, |j, panel| {
-        for c in 0..NR.min(n - j * NR) {
-            let row = &w[(j * NR + c) * k..][..k];
-            for p in 0..kp {
-                panel[p * NR + c] = pair(row[2 * p], row.get(2 * p + 1).copied().unwrap_or(0));
+        for p0 in (0..kp).step_by(PANEL_BLOCK) {
+            let block = &mut panel[p0 * NR..(p0 + PANEL_BLOCK).min(kp) * NR];
+            for c in 0..NR.min(n - j * NR) {
+                let row = &w[(j * NR + c) * k..][..k];
+                let row = &row[2 * p0..(2 * (p0 + PANEL_BLOCK)).min(k)];
+                let (whole, odd) = row.as_chunks::<2>();
+                for (p, &[a, b]) in whole.iter().enumerate() {
+                    block[p * NR + c] = pair(a, b);
+                }
+                if let [a] = odd {
+                    block[whole.len() * NR + c] = pair(*a, 0);
+                }
             }
         }
     });
@@ -140,6 +162,36 @@ unsafe fn tile_avx512(a: *const u32, panel: *const u32, kp: usize, tile: &mut [[
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The branch-free rounding gives `half`'s bfloat16 for ties, both signs, infinities, NaN,
+    /// subnormals and the largest finite values (which round to infinity).
+    #[test]
+    fn rounding_is_half_s() {
+        let mut bits = vec![
+            0u32,
+            0x8000_0000,
+            0x7F80_0000,
+            0xFF80_0000,
+            0x7FC0_0000,
+            0x7F80_0001,
+            0xFFFF_FFFF,
+        ];
+        bits.extend([
+            0x7F7F_FFFF,
+            0x7F7F_8000,
+            0x7F7E_8000,
+            0x0000_8000,
+            0x0001_8000,
+            0x0000_7FFF,
+            0x3F80_8000,
+        ]);
+        bits.extend((0..100_000u32).map(|i| i.wrapping_mul(2_654_435_761)));
+        for b in bits {
+            let x = f32::from_bits(b);
+            let want = half::bf16::from_f32(x).to_bits();
+            assert_eq!(round_bf16(x), want, "{b:#010x}");
+        }
+    }
 
     /// Shapes with partial tiles, partial panels and an odd k, against the same product in f64
     /// of the activations rounded to bfloat16.
