@@ -1,14 +1,17 @@
-//! Products of many activation rows (prefill, the vision tower) with bfloat16 weight matrices on
+//! Products of many activation rows (prefill, the vision tower) with packed weight matrices on
 //! CPUs with AVX-512 BF16, computed in bfloat16 as transformers and vLLM compute a bfloat16 model:
 //! the activations rounded to bfloat16 (ties to even) at the product's input, `vdpbf16ps`
 //! multiplying pairs and summing them in f32, 32 products per instruction (twice the f32 FMA's).
-//! The weights are used as stored. Keeping 16 bits of each activation instead (a bfloat16 high
-//! part and remainder, two products) ran slower than the f32 GEMM (32 vs 41 tokens/s prefill).
+//! bfloat16 weights are used as stored; `q8_0` and `q4_0` weights are dequantized and rounded to
+//! bfloat16 as they are repacked (one rounding of GGML's value `d · q`). Keeping 16 bits of each
+//! activation instead (a bfloat16 high part and remainder, two products) ran slower than the f32
+//! GEMM (32 vs 41 tokens/s prefill).
 //!
 //! Layout: the weights, `[n, k]` row-major, are repacked per call into panels of [`NR`] output
 //! columns, each k-pair's 32 column pairs together; activations become rows of k-pairs. A task
 //! takes [`MR`]-row groups of the output and runs every panel over them, accumulators in registers.
 
+use super::packed::PackedMatrix;
 use super::parallel::for_each_piece;
 use crate::memory::ledger::{Category, MemoryLedger};
 
@@ -32,7 +35,7 @@ pub(super) fn available() -> bool {
 /// The bfloat16 nearest `x` (ties to even), as bits; NaN stays NaN. `half::bf16::from_f32`'s
 /// numbers without its branches, so a row of them vectorises.
 #[inline(always)]
-fn round_bf16(x: f32) -> u16 {
+pub(super) fn round_bf16(x: f32) -> u16 {
     let b = x.to_bits();
     let rounded = (b.wrapping_add(0x7FFF + ((b >> 16) & 1)) >> 16) as u16;
     if x.is_nan() {
@@ -52,22 +55,13 @@ fn pair(lo: u16, hi: u16) -> u32 {
     lo as u32 | (hi as u32) << 16
 }
 
-/// `x` (`[m, k]` f32) times the transpose of `w` (`[n, k]` bfloat16 bits): `[m, n]`; an error
-/// where the shapes disagree or the CPU lacks AVX-512 BF16 ([`available`]). The repacked operands
-/// and the result are recorded in `ledger` while this runs.
-pub(super) fn matmul(
-    x: &[f32],
-    m: usize,
-    w: &[u16],
-    n: usize,
-    k: usize,
-    ledger: &MemoryLedger,
-) -> Result<Vec<f32>, String> {
-    if x.len() != m * k || w.len() != n * k {
-        return Err(format!(
-            "{} activations are not {m} rows of {k}, or the weights not [{n}, {k}]",
-            x.len()
-        ));
+/// `x` (`[m, k]` f32) times the transpose of `w` (`[n, k]`): `[m, n]`; an error where the shapes
+/// disagree or the CPU lacks AVX-512 BF16 ([`available`]). The repacked operands and the result
+/// are recorded in `ledger` while this runs.
+pub(super) fn matmul(x: &[f32], m: usize, w: &PackedMatrix, ledger: &MemoryLedger) -> Result<Vec<f32>, String> {
+    let (n, k) = w.dims();
+    if x.len() != m * k {
+        return Err(format!("{} activations are not {m} rows of {k}", x.len()));
     }
     if !available() {
         return Err("this CPU has no AVX-512 BF16".into());
@@ -91,10 +85,12 @@ pub(super) fn matmul(
     // PANEL_BLOCK pairs so that the block being filled stays in the first-level cache.
     let mut packed = vec![0u32; panels * kp * NR];
     for_each_piece(&mut packed, kp * NR, |j, panel| {
+        let cols = NR.min(n - j * NR);
+        let rows = w.bf16_rows(j * NR, cols);
         for p0 in (0..kp).step_by(PANEL_BLOCK) {
             let block = &mut panel[p0 * NR..(p0 + PANEL_BLOCK).min(kp) * NR];
-            for c in 0..NR.min(n - j * NR) {
-                let row = &w[(j * NR + c) * k..][..k];
+            for c in 0..cols {
+                let row = &rows[c * k..][..k];
                 let row = &row[2 * p0..(2 * (p0 + PANEL_BLOCK)).min(k)];
                 let (whole, odd) = row.as_chunks::<2>();
                 for (p, &[a, b]) in whole.iter().enumerate() {
@@ -162,6 +158,7 @@ unsafe fn tile_avx512(a: *const u32, panel: *const u32, kp: usize, tile: &mut [[
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::model::weight_format::WeightFormat;
 
     /// The branch-free rounding gives `half`'s bfloat16 for ties, both signs, infinities, NaN,
     /// subnormals and the largest finite values (which round to infinity).
@@ -193,44 +190,62 @@ mod tests {
         }
     }
 
-    /// Shapes with partial tiles, partial panels and an odd k, against the same product in f64
-    /// of the activations rounded to bfloat16.
+    /// Shapes with partial tiles, partial panels and an odd k, with bfloat16, `q8_0` and `q4_0`
+    /// weights, against the same product in f64 of the activations and the weights' values
+    /// rounded to bfloat16.
     #[test]
     fn matches_the_product_of_bf16_rounded_activations() {
         if !available() {
             let ledger = MemoryLedger::new();
-            assert!(matmul(&[1.0, 2.0], 1, &[0, 0], 1, 2, &ledger)
+            let w = PackedMatrix::bf16(vec![0; 2], 1, 2).unwrap();
+            assert!(matmul(&[1.0, 2.0], 1, &w, &ledger)
                 .unwrap_err()
                 .contains("AVX-512 BF16"));
             eprintln!("this CPU has no AVX-512 BF16: the kernel is not run here");
             return;
         }
         let ledger = MemoryLedger::new();
-        assert!(matmul(&[1.0; 3], 1, &[0; 4], 2, 2, &ledger)
+        let w = PackedMatrix::bf16(vec![0; 4], 2, 2).unwrap();
+        assert!(matmul(&[1.0; 3], 1, &w, &ledger)
             .unwrap_err()
             .contains("not 1 rows of 2"));
-        for (m, n, k) in [(1, 1, 1), (13, 33, 7), (37, 70, 64), (MR * TILES_PER_TASK + 1, NR, 130)] {
+        let shapes = [
+            (1, 1, 1),
+            (13, 33, 7),
+            (37, 70, 64),
+            (MR * TILES_PER_TASK + 1, NR, 130),
+            (29, 45, 160),
+        ];
+        for (m, n, k) in shapes {
             let x: Vec<f32> = (0..m * k).map(|i| ((i * 37 % 101) as f32 - 50.0) / 7.0).collect();
-            let w: Vec<u16> = (0..n * k)
-                .map(|i| half::bf16::from_f32(((i * 53 % 89) as f32 - 44.0) / 13.0).to_bits())
-                .collect();
-            let ledger = MemoryLedger::new();
-            let got = matmul(&x, m, &w, n, k, &ledger).unwrap();
-            assert_eq!(ledger.total(), 0);
-            assert_eq!(got.len(), m * n);
-            let wide = |b: u16| f32::from_bits((b as u32) << 16) as f64;
-            for i in 0..m {
-                for j in 0..n {
-                    let want: f64 = (0..k)
-                        .map(|c| wide(round_bf16(x[i * k + c])) * wide(w[j * k + c]))
-                        .sum();
-                    let got = got[i * n + j] as f64;
-                    assert!(
-                        (got - want).abs() <= 1e-5 * want.abs().max(1.0),
-                        "{m}x{n}x{k} ({i}, {j}): {got} vs {want}"
-                    );
+            let values: Vec<f32> = (0..n * k).map(|i| ((i * 53 % 89) as f32 - 44.0) / 13.0).collect();
+            let bits = values.iter().map(|&v| round_bf16(v)).collect();
+            let mut mats = vec![("bf16", PackedMatrix::bf16(bits, n, k).unwrap())];
+            for format in [WeightFormat::Q8_0, WeightFormat::Q4_0] {
+                mats.extend(PackedMatrix::quantize(format, &values, n, k).map(|w| (format.name(), w)));
+            }
+            for (name, w) in &mats {
+                // The weights the product should see: the stored value rounded to bfloat16.
+                let w_bf16: Vec<u16> = w.dequantize().into_iter().map(round_bf16).collect();
+                let ledger = MemoryLedger::new();
+                let got = matmul(&x, m, w, &ledger).unwrap();
+                assert_eq!(ledger.total(), 0);
+                assert_eq!(got.len(), m * n);
+                let wide = |b: u16| f32::from_bits((b as u32) << 16) as f64;
+                for i in 0..m {
+                    for j in 0..n {
+                        let want: f64 = (0..k)
+                            .map(|c| wide(round_bf16(x[i * k + c])) * wide(w_bf16[j * k + c]))
+                            .sum();
+                        let got = got[i * n + j] as f64;
+                        assert!(
+                            (got - want).abs() <= 1e-5 * want.abs().max(1.0),
+                            "{name} {m}x{n}x{k} ({i}, {j}): {got} vs {want}"
+                        );
+                    }
                 }
             }
+            assert_eq!(mats.len(), if k % 32 == 0 { 3 } else { 1 }, "{m}x{n}x{k}");
         }
     }
 }

@@ -8,9 +8,11 @@
 //! round the activations to bfloat16 as well. Block rows are multiplied by integer dot products
 //! against activations quantized once per product.
 
+use super::bf16_gemm::round_bf16;
 use super::blocks::{Activations, BlockKind, BlockRows};
 use super::parallel::for_each_piece;
 use crate::model::weight_format::WeightFormat;
+use std::borrow::Cow;
 
 /// The values of one matrix.
 #[derive(Debug)]
@@ -278,11 +280,21 @@ impl PackedMatrix {
         out
     }
 
-    /// The matrix's bfloat16 bits, row-major, when it is kept in bfloat16.
-    pub fn bf16_bits(&self) -> Option<&[u16]> {
+    /// Rows `first..first + count` as bfloat16 bits, row-major: as stored, or dequantized and
+    /// rounded to the nearest bfloat16.
+    pub fn bf16_rows(&self, first: usize, count: usize) -> Cow<'_, [u16]> {
+        let cols = self.cols;
         match &self.packing {
-            Packing::Bf16(v) => Some(v),
-            Packing::Blocks(_) => None,
+            Packing::Bf16(v) => Cow::Borrowed(&v[first * cols..(first + count) * cols]),
+            Packing::Blocks(b) => {
+                let mut wide = vec![0f32; cols];
+                let mut out = vec![0u16; count * cols];
+                for (r, row) in out.chunks_exact_mut(cols).enumerate() {
+                    b.dequantize_row(first + r, &mut wide);
+                    row.iter_mut().zip(&wide).for_each(|(o, &v)| *o = round_bf16(v));
+                }
+                Cow::Owned(out)
+            }
         }
     }
 
