@@ -98,6 +98,14 @@ impl CpuBackend {
         Ok(self.wrap(t.map_err(lib)?, Category::Activations))
     }
 
+    /// A product `y` plus its bias row, if any, as activations.
+    fn with_bias(&self, y: Tensor, b: Option<&CpuTensor>) -> BResult<CpuTensor> {
+        self.act(match b {
+            Some(b) => y.broadcast_add(&b.t),
+            None => Ok(y),
+        })
+    }
+
     /// The tensor's values on the host.
     fn host(t: &CpuTensor) -> BResult<Vec<f32>> {
         if t.q.is_some() {
@@ -310,10 +318,7 @@ impl Backend for CpuBackend {
                 }
             }
         };
-        self.act(match b {
-            Some(b) => y.broadcast_add(&b.t),
-            None => Ok(y),
-        })
+        self.with_bias(y, b)
     }
 
     /// Few rows (decode) against packed matrices: every product in one pass over the pool, the
@@ -329,10 +334,7 @@ impl Backend for CpuBackend {
             .zip(packed.iter().zip(ws))
             .map(|(y, (w, &(_, b)))| {
                 let y = Tensor::from_vec(y, (m, w.dims().0), &Device::Cpu).map_err(lib)?;
-                self.act(match b {
-                    Some(b) => y.broadcast_add(&b.t),
-                    None => Ok(y),
-                })
+                self.with_bias(y, b)
             })
             .collect()
     }
