@@ -46,15 +46,27 @@ impl BlockKind {
     }
 }
 
-/// GGML's `q8_0` rounding of one block: its scale and its values in `-127..=127`.
-fn quantize_q8(values: &[f32], out: &mut [i8]) -> f32 {
+/// GGML's `q8_0` rounding of one block: its scale and its values in `-127..=127`, each value
+/// scaled and rounded by `round` (GGML's reference rounds half away from zero, its x86 SIMD code
+/// to even).
+#[inline(always)]
+fn quantize_q8(values: &[f32], out: &mut [i8], round: impl Fn(f32) -> f32) -> f32 {
     let amax = values.iter().fold(0f32, |a, v| a.max(v.abs()));
     let d = amax / 127.0;
     let id = if d != 0.0 { 1.0 / d } else { 0.0 };
     for (q, &v) in out.iter_mut().zip(values) {
-        *q = (v * id).round() as i8;
+        *q = round(v * id) as i8;
     }
     d
+}
+
+/// `y` rounded to the nearest integer, ties to even, for |y| < 2²²: adding 1.5 · 2²³ leaves no
+/// fraction bits. Plain float arithmetic, so a block of them vectorises where `roundf` is a libm
+/// call per value on baseline x86_64.
+#[inline(always)]
+fn round_small_to_even(y: f32) -> f32 {
+    const SHIFTER: f32 = 12_582_912.0;
+    (y + SHIFTER) - SHIFTER
 }
 
 /// Quantizes one block of 32 values into `out` (`kind`'s stored quants); returns its scale.
@@ -62,7 +74,7 @@ fn quantize_block(kind: BlockKind, block: &[f32], out: &mut [u8]) -> f32 {
     match kind {
         BlockKind::Q8_0 => {
             let mut q8 = [0i8; BLOCK];
-            let d = quantize_q8(block, &mut q8);
+            let d = quantize_q8(block, &mut q8, f32::round);
             for (o, &q) in out.iter_mut().zip(&q8) {
                 *o = (q as i16 + 128) as u8;
             }
@@ -220,7 +232,7 @@ impl Activations {
         let mut q = [0i8; BLOCK];
         for (i, row) in x.chunks_exact(cols).enumerate() {
             for (b, block) in row.chunks_exact(BLOCK).enumerate() {
-                let d = quantize_q8(block, &mut q);
+                let d = quantize_q8(block, &mut q, round_small_to_even);
                 let sum: i32 = q.iter().map(|&v| v as i32).sum();
                 let at = i * padded_blocks + b;
                 acts.scales[at] = d;
@@ -402,6 +414,19 @@ mod tests {
             .collect()
     }
 
+    /// The activations' rounding is `round_ties_even` over the range the quantization gives it.
+    #[test]
+    fn activation_rounding_is_ties_to_even() {
+        let steps = (-1040..=1040).map(|i| i as f32 / 8.0);
+        let odd = (0..10_000).map(|i| ((i * 7919 % 20011) as f32 - 10005.0) / 78.7);
+        for y in steps
+            .chain(odd)
+            .chain([127.000_01, -127.000_01, 0.499_999_97, -0.5, 2.5])
+        {
+            assert_eq!(round_small_to_even(y), y.round_ties_even(), "{y}");
+        }
+    }
+
     /// The dequantized values are GGML's, as candle's `k_quants` computes them.
     #[test]
     fn blocks_dequantize_to_ggml_s_values() {
@@ -447,7 +472,7 @@ mod tests {
                         .chunks_exact(BLOCK)
                         .zip(xq.chunks_exact_mut(BLOCK))
                         .flat_map(|(v, q)| {
-                            let d = quantize_q8(v, q);
+                            let d = quantize_q8(v, q, round_small_to_even);
                             q.iter().map(move |&q| q as f32 * d).collect::<Vec<_>>()
                         })
                         .collect();
