@@ -70,7 +70,8 @@ impl CpuBackend {
 
     /// Keeps the weight matrices the format leaves unquantized in bfloat16 (as Qwen checkpoints
     /// store them: copied, not widened; other dtypes rounded) instead of f32. Norms, biases and
-    /// the patch embedding stay f32; products accumulate in f32 against f32 activations.
+    /// the patch embedding stay f32. Products accumulate in f32, against f32 activations in decode
+    /// and, on CPUs with AVX-512 BF16, against activations rounded to bfloat16 from 32 rows on.
     pub fn with_bf16_matrices(mut self, on: bool) -> Self {
         self.bf16_matrices = on;
         self

@@ -57,7 +57,8 @@ fn pair(lo: u16, hi: u16) -> u32 {
 
 /// `x` (`[m, k]` f32) times the transpose of `w` (`[n, k]`): `[m, n]`; an error where the shapes
 /// disagree or the CPU lacks AVX-512 BF16 ([`available`]). The repacked operands and the result
-/// are recorded in `ledger` while this runs.
+/// are recorded in `ledger` while this runs, with the rows each pool thread dequantizes at a time
+/// for quantized weights.
 pub(super) fn matmul(x: &[f32], m: usize, w: &PackedMatrix, ledger: &MemoryLedger) -> Result<Vec<f32>, String> {
     let (n, k) = w.dims();
     if x.len() != m * k {
@@ -69,7 +70,12 @@ pub(super) fn matmul(x: &[f32], m: usize, w: &PackedMatrix, ledger: &MemoryLedge
     let kp = k.div_ceil(2);
     let rows = m.div_ceil(MR) * MR;
     let panels = n.div_ceil(NR);
-    let _held = ledger.hold(Category::Activations, (((rows + panels * NR) * kp + m * n) * 4) as u64);
+    let threads = candle_core::utils::barrier_pool().n_workers() + 1;
+    let scratch = threads * w.bf16_rows_scratch_bytes(NR.min(n));
+    let _held = ledger.hold(
+        Category::Activations,
+        (((rows + panels * NR) * kp + m * n) * 4 + scratch) as u64,
+    );
     // Activation rows as bfloat16 pairs, padded to whole tiles with zeros.
     let mut xb = vec![0u32; rows * kp];
     for_each_piece(&mut xb[..m * kp], kp, |r, pairs| {
@@ -86,11 +92,11 @@ pub(super) fn matmul(x: &[f32], m: usize, w: &PackedMatrix, ledger: &MemoryLedge
     let mut packed = vec![0u32; panels * kp * NR];
     for_each_piece(&mut packed, kp * NR, |j, panel| {
         let cols = NR.min(n - j * NR);
-        let rows = w.bf16_rows(j * NR, cols);
+        let w_rows = w.bf16_rows(j * NR, cols);
         for p0 in (0..kp).step_by(PANEL_BLOCK) {
             let block = &mut panel[p0 * NR..(p0 + PANEL_BLOCK).min(kp) * NR];
             for c in 0..cols {
-                let row = &rows[c * k..][..k];
+                let row = &w_rows[c * k..][..k];
                 let row = &row[2 * p0..(2 * (p0 + PANEL_BLOCK)).min(k)];
                 let (whole, odd) = row.as_chunks::<2>();
                 for (p, &[a, b]) in whole.iter().enumerate() {
@@ -125,6 +131,7 @@ pub(super) fn matmul(x: &[f32], m: usize, w: &PackedMatrix, ledger: &MemoryLedge
 #[allow(unsafe_code)]
 fn tile_product(a: &[u32], panel: &[u32], kp: usize, tile: &mut [[f32; NR]; MR]) {
     assert!(a.len() >= MR * kp && panel.len() >= kp * NR);
+    debug_assert!(available());
     #[cfg(target_arch = "x86_64")]
     // SAFETY: callers checked `available()`; the slices hold what the kernel reads (above).
     unsafe {
@@ -214,6 +221,7 @@ mod tests {
             (13, 33, 7),
             (37, 70, 64),
             (MR * TILES_PER_TASK + 1, NR, 130),
+            (13, 33, 131),
             (29, 45, 160),
         ];
         for (m, n, k) in shapes {

@@ -48,7 +48,8 @@ impl BlockKind {
 
 /// GGML's `q8_0` rounding of one block: its scale and its values in `-127..=127`, each value
 /// scaled and rounded by `round` (GGML's reference rounds half away from zero, its x86 SIMD code
-/// to even).
+/// to even). As in GGML, a block whose largest magnitude is below about 3.7e−37 gets a subnormal
+/// scale whose inverse is infinite; its values then saturate to −128..=127.
 #[inline(always)]
 fn quantize_q8(values: &[f32], out: &mut [i8], round: impl Fn(f32) -> f32) -> f32 {
     let amax = values.iter().fold(0f32, |a, v| a.max(v.abs()));
@@ -61,8 +62,9 @@ fn quantize_q8(values: &[f32], out: &mut [i8], round: impl Fn(f32) -> f32) -> f3
 }
 
 /// `y` rounded to the nearest integer, ties to even, for |y| < 2²²: adding 1.5 · 2²³ leaves no
-/// fraction bits. Plain float arithmetic, so a block of them vectorises where `roundf` is a libm
-/// call per value on baseline x86_64.
+/// fraction bits (infinities and NaN pass through, as `f32::round` leaves them). Plain float
+/// arithmetic, so a block of them vectorises where `roundf` is a libm call per value on baseline
+/// x86_64.
 #[inline(always)]
 fn round_small_to_even(y: f32) -> f32 {
     const SHIFTER: f32 = 12_582_912.0;

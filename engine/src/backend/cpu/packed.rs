@@ -280,6 +280,15 @@ impl PackedMatrix {
         out
     }
 
+    /// Bytes [`PackedMatrix::bf16_rows`] allocates for `count` rows: none for bfloat16 weights,
+    /// which it borrows.
+    pub fn bf16_rows_scratch_bytes(&self, count: usize) -> usize {
+        match &self.packing {
+            Packing::Bf16(_) => 0,
+            Packing::Blocks(_) => count * self.cols * 2 + self.cols * 4,
+        }
+    }
+
     /// Rows `first..first + count` as bfloat16 bits, row-major: as stored, or dequantized and
     /// rounded to the nearest bfloat16.
     pub fn bf16_rows(&self, first: usize, count: usize) -> Cow<'_, [u16]> {
@@ -325,6 +334,28 @@ mod tests {
         (0..rows * cols)
             .map(|i| ((i * 7919 % 1000) as f32 / 500.0 - 1.0) * 0.1)
             .collect()
+    }
+
+    /// Rows read as bfloat16 are the stored values rounded to the nearest bfloat16, from any first
+    /// row, and only quantized matrices need scratch for them.
+    #[test]
+    fn bf16_rows_are_the_values_rounded() {
+        let (rows, cols) = (9, 96);
+        let values = matrix(rows, cols);
+        let bits = values.iter().map(|&v| half::bf16::from_f32(v).to_bits()).collect();
+        let mut mats = vec![PackedMatrix::bf16(bits, rows, cols).unwrap()];
+        for format in [WeightFormat::Q8_0, WeightFormat::Q4_0] {
+            mats.push(PackedMatrix::quantize(format, &values, rows, cols).unwrap());
+        }
+        for w in &mats {
+            let want: Vec<u16> = w.dequantize()[3 * cols..8 * cols]
+                .iter()
+                .map(|&v| half::bf16::from_f32(v).to_bits())
+                .collect();
+            assert_eq!(*w.bf16_rows(3, 5), want[..]);
+            let borrowed = matches!(w.packing, Packing::Bf16(_));
+            assert_eq!(w.bf16_rows_scratch_bytes(5) == 0, borrowed);
+        }
     }
 
     #[test]
