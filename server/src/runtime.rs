@@ -108,7 +108,7 @@ pub struct BackendChoice {
     pub kind: BackendKind,
     /// Keep 2-D weights in half precision (wgpu: f16; cuda and cpu: bf16); activations stay f32.
     pub f16_weights: bool,
-    /// Weight matrices quantized on load (`--quantization`; the CPU backend only).
+    /// Weight matrices quantized on load (`--quantization`; the CPU and wgpu backends).
     pub quantization: WeightFormat,
 }
 
@@ -196,10 +196,10 @@ fn load_weights<B: Backend>(ckpt: &Checkpoint, backend: &B) -> Result<QwenVl<B>>
 
 /// Opens the backend, loads the weights onto it and builds the frontend.
 pub fn load(dir: &Path, choice: BackendChoice) -> Result<(LoadedRunner, Frontend)> {
-    if choice.quantization != WeightFormat::Unquantized && choice.kind != BackendKind::Cpu {
+    if choice.quantization != WeightFormat::Unquantized && choice.kind == BackendKind::Cuda {
         return Err(usage(format!(
-            "--quantization {}: quantized weights run on the cpu backend; the {} backend keeps float32 or half-precision weights (--dtype)",
-            choice.quantization, choice.kind
+            "--quantization {}: quantized weights run on the cpu and wgpu backends; the cuda backend keeps float32 or half-precision weights (--dtype)",
+            choice.quantization
         )));
     }
     let ckpt = Checkpoint::open(dir)?;
@@ -208,6 +208,7 @@ pub fn load(dir: &Path, choice: BackendChoice) -> Result<(LoadedRunner, Frontend
         BackendKind::Wgpu => {
             let opts = WgpuOptions {
                 f16_weights: choice.f16_weights,
+                quantization: choice.quantization,
                 ..WgpuOptions::default()
             };
             let backend = WgpuBackend::new_blocking(ledger.clone(), opts).map_err(|e| usage(e.to_string()))?;

@@ -144,6 +144,19 @@ const CPU_Q4_0: Run = Run {
     min_pairs: 0,
 };
 
+/// The wgpu backend with `q8_0` weight matrices: the kernels multiply f32 activations by the
+/// dequantized weights (the CPU quantizes the activations too), held to the CPU's `q8_0` bounds.
+const WGPU_Q8_0: Run = Run {
+    args: &["--backend", "wgpu", "--quantization", "q8_0"],
+    ..CPU_Q8_0
+};
+
+/// The wgpu backend with `q4_0` weight matrices, held to the CPU's `q4_0` bounds.
+const WGPU_Q4_0: Run = Run {
+    args: &["--backend", "wgpu", "--quantization", "q4_0"],
+    ..CPU_Q4_0
+};
+
 fn run_family(name: &str, run: &Run) {
     let text = std::fs::read_to_string(fixtures().join(format!("{name}.json"))).unwrap();
     let fixture: Value = serde_json::from_str(&text).unwrap();
@@ -360,4 +373,34 @@ fn qwen2_5_vl_with_bf16_weights_stays_within_the_stated_bounds() {
 #[test]
 fn qwen3_vl_with_bf16_weights_stays_within_the_stated_bounds() {
     run_family("qwen3_vl", &CPU_BF16);
+}
+
+#[test]
+fn qwen2_vl_on_wgpu_with_q8_0_weights_stays_within_the_stated_bounds() {
+    run_family("qwen2_vl", &WGPU_Q8_0);
+}
+
+#[test]
+fn qwen2_5_vl_on_wgpu_with_q8_0_weights_stays_within_the_stated_bounds() {
+    run_family("qwen2_5_vl", &WGPU_Q8_0);
+}
+
+#[test]
+fn qwen3_vl_on_wgpu_with_q8_0_weights_stays_within_the_stated_bounds() {
+    run_family("qwen3_vl", &WGPU_Q8_0);
+}
+
+#[test]
+fn qwen2_vl_on_wgpu_with_q4_0_weights_stays_within_the_stated_bounds() {
+    run_family("qwen2_vl", &WGPU_Q4_0);
+}
+
+#[test]
+fn qwen2_5_vl_on_wgpu_with_q4_0_weights_stays_within_the_stated_bounds() {
+    run_family("qwen2_5_vl", &WGPU_Q4_0);
+}
+
+#[test]
+fn qwen3_vl_on_wgpu_with_q4_0_weights_stays_within_the_stated_bounds() {
+    run_family("qwen3_vl", &WGPU_Q4_0);
 }

@@ -4,7 +4,7 @@
 
 mod attention;
 mod bf16_gemm;
-mod blocks;
+pub(crate) mod blocks;
 mod packed;
 mod parallel;
 mod segment_attention;

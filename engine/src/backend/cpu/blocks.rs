@@ -30,7 +30,7 @@ pub enum BlockKind {
 
 impl BlockKind {
     /// Bytes of one block's quants.
-    fn quant_bytes(self) -> usize {
+    pub fn quant_bytes(self) -> usize {
         match self {
             BlockKind::Q8_0 => BLOCK,
             BlockKind::Q4_0 => BLOCK / 2,
@@ -140,6 +140,17 @@ impl BlockRows {
     /// The format.
     pub fn kind(&self) -> BlockKind {
         self.kind
+    }
+
+    /// The scales' f16 bit patterns, one per block, row after row.
+    pub fn scales(&self) -> &[u16] {
+        &self.scales
+    }
+
+    /// The quants, `quant_bytes` per block in the order of [`BlockRows::scales`] (see the
+    /// module's documentation for the bytes).
+    pub fn quants(&self) -> &[u8] {
+        &self.quants
     }
 
     /// Bytes of scales and quants.

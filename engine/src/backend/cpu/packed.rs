@@ -98,6 +98,7 @@ fn dot_rows_fastest(w: &[u16], xs: &[f32], out: &mut [f32]) {
 /// How far ahead of the weights a product reads it asks the CPU to fetch them (measured on the
 /// 2-core EPYC with Qwen3-VL-2B: `q4_0` decodes 1.3× faster with 8 KiB than with 512 bytes; its
 /// hardware prefetcher alone leaves a row-by-row GEMV well below the memory's read bandwidth).
+#[cfg(target_arch = "x86_64")]
 const PREFETCH_BYTES: usize = 8192;
 
 /// Asks the CPU to bring `data[range]`'s elements [`PREFETCH_BYTES`] further on into its caches

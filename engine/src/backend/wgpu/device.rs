@@ -13,6 +13,9 @@ pub struct WgpuOptions {
     pub max_binding_bytes: Option<u64>,
     /// Store 2-D weights as f16 (two per `u32`) instead of f32.
     pub f16_weights: bool,
+    /// Quantize the matrices this format quantizes on load (`--quantization`); the other 2-D
+    /// weights follow `f16_weights`.
+    pub quantization: crate::model::weight_format::WeightFormat,
     /// Use the barrier-free kernels for matmul, norms and attention (None: on CPU adapters such
     /// as lavapipe, where a workgroup barrier is slow) rather than the tiled GEMM, the GEMV and the
     /// workgroup reductions.

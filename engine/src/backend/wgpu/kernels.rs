@@ -1,6 +1,7 @@
 //! The WGSL kernels (one file per family under `kernels/`), their pipelines compiled once and
 //! cached ([`check_all`] compiles every one of them up front).
 
+use crate::backend::cpu::blocks::{BlockKind, BLOCK};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
@@ -25,6 +26,30 @@ pub(super) enum WeightElem {
     F32,
     /// Two f16 per `u32`.
     F16,
+    /// GGML's `q8_0` in pairs of blocks (`kernels/weights_blocks.wgsl`).
+    Q8_0,
+    /// GGML's `q4_0` in pairs of blocks.
+    Q4_0,
+}
+
+impl WeightElem {
+    /// The block format, for the quantized ones.
+    pub fn block_kind(self) -> Option<BlockKind> {
+        match self {
+            WeightElem::F32 | WeightElem::F16 => None,
+            WeightElem::Q8_0 => Some(BlockKind::Q8_0),
+            WeightElem::Q4_0 => Some(BlockKind::Q4_0),
+        }
+    }
+
+    /// Bytes of one row of `cols` values (for the block formats, `cols` a multiple of 32).
+    pub fn row_bytes(self, cols: usize) -> u64 {
+        match self.block_kind() {
+            None if self == WeightElem::F32 => cols as u64 * 4,
+            None => cols as u64 * 2,
+            Some(kind) => (cols / BLOCK * (2 + kind.quant_bytes())) as u64,
+        }
+    }
 }
 
 impl Kernel {
@@ -57,19 +82,27 @@ impl Kernel {
 
     /// The module's full text: the shared helpers, the weight reader if any, the kernel.
     pub fn module_source(self, weights: Option<WeightElem>) -> String {
+        let blocks = include_str!("kernels/weights_blocks.wgsl");
         let reader = match weights {
-            None => "",
-            Some(WeightElem::F32) => include_str!("kernels/weights_f32.wgsl"),
-            Some(WeightElem::F16) => include_str!("kernels/weights_f16.wgsl"),
+            None => String::new(),
+            Some(WeightElem::F32) => include_str!("kernels/weights_f32.wgsl").into(),
+            Some(WeightElem::F16) => include_str!("kernels/weights_f16.wgsl").into(),
+            Some(WeightElem::Q8_0) => format!("{blocks}\n{}", include_str!("kernels/weights_q8_0.wgsl")),
+            Some(WeightElem::Q4_0) => format!("{blocks}\n{}", include_str!("kernels/weights_q4_0.wgsl")),
         };
         format!("{}\n{reader}\n{}", include_str!("kernels/common.wgsl"), self.source())
     }
 
-    /// The weight formats the module is built for: both where it reads stored weights (`wload`),
-    /// none otherwise.
+    /// The weight formats the module is built for: every one where it reads stored weights
+    /// (`wload`), none otherwise.
     pub fn weight_formats(self) -> &'static [Option<WeightElem>] {
         if self.source().contains("wload") {
-            &[Some(WeightElem::F32), Some(WeightElem::F16)]
+            &[
+                Some(WeightElem::F32),
+                Some(WeightElem::F16),
+                Some(WeightElem::Q8_0),
+                Some(WeightElem::Q4_0),
+            ]
         } else {
             &[None]
         }
@@ -220,7 +253,7 @@ mod tests {
     fn entry_points_and_weight_formats_come_from_the_sources() {
         assert_eq!(Kernel::Embedding.entry_points(), ["gather", "widen"]);
         assert!(Kernel::Matmul.entry_points().contains(&"gemv"));
-        assert_eq!(Kernel::Matmul.weight_formats().len(), 2);
+        assert_eq!(Kernel::Matmul.weight_formats().len(), 4);
         assert_eq!(Kernel::Norm.weight_formats(), [None]);
         for k in Kernel::ALL {
             assert!(!k.entry_points().is_empty(), "{k:?}");

@@ -2,8 +2,9 @@
 //! WebGPU in the browser. Every operation records a dispatch into the step's one command encoder;
 //! only [`Backend::read`] submits it and waits, as a future, for the copy to come back.
 //!
-//! Activations and the KV cache are f32; 2-D weights are f32 or f16 packed two per `u32`
-//! ([`WgpuOptions::f16_weights`]); 1-D weights (norms, biases) stay f32. A weight larger than the
+//! Activations and the KV cache are f32; 2-D weights are f32, f16 packed two per `u32`
+//! ([`WgpuOptions::f16_weights`]) or GGML's `q8_0` / `q4_0` ([`WgpuOptions::quantization`], laid out
+//! by [`quantized`]), which the kernels dequantize as they read; 1-D weights (norms, biases) stay f32. A weight larger than the
 //! device's storage-binding limit is split by rows across buffers, and the kernels that read
 //! weights (matmul, embedding) run once per part.
 
@@ -13,14 +14,17 @@
 
 mod device;
 mod kernels;
+mod quantized;
 mod readback;
 mod storage;
 
 pub use device::WgpuOptions;
 
 use super::{Activation, BResult, Backend, BackendError, KvLayout, PagedBatch, RawDType, RawTensor, Readback};
+use crate::backend::cpu::blocks::BlockKind;
 use crate::fault::ledger_summary;
 use crate::memory::ledger::{Category, MemoryLedger};
+use crate::model::weight_format::WeightFormat;
 use crate::sample::DeviceSampling;
 use device::Gpu;
 use kernels::{grid, params, Kernel, Pipelines, WeightElem};
@@ -110,6 +114,7 @@ struct Inner {
     /// The first error the device reported outside an error scope (or its loss).
     error: Arc<Mutex<Option<String>>>,
     f16_weights: bool,
+    quantization: WeightFormat,
     /// A CPU adapter (lavapipe, SwiftShader): matmul, norms and attention use barrier-free kernels.
     cpu_adapter: bool,
     /// Bound where a kernel declares a buffer the operation does not use.
@@ -186,6 +191,7 @@ impl WgpuBackend {
                 uniforms: Mutex::default(),
                 error,
                 f16_weights: opts.f16_weights,
+                quantization: opts.quantization,
                 cpu_adapter,
                 dummy,
                 device_bytes: Arc::default(),
@@ -201,7 +207,11 @@ impl WgpuBackend {
 
     /// The adapter, its limits and the features used, for the start-up log.
     pub fn describe(&self) -> String {
-        let weights = if self.inner.f16_weights { "f16" } else { "f32" };
+        let kept = if self.inner.f16_weights { "f16" } else { "f32" };
+        let weights = match self.inner.quantization {
+            WeightFormat::Unquantized => kept.to_string(),
+            q => format!("{q} (other matrices {kept})"),
+        };
         format!(
             "{}; weights {weights}, activations and KV cache f32",
             self.inner.gpu.describe()
@@ -476,8 +486,27 @@ impl WgpuBackend {
         self.elementwise(Kernel::Rows, &words, &binds, rows * cols)
     }
 
-    /// Converts a stored tensor's rows `[r0, r1)` to the bytes of its device format.
-    fn convert(raw: &RawTensor<'_>, elem: WeightElem, from: usize, to: usize) -> Vec<u8> {
+    /// Quantizes a stored matrix's `rows` (of `cols` values) into the device bytes of one part, a
+    /// few rows at a time (an even count, so that the pieces line up) to bound the f32 copy.
+    fn quantize(raw: &RawTensor<'_>, kind: BlockKind, rows: std::ops::Range<usize>, cols: usize) -> Vec<u8> {
+        const ROWS_AT_ONCE: usize = 256;
+        let size = raw.data.len() / raw.shape.iter().product::<usize>().max(1);
+        let mut out = Vec::new();
+        for r in rows.clone().step_by(ROWS_AT_ONCE) {
+            let n = ROWS_AT_ONCE.min(rows.end - r);
+            let piece = RawTensor {
+                dtype: raw.dtype,
+                shape: vec![n, cols],
+                data: &raw.data[r * cols * size..(r + n) * cols * size],
+            };
+            let values = crate::model::weights::host_f32(&piece);
+            out.extend(quantized::device_blocks(kind, &values, cols));
+        }
+        out
+    }
+
+    /// Converts a stored tensor's values `[from, to)` to f32 bytes, or f16 when `to_f16`.
+    fn convert(raw: &RawTensor<'_>, to_f16: bool, from: usize, to: usize) -> Vec<u8> {
         let size = match raw.dtype {
             RawDType::F32 => 4,
             RawDType::F16 | RawDType::Bf16 => 2,
@@ -490,9 +519,9 @@ impl WgpuBackend {
                 RawDType::Bf16 => half::bf16::from_le_bytes([c[0], c[1]]).to_f32(),
             }
         };
-        let mut out: Vec<u8> = match elem {
-            WeightElem::F32 => bytes.chunks_exact(size).flat_map(|c| value(c).to_le_bytes()).collect(),
-            WeightElem::F16 => bytes
+        let mut out: Vec<u8> = match to_f16 {
+            false => bytes.chunks_exact(size).flat_map(|c| value(c).to_le_bytes()).collect(),
+            true => bytes
                 .chunks_exact(size)
                 .flat_map(|c| match raw.dtype {
                     RawDType::F16 => [c[0], c[1]],
@@ -529,26 +558,27 @@ impl Backend for WgpuBackend {
 
     fn load_weight(&self, raw: RawTensor<'_>) -> BResult<WgpuTensor> {
         let numel: usize = raw.shape.iter().product();
-        let elem = if self.inner.f16_weights && raw.shape.len() == 2 {
-            WeightElem::F16
-        } else {
-            WeightElem::F32
-        };
-        let elem_bytes = match elem {
-            WeightElem::F32 => 4,
-            WeightElem::F16 => 2,
+        let elem = match self.inner.quantization {
+            WeightFormat::Q8_0 if WeightFormat::Q8_0.quantizes(&raw.shape) => WeightElem::Q8_0,
+            WeightFormat::Q4_0 if WeightFormat::Q4_0.quantizes(&raw.shape) => WeightElem::Q4_0,
+            _ if self.inner.f16_weights && raw.shape.len() == 2 => WeightElem::F16,
+            _ => WeightElem::F32,
         };
         let rows = raw.shape.first().copied().unwrap_or(1);
         let cols = numel / rows.max(1);
-        let row_bytes = (cols * elem_bytes).max(1) as u64;
-        let per_part = (self.inner.gpu.max_binding / row_bytes) as usize;
+        let row_bytes = elem.row_bytes(cols).max(1);
+        // Less a word: what an odd count of f16 values or of blocks adds to a part.
+        let per_part = (self.inner.gpu.max_binding.saturating_sub(4) / row_bytes) as usize;
         if per_part == 0 {
             return Err(self.oom(row_bytes));
         }
         let mut parts = Vec::new();
         for row0 in (0..rows.max(1)).step_by(per_part) {
             let n = per_part.min(rows.max(1) - row0);
-            let bytes = Self::convert(&raw, elem, row0 * cols, (row0 + n) * cols);
+            let bytes = match elem.block_kind() {
+                None => Self::convert(&raw, elem == WeightElem::F16, row0 * cols, (row0 + n) * cols),
+                Some(kind) => Self::quantize(&raw, kind, row0..row0 + n, cols),
+            };
             let buf = self.owned(bytes.len() as u64, Category::Weights, Some(&bytes))?;
             parts.push(Part { buf, row0, rows: n });
         }

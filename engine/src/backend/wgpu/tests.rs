@@ -161,6 +161,85 @@ fn f16_weights_round_like_half_precision() {
     }
 }
 
+/// q8_0 / q4_0 weights hold the CPU backend's dequantized values (read back, gathered), and every
+/// matmul kernel multiplies by exactly those: the f32 product with the dequantized matrix.
+#[test]
+fn quantized_weights_hold_the_cpu_values_in_every_kernel() {
+    use crate::model::weight_format::WeightFormat;
+    // k = 96: three blocks a row, so parts of odd row counts end in a half pair of blocks.
+    let (k, out) = (96, 77);
+    let w = raw(&noise(out * k, 7), &[out, k]);
+    for format in [WeightFormat::Q8_0, WeightFormat::Q4_0] {
+        let cpu = CpuBackend::with_weights(MemoryLedger::new(), format);
+        let ids: Vec<u32> = (0..out as u32).collect();
+        let values = host(&cpu, &cpu.embedding(&weight(&cpu, &w), &ids).unwrap());
+        let f32_cpu = CpuBackend::default();
+        let dequantized = weight(&f32_cpu, &raw(&values, &[out, k]));
+        // A binding cap of 3,050 bytes splits the matrix (102 bytes a row in q8_0, 78 in q4_0)
+        // into parts of 29 and 39 rows, whose block counts are odd; both kernel sets. Under the
+        // cap only a few rows fit in one activation.
+        for (barrier_free, cap) in [(false, None), (true, None), (false, Some(3050)), (true, Some(3050))] {
+            let g = backend_with(WgpuOptions {
+                quantization: format,
+                barrier_free: Some(barrier_free),
+                max_binding_bytes: cap,
+                ..Default::default()
+            });
+            let wg = weight(&g, &w);
+            assert_eq!(wg.store.parts.len() > 1, cap.is_some(), "{format}");
+            if cap.is_none() {
+                assert_eq!(host(&g, &wg), values, "{format}: read back");
+            }
+            let gathered = host(&g, &g.embedding(&wg, &[76, 0, 31]).unwrap());
+            assert_eq!(gathered[..k], values[76 * k..77 * k], "{format}: gathered row");
+            assert_eq!(gathered[2 * k..], values[31 * k..32 * k], "{format}: gathered row");
+            // One row and a few (GEMV paths), twenty (GEMM).
+            let rows: &[usize] = if cap.is_some() { &[1, 3] } else { &[1, 5, 20] };
+            for &n in rows {
+                let x = noise(n * k, 8);
+                let want = host(
+                    &f32_cpu,
+                    &f32_cpu
+                        .linear(&f32_cpu.upload(x.clone(), &[n, k]).unwrap(), &dequantized, None)
+                        .unwrap(),
+                );
+                let got = host(&g, &g.linear(&g.upload(x, &[n, k]).unwrap(), &wg, None).unwrap());
+                let err = max_err(&got, &want);
+                assert!(
+                    err < 1e-5,
+                    "{format}, {n} rows, barrier-free {barrier_free}, cap {cap:?}: {err}"
+                );
+            }
+        }
+    }
+}
+
+/// The tiny checkpoints on this backend hold, per format, the weight bytes the planner counts,
+/// plus the two bytes that round a quantized matrix with an odd count of blocks to whole words
+/// (the tiny MLPs' 37 rows of one block; every published Qwen-VL matrix has an even count).
+#[test]
+fn the_backend_allocates_what_the_planner_counts() {
+    use crate::model::spec::tensor_specs;
+    use crate::model::weight_format::tests::{assert_the_ledger_is_the_plan, tiny_checkpoints};
+    for (cfg, bytes) in tiny_checkpoints() {
+        let open = |ledger, quantization| {
+            let opts = WgpuOptions {
+                quantization,
+                ..Default::default()
+            };
+            WgpuBackend::new_blocking(ledger, opts).unwrap()
+        };
+        let padding = |format: crate::model::weight_format::WeightFormat| -> u64 {
+            let specs = tensor_specs(&cfg);
+            let odd = specs
+                .iter()
+                .filter(|t| !t.host && format.quantizes(&t.shape) && t.numel() / 32 % 2 == 1);
+            odd.count() as u64 * 2
+        };
+        assert_the_ledger_is_the_plan(&cfg, &bytes, open, padding);
+    }
+}
+
 #[test]
 fn embedding_reads_every_part_of_a_split_table() {
     let g = backend_with(WgpuOptions {

@@ -1,0 +1,30 @@
+// GGML's block formats (q8_0, q4_0; 32 values and one f16 scale d per block), laid out for
+// aligned 32-bit reads: pairs of blocks in PAIR_WORDS words (set by the format's file), first a
+// word with the two scales (the first block's in the low half), then the two blocks' quants. A
+// part with an odd count of blocks ends with a half pair. The dequantized values are GGML's.
+@group(0) @binding(9) var<storage, read> w: array<u32>;
+
+// The f16 bit pattern h as f32, subnormals included (unpack2x16float may flush them to zero).
+fn half_bits(h: u32) -> f32 {
+    let sign = (h & 0x8000u) << 16u;
+    let e = (h >> 10u) & 0x1fu;
+    let m = h & 0x3ffu;
+    if (e == 0u) {
+        // m · 2⁻²⁴, exact in f32.
+        return bitcast<f32>(sign | 0x33800000u) * f32(m);
+    }
+    if (e == 31u) {
+        return bitcast<f32>(sign | 0x7f800000u | (m << 13u));
+    }
+    return bitcast<f32>(sign | ((e + 112u) << 23u) | (m << 13u));
+}
+
+// The word where the pair of blocks holding element i starts, and which of the two it is in.
+fn q_block(i: u32) -> vec2<u32> {
+    return vec2<u32>((i >> 6u) * PAIR_WORDS, (i >> 5u) & 1u);
+}
+
+// The scale of that block.
+fn q_scale(at: vec2<u32>) -> f32 {
+    return half_bits(extractBits(w[at.x], at.y * 16u, 16u));
+}
