@@ -16,6 +16,7 @@ use kvlens_engine::memory::device::{device_preset, DeviceProfile};
 use kvlens_engine::memory::ledger::MemoryLedger;
 use kvlens_engine::memory::planner::{plan, MmLimits, Plan, PlanRequest};
 use kvlens_engine::model::stream::StreamLoader;
+use kvlens_engine::model::weight_format::WeightFormat;
 use kvlens_engine::occupancy::Occupancy;
 use kvlens_engine::runner::ModelRunner;
 use std::cell::{Cell, RefCell};
@@ -33,6 +34,8 @@ pub struct Settings {
     pub max_num_batched_tokens: usize,
     /// Images per prompt (`--limit-mm-per-prompt image=N`).
     pub images_per_prompt: usize,
+    /// Weight matrices quantized on load (`--quantization`).
+    pub quantization: WeightFormat,
 }
 
 impl Default for Settings {
@@ -42,6 +45,7 @@ impl Default for Settings {
             max_num_seqs: 4,
             max_num_batched_tokens: 2048,
             images_per_prompt: 4,
+            quantization: WeightFormat::Unquantized,
         }
     }
 }
@@ -86,8 +90,8 @@ impl Device {
     }
 }
 
-/// The start-up request for a checkpoint on a device: f32 weights and KV (what the backends
-/// store), this page's settings, vLLM's defaults for the rest.
+/// The start-up request for a checkpoint on a device: f32 weights (or the chosen block format)
+/// and KV (what the backends store), this page's settings, vLLM's defaults for the rest.
 pub fn plan_request(
     info: &CheckpointInfo,
     input: Option<&InputProcessor>,
@@ -100,6 +104,7 @@ pub fn plan_request(
     }
     req.dtype = Some(DType::F32);
     req.kv_cache_dtype = Some(DType::F32);
+    req.quantization = s.quantization;
     req.limit_mm_per_prompt = MmLimits {
         image: s.images_per_prompt,
         video: 0,
@@ -268,18 +273,36 @@ impl Local {
             info.eos.clone(),
         )
         .map_err(|e| e.to_string())?;
-        let (engine, report) = match device {
-            Device::WebGpu(b) => start_on(b.clone(), source, info, &mut input, device, s, progress).await?,
+        // What the model runs on, for the status line: the quantized weights' own device names them.
+        let (engine, report, described) = match device {
+            Device::WebGpu(b) if s.quantization == WeightFormat::Unquantized => {
+                let (engine, report) = start_on(b.clone(), source, info, &mut input, device, s, progress).await?;
+                (engine, report, device.describe())
+            }
+            Device::WebGpu(_) => {
+                // The page's device keeps f32 weights; quantized ones go onto a device of their own.
+                let opts = WgpuOptions {
+                    quantization: s.quantization,
+                    ..WgpuOptions::default()
+                };
+                let b = WgpuBackend::new(MemoryLedger::new(), opts)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                let described = Device::WebGpu(b.clone()).describe();
+                let (engine, report) = start_on(b, source, info, &mut input, device, s, progress).await?;
+                (engine, report, described)
+            }
             Device::Cpu(_) => {
-                let cpu = CpuBackend::new(MemoryLedger::new());
-                start_on(cpu, source, info, &mut input, device, s, progress).await?
+                let cpu = CpuBackend::with_weights(MemoryLedger::new(), s.quantization);
+                let (engine, report) = start_on(cpu, source, info, &mut input, device, s, progress).await?;
+                (engine, report, device.describe())
             }
         };
         let local = Rc::new(Local {
             engine: RefCell::new(engine),
             input,
             report,
-            device: device.describe(),
+            device: described,
             sinks: RefCell::new(HashMap::new()),
             stepping: Cell::new(false),
             seq: Cell::new(0),

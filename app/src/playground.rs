@@ -7,6 +7,7 @@ use crate::checkpoint::Source;
 use crate::local_engine::{verdict, Device, Local, Progress, Settings};
 use crate::memory_view::{size, Budget, MemoryView, ResetKind};
 use crate::server_mode::ServerMode;
+use kvlens_engine::model::weight_format::WeightFormat;
 use kvlens_engine::occupancy::Occupancy;
 use leptos::prelude::*;
 use std::collections::HashMap;
@@ -66,8 +67,12 @@ pub fn Playground() -> impl IntoView {
                 status.set("reading the checkpoint's small files…".into());
                 let info = source.info().await?;
                 let plan = verdict(&info, &dev, s)?;
+                let weights = match s.quantization {
+                    WeightFormat::Unquantized => "f32".to_string(),
+                    q => format!("{q}, other tensors f32"),
+                };
                 verdict_text.set(Some(format!(
-                    "fits on {}: weights {} (f32), KV cache {} = {} blocks × {} tokens, the longest context {} tokens",
+                    "fits on {}: weights {} ({weights}), KV cache {} = {} blocks × {} tokens, the longest context {} tokens",
                     plan.device,
                     size(plan.weights_bytes),
                     size(plan.available_kv_bytes.max(0) as u64),
@@ -176,6 +181,18 @@ pub fn Playground() -> impl IntoView {
                     <label>"KV blocks (sets --kv-cache-memory)"
                         <input type="number" min="2" prop:value=move || settings.get().kv_blocks.to_string()
                             on:change=move |ev| settings.update(|s| s.kv_blocks = event_target_value(&ev).parse().unwrap_or(256)) />
+                    </label>
+                    <label>"weights (sets --quantization)"
+                        <select data-testid="weights-format"
+                            on:change=move |ev| settings.update(|s| s.quantization = event_target_value(&ev).parse().unwrap_or_default())>
+                            {WeightFormat::ALL.into_iter().map(|f| {
+                                let text = match f.block() {
+                                    None => "f32".to_string(),
+                                    Some((values, bytes)) => format!("{f} ({} bits per weight)", bytes as f64 * 8.0 / values as f64),
+                                };
+                                view! { <option value=f.name() prop:selected=move || settings.get().quantization == f>{text}</option> }
+                            }).collect_view()}
+                        </select>
                     </label>
                 </div>
                 <p class="verdict" data-testid="verdict">{move || verdict_text.get()}</p>

@@ -157,8 +157,9 @@ async function recordTexts(page, id) {
   }, id);
 }
 
-async function loadDemo(page) {
-  await byTest(page, 'load-demo').click();
+// Loads the demo model (`click`: false when the caller clicked already) and waits until it is ready.
+async function loadDemo(page, click = true) {
+  if (click) await byTest(page, 'load-demo').click();
   await page.waitForFunction(
     () => {
       const s = document.querySelector('[data-testid="model-status"]')?.textContent || '';
@@ -234,6 +235,62 @@ async function playgroundOnWebGpu(base) {
     await byTest(page, 'reset-encoder-cache').click();
     await page.waitForFunction(() => (document.querySelector('[data-testid="encoder-cache-usage"]')?.textContent || '').startsWith('0 entries'), null, { timeout: LONG });
     assert((await byTest(page, 'reset-result').textContent()).includes('freed'), 'the reset does not say what it freed');
+  } finally {
+    await b.close();
+  }
+}
+
+// "1.23 MiB" or "4.5 KiB" in bytes.
+function bytesOf(text) {
+  const m = /([\d.]+) (MiB|KiB)/.exec(text || '');
+  assert(m, `no size in ${JSON.stringify(text)}`);
+  return Number(m[1]) * (m[2] === 'MiB' ? 1048576 : 1024);
+}
+
+// The ledger's weights, once the memory view shows a value other than `not`.
+async function weightsHeld(page, not) {
+  const legend = page.locator('.local .legend li').filter({ hasText: /^weights / }).first();
+  await page.waitForFunction(
+    (not) => [...document.querySelectorAll('.local .legend li')].some((li) => /^weights /.test(li.textContent) && li.textContent !== not),
+    not,
+    { timeout: LONG },
+  );
+  return legend.textContent();
+}
+
+// The planned weights in the verdict shown once it names `format`.
+async function weightsPlanned(page, format) {
+  await page.waitForFunction((f) => (document.querySelector('[data-testid="verdict"]')?.textContent || '').includes(`(${f}`), format, { timeout: LONG });
+  const verdict = await byTest(page, 'verdict').textContent();
+  return bytesOf(/weights ([\d.]+ (MiB|KiB))/.exec(verdict)[1]);
+}
+
+// The demo model loaded in f32, then in q4_0 on WebGPU: what the device holds shrinks by what the
+// planner's verdict says it saves (within 1 %; both also count buffers that do not change), and
+// the engine generates on the quantized weights.
+async function playgroundQuantizedOnWebGpu(base) {
+  const b = await browser(true);
+  try {
+    const page = await newPage(b, 'webgpu-q4_0');
+    await page.goto(`${base}/`);
+    await page.waitForFunction(() => (document.querySelector('[data-testid="device"]')?.textContent ?? '').startsWith('WebGPU'), null, { timeout: LONG });
+    await loadDemo(page);
+    const planned32 = await weightsPlanned(page, 'f32');
+    const held32Text = await weightsHeld(page, '');
+    await byTest(page, 'weights-format').selectOption('q4_0');
+    await byTest(page, 'load-demo').click();
+    // The verdict names q4_0 before the weights load; only then is the status of this load.
+    const planned4 = await weightsPlanned(page, 'q4_0');
+    await loadDemo(page, false);
+    const held4Text = await weightsHeld(page, held32Text);
+    const [held32, held4] = [bytesOf(held32Text), bytesOf(held4Text)];
+    assert(held4 < 0.3 * held32, `q4_0 weights ${held4} bytes against f32 ${held32}`);
+    const saved = held32 - held4;
+    const plannedSaving = planned32 - planned4;
+    assert(Math.abs(saved - plannedSaving) <= 0.01 * plannedSaving, `q4_0 saved ${saved} bytes on the device, the verdicts ${plannedSaving}`);
+    const ids = await ask(page, 0);
+    assert(ids.length > 0, 'no tokens generated on q4_0 weights');
+    await screenshot(page, 'playground-q4_0.png');
   } finally {
     await b.close();
   }
@@ -356,6 +413,7 @@ async function serverModeOnVllm(site, vllm) {
   try {
     const served = await kvlensServe('kvlens-serve');
     await check('playground on WebGPU, served by kvlens serve', () => playgroundOnWebGpu(served));
+    await check('playground on WebGPU with q4_0 weights', () => playgroundQuantizedOnWebGpu(served));
     await check('planner link shows 164,224', () => plannerLink(served));
     const site = await staticServer('static-server');
     await check('playground on the CPU backend (WebGPU off), static dist/', () => playgroundOnCpu(site));
