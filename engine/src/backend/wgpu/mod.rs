@@ -739,7 +739,8 @@ impl Backend for WgpuBackend {
                 if self.inner.cpu_adapter {
                     let (gx, gy, _) = grid(part.rows.div_ceil(64) as u64);
                     let groups = (gx, gy, rows.div_ceil(4) as u32);
-                    self.dispatch_entries(Kernel::Matmul, elem, "columns", &words(rows, 0), entries(), groups)?;
+                    let entry = if k % 8 == 0 { "columns8" } else { "columns" };
+                    self.dispatch_entries(Kernel::Matmul, elem, entry, &words(rows, 0), entries(), groups)?;
                 } else if rows <= GEMV_MAX_ROWS && k % 8 == 0 {
                     // Rows in chunks of GEMV_CHUNK, each chunk reading the weights once.
                     let groups = grid(part.rows.div_ceil(GEMV_COLS) as u64);

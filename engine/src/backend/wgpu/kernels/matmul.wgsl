@@ -264,18 +264,34 @@ fn gemv_rows(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id
 // One thread per output column and block of 4 rows, no workgroup memory and no barriers: for
 // CPU adapters (lavapipe, SwiftShader), where a barrier costs a context switch per invocation and
 // the tiled kernels above run an order of magnitude slower. Grid: x over columns (64 per
-// workgroup, wrapped into y beyond 65,535 workgroups), z over blocks of 4 rows.
+// workgroup, wrapped into y beyond 65,535 workgroups), z over blocks of 4 rows. `columns8` (k a
+// multiple of 8) loads eight weights and vectors of x at a time: such an adapter pays per load
+// more than per byte, and a block format decodes its scale once per eight weights.
+
+// The thread's column, or past the part's end.
+fn columns_col(gid: vec3<u32>, nwg: vec3<u32>) -> u32 {
+    return gid.x + gid.y * nwg.x * 64u;
+}
+
+// y[r0 + r][c] = acc[r] (+ bias) for the rows < rows.
+fn columns_store(c: u32, r0: u32, rows: u32, acc: vec4<f32>) {
+    for (var r = 0u; r < rows; r = r + 1u) {
+        var v = acc[r];
+        if (p.has_bias == 1u) {
+            v = v + bias[p.col0 + c];
+        }
+        y[(r0 + r) * p.out_stride + p.col0 + c] = v;
+    }
+}
+
 @compute @workgroup_size(64)
 fn columns(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>) {
-    let c = gid.x + gid.y * nwg.x * 64u;
+    let c = columns_col(gid, nwg);
     let r0 = gid.z * 4u;
     if (c >= p.out_rows) {
         return;
     }
-    var acc: array<f32, 4>;
-    for (var r = 0u; r < 4u; r = r + 1u) {
-        acc[r] = 0.0;
-    }
+    var acc = vec4<f32>(0.0);
     let wbase = c * p.k;
     let rows = min(4u, p.n - r0);
     for (var i = 0u; i < p.k; i = i + 1u) {
@@ -284,11 +300,43 @@ fn columns(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroup
             acc[r] = acc[r] + x[(r0 + r) * p.k + i] * wv;
         }
     }
-    for (var r = 0u; r < rows; r = r + 1u) {
-        var v = acc[r];
-        if (p.has_bias == 1u) {
-            v = v + bias[p.col0 + c];
-        }
-        y[(r0 + r) * p.out_stride + p.col0 + c] = v;
+    columns_store(c, r0, rows, acc);
+}
+
+// x[row][i..i+7] (as x4 index xi, xi + 1) dotted with eight weights.
+fn dot8(xi: u32, wv: array<vec4<f32>, 2>) -> f32 {
+    return dot(x4[xi], wv[0]) + dot(x4[xi + 1u], wv[1]);
+}
+
+@compute @workgroup_size(64)
+fn columns8(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>) {
+    let c = columns_col(gid, nwg);
+    let r0 = gid.z * 4u;
+    if (c >= p.out_rows) {
+        return;
     }
+    let wbase = c * p.k;
+    let rows = min(4u, p.n - r0);
+    // Row r0 + r of x starts at x4[x0 + r·kq].
+    let kq = p.k >> 2u;
+    let x0 = r0 * kq;
+    var a0 = 0.0;
+    var a1 = 0.0;
+    var a2 = 0.0;
+    var a3 = 0.0;
+    for (var i = 0u; i < p.k; i = i + 8u) {
+        let wv = wload8(wbase + i);
+        let xi = x0 + (i >> 2u);
+        a0 = a0 + dot8(xi, wv);
+        if (rows > 1u) {
+            a1 = a1 + dot8(xi + kq, wv);
+        }
+        if (rows > 2u) {
+            a2 = a2 + dot8(xi + 2u * kq, wv);
+        }
+        if (rows > 3u) {
+            a3 = a3 + dot8(xi + 3u * kq, wv);
+        }
+    }
+    columns_store(c, r0, rows, vec4<f32>(a0, a1, a2, a3));
 }
