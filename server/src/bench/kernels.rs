@@ -1,6 +1,6 @@
 //! `kvlens bench kernels`: the wgpu backend's matmul kernels against the CPU backend in one run, at
 //! Qwen3-VL-2B's shapes — the decode GEMV (one row of x) in GB/s and the prefill GEMM in GFLOP/s,
-//! for wgpu with f32 and with f16 weights and for the CPU backend (candle, f32).
+//! for wgpu with f32, f16, `q8_0` and `q4_0` weights and for the CPU backend (candle, f32).
 //!
 //! Timing: every sample records its `linear` calls, then reads back one column of the last result,
 //! which submits the recorded work and waits until the device has finished it; the first sample
@@ -14,6 +14,7 @@ use kvlens_engine::backend::cpu::CpuBackend;
 use kvlens_engine::backend::wgpu::{WgpuBackend, WgpuOptions};
 use kvlens_engine::backend::{block_on, Backend, RawDType, RawTensor};
 use kvlens_engine::memory::ledger::MemoryLedger;
+use kvlens_engine::model::weight_format::WeightFormat;
 use std::time::{Duration, Instant};
 
 /// Flags of `kvlens bench kernels`.
@@ -64,8 +65,8 @@ impl Case {
     }
 
     /// Bytes one call moves: the weights at `weight_bytes` per element, x read, y written.
-    fn bytes(&self, weight_bytes: usize) -> f64 {
-        (self.out * self.k * weight_bytes + (self.n * self.k + self.n * self.out) * 4) as f64
+    fn bytes(&self, weight_bytes: f64) -> f64 {
+        (self.out * self.k) as f64 * weight_bytes + ((self.n * self.k + self.n * self.out) * 4) as f64
     }
 }
 
@@ -261,13 +262,57 @@ fn load_average() -> String {
 }
 
 /// Throughput of a case in its unit: GB/s for a GEMV, GFLOP/s for a GEMM.
-fn rate(case: Case, secs: f64, weight_bytes: usize) -> f64 {
+fn rate(case: Case, secs: f64, weight_bytes: f64) -> f64 {
     if case.is_gemv() {
         case.bytes(weight_bytes) / secs / 1e9
     } else {
         case.flops() / secs / 1e9
     }
 }
+
+/// A weight format the wgpu backend is timed with.
+struct Format {
+    name: &'static str,
+    f16_weights: bool,
+    quantization: WeightFormat,
+    /// Bytes per weight.
+    bytes: f64,
+    /// Largest allowed difference from the CPU's f32 result, over its largest value: f32 rounding
+    /// for f32 and f16 (the weights are exact in f16), the format's rounding of the weights for
+    /// the block formats (measured: about 0.3 % for q8_0 and 5 % for q4_0 on these weights).
+    tolerance: f64,
+}
+
+const FORMATS: [Format; 4] = [
+    Format {
+        name: "f32",
+        f16_weights: false,
+        quantization: WeightFormat::Unquantized,
+        bytes: 4.0,
+        tolerance: 1e-4,
+    },
+    Format {
+        name: "f16",
+        f16_weights: true,
+        quantization: WeightFormat::Unquantized,
+        bytes: 2.0,
+        tolerance: 1e-4,
+    },
+    Format {
+        name: "q8_0",
+        f16_weights: false,
+        quantization: WeightFormat::Q8_0,
+        bytes: 34.0 / 32.0,
+        tolerance: 2e-2,
+    },
+    Format {
+        name: "q4_0",
+        f16_weights: false,
+        quantization: WeightFormat::Q4_0,
+        bytes: 18.0 / 32.0,
+        tolerance: 2e-1,
+    },
+];
 
 /// Runs `kvlens bench kernels`.
 pub fn run(a: &KernelsArgs) -> Result<()> {
@@ -280,28 +325,29 @@ pub fn run(a: &KernelsArgs) -> Result<()> {
     if chosen.is_empty() {
         bail!(crate::UsageError(format!("--only {:?} matches no case", a.only)));
     }
-    let open = |f16_weights| {
-        WgpuBackend::new_blocking(
-            MemoryLedger::new(),
-            WgpuOptions {
+    let gpus = FORMATS
+        .iter()
+        .map(|f| {
+            let opts = WgpuOptions {
                 adapter: a.adapter.clone(),
-                f16_weights,
+                f16_weights: f.f16_weights,
+                quantization: f.quantization,
                 ..Default::default()
-            },
-        )
-        .context("opening the wgpu adapter")
-    };
-    let (g32, g16) = (open(false)?, open(true)?);
+            };
+            WgpuBackend::new_blocking(MemoryLedger::new(), opts).context("opening the wgpu adapter")
+        })
+        .collect::<Result<Vec<_>>>()?;
     let cpu = CpuBackend::new(MemoryLedger::new());
     let load_before = load_average();
     println!("kvlens bench kernels: wgpu matmul kernels against the CPU backend, Qwen3-VL-2B shapes");
     println!("CPU: {}", cpu_model());
-    println!("wgpu: {}", g32.describe());
-    println!("wgpu: {}", g16.describe());
+    for g in &gpus {
+        println!("wgpu: {}", g.describe());
+    }
     println!(
         "{reps} timed samples per case (median; fewer, as marked, where more would take over {} s) after one untimed; \
-         a GEMV sample reads ≥{} MiB of weights (copies rotated); GB/s = weight bytes (f32 4 B, f16 2 B) + \
-         x + y; GFLOP/s = 2·n·k·out",
+         a GEMV sample reads ≥{} MiB of weights (copies rotated); GB/s = weight bytes (f32 4 B, f16 2 B, q8_0 \
+         34/32 B, q4_0 18/32 B per weight) + x + y; GFLOP/s = 2·n·k·out",
         a.max_case_s, a.gemv_mib
     );
     println!("load average before: {load_before}");
@@ -318,28 +364,37 @@ pub fn run(a: &KernelsArgs) -> Result<()> {
         };
         let mut rng = Lcg(100 + i as u64);
         let x: Vec<f32> = (0..case.n * case.k).map(|_| rng.unit()).collect();
-        let copies = |elem: usize| {
+        let copies = |elem: f64| {
             if case.is_gemv() {
-                ((a.gemv_mib << 20) as usize).div_ceil(case.out * case.k * elem).max(1)
+                ((a.gemv_mib << 20) as f64 / ((case.out * case.k) as f64 * elem))
+                    .ceil()
+                    .max(1.0) as usize
             } else {
                 1
             }
         };
-        let w32 = measure(&g32, case, &raw, &x, copies(4), reps, budget)?;
-        let w16 = measure(&g16, case, &raw, &x, copies(2), reps, budget)?;
+        let measured = gpus
+            .iter()
+            .zip(&FORMATS)
+            .map(|(g, f)| measure(g, case, &raw, &x, copies(f.bytes), reps, budget))
+            .collect::<Result<Vec<_>>>()?;
         let c = if a.no_cpu {
             None
         } else {
-            Some(measure(&cpu, case, &raw, &x, copies(4), reps, budget)?)
+            Some(measure(&cpu, case, &raw, &x, copies(4.0), reps, budget)?)
         };
-        // f16 weights here are exact, so every backend computes the same sums up to f32 rounding.
-        let reference = c.as_ref().map_or(&w32.y, |c| &c.y);
-        let errs = [rel_err(&w32.y, reference), rel_err(&w16.y, reference)];
-        if let Some(e) = errs.iter().find(|e| e.is_nan() || **e >= 1e-4) {
-            bail!(
-                "{}: the wgpu result differs from the CPU's by {e:.2e} of its largest value",
-                case.name
-            );
+        // f16 weights here are exact, so every backend computes the same sums up to f32 rounding
+        // (and the block formats' rounding of the weights).
+        let reference = c.as_ref().map_or(&measured[0].y, |c| &c.y);
+        let errs: Vec<f64> = measured.iter().map(|m| rel_err(&m.y, reference)).collect();
+        for (e, f) in errs.iter().zip(&FORMATS) {
+            if e.is_nan() || *e >= f.tolerance {
+                bail!(
+                    "{}: the wgpu result with {} weights differs from the CPU's by {e:.2e} of its largest value",
+                    case.name,
+                    f.name
+                );
+            }
         }
         let unit = if case.is_gemv() { "GB/s" } else { "GFLOP/s" };
         let cell = |m: &Measured, elem| {
@@ -351,31 +406,28 @@ pub fn run(a: &KernelsArgs) -> Result<()> {
             format!("{:.1} {unit} ({:.2} ms{fewer})", rate(case, m.secs, elem), m.secs * 1e3)
         };
         let ratio = |m: &Measured| c.as_ref().map_or("–".into(), |c| format!("{:.2}×", c.secs / m.secs));
-        let cpu_ms = |m: Option<&Measured>| m.map_or("–".into(), |m| format!("{:.1}", m.cpu_secs * 1e3));
-        let row = format!(
-            "| {} | {}×{} → {} | {} | {} | {} | {} | {} | {} / {} / {} | {:.0e} |",
-            case.name,
-            case.n,
-            case.k,
-            case.out,
-            cell(&w32, 4),
-            cell(&w16, 2),
-            c.as_ref().map_or("–".into(), |c| cell(c, 4)),
-            ratio(&w32),
-            ratio(&w16),
-            cpu_ms(Some(&w32)),
-            cpu_ms(Some(&w16)),
-            cpu_ms(c.as_ref()),
-            errs[0].max(errs[1]),
-        );
+        let cpu_ms = |m: &Measured| format!("{:.1}", m.cpu_secs * 1e3);
+        let mut cells = vec![case.name.to_string(), format!("{}×{} → {}", case.n, case.k, case.out)];
+        cells.extend(measured.iter().zip(&FORMATS).map(|(m, f)| cell(m, f.bytes)));
+        cells.push(c.as_ref().map_or("–".into(), |c| cell(c, 4.0)));
+        cells.extend(measured.iter().map(ratio));
+        let mut ms: Vec<String> = measured.iter().map(cpu_ms).collect();
+        ms.push(c.as_ref().map_or("–".into(), cpu_ms));
+        cells.push(ms.join(" / "));
+        cells.push(errs.iter().map(|e| format!("{e:.0e}")).collect::<Vec<_>>().join(" / "));
+        let row = format!("| {} |", cells.join(" | "));
         eprintln!("{row}");
         rows.push(row);
     }
-    println!(
-        "| kernel | x rows×k → out | wgpu f32 weights | wgpu f16 weights | CPU (candle f32) | wgpu f32 vs CPU \
-         | wgpu f16 vs CPU | CPU ms per call (f32 / f16 / CPU) | max rel. diff |"
-    );
-    println!("|---|---|---|---|---|---|---|---|---|");
+    let names: Vec<&str> = FORMATS.iter().map(|f| f.name).collect();
+    let mut header = vec!["kernel".to_string(), "x rows×k → out".to_string()];
+    header.extend(names.iter().map(|n| format!("wgpu {n} weights")));
+    header.push("CPU (candle f32)".into());
+    header.extend(names.iter().map(|n| format!("wgpu {n} vs CPU")));
+    header.push(format!("CPU ms per call ({} / CPU)", names.join(" / ")));
+    header.push(format!("max rel. diff ({})", names.join(" / ")));
+    println!("| {} |", header.join(" | "));
+    println!("|{}", "---|".repeat(header.len()));
     for row in &rows {
         println!("{row}");
     }
