@@ -46,7 +46,7 @@ fn tiny_config() -> ModelConfig {
 /// Loads a model of `cfg` from a random checkpoint written in memory (std 0.5).
 fn random_model<B: Backend>(cfg: ModelConfig, be: &B) -> QwenVl<B> {
     let mut bytes = Vec::new();
-    RandomInit { seed: 0, std: 0.5 }
+    RandomInit::new(0, 0.5)
         .write_safetensors(&mut bytes, &tensor_specs(&cfg), |_| {})
         .unwrap();
     let shards = [("model.safetensors".to_string(), bytes.as_slice())];

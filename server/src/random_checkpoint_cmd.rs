@@ -12,6 +12,7 @@ use kvlens_engine::config::{bundled_config, DType, Family, ImageLimits, ModelCon
 use kvlens_engine::input::default_template;
 use kvlens_engine::model::random_weights::{safetensors_header, RandomInit, INIT_STD};
 use kvlens_engine::model::spec::{tensor_specs, TensorSpec};
+use kvlens_engine::model::weight_format::WeightFormat;
 use serde_json::{json, Map, Value};
 use std::fs::File;
 use std::io::{BufWriter, Write};
@@ -88,12 +89,21 @@ pub struct RandomCheckpointArgs {
     /// with model.safetensors.index.json (a single tensor larger than this gets a shard of its own).
     #[arg(long, value_name = "BYTES", default_value_t = SHARD_BYTES, value_parser = clap::value_parser!(u64).range(1..))]
     pub shard_size: u64,
+    /// Draw the weight matrices this format quantizes (q8_0, q4_0) as values it stores exactly, so
+    /// that `--quantization FORMAT` loses nothing on them: tests of the quantized paths compare
+    /// them with the f32 path. Needs `--dtype f32`.
+    #[arg(long, value_name = "FORMAT", value_parser = parse_format, default_value = "none")]
+    pub exact_in: WeightFormat,
     /// Overwrite a directory that already holds a checkpoint (config.json).
     #[arg(long)]
     pub force: bool,
     /// Print the tensor count and file sizes without writing anything.
     #[arg(long)]
     pub dry_run: bool,
+}
+
+fn parse_format(s: &str) -> Result<WeightFormat, String> {
+    s.parse()
 }
 
 fn parse_image_limits(s: &str) -> Result<ImageLimits, String> {
@@ -130,6 +140,12 @@ pub fn run(args: &RandomCheckpointArgs) -> Result<()> {
         return Err(usage(format!(
             "{name}: qwen3_vl_moe checkpoints are not supported yet (expert tensors); \
              use a dense Qwen2-VL, Qwen2.5-VL or Qwen3-VL config"
+        )));
+    }
+    if args.exact_in != WeightFormat::Unquantized && args.dtype != WeightDtype::F32 {
+        return Err(usage(format!(
+            "--exact-in {}: the format's values are exact only in f32 (--dtype f32)",
+            args.exact_in
         )));
     }
     let cfg = ModelConfig {
@@ -174,7 +190,10 @@ pub fn run(args: &RandomCheckpointArgs) -> Result<()> {
     std::fs::copy(&tokenizer, out.join("tokenizer.json"))
         .with_context(|| format!("copying {} into {}", tokenizer.display(), out.display()))?;
 
-    let init = RandomInit { seed: args.seed, std };
+    let init = RandomInit {
+        exact_in: args.exact_in,
+        ..RandomInit::new(args.seed, std)
+    };
     write_weights(out, &specs, &files, &init)?;
     let total: u64 = files.iter().map(FilePlan::total_bytes).sum();
     println!(

@@ -115,6 +115,7 @@ pub fn demo_checkpoint() -> Result<PathBuf> {
         tokenizer: None,
         image_limits: None,
         shard_size: random_checkpoint_cmd::SHARD_BYTES,
+        exact_in: Default::default(),
         force: true,
         dry_run: false,
     })?;

@@ -6,6 +6,7 @@
 //! in turn.
 
 use super::spec::{Init, TensorSpec};
+use super::weight_format::WeightFormat;
 use crate::config::DType;
 use std::io::{self, Write};
 
@@ -59,9 +60,22 @@ pub struct RandomInit {
     pub seed: u64,
     /// Standard deviation of [`Init::Normal`] tensors (the config's `initializer_range`).
     pub std: f64,
+    /// The matrices this format quantizes are drawn as values it stores exactly (each value
+    /// replaced by its quantized and dequantized self), so that quantizing them on load loses
+    /// nothing; exact in an f32 checkpoint only.
+    pub exact_in: WeightFormat,
 }
 
 impl RandomInit {
+    /// Values of `seed`, matrices of standard deviation `std`, nothing snapped to a format.
+    pub fn new(seed: u64, std: f64) -> Self {
+        RandomInit {
+            seed,
+            std,
+            exact_in: WeightFormat::Unquantized,
+        }
+    }
+
     /// Writes a whole safetensors file of `specs`: header length, header, then every tensor.
     pub fn write_safetensors(
         &self,
@@ -93,16 +107,25 @@ impl RandomInit {
         safetensors_dtype(spec.dtype)?;
         let mut normal = Normal::new(SplitMix64::for_tensor(self.seed, &spec.name));
         let mut buf = Vec::with_capacity((CHUNK * spec.dtype.size_bytes()) as usize);
+        let mut values = Vec::with_capacity(CHUNK as usize);
+        let snap = self.exact_in.quantizes(&spec.shape);
         let mut left = spec.numel();
         while left > 0 {
             let n = left.min(CHUNK);
             buf.clear();
-            for _ in 0..n {
+            values.clear();
+            values.extend((0..n).map(|_| {
                 let z = normal.sample();
-                let v = match spec.init {
+                (match spec.init {
                     Init::Normal => self.std * z,
                     Init::NormWeight => 1.0 + NORM_NOISE * z,
-                } as f32;
+                }) as f32
+            }));
+            // Whole blocks: a chunk is a multiple of 32 values and so are the matrices' rows.
+            if snap {
+                self.exact_in.round_trip(&mut values);
+            }
+            for &v in &values {
                 match spec.dtype {
                     DType::Bf16 => buf.extend_from_slice(&half::bf16::from_f32(v).to_le_bytes()),
                     DType::F16 => buf.extend_from_slice(&half::f16::from_f32(v).to_le_bytes()),
@@ -190,7 +213,7 @@ mod tests {
         let specs = tensor_specs(&cfg);
         let mut bytes = Vec::new();
         let mut written = 0;
-        RandomInit { seed: 1, std: 0.5 }
+        RandomInit::new(1, 0.5)
             .write_safetensors(&mut bytes, &specs, |n| written += n)
             .unwrap();
         let (header, data) = safetensors_header(&specs).unwrap();

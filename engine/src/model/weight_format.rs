@@ -54,6 +54,23 @@ impl WeightFormat {
         }
     }
 
+    /// Replaces `values` (whole blocks of 32, a matrix's rows in order) by what this format
+    /// stores for them: GGML's quantization, dequantized (the numbers the CPU and wgpu backends
+    /// multiply by). Unquantized leaves them.
+    pub fn round_trip(self, values: &mut [f32]) {
+        use crate::backend::cpu::blocks::{BlockKind, BlockRows, BLOCK};
+        let kind = match self {
+            WeightFormat::Unquantized => return,
+            WeightFormat::Q8_0 => BlockKind::Q8_0,
+            WeightFormat::Q4_0 => BlockKind::Q4_0,
+        };
+        debug_assert!(values.len().is_multiple_of(BLOCK));
+        let blocks = BlockRows::quantize(kind, values, BLOCK);
+        for (b, block) in values.chunks_exact_mut(BLOCK).enumerate() {
+            blocks.dequantize_row(b, block);
+        }
+    }
+
     /// Bytes a loaded tensor of `shape` takes: quantized blocks, or `elem_bytes` per value.
     pub fn tensor_bytes(self, shape: &[usize], elem_bytes: u64) -> u64 {
         let numel: u64 = shape.iter().map(|&d| d as u64).product();
@@ -103,6 +120,23 @@ pub(crate) mod tests {
         );
     }
 
+    /// A value the format stores is stored exactly: a second round trip changes nothing.
+    #[test]
+    fn round_trips_are_exact_the_second_time() {
+        let values: Vec<f32> = (0..256).map(|i| ((i * 7919 % 257) as f32 - 128.0) * 3e-3).collect();
+        for format in [Q8_0, Q4_0] {
+            let mut once = values.clone();
+            format.round_trip(&mut once);
+            assert_ne!(once, values, "{format} rounds these values");
+            let mut twice = once.clone();
+            format.round_trip(&mut twice);
+            assert_eq!(twice, once, "{format}");
+        }
+        let mut same = values.clone();
+        Unquantized.round_trip(&mut same);
+        assert_eq!(same, values);
+    }
+
     #[test]
     fn only_whole_blocks_of_matrices_are_quantized() {
         assert!(Q8_0.quantizes(&[37, 64]));
@@ -127,7 +161,7 @@ pub(crate) mod tests {
         .map(|config| {
             let cfg = crate::config::ModelConfig::from_json(config).unwrap();
             let mut bytes = Vec::new();
-            RandomInit { seed: 1, std: 0.02 }
+            RandomInit::new(1, 0.02)
                 .write_safetensors(&mut bytes, &tensor_specs(&cfg), |_| {})
                 .unwrap();
             (cfg, bytes)

@@ -298,7 +298,7 @@ mod tests {
         let mut specs = tensor_specs(&cfg);
         edit(&mut specs);
         let mut bytes = Vec::new();
-        RandomInit { seed: 0, std: 0.5 }
+        RandomInit::new(0, 0.5)
             .write_safetensors(&mut bytes, &specs, |_| {})
             .unwrap();
         let shards = [("model.safetensors".to_string(), bytes.as_slice())];

@@ -46,20 +46,29 @@ pub fn tiny_checkpoint(name: &str) -> PathBuf {
 
 /// [`tiny_checkpoint`] with its tensors stored as `dtype` (`f32`, `bf16` or `f16`).
 pub fn tiny_checkpoint_in(name: &str, dtype: &str) -> PathBuf {
+    tiny_checkpoint_with(name, &["--dtype", dtype])
+}
+
+/// [`tiny_checkpoint`] written with these extra `random-checkpoint` arguments.
+pub fn tiny_checkpoint_with(name: &str, args: &[&str]) -> PathBuf {
     let dir = scratch(name);
     let config = root().join("tools/golden/configs/qwen3_vl_tiny.json");
-    let out = kvlens(&[
-        "random-checkpoint",
-        "--config",
-        config.to_str().unwrap(),
-        "--out",
-        dir.to_str().unwrap(),
-        "--dtype",
-        dtype,
-        "--image-limits",
-        "1024,65536",
-        "--force",
-    ]);
+    let out = kvlens(
+        &[
+            "random-checkpoint",
+            "--config",
+            config.to_str().unwrap(),
+            "--out",
+            dir.to_str().unwrap(),
+            "--image-limits",
+            "1024,65536",
+            "--force",
+        ]
+        .iter()
+        .chain(args)
+        .copied()
+        .collect::<Vec<_>>(),
+    );
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     dir
 }

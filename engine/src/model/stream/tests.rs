@@ -29,7 +29,7 @@ fn qwen3_vl() -> ModelConfig {
 /// A safetensors file of `specs` with random values.
 fn file(specs: &[TensorSpec]) -> Vec<u8> {
     let mut bytes = Vec::new();
-    RandomInit { seed: 3, std: 0.5 }
+    RandomInit::new(3, 0.5)
         .write_safetensors(&mut bytes, specs, |_| {})
         .unwrap();
     bytes
