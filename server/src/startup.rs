@@ -195,6 +195,14 @@ pub fn start(a: &EngineArgs) -> Result<Started> {
     for key in &pixels.ignored {
         tracing::warn!("--mm-processor-kwargs: {key} is ignored (kvlens reads min_pixels and max_pixels)");
     }
+    // A test hook: `KVLENS_HOLD_LOAD=FILE` keeps the server loading until FILE exists, so that a
+    // test sees the loading state (`/health` 503) for as long as it needs.
+    if let Some(path) = std::env::var_os("KVLENS_HOLD_LOAD").map(PathBuf::from) {
+        tracing::warn!("KVLENS_HOLD_LOAD: loading waits for {} to exist", path.display());
+        while !path.exists() {
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+    }
     let (runner, mut frontend) = load(&model_dir, choice)?;
     let (device, non_torch) = runner.device(a.cpu_memory_gib)?;
     let total = device.total_bytes;

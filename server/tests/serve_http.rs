@@ -31,10 +31,14 @@ fn base64(data: &[u8]) -> String {
 
 /// `kvlens serve` on the tiny checkpoint (served as `tiny`) without a playground directory.
 fn serve(extra: &[&str]) -> Server {
+    serve_with_env(extra, &[])
+}
+
+fn serve_with_env(extra: &[&str], env: &[(&str, &str)]) -> Server {
     let no_playground = scratch("serve-http-no-playground");
     let mut args = vec!["--playground-dir", no_playground.to_str().unwrap()];
     args.extend_from_slice(extra);
-    Server::start(checkpoint(), &args)
+    Server::start_with_env(checkpoint(), &args, env)
 }
 
 fn memory(server: &Server) -> Value {
@@ -447,9 +451,15 @@ fn memory_stream(server: &Server) {
 
 #[test]
 fn serves_the_openai_api_and_frees_memory() {
-    let server = serve(&["--limit-mm-per-prompt", "image=2"]);
-    // The port answers at once; the model is still loading.
+    // The port answers at once; the model loads only once `hold` exists.
+    let hold = scratch("serve-http-hold-load");
+    let _ = std::fs::remove_file(&hold);
+    let server = serve_with_env(
+        &["--limit-mm-per-prompt", "image=2"],
+        &[("KVLENS_HOLD_LOAD", hold.to_str().unwrap())],
+    );
     server.get("/health").assert_error(503, "health while loading");
+    std::fs::write(&hold, b"").unwrap();
     server.wait_ready();
 
     let models = server.get("/v1/models").json();
