@@ -15,7 +15,6 @@
 const { chromium } = require('playwright-core');
 const { spawn } = require('child_process');
 const fs = require('fs');
-const net = require('net');
 const path = require('path');
 
 const env = (k) => {
@@ -40,17 +39,6 @@ const children = [];
 let failures = 0;
 let passes = 0;
 
-function freePort() {
-  return new Promise((resolve, reject) => {
-    const s = net.createServer();
-    s.listen(0, '127.0.0.1', () => {
-      const { port } = s.address();
-      s.close(() => resolve(port));
-    });
-    s.on('error', reject);
-  });
-}
-
 function start(cmd, args, name) {
   const child = spawn(cmd, args, { stdio: ['ignore', 'pipe', 'pipe'] });
   const log = fs.createWriteStream(path.join(ARTIFACTS, `${name}.log`));
@@ -58,6 +46,31 @@ function start(cmd, args, name) {
   child.stderr.pipe(log);
   children.push(child);
   return child;
+}
+
+// Starts `cmd args`, which listen on a port they pick themselves (port 0), and resolves with
+// that port once a line of their output matches `pattern` (group 1: the port). Picking a free
+// port here and passing it on would leave a moment in which another process could take it.
+function startListening(cmd, args, name, pattern) {
+  const child = start(cmd, args, name);
+  return new Promise((resolve, reject) => {
+    let seen = '';
+    const done = (f, v) => {
+      clearTimeout(timer);
+      child.stdout.off('data', onData);
+      child.stderr.off('data', onData);
+      f(v);
+    };
+    const timer = setTimeout(() => done(reject, new Error(`${name} printed no address (see ${name}.log)`)), LONG);
+    const onData = (chunk) => {
+      seen += chunk.toString();
+      const m = pattern.exec(seen);
+      if (m) done(resolve, Number(m[1]));
+    };
+    child.stdout.on('data', onData);
+    child.stderr.on('data', onData);
+    child.on('exit', (code) => done(reject, new Error(`${name} exited with ${code} before listening (see ${name}.log)`)));
+  }).then((port) => ({ port, child }));
 }
 
 // Polls `url` until it answers (any status), the child dies or the deadline passes.
@@ -76,8 +89,12 @@ async function waitHttp(url, child, name) {
 }
 
 async function kvlensServe(name) {
-  const port = await freePort();
-  const child = start(KVLENS, ['serve', '--playground-dir', DIST, '--host', '127.0.0.1', '--port', String(port)], name);
+  const { port, child } = await startListening(
+    KVLENS,
+    ['serve', '--playground-dir', DIST, '--host', '127.0.0.1', '--port', '0'],
+    name,
+    /Starting vLLM API server on http:\/\/[^\s]*:(\d+)/,
+  );
   const base = `http://127.0.0.1:${port}`;
   // /health answers 503 until the engine has started; wait for 200.
   const deadline = Date.now() + LONG;
@@ -90,8 +107,12 @@ async function kvlensServe(name) {
 }
 
 async function staticServer(name) {
-  const port = await freePort();
-  const child = start(PYTHON, ['-m', 'http.server', String(port), '--bind', '127.0.0.1', '--directory', DIST], name);
+  const { port, child } = await startListening(
+    PYTHON,
+    ['-u', '-m', 'http.server', '0', '--bind', '127.0.0.1', '--directory', DIST],
+    name,
+    /Serving HTTP on \S+ port (\d+)/,
+  );
   const base = `http://127.0.0.1:${port}`;
   await waitHttp(`${base}/`, child, name);
   return base;
@@ -382,8 +403,12 @@ async function serverModeOnKvlens(site, served) {
 }
 
 async function fakeVllm() {
-  const port = await freePort();
-  const child = start(PYTHON, [path.join(HERE, 'fake_vllm.py'), '--port', String(port), '--advance'], 'fake-vllm');
+  const { port, child } = await startListening(
+    PYTHON,
+    [path.join(HERE, 'fake_vllm.py'), '--port', '0', '--advance'],
+    'fake-vllm',
+    /fake vLLM metrics on http:\/\/[^\s]*:(\d+)\//,
+  );
   const base = `http://127.0.0.1:${port}`;
   await waitHttp(`${base}/metrics`, child, 'fake-vllm');
   return base;
