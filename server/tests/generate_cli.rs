@@ -94,6 +94,25 @@ fn a_warm_engine_reuses_prefix_and_encoder_caches() {
     assert_eq!(runs[1]["counters"]["encoder_hits"], 1);
 }
 
+/// `generate --json` of 4 greedy tokens about the fixture's picture, with the top 3
+/// log-probabilities of each step and `extra` arguments.
+fn describe_the_picture(ckpt: &Path, extra: &[&str]) -> Value {
+    let image = fixture("golden/images/c_150x150.png");
+    let mut args = vec![
+        "--prompt",
+        "Describe the picture.",
+        "--image",
+        &image,
+        "--ignore-eos",
+        "--logprobs",
+        "3",
+    ];
+    args.extend(extra);
+    let out = generate(ckpt, &args);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
 /// A bfloat16 checkpoint kept in bfloat16 on the CPU gives the tokens widening it to f32 gives, in
 /// half the bytes. Decode's products widen the weights exactly; prefill's, on CPUs with AVX-512
 /// BF16, round the activations to bfloat16 as a bfloat16 model does, which moved a
@@ -101,25 +120,7 @@ fn a_warm_engine_reuses_prefix_and_encoder_caches() {
 #[test]
 fn bf16_matrices_on_the_cpu_give_the_f32_path_s_tokens_in_half_the_bytes() {
     let ckpt = tiny_checkpoint_in("generate-cli-bf16", "bf16");
-    let image = fixture("golden/images/c_150x150.png");
-    let run = |dtype: &str| -> Value {
-        let out = generate(
-            &ckpt,
-            &[
-                "--prompt",
-                "Describe the picture.",
-                "--image",
-                &image,
-                "--ignore-eos",
-                "--logprobs",
-                "3",
-                "--dtype",
-                dtype,
-            ],
-        );
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-        serde_json::from_slice(&out.stdout).unwrap()
-    };
+    let run = |dtype: &str| describe_the_picture(&ckpt, &["--dtype", dtype]);
     let (wide, kept) = (run("float32"), run("bfloat16"));
     assert_eq!(wide["token_ids"], kept["token_ids"]);
     assert_eq!(wide["token_ids"].as_array().unwrap().len(), 4);
@@ -166,27 +167,12 @@ fn top_logprobs(v: &Value) -> Vec<f64> {
 /// tokens, all agreeing), far closer than on the golden fixtures, whose weights the formats round.
 #[test]
 fn weights_exact_in_a_block_format_lose_nothing_when_quantized_on_load() {
-    let image = fixture("golden/images/c_150x150.png");
     for format in ["q8_0", "q4_0"] {
         let ckpt = tiny_checkpoint_with(
             &format!("generate-cli-exact-{format}"),
             &["--dtype", "f32", "--exact-in", format],
         );
-        let run = |backend: &[&str]| -> Value {
-            let mut args = vec![
-                "--prompt",
-                "Describe the picture.",
-                "--image",
-                &image,
-                "--ignore-eos",
-                "--logprobs",
-                "3",
-            ];
-            args.extend(backend);
-            let out = generate(&ckpt, &args);
-            assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-            serde_json::from_slice(&out.stdout).unwrap()
-        };
+        let run = |backend: &[&str]| describe_the_picture(&ckpt, backend);
         let reference = run(&["--backend", "cpu"]);
         let quantized = run(&["--backend", "wgpu", "--quantization", format]);
         assert_eq!(reference["token_ids"], quantized["token_ids"], "{format}");
