@@ -279,8 +279,10 @@ impl Local {
                 let (engine, report) = start_on(b.clone(), source, info, &mut input, device, s, progress).await?;
                 (engine, report, device.describe())
             }
-            Device::WebGpu(_) => {
-                // The page's device keeps f32 weights; quantized ones go onto a device of their own.
+            Device::WebGpu(page_device) => {
+                // The page's device keeps f32 weights; quantized ones go onto a device of their own,
+                // and the page's gives back the buffers an earlier model left in its pool.
+                page_device.release_pooled();
                 let opts = WgpuOptions {
                     quantization: s.quantization,
                     ..WgpuOptions::default()

@@ -93,7 +93,7 @@ async function kvlensServe(name) {
     KVLENS,
     ['serve', '--playground-dir', DIST, '--host', '127.0.0.1', '--port', '0'],
     name,
-    /Starting vLLM API server on http:\/\/[^\s]*:(\d+)/,
+    /Starting vLLM API server on http:\/\/[^\s]*:(\d+)\s/,
   );
   const base = `http://127.0.0.1:${port}`;
   // /health answers 503 until the engine has started; wait for 200.
@@ -111,7 +111,7 @@ async function staticServer(name) {
     PYTHON,
     ['-u', '-m', 'http.server', '0', '--bind', '127.0.0.1', '--directory', DIST],
     name,
-    /Serving HTTP on \S+ port (\d+)/,
+    /Serving HTTP on \S+ port (\d+) \(/,
   );
   const base = `http://127.0.0.1:${port}`;
   await waitHttp(`${base}/`, child, name);

@@ -101,7 +101,7 @@ fn dot_rows_fastest(w: &[u16], xs: &[f32], out: &mut [f32]) {
 #[cfg(target_arch = "x86_64")]
 const PREFETCH_BYTES: usize = 8192;
 
-/// Asks the CPU to bring `data[range]`'s elements [`PREFETCH_BYTES`] further on into its caches
+/// Asks the CPU to bring `data[range]`'s elements `PREFETCH_BYTES` further on into its caches
 /// (clamped to `data`); `cold`, the first range of a run, also from `range.start` on, since no
 /// earlier range asked for it. A hint, no effect on the results.
 #[allow(unsafe_code)]

@@ -3,10 +3,10 @@
 //! only [`Backend::read`] submits it and waits, as a future, for the copy to come back.
 //!
 //! Activations and the KV cache are f32; 2-D weights are f32, f16 packed two per `u32`
-//! ([`WgpuOptions::f16_weights`]) or GGML's `q8_0` / `q4_0` ([`WgpuOptions::quantization`], laid out
-//! by [`quantized`]), which the kernels dequantize as they read; 1-D weights (norms, biases) stay f32. A weight larger than the
-//! device's storage-binding limit is split by rows across buffers, and the kernels that read
-//! weights (matmul, embedding) run once per part.
+//! ([`WgpuOptions::f16_weights`]) or GGML's `q8_0` / `q4_0` ([`WgpuOptions::quantization`], laid
+//! out by [`quantized`]), which the kernels dequantize as they read; 1-D weights (norms, biases)
+//! stay f32. A weight larger than the device's storage-binding limit is split by rows across
+//! buffers, and the kernels that read weights (matmul, embedding) run once per part.
 
 // On the web wgpu's handles are neither Send nor Sync (the page has one thread); the Arcs that
 // share them serve native threads.
@@ -242,6 +242,12 @@ impl WgpuBackend {
     /// Free activation buffers the pool keeps, and their bytes.
     pub fn pooled(&self) -> (usize, u64) {
         self.inner.pool.free_buffers()
+    }
+
+    /// Destroys the free activation buffers the pool keeps (a device that stays open while
+    /// another one runs the model).
+    pub fn release_pooled(&self) {
+        self.inner.pool.clear();
     }
 
     fn oom(&self, bytes: u64) -> BackendError {
@@ -567,8 +573,10 @@ impl Backend for WgpuBackend {
         let rows = raw.shape.first().copied().unwrap_or(1);
         let cols = numel / rows.max(1);
         let row_bytes = elem.row_bytes(cols).max(1);
-        // Less a word: what an odd count of f16 values or of blocks adds to a part.
-        let per_part = (self.inner.gpu.max_binding.saturating_sub(4) / row_bytes) as usize;
+        // Less a word: what an odd count of f16 values or of blocks adds to a part; and the
+        // kernels index a part's elements with u32.
+        let per_part =
+            ((self.inner.gpu.max_binding.saturating_sub(4) / row_bytes) as usize).min(u32::MAX as usize / cols.max(1));
         if per_part == 0 {
             return Err(self.oom(row_bytes));
         }

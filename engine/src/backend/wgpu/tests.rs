@@ -175,10 +175,10 @@ fn quantized_weights_hold_the_cpu_values_in_every_kernel() {
         let values = host(&cpu, &cpu.embedding(&weight(&cpu, &w), &ids).unwrap());
         let f32_cpu = CpuBackend::default();
         let dequantized = weight(&f32_cpu, &raw(&values, &[out, k]));
-        // A binding cap of 3,050 bytes splits the matrix (102 bytes a row in q8_0, 78 in q4_0)
-        // into parts of 29 and 39 rows, whose block counts are odd; both kernel sets. Under the
+        // A binding cap of 3,000 bytes splits the matrix (102 bytes a row in q8_0, 54 in q4_0)
+        // into parts of 29 and 55 rows, whose block counts are odd; both kernel sets. Under the
         // cap only a few rows fit in one activation.
-        for (barrier_free, cap) in [(false, None), (true, None), (false, Some(3050)), (true, Some(3050))] {
+        for (barrier_free, cap) in [(false, None), (true, None), (false, Some(3000)), (true, Some(3000))] {
             let g = backend_with(WgpuOptions {
                 quantization: format,
                 barrier_free: Some(barrier_free),

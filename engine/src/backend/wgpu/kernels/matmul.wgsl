@@ -24,7 +24,8 @@ struct Params {
 
 @group(0) @binding(0) var<uniform> p: Params;
 @group(0) @binding(1) var<storage, read> x: array<f32>;
-// The same buffer as vectors (the gemv kernels, whose k is a multiple of 8; never with `x`).
+// The same buffer as vectors (the gemv kernels and columns8, whose k is a multiple of 8; never with
+// `x`).
 @group(0) @binding(1) var<storage, read> x4: array<vec4<f32>>;
 @group(0) @binding(2) var<storage, read> bias: array<f32>;
 @group(0) @binding(3) var<storage, read_write> y: array<f32>;

@@ -6,11 +6,6 @@ fn wload(i: u32) -> f32 {
     return select(pair.x, pair.y, (i & 1u) == 1u);
 }
 
-// Elements i and i+1 (i even).
-fn wload2(i: u32) -> vec2<f32> {
-    return unpack2x16float(w[i >> 1u]);
-}
-
 // The same buffer as vectors of eight f16, for kernels that read eight consecutive weights at a time
 // (a kernel uses `w` or `w4`, never both). The buffer holds whole vectors when rows have a multiple
 // of 8 elements.

@@ -5,11 +5,6 @@ fn wload(i: u32) -> f32 {
     return w[i];
 }
 
-// Elements i and i+1 (i even).
-fn wload2(i: u32) -> vec2<f32> {
-    return vec2<f32>(w[i], w[i + 1u]);
-}
-
 // The same buffer as vectors, for kernels that read eight consecutive weights at a time (a kernel
 // uses `w` or `w4`, never both). The buffer holds whole vectors when rows have a multiple of 8
 // elements.
