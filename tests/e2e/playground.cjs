@@ -286,15 +286,16 @@ async function weightsPlanned(page, format) {
   return bytesOf(/weights ([\d.]+ (MiB|KiB))/.exec(verdict)[1]);
 }
 
-// The demo model loaded in f32, then in q4_0 on WebGPU: what the device holds shrinks by what the
-// planner's verdict says it saves (within 1 %; both also count buffers that do not change), and
-// the engine generates on the quantized weights.
-async function playgroundQuantizedOnWebGpu(base) {
-  const b = await browser(true);
+// The demo model loaded in f32, then in q4_0, on WebGPU or (`webgpu` false) on the CPU backend in
+// wasm: what the device holds shrinks by what the planner's verdict says it saves (within 1 %;
+// both also count buffers that do not change), and the engine generates on the quantized weights.
+async function playgroundQuantized(base, webgpu) {
+  const b = await browser(webgpu);
   try {
-    const page = await newPage(b, 'webgpu-q4_0');
+    const page = await newPage(b, webgpu ? 'webgpu-q4_0' : 'cpu-q4_0');
     await page.goto(`${base}/`);
-    await page.waitForFunction(() => (document.querySelector('[data-testid="device"]')?.textContent ?? '').startsWith('WebGPU'), null, { timeout: LONG });
+    const device = webgpu ? 'WebGPU' : 'CPU backend';
+    await page.waitForFunction((d) => (document.querySelector('[data-testid="device"]')?.textContent ?? '').startsWith(d), device, { timeout: LONG });
     await loadDemo(page);
     const planned32 = await weightsPlanned(page, 'f32');
     const held32Text = await weightsHeld(page, '');
@@ -311,7 +312,7 @@ async function playgroundQuantizedOnWebGpu(base) {
     assert(Math.abs(saved - plannedSaving) <= 0.01 * plannedSaving, `q4_0 saved ${saved} bytes on the device, the verdicts ${plannedSaving}`);
     const ids = await ask(page, 0);
     assert(ids.length > 0, 'no tokens generated on q4_0 weights');
-    await screenshot(page, 'playground-q4_0.png');
+    if (webgpu) await screenshot(page, 'playground-q4_0.png');
   } finally {
     await b.close();
   }
@@ -438,10 +439,11 @@ async function serverModeOnVllm(site, vllm) {
   try {
     const served = await kvlensServe('kvlens-serve');
     await check('playground on WebGPU, served by kvlens serve', () => playgroundOnWebGpu(served));
-    await check('playground on WebGPU with q4_0 weights', () => playgroundQuantizedOnWebGpu(served));
+    await check('playground on WebGPU with q4_0 weights', () => playgroundQuantized(served, true));
     await check('planner link shows 164,224', () => plannerLink(served));
     const site = await staticServer('static-server');
     await check('playground on the CPU backend (WebGPU off), static dist/', () => playgroundOnCpu(site));
+    await check('playground on the CPU backend with q4_0 weights', () => playgroundQuantized(site, false));
     await check('server mode: a kvlens serve on another origin', () => serverModeOnKvlens(site, served));
     const vllm = await fakeVllm();
     await check('server mode: a vLLM /metrics endpoint', () => serverModeOnVllm(site, vllm));
