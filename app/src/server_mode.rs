@@ -97,11 +97,19 @@ fn base_url(typed: &str) -> Option<String> {
     }
 }
 
-/// `method url` with no body; the status and the body's text.
+/// `method url` with no body; the status and the body's text. A POST says it is JSON: `kvlens
+/// serve` refuses a cross-origin POST that a browser may send without a CORS preflight.
 async fn request(method: &str, url: &str) -> Result<(u16, String), String> {
     let window = web_sys::window().ok_or("no window")?;
     let init = RequestInit::new();
     init.set_method(method);
+    if method == "POST" {
+        let headers = web_sys::Headers::new().map_err(|e| js_text(&e))?;
+        headers
+            .set("Content-Type", "application/json")
+            .map_err(|e| js_text(&e))?;
+        init.set_headers(&headers);
+    }
     init.set_signal(Some(&AbortSignal::timeout_with_u32(REQUEST_TIMEOUT_MS)));
     let response: Response = JsFuture::from(window.fetch_with_str_and_init(url, &init))
         .await

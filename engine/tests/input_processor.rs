@@ -7,7 +7,7 @@ mod input {
     use base64::Engine as _;
     use kvlens_engine::config::{bundled_config, Family};
     use kvlens_engine::input::{
-        default_template, ChatMessage, ImageHost, InlineImages, InputError, InputProcessor, ProcessedImage,
+        default_template, ChatMessage, InlineImages, InputError, InputHost, InputProcessor, ProcessedImage,
         PromptOptions,
     };
     use kvlens_engine::sample::SamplingParams;
@@ -78,7 +78,7 @@ mod input {
         files: Vec<(String, Vec<u8>)>,
     }
 
-    impl ImageHost for Recorder {
+    impl InputHost for Recorder {
         fn read_path(&mut self, path: &str) -> Result<Vec<u8>, InputError> {
             let file = self.files.iter().find(|(p, _)| p == path);
             file.map(|(_, b)| b.clone()).ok_or_else(|| InputError::ReadImage {
@@ -174,7 +174,7 @@ mod input {
         let mut p = processor();
         p.max_model_len = 50;
         let text = "word ".repeat(20_000);
-        let err = p.encode_if_it_can_fit(&text, false).unwrap_err();
+        let err = p.encode_if_it_can_fit(&text, false, &mut InlineImages).unwrap_err();
         let InputError::PromptTooLong {
             at_least,
             bytes,
@@ -197,11 +197,77 @@ mod input {
         let long_chat = chat(&[], &text);
         let refused = p.prompt(&long_chat, PromptOptions::default(), &mut InlineImages);
         assert!(matches!(refused, Err(InputError::PromptTooLong { .. })), "{refused:?}");
-        let refused = p.completion_request("c", &text, SamplingParams::default());
+        let refused = p.completion_request("c", &text, SamplingParams::default(), &mut InlineImages);
         assert!(matches!(refused, Err(InputError::PromptTooLong { .. })), "{refused:?}");
         // A short text is tokenized (the bound is a lower one: this may still be too long, which
         // the engine finds from the token count).
-        assert_eq!(p.encode_if_it_can_fit("hello", false).unwrap(), vec![14990]);
+        assert_eq!(
+            p.encode_if_it_can_fit("hello", false, &mut InlineImages).unwrap(),
+            vec![14990]
+        );
+    }
+
+    /// A host that records the tokenizations it was asked to hold and cancels after `cancel_after`
+    /// of them.
+    #[derive(Default)]
+    struct Counting {
+        held: Vec<u64>,
+        cancel_after: Option<usize>,
+    }
+
+    impl InputHost for Counting {
+        fn tokenize(
+            &mut self,
+            bytes: u64,
+            work: &mut dyn FnMut() -> Result<Vec<u32>, InputError>,
+        ) -> Result<Vec<u32>, InputError> {
+            self.held.push(bytes);
+            work()
+        }
+
+        fn cancelled(&self) -> bool {
+            self.cancel_after.is_some_and(|n| self.held.len() >= n)
+        }
+    }
+
+    #[test]
+    fn a_long_text_is_counted_a_piece_at_a_time_and_refused_at_the_limit() {
+        let mut p = processor();
+        p.max_model_len = 1000;
+        // One token per byte: the length alone cannot prove it too long.
+        let digits = "7".repeat(4_200_000);
+        let mut host = Counting::default();
+        let err = p.encode_if_it_can_fit(&digits, false, &mut host).unwrap_err();
+        let InputError::PromptTooLongCounted {
+            counted, bytes_read, ..
+        } = err
+        else {
+            panic!("{err}")
+        };
+        assert!(
+            counted > 1000 && bytes_read < 100_000,
+            "{counted} tokens in {bytes_read} bytes"
+        );
+        assert_eq!(host.held.len(), 1, "one piece was enough: {:?}", host.held);
+        assert!(host.held[0] < 64 << 20, "{:?}", host.held);
+        // The client left after the first piece: the rest is not tokenized.
+        p.max_model_len = 1 << 30;
+        let mut leaving = Counting {
+            cancel_after: Some(1),
+            ..Counting::default()
+        };
+        let err = p.encode_if_it_can_fit(&digits, false, &mut leaving).unwrap_err();
+        assert_eq!(err, InputError::Cancelled);
+        assert_eq!(leaving.held.len(), 1);
+        // A text that fits: counted in pieces, then tokenized whole, giving the same ids as the
+        // tokenizer alone.
+        let text = "Paged attention keeps the KV cache in blocks.\n ".repeat(3_000);
+        let mut host = Counting::default();
+        let ids = p.encode_if_it_can_fit(&text, false, &mut host).unwrap();
+        assert_eq!(ids, p.tokenizer.encode(&text).unwrap());
+        let pieces = text.len().div_ceil(64 << 10);
+        assert!(host.held.len() >= pieces + 1, "{:?}", host.held);
+        assert_eq!(*host.held.last().unwrap(), text.len() as u64 * 320);
     }
 
     #[test]

@@ -1,6 +1,6 @@
 //! `kvlens generate`: one conversation through the engine on the CPU, streamed or as JSON.
 
-use crate::runtime::{load, BackendChoice, Frontend};
+use crate::runtime::{load, BackendChoice, Cancel, Frontend};
 use crate::UsageError;
 use anyhow::Result;
 use kvlens_engine::backend::BackendKind;
@@ -126,7 +126,7 @@ pub fn run(a: &GenerateArgs) -> Result<()> {
         ..SamplingParams::default()
     };
     params.validate().map_err(UsageError)?;
-    let (req, grids) = front.request("generate-0", &msgs, params, true)?;
+    let (req, grids) = front.request("generate-0", &msgs, params, true, &Cancel::default())?;
     let template = req.clone();
     let prompt_ids = req.prompt.clone();
     // Sized by the server's start-up code, for this one conversation: one sequence, the whole

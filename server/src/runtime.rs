@@ -17,10 +17,10 @@ use kvlens_engine::input::chat::{select_chat_template, ChatMessage, ChatTemplate
 use kvlens_engine::input::image::ProcessedImage;
 use kvlens_engine::input::image_budget::largest_preprocessing_bytes;
 pub use kvlens_engine::input::processor::PromptOptions;
-use kvlens_engine::input::processor::{ImageHost, InputProcessor, Prompt};
+use kvlens_engine::input::processor::{InputHost, InputProcessor, Prompt};
 use kvlens_engine::input::InputError;
 use kvlens_engine::memory::device::DeviceProfile;
-use kvlens_engine::memory::ledger::MemoryLedger;
+use kvlens_engine::memory::ledger::{Category, MemoryLedger};
 use kvlens_engine::memory::planner::PlanRequest;
 use kvlens_engine::model::weight_format::WeightFormat;
 use kvlens_engine::model::weights::SafetensorsFiles;
@@ -29,6 +29,7 @@ use kvlens_engine::runner::ModelRunner;
 use kvlens_engine::sample::SamplingParams;
 use std::ops::{Deref, DerefMut};
 use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -64,13 +65,32 @@ impl DerefMut for Frontend {
     }
 }
 
-/// The server's [`ImageHost`]: local images from the filesystem, each image's decode and
-/// preprocessing within the preprocessing budget.
-struct ServerImages<'a> {
-    budget: &'a PreprocessBudget,
+/// Set when a request's client has gone: its tokenizing and preprocessing stop at the next check.
+/// Clones share the flag.
+#[derive(Debug, Clone, Default)]
+pub struct Cancel(Arc<AtomicBool>);
+
+impl Cancel {
+    /// Cancels the work that watches this flag.
+    pub fn cancel(&self) {
+        self.0.store(true, Ordering::Relaxed);
+    }
+
+    /// Whether [`Cancel::cancel`] was called.
+    pub fn is_cancelled(&self) -> bool {
+        self.0.load(Ordering::Relaxed)
+    }
 }
 
-impl ImageHost for ServerImages<'_> {
+/// The server's [`InputHost`]: local images from the filesystem, each image's decode and
+/// preprocessing and each tokenization within the preprocessing budget, and the request's
+/// cancellation.
+struct ServerHost<'a> {
+    budget: &'a PreprocessBudget,
+    cancel: &'a Cancel,
+}
+
+impl InputHost for ServerHost<'_> {
     fn read_path(&mut self, path: &str) -> Result<Vec<u8>, InputError> {
         std::fs::read(path).map_err(|e| InputError::ReadImage {
             path: path.to_string(),
@@ -83,8 +103,28 @@ impl ImageHost for ServerImages<'_> {
         bytes: u64,
         work: &mut dyn FnMut() -> Result<Arc<ProcessedImage>, InputError>,
     ) -> Result<Arc<ProcessedImage>, InputError> {
-        let _reserved = self.budget.reserve(bytes).map_err(|Busy(why)| InputError::Busy(why))?;
+        let _reserved = self
+            .budget
+            .reserve(Category::Staging, bytes)
+            .map_err(|Busy(why)| InputError::Busy(why))?;
         work()
+    }
+
+    fn tokenize(
+        &mut self,
+        bytes: u64,
+        work: &mut dyn FnMut() -> Result<Vec<u32>, InputError>,
+    ) -> Result<Vec<u32>, InputError> {
+        // At most half the budget, so that a request holding its body can always tokenize.
+        let _reserved = self
+            .budget
+            .reserve(Category::Requests, bytes.min(self.budget.capacity() / 2))
+            .map_err(|Busy(why)| InputError::Busy(why))?;
+        work()
+    }
+
+    fn cancelled(&self) -> bool {
+        self.cancel.is_cancelled()
     }
 }
 
@@ -283,18 +323,20 @@ impl Frontend {
         self.preprocess_budget = self.preprocess_budget.with_capacity(bytes);
     }
 
-    /// The server's image host.
-    fn images(&self) -> ServerImages<'_> {
-        ServerImages {
+    /// The server's input host for one request.
+    fn host<'a>(&'a self, cancel: &'a Cancel) -> ServerHost<'a> {
+        ServerHost {
             budget: &self.preprocess_budget,
+            cancel,
         }
     }
 
-    /// [`InputProcessor::prompt`], each image preprocessed within the budget (a [`Busy`] error
-    /// when it stays full) and local paths read from the filesystem when `options.allow_files`.
-    pub fn prompt(&self, messages: &[ChatMessage], options: PromptOptions) -> Result<Prompt> {
+    /// [`InputProcessor::prompt`], each image preprocessed and the text tokenized within the
+    /// budget (a [`Busy`] error when it stays full), local paths read from the filesystem when
+    /// `options.allow_files`, stopped when `cancel` is set.
+    pub fn prompt(&self, messages: &[ChatMessage], options: PromptOptions, cancel: &Cancel) -> Result<Prompt> {
         self.input
-            .prompt(messages, options, &mut self.images())
+            .prompt(messages, options, &mut self.host(cancel))
             .map_err(input_error)
     }
 
@@ -305,24 +347,33 @@ impl Frontend {
         messages: &[ChatMessage],
         params: SamplingParams,
         allow_files: bool,
+        cancel: &Cancel,
     ) -> Result<(Request, Vec<[u32; 3]>)> {
         let request = self
             .input
-            .request(id, messages, params, allow_files, &mut self.images())
+            .request(id, messages, params, allow_files, &mut self.host(cancel))
             .map_err(input_error)?;
         let grids = request.images.iter().map(|i| i.grid_thw.map(|g| g as u32)).collect();
         Ok((request, grids))
     }
 
-    /// [`InputProcessor::completion_request`].
-    pub fn completion_request(&self, id: &str, prompt: &str, params: SamplingParams) -> Result<Request> {
-        self.input.completion_request(id, prompt, params).map_err(input_error)
+    /// [`InputProcessor::completion_request`] (see [`Frontend::prompt`]).
+    pub fn completion_request(
+        &self,
+        id: &str,
+        prompt: &str,
+        params: SamplingParams,
+        cancel: &Cancel,
+    ) -> Result<Request> {
+        self.input
+            .completion_request(id, prompt, params, &mut self.host(cancel))
+            .map_err(input_error)
     }
 
-    /// [`InputProcessor::encode_if_it_can_fit`].
-    pub fn encode_if_it_can_fit(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>> {
+    /// [`InputProcessor::encode_if_it_can_fit`] (see [`Frontend::prompt`]).
+    pub fn encode_if_it_can_fit(&self, text: &str, add_special_tokens: bool, cancel: &Cancel) -> Result<Vec<u32>> {
         self.input
-            .encode_if_it_can_fit(text, add_special_tokens)
+            .encode_if_it_can_fit(text, add_special_tokens, &mut self.host(cancel))
             .map_err(input_error)
     }
 }

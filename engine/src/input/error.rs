@@ -98,6 +98,25 @@ pub enum InputError {
         /// The longest prompt plus output.
         max_model_len: usize,
     },
+    /// Counting a long text's tokens a piece at a time passed the context length before its end:
+    /// it was refused without tokenizing the rest.
+    #[error(
+        "the prompt has more than {counted} tokens in its first {bytes_read} bytes (of {bytes}), more than this \
+         model's maximum context length of {max_model_len} tokens"
+    )]
+    PromptTooLongCounted {
+        /// Tokens counted so far (less the most the cuts between pieces can add).
+        counted: usize,
+        /// Bytes of text counted.
+        bytes_read: usize,
+        /// Bytes of text.
+        bytes: usize,
+        /// The longest prompt plus output.
+        max_model_len: usize,
+    },
+    /// The request's client went away: its preprocessing stopped.
+    #[error("the request was cancelled: its client went away")]
+    Cancelled,
     /// More images than one prompt may carry (`--limit-mm-per-prompt`).
     #[error("At most {limit} image(s) may be provided in one prompt, got {got}")]
     TooManyImages {

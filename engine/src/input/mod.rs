@@ -16,6 +16,6 @@ pub use chat::{
 };
 pub use error::InputError;
 pub use image::{process_image, ProcessedImage, ProcessorSettings};
-pub use processor::{ImageHost, InlineImages, InputProcessor, Prompt, PromptOptions};
+pub use processor::{InlineImages, InputHost, InputProcessor, Prompt, PromptOptions};
 pub use prompt::{expand_image_pads, ExpandedPrompt, ImagePlaceholder};
 pub use tokenizer::{IncrementalDecoder, Tokenizer};

@@ -3,8 +3,9 @@
 //! preprocesses each image through the processor cache and expands the image placeholders.
 //!
 //! It reads no files and fetches nothing. Images arrive inline (`data:` URLs); a local path is handed
-//! to the caller's [`ImageHost`], which also wraps each image's decode and preprocessing (the server
-//! holds its host-memory budget there). The server and the browser playground share this code.
+//! to the caller's [`InputHost`], which also wraps each image's decode and preprocessing and each
+//! tokenization (the server holds its host-memory budget there) and says when the request's client
+//! has gone (work stops at the next check). The server and the browser playground share this code.
 
 use super::chat::{image_sources, ChatMessage, ChatTemplate, ImageSource, RenderOptions};
 use super::image::{decode_image, ProcessedImage, ProcessorSettings};
@@ -18,10 +19,24 @@ use crate::engine::{ImageInput, Request};
 use crate::sample::SamplingParams;
 use std::sync::{Arc, Mutex};
 
+/// Bytes of text tokenized at a time when counting a long text's tokens.
+const COUNT_PIECE_BYTES: usize = 64 << 10;
+
+/// Most tokens a cut between two counted pieces can add to their count: the pre-token (or added
+/// token) cut in two, each half rounding up to whole tokens, and the neighbour a regex look-ahead
+/// may join.
+const TOKENS_PER_CUT: usize = 4;
+
+/// Host memory the tokenizer holds per byte of text while encoding it (its normalized string with
+/// byte alignments, the pre-token splits and the encoding's per-token vectors): measured as
+/// 268 bytes per byte for a text of digits, rounded up.
+pub const TOKENIZE_BYTES_PER_BYTE: u64 = 320;
+
 /// What the caller of [`InputProcessor::prompt`] provides: the bytes of local images (the engine
-/// reads no files) and a place to hold resources around each image's preprocessing. The defaults
-/// refuse local paths and hold nothing ([`InlineImages`]).
-pub trait ImageHost {
+/// reads no files), a place to hold resources around each image's preprocessing and each
+/// tokenization, and whether the request is still wanted. The defaults refuse local paths, hold
+/// nothing and never cancel ([`InlineImages`]).
+pub trait InputHost {
     /// The bytes of the image at a local `path` (asked only when [`PromptOptions::allow_files`]).
     fn read_path(&mut self, path: &str) -> Result<Vec<u8>, InputError> {
         Err(InputError::LocalImagePath(path.to_string()))
@@ -38,13 +53,57 @@ pub trait ImageHost {
         let _ = bytes;
         work()
     }
+
+    /// Runs `work` (tokenizing a text), which holds at most `bytes` of host memory at once; like
+    /// [`InputHost::preprocess`].
+    fn tokenize(
+        &mut self,
+        bytes: u64,
+        work: &mut dyn FnMut() -> Result<Vec<u32>, InputError>,
+    ) -> Result<Vec<u32>, InputError> {
+        let _ = bytes;
+        work()
+    }
+
+    /// Whether the request's client has gone: tokenizing and preprocessing stop at the next check
+    /// with [`InputError::Cancelled`].
+    fn cancelled(&self) -> bool {
+        false
+    }
 }
 
 /// The host of callers that only take images inline: local paths are refused, no budget is held.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct InlineImages;
 
-impl ImageHost for InlineImages {}
+impl InputHost for InlineImages {}
+
+/// `text` in pieces of about `max` bytes, each cut before a whitespace character where one lies
+/// in its last quarter (where the pre-tokenizer splits anyway), else at a character boundary.
+fn pieces(text: &str, max: usize) -> impl Iterator<Item = &str> {
+    let mut rest = text;
+    std::iter::from_fn(move || {
+        if rest.is_empty() {
+            return None;
+        }
+        let mut end = rest.len().min(max);
+        while !rest.is_char_boundary(end) {
+            end -= 1;
+        }
+        if end == 0 {
+            end = rest.chars().next().map_or(rest.len(), char::len_utf8);
+        }
+        if end < rest.len() {
+            let from = end - end / 4;
+            if let Some(space) = rest[from..end].rfind(char::is_whitespace).filter(|&i| from + i > 0) {
+                end = from + space;
+            }
+        }
+        let (piece, tail) = rest.split_at(end);
+        rest = tail;
+        Some(piece)
+    })
+}
 
 /// A conversation as the engine sees it.
 #[derive(Debug)]
@@ -63,7 +122,7 @@ pub struct PromptOptions {
     /// Add the tokenizer's post-processor tokens (a BOS, …) around the rendered text, which
     /// already holds the template's own special tokens (vLLM's `add_special_tokens`, off for chats).
     pub add_special_tokens: bool,
-    /// Read local image paths through [`ImageHost::read_path`] (the command line); otherwise they
+    /// Read local image paths through [`InputHost::read_path`] (the command line); otherwise they
     /// are refused (the server).
     pub allow_files: bool,
     /// Leave the processor cache alone (vLLM's `/tokenize` does not fill it).
@@ -137,14 +196,14 @@ impl InputProcessor {
         self.processor_cache = Mutex::new(ProcessorCache::new(bytes));
     }
 
-    /// Decodes and preprocesses one image inside `host`'s [`ImageHost::preprocess`], through the
+    /// Decodes and preprocesses one image inside `host`'s [`InputHost::preprocess`], through the
     /// processor cache unless `skip_cache` (a hit skips preprocessing, not decoding: the key is
     /// the hash of the decoded pixels).
     fn image(
         &self,
         bytes: &[u8],
         skip_cache: bool,
-        host: &mut dyn ImageHost,
+        host: &mut dyn InputHost,
     ) -> Result<Arc<ProcessedImage>, InputError> {
         let cost = preprocessing_bytes(bytes, &self.settings)?;
         host.preprocess(cost, &mut || {
@@ -171,10 +230,10 @@ impl InputProcessor {
         &self,
         messages: &[ChatMessage],
         options: PromptOptions,
-        host: &mut dyn ImageHost,
+        host: &mut dyn InputHost,
     ) -> Result<Prompt, InputError> {
         let text = self.template.render_with(messages, options.render)?;
-        let ids = self.encode_if_it_can_fit(&text, options.add_special_tokens)?;
+        let ids = self.encode_if_it_can_fit(&text, options.add_special_tokens, host)?;
         let sources = image_sources(messages)?;
         if sources.len() > self.limit_images {
             return Err(InputError::TooManyImages {
@@ -184,6 +243,9 @@ impl InputProcessor {
         }
         let mut processed = Vec::with_capacity(sources.len());
         for src in sources {
+            if host.cancelled() {
+                return Err(InputError::Cancelled);
+            }
             let bytes = match src {
                 ImageSource::Bytes(b) => b,
                 ImageSource::Path(p) if options.allow_files => host.read_path(&p)?,
@@ -216,7 +278,7 @@ impl InputProcessor {
         messages: &[ChatMessage],
         params: SamplingParams,
         allow_files: bool,
-        host: &mut dyn ImageHost,
+        host: &mut dyn InputHost,
     ) -> Result<Request, InputError> {
         let options = PromptOptions {
             render: RenderOptions {
@@ -248,8 +310,14 @@ impl InputProcessor {
     }
 
     /// Tokenizes a plain prompt (no chat template, no images) into an engine request.
-    pub fn completion_request(&self, id: &str, prompt: &str, params: SamplingParams) -> Result<Request, InputError> {
-        let ids = self.encode_if_it_can_fit(prompt, false)?;
+    pub fn completion_request(
+        &self,
+        id: &str,
+        prompt: &str,
+        params: SamplingParams,
+        host: &mut dyn InputHost,
+    ) -> Result<Request, InputError> {
+        let ids = self.encode_if_it_can_fit(prompt, false, host)?;
         Ok(Request {
             id: RequestId::from(id),
             prompt: ids,
@@ -258,10 +326,18 @@ impl InputProcessor {
         })
     }
 
-    /// Tokenizes `text` (with the post-processor's special tokens when `add_special_tokens`),
-    /// unless its length alone proves it longer than `max_model_len` tokens (then it is refused
-    /// without paying for the tokenizer).
-    pub fn encode_if_it_can_fit(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, InputError> {
+    /// Tokenizes `text` (with the post-processor's special tokens when `add_special_tokens`) within
+    /// the host's memory budget, unless it cannot fit in `max_model_len` tokens: a text whose
+    /// length alone proves it too long is refused without tokenizing; a longer text than one piece
+    /// ([`COUNT_PIECE_BYTES`]) is first counted a piece at a time, and refused as soon as the count
+    /// passes the context length, so the tokenizer never holds more than a piece's memory for a
+    /// text that cannot fit. The host's cancellation is checked between pieces.
+    pub fn encode_if_it_can_fit(
+        &self,
+        text: &str,
+        add_special_tokens: bool,
+        host: &mut dyn InputHost,
+    ) -> Result<Vec<u32>, InputError> {
         let at_least = text.len() / self.max_token_bytes;
         if at_least > self.max_model_len {
             return Err(InputError::PromptTooLong {
@@ -271,7 +347,34 @@ impl InputProcessor {
                 max_model_len: self.max_model_len,
             });
         }
-        self.tokenizer.encode_with(text, add_special_tokens)
+        let cost = |bytes: usize| bytes as u64 * TOKENIZE_BYTES_PER_BYTE;
+        if text.len() > COUNT_PIECE_BYTES {
+            let (mut counted, mut bytes_read) = (0, 0);
+            for (cuts, piece) in pieces(text, COUNT_PIECE_BYTES).enumerate() {
+                if host.cancelled() {
+                    return Err(InputError::Cancelled);
+                }
+                counted += host
+                    .tokenize(cost(piece.len()), &mut || self.tokenizer.encode_with(piece, false))?
+                    .len();
+                bytes_read += piece.len();
+                let surely = counted.saturating_sub(cuts * TOKENS_PER_CUT);
+                if surely > self.max_model_len {
+                    return Err(InputError::PromptTooLongCounted {
+                        counted: surely,
+                        bytes_read,
+                        bytes: text.len(),
+                        max_model_len: self.max_model_len,
+                    });
+                }
+            }
+        }
+        if host.cancelled() {
+            return Err(InputError::Cancelled);
+        }
+        host.tokenize(cost(text.len()), &mut || {
+            self.tokenizer.encode_with(text, add_special_tokens)
+        })
     }
 
     /// `params` with the checkpoint's end-of-sequence ids as stop tokens (unless `ignore_eos`).

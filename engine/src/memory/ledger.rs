@@ -17,18 +17,22 @@ pub enum Category {
     EncoderCache,
     /// Transient tensors of a forward pass.
     Activations,
-    /// Host-device staging buffers.
+    /// Host-device staging buffers, and host memory of images being decoded and preprocessed.
     Staging,
+    /// Host memory of requests on their way to the engine: bodies being read, fetched images,
+    /// tokenization (`kvlens serve` counts it within the preprocessing budget).
+    Requests,
 }
 
 impl Category {
     /// Every category, in display order.
-    pub const ALL: [Category; 5] = [
+    pub const ALL: [Category; 6] = [
         Category::Weights,
         Category::KvCache,
         Category::EncoderCache,
         Category::Activations,
         Category::Staging,
+        Category::Requests,
     ];
 
     fn index(self) -> usize {
@@ -38,8 +42,8 @@ impl Category {
 
 #[derive(Debug, Default)]
 struct Counters {
-    current: [AtomicU64; 5],
-    peak: [AtomicU64; 5],
+    current: [AtomicU64; Category::ALL.len()],
+    peak: [AtomicU64; Category::ALL.len()],
 }
 
 /// Shared byte counters per category. Cloning shares the counters.

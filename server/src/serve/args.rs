@@ -44,13 +44,24 @@ pub struct ServeArgs {
     /// Seconds a client has to send a request's body; slower bodies get a 408.
     #[arg(long, default_value_t = 60.0)]
     pub body_timeout: f64,
-    /// Most HTTP connections open at once; past it new connections wait (a log line says so).
+    /// Most HTTP connections open at once; past it each new connection closes the one that has
+    /// waited on its client longest (idle, half-sent headers, a stalled body), and waits only when
+    /// every one is being served (a log line says so).
     #[arg(long, default_value_t = 1024)]
     pub max_connections: usize,
     /// Seconds a client has to send a request's headers, and that an idle keep-alive connection
     /// stays open; slower connections are closed.
     #[arg(long, default_value_t = 15.0)]
     pub header_timeout: f64,
+    /// Most `/v1/memory/stream` subscribers at once; past it the oldest subscriber is closed.
+    #[arg(long, default_value_t = 32)]
+    pub max_stream_subscribers: usize,
+    /// Host names this server answers to besides the machine's own, a JSON list (`["*"]`: any). A
+    /// server on a loopback address answers only `localhost`, `*.localhost` and loopback addresses
+    /// unless listed here (DNS rebinding); one on another address answers any host when the list
+    /// is empty.
+    #[arg(long, value_name = "JSON", default_value = "[]", value_parser = json_list)]
+    pub allowed_hosts: JsonList,
     /// Directory with the built playground, served at / (and /planner) when it exists.
     #[arg(long, default_value = "dist")]
     pub playground_dir: PathBuf,

@@ -63,6 +63,19 @@ impl ApiError {
         )
     }
 
+    /// 415: a body that is not JSON.
+    pub fn unsupported_media_type(given: impl std::fmt::Display) -> Self {
+        Self::new(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            format!("the request body must be sent as Content-Type: application/json, got {given}"),
+        )
+    }
+
+    /// 403: the request comes from a host or page this server does not serve.
+    pub fn forbidden(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::FORBIDDEN, message)
+    }
+
     /// 503: the model is still loading, or the engine has stopped.
     pub fn unavailable(message: impl Into<String>) -> Self {
         Self::new(StatusCode::SERVICE_UNAVAILABLE, message)
@@ -85,11 +98,13 @@ impl ApiError {
         match self.status {
             StatusCode::BAD_REQUEST => "BadRequestError",
             StatusCode::UNAUTHORIZED => "AuthenticationError",
+            StatusCode::FORBIDDEN => "PermissionDeniedError",
             StatusCode::NOT_FOUND => "NotFoundError",
             StatusCode::METHOD_NOT_ALLOWED => "MethodNotAllowed",
             StatusCode::REQUEST_TIMEOUT => "RequestTimeoutError",
             StatusCode::CONFLICT => "ConflictError",
             StatusCode::PAYLOAD_TOO_LARGE => "RequestEntityTooLargeError",
+            StatusCode::UNSUPPORTED_MEDIA_TYPE => "UnsupportedMediaTypeError",
             StatusCode::SERVICE_UNAVAILABLE => "ServiceUnavailableError",
             _ => "InternalServerError",
         }

@@ -6,19 +6,22 @@
 
 use super::engine_loop::{Subscription, Update};
 use super::errors::ApiError;
+use super::listener::Conn;
 use super::media::resolve_remote_images;
 use super::openai::{ChatRequest, CompletionRequest, Job, Kind, Spec};
 use super::output::{Delta, Output, TokenLogprobs};
 use super::{unix_seconds, App, Ready};
-use crate::preprocess::Busy;
-use crate::runtime::Frontend;
-use axum::body::{Body, Bytes};
+use crate::preprocess::{Busy, PreprocessBudget, Reserved};
+use crate::runtime::{Cancel, Frontend};
+use axum::body::Bytes;
 use axum::extract::State;
+use axum::http::{header, HeaderMap};
 use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
 use futures_util::StreamExt;
 use kvlens_engine::engine::Request;
 use kvlens_engine::input::tokenizer::Tokenizer;
+use kvlens_engine::memory::ledger::Category;
 use std::collections::VecDeque;
 use std::convert::Infallible;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -32,23 +35,64 @@ pub const MAX_BODY_BYTES: usize = 64 << 20;
 /// sends its whole body before it reads, sees the 413 rather than a reset connection.
 const DRAIN_BYTES: usize = 1 << 30;
 
-/// Reads a JSON body: 413 over [`MAX_BODY_BYTES`], 408 when it takes longer than `--body-timeout`
-/// (a slow body would otherwise hold its connection for good), 400 when it is not valid JSON of
-/// type `T`.
-pub async fn read_json<T: serde::de::DeserializeOwned>(app: &App, body: Body) -> Result<T, ApiError> {
+/// Whether a request's `Content-Type` is JSON (`application/json`, any parameters).
+pub fn is_json(headers: &HeaderMap) -> bool {
+    headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.split(';').next())
+        .is_some_and(|mime| mime.trim().eq_ignore_ascii_case("application/json"))
+}
+
+/// Reads a JSON body: 415 unless its `Content-Type` is `application/json` (as OpenAI answers; a
+/// web page can send text, form and multipart bodies to any server without a CORS preflight),
+/// 413 over [`MAX_BODY_BYTES`], 408 when it takes longer than `--body-timeout` (a slow body would
+/// otherwise hold its connection for good), 503 when the host-memory budget stays full, 400 when
+/// it is not valid JSON of type `T`. The bytes are reserved in `budget` as they arrive; the
+/// returned reservation keeps the body's size (about what the parsed request holds) until the
+/// caller drops it. While the body is read its connection counts as waiting on its client.
+pub async fn read_json<'a, T: serde::de::DeserializeOwned>(
+    app: &App,
+    budget: &'a PreprocessBudget,
+    request: axum::extract::Request,
+) -> Result<(T, Reserved<'a>), ApiError> {
+    if !is_json(request.headers()) {
+        let given = request.headers().get(header::CONTENT_TYPE);
+        return Err(ApiError::unsupported_media_type(
+            given.map_or("none".into(), |v| String::from_utf8_lossy(v.as_bytes()).into_owned()),
+        ));
+    }
+    let declared = request
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok()?.parse::<usize>().ok());
+    let _waiting = request.extensions().get::<Conn>().map(Conn::waiting_on_client);
+    let mut held = budget.empty(Category::Requests);
     let read = async {
-        let mut stream = body.into_data_stream();
-        let mut buf = Vec::new();
+        let mut stream = request.into_body().into_data_stream();
+        let mut buf: Vec<u8> = Vec::new();
         let mut total = 0usize;
         while let Some(chunk) = stream.next().await {
             let chunk: Bytes =
                 chunk.map_err(|e| ApiError::bad_request(format!("cannot read the request body: {e}")))?;
             total += chunk.len();
-            if total <= MAX_BODY_BYTES {
-                buf.extend_from_slice(&chunk);
-            } else if total > DRAIN_BYTES {
-                break;
+            if total > MAX_BODY_BYTES {
+                if total > DRAIN_BYTES {
+                    break;
+                }
+                continue;
             }
+            if total > buf.capacity() {
+                // Grow as a Vec would, to the declared length at most, with the bytes reserved first.
+                let cap = (buf.capacity() * 2)
+                    .max(total)
+                    .min(declared.unwrap_or(MAX_BODY_BYTES).max(total));
+                held.grow_to(cap as u64)
+                    .await
+                    .map_err(|Busy(why)| ApiError::unavailable(why))?;
+                buf.reserve_exact(cap - buf.len());
+            }
+            buf.extend_from_slice(&chunk);
         }
         if total > MAX_BODY_BYTES {
             return Err(ApiError::too_large(MAX_BODY_BYTES));
@@ -58,7 +102,21 @@ pub async fn read_json<T: serde::de::DeserializeOwned>(app: &App, body: Body) ->
     let buf = tokio::time::timeout(app.body_timeout, read)
         .await
         .map_err(|_| ApiError::request_timeout(app.body_timeout))??;
-    serde_json::from_slice(&buf).map_err(|e| ApiError::bad_request(format!("invalid request body: {e}")))
+    let parsed =
+        serde_json::from_slice(&buf).map_err(|e| ApiError::bad_request(format!("invalid request body: {e}")))?;
+    held.shrink_to(buf.len() as u64);
+    Ok((parsed, held))
+}
+
+/// Cancels its [`Cancel`] when dropped: a handler that holds one stops its request's tokenizing
+/// and preprocessing when its client goes away (the handler's future is dropped).
+#[derive(Debug, Default)]
+pub struct CancelWhenDropped(pub Cancel);
+
+impl Drop for CancelWhenDropped {
+    fn drop(&mut self) {
+        self.0.cancel();
+    }
 }
 
 /// A fresh response id: `prefix-` and 32 hex digits.
@@ -141,23 +199,26 @@ pub fn preprocessing_error(e: anyhow::Error) -> ApiError {
 }
 
 /// `POST /v1/chat/completions`.
-pub async fn chat_completions(State(app): State<Arc<App>>, body: Body) -> Response {
+pub async fn chat_completions(State(app): State<Arc<App>>, request: axum::extract::Request) -> Response {
     let arrival = BeforeEngine::new(&app);
+    let cancel = CancelWhenDropped::default();
     let answer = async {
         let ready = app.accepting()?;
-        let req: ChatRequest = read_json(&app, body).await?;
+        let (req, mut held): (ChatRequest, _) = read_json(&app, &ready.frontend.preprocess_budget, request).await?;
         let spec = req.spec()?;
         let model = model_name(ready, req.common.model.as_deref(), &spec)?;
         let mut messages = req.messages;
-        resolve_remote_images(&mut messages, &app.media).await?;
+        resolve_remote_images(&mut messages, &app.media, &mut held).await?;
         let id = new_id("chatcmpl");
         let frontend = ready.frontend.clone();
-        let (engine_id, params) = (id.clone(), spec.params.clone());
-        let request = tokio::task::spawn_blocking(move || frontend.request(&engine_id, &messages, params, false))
-            .await
-            .map_err(|e| ApiError::internal(format!("preprocessing failed: {e}")))?
-            .map_err(preprocessing_error)?
-            .0;
+        let (engine_id, params, cancel) = (id.clone(), spec.params.clone(), cancel.0.clone());
+        let request =
+            tokio::task::spawn_blocking(move || frontend.request(&engine_id, &messages, params, false, &cancel))
+                .await
+                .map_err(|e| ApiError::internal(format!("preprocessing failed: {e}")))?
+                .map_err(preprocessing_error)?
+                .0;
+        drop(held);
         run(ready, Kind::Chat, id, model, request, spec, &arrival).await
     };
     let response = answer.await.unwrap_or_else(IntoResponse::into_response);
@@ -166,21 +227,24 @@ pub async fn chat_completions(State(app): State<Arc<App>>, body: Body) -> Respon
 }
 
 /// `POST /v1/completions`.
-pub async fn completions(State(app): State<Arc<App>>, body: Body) -> Response {
+pub async fn completions(State(app): State<Arc<App>>, request: axum::extract::Request) -> Response {
     let arrival = BeforeEngine::new(&app);
+    let cancel = CancelWhenDropped::default();
     let answer = async {
         let ready = app.accepting()?;
-        let req: CompletionRequest = read_json(&app, body).await?;
+        let (req, held): (CompletionRequest, _) = read_json(&app, &ready.frontend.preprocess_budget, request).await?;
         let spec = req.spec()?;
         let model = model_name(ready, req.common.model.as_deref(), &spec)?;
         let prompt = req.prompt.into_text()?;
         let id = new_id("cmpl");
         let frontend = ready.frontend.clone();
-        let (engine_id, params) = (id.clone(), spec.params.clone());
-        let request = tokio::task::spawn_blocking(move || frontend.completion_request(&engine_id, &prompt, params))
-            .await
-            .map_err(|e| ApiError::internal(format!("tokenizing failed: {e}")))?
-            .map_err(|e| ApiError::bad_request(format!("{e:#}")))?;
+        let (engine_id, params, cancel) = (id.clone(), spec.params.clone(), cancel.0.clone());
+        let request =
+            tokio::task::spawn_blocking(move || frontend.completion_request(&engine_id, &prompt, params, &cancel))
+                .await
+                .map_err(|e| ApiError::internal(format!("tokenizing failed: {e}")))?
+                .map_err(preprocessing_error)?;
+        drop(held);
         run(ready, Kind::Completion, id, model, request, spec, &arrival).await
     };
     let response = answer.await.unwrap_or_else(IntoResponse::into_response);

@@ -1,15 +1,18 @@
-//! Remote images. An `http://` or `https://` image URL whose host is in `--allowed-media-domains` is
+//! Remote images. An `http://` or `https://` image URL whose host and port are in
+//! `--allowed-media-domains` (`host` allows the scheme's default port, `host:port` that port) is
 //! fetched (at most [`MAX_MEDIA_BYTES`], within [`FETCH_TIMEOUT`] for the whole fetch, redirects
-//! included) and handed to preprocessing as a data URL; every other remote URL is refused with the
-//! reason. https runs on rustls (ring) and trusts Mozilla's root certificates (webpki-roots) plus
+//! included, its bytes reserved in the host-memory budget as they arrive) and handed to
+//! preprocessing as a data URL; every other remote URL is refused with the reason. An answer that is
+//! not an image is refused without quoting it. https runs on rustls (ring) and trusts Mozilla's root certificates (webpki-roots) plus
 //! those of `--media-ca-file`. Up to [`MAX_REDIRECTS`] redirects are followed, each target checked
 //! against the allowed domains as the first URL was.
 
 use super::errors::ApiError;
+use crate::preprocess::{Busy, Reserved};
 use crate::UsageError;
 use anyhow::Result;
 use base64::Engine as _;
-use http_body_util::{BodyExt, Empty, Limited};
+use http_body_util::{BodyExt, Empty};
 use hyper::body::Bytes;
 use hyper_rustls::HttpsConnector;
 use hyper_util::client::legacy::connect::HttpConnector;
@@ -34,8 +37,8 @@ pub const MAX_REDIRECTS: usize = 3;
 /// Fetches the image URLs that `--allowed-media-domains` allows.
 #[derive(Debug)]
 pub struct MediaFetcher {
-    /// The allowed hosts.
-    allowed: Vec<String>,
+    /// The allowed hosts and ports.
+    allowed: Vec<Origin>,
     /// One client for both schemes, its connections pooled.
     client: Client<HttpsConnector<HttpConnector>, Empty<Bytes>>,
 }
@@ -44,6 +47,17 @@ impl MediaFetcher {
     /// A fetcher for the `allowed` hosts that trusts Mozilla's roots and the certificates in the
     /// PEM file `ca_file` (`--media-ca-file`).
     pub fn new(allowed: Vec<String>, ca_file: Option<&Path>) -> Result<Self> {
+        let allowed = allowed
+            .iter()
+            .map(|entry| {
+                Origin::parse_entry(entry).ok_or_else(|| {
+                    UsageError(format!(
+                        "--allowed-media-domains {entry}: give a host or host:port (such as example.com or \
+                         127.0.0.1:8080), not a URL"
+                    ))
+                })
+            })
+            .collect::<Result<Vec<_>, _>>()?;
         let mut roots = rustls::RootCertStore::from_iter(webpki_roots::TLS_SERVER_ROOTS.iter().cloned());
         if let Some(path) = ca_file {
             let bad = |why: String| UsageError(format!("--media-ca-file {}: {why}", path.display()));
@@ -74,29 +88,32 @@ impl MediaFetcher {
 
     /// Whether `url` may be fetched; the refusal says why.
     fn check(&self, url: &str) -> Result<(), ApiError> {
-        let host = host_of(url);
+        let origin = Origin::of_url(url);
         if self.allowed.is_empty() {
             return Err(ApiError::bad_request(format!(
-                "fetching remote images is off ({url}): send the image as a base64 data URL, or start the server with --allowed-media-domains {host}"
+                "fetching remote images is off ({url}): send the image as a base64 data URL, or start the server with --allowed-media-domains {}",
+                origin.entry()
             )));
         }
-        if !self.allowed.iter().any(|d| d.eq_ignore_ascii_case(&host)) {
+        if !self.allowed.iter().any(|a| a.allows(&origin)) {
             return Err(ApiError::bad_request(format!(
-                "the domain of {url} is not in --allowed-media-domains"
+                "the host and port of {url} ({}) are not in --allowed-media-domains",
+                origin.entry()
             )));
         }
         Ok(())
     }
 
-    /// GETs one allowed URL, following redirects to allowed URLs: the body of the 200 answer.
-    async fn fetch(&self, first: &str) -> Result<Bytes, ApiError> {
+    /// GETs one allowed URL, following redirects to allowed URLs: the body of the 200 answer, its
+    /// bytes reserved in `held` (grown from `base`) as they arrive.
+    async fn fetch(&self, first: &str, held: &mut Reserved<'_>, base: u64) -> Result<Vec<u8>, ApiError> {
         let get = async {
             let mut url = first.to_string();
             let mut redirects = 0;
             loop {
                 let failed = |why: String| ApiError::bad_request(format!("cannot fetch the image {url}: {why}"));
                 let uri: hyper::Uri = url.parse().map_err(|e| failed(format!("{e}")))?;
-                let resp = self.client.get(uri).await.map_err(|e| failed(causes(&e)))?;
+                let resp = self.client.get(uri).await.map_err(|e| failed(with_hint(causes(&e))))?;
                 let status = resp.status();
                 if status.is_redirection() {
                     let Some(to) = resp.headers().get(hyper::header::LOCATION) else {
@@ -126,11 +143,32 @@ impl MediaFetcher {
                 if status != hyper::StatusCode::OK {
                     return Err(failed(format!("the server answered {status}")));
                 }
-                return Limited::new(resp.into_body(), MAX_MEDIA_BYTES)
-                    .collect()
-                    .await
-                    .map(|b| b.to_bytes())
-                    .map_err(|e| failed(format!("{e} (at most {MAX_MEDIA_BYTES} bytes)")));
+                let mut body = resp.into_body();
+                let mut bytes = Vec::new();
+                while let Some(frame) = body.frame().await {
+                    let frame = frame.map_err(|e| failed(causes(&e)))?;
+                    let Some(data) = frame.data_ref() else { continue };
+                    if bytes.len() + data.len() > MAX_MEDIA_BYTES {
+                        return Err(failed(format!("the image is larger than {MAX_MEDIA_BYTES} bytes")));
+                    }
+                    if bytes.len() + data.len() > bytes.capacity() {
+                        let cap = (bytes.capacity() * 2)
+                            .max(bytes.len() + data.len())
+                            .min(MAX_MEDIA_BYTES);
+                        held.grow_to(base + cap as u64)
+                            .await
+                            .map_err(|Busy(why)| ApiError::unavailable(why))?;
+                        bytes.reserve_exact(cap - bytes.len());
+                    }
+                    bytes.extend_from_slice(data);
+                }
+                if image::guess_format(&bytes).is_err() {
+                    return Err(failed(format!(
+                        "the answer ({} bytes) is not a PNG, JPEG, WebP, GIF, BMP or TIFF image",
+                        bytes.len()
+                    )));
+                }
+                return Ok(bytes);
             }
         };
         tokio::time::timeout(FETCH_TIMEOUT, get).await.map_err(|_| {
@@ -161,16 +199,89 @@ fn is_remote(url: &str) -> bool {
         .any(|p| url.get(..p.len()).is_some_and(|s| s.eq_ignore_ascii_case(p)))
 }
 
-/// The host of an `http(s)://[user@]host[:port]/…` URL, lower-cased.
-fn host_of(url: &str) -> String {
-    let rest = url.split_once("://").map_or("", |(_, rest)| rest);
-    let authority = rest.split(['/', '?', '#']).next().unwrap_or("");
-    let host = authority.rsplit('@').next().unwrap_or(authority);
-    // An IPv6 literal keeps its brackets' content: `[::1]:8080` → `::1`.
-    if let Some(v6) = host.strip_prefix('[') {
-        return v6.split(']').next().unwrap_or(v6).to_ascii_lowercase();
+/// A host and port that image URLs are fetched from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Origin {
+    /// Lower-cased; an IPv6 literal without its brackets.
+    host: String,
+    port: u16,
+}
+
+impl Origin {
+    /// The host and port of an `http(s)://[user@]host[:port]/…` URL (the scheme's default port
+    /// when none is written; 0 for a port that is not a number).
+    fn of_url(url: &str) -> Self {
+        let (scheme, rest) = url.split_once("://").unwrap_or(("", ""));
+        let default = if scheme.eq_ignore_ascii_case("https") { 443 } else { 80 };
+        let authority = rest.split(['/', '?', '#']).next().unwrap_or("");
+        let host_port = authority.rsplit('@').next().unwrap_or(authority);
+        Self::split(host_port, default).unwrap_or(Origin {
+            host: host_port.to_ascii_lowercase(),
+            port: 0,
+        })
     }
-    host.split(':').next().unwrap_or(host).to_ascii_lowercase()
+
+    /// `host`, `host:port`, `[v6]` or `[v6]:port`; `default` when no port is written.
+    fn split(text: &str, default: u16) -> Option<Self> {
+        let (host, port) = if let Some(v6) = text.strip_prefix('[') {
+            let (host, after) = v6.split_once(']')?;
+            (host, after.strip_prefix(':'))
+        } else {
+            match text.split_once(':') {
+                Some((host, port)) => (host, Some(port)),
+                None => (text, None),
+            }
+        };
+        let port = match port {
+            Some(p) => p.parse().ok().filter(|&p| p > 0)?,
+            None => default,
+        };
+        Some(Origin {
+            host: host.to_ascii_lowercase(),
+            port,
+        })
+    }
+
+    /// An `--allowed-media-domains` entry: a host (ports 80 and 443 through the scheme's default)
+    /// or `host:port`; `None` for a URL or anything with a path.
+    fn parse_entry(entry: &str) -> Option<Self> {
+        let valid = |c: char| c.is_ascii_alphanumeric() || "-.:[]_".contains(c);
+        if entry.is_empty() || !entry.chars().all(valid) {
+            return None;
+        }
+        let origin = Self::split(entry, 0)?;
+        (!origin.host.is_empty()).then_some(origin)
+    }
+
+    /// Whether this entry allows a URL's origin: the same host and port, or for an entry without a
+    /// port (0) the same host on a scheme's default port.
+    fn allows(&self, url: &Origin) -> bool {
+        self.host == url.host && (self.port == url.port || (self.port == 0 && matches!(url.port, 80 | 443)))
+    }
+
+    /// How `--allowed-media-domains` spells it.
+    fn entry(&self) -> String {
+        let host = if self.host.contains(':') {
+            format!("[{}]", self.host)
+        } else {
+            self.host.clone()
+        };
+        format!("{host}:{}", self.port)
+    }
+}
+
+/// `text` with a hint when rustls refused a CA certificate as the server's own (`openssl req
+/// -x509` writes `CA:TRUE` by default).
+fn with_hint(text: String) -> String {
+    if text.contains("CaUsedAsEndEntity") {
+        format!(
+            "{text} (the server presents a CA certificate as its own: give it a certificate with \
+             basicConstraints CA:FALSE, e.g. `openssl req -x509 ... -addext basicConstraints=critical,CA:FALSE`, \
+             or one issued by the CA in --media-ca-file)"
+        )
+    } else {
+        text
+    }
 }
 
 /// A redirect's `Location` made absolute against the URL that answered it.
@@ -202,19 +313,33 @@ fn resolve(base: &str, location: &str) -> String {
 }
 
 /// Replaces every allowed `http(s)://` image URL in `messages` by a data URL of its bytes; refuses
-/// the other remote URLs. Data URLs and paths are left for preprocessing to judge.
-pub async fn resolve_remote_images(messages: &mut [ChatMessage], media: &MediaFetcher) -> Result<(), ApiError> {
+/// the other remote URLs. Data URLs and paths are left for preprocessing to judge. `held` (the
+/// request's reservation in the host-memory budget) grows by each fetched image as it arrives,
+/// then keeps its data URL.
+pub async fn resolve_remote_images(
+    messages: &mut [ChatMessage],
+    media: &MediaFetcher,
+    held: &mut Reserved<'_>,
+) -> Result<(), ApiError> {
     for url in messages.iter_mut().flat_map(ChatMessage::image_urls_mut) {
         let trimmed = url.trim();
         if !is_remote(trimmed) {
             continue;
         }
         media.check(trimmed)?;
-        let bytes = media.fetch(trimmed).await?;
-        *url = format!(
-            "data:application/octet-stream;base64,{}",
-            base64::engine::general_purpose::STANDARD.encode(&bytes)
-        );
+        let base = held.bytes();
+        let bytes = media.fetch(trimmed, held, base).await?;
+        const PREFIX: &str = "data:application/octet-stream;base64,";
+        let encoded_len = PREFIX.len() + bytes.len().div_ceil(3) * 4;
+        held.grow_to(held.bytes() + encoded_len as u64)
+            .await
+            .map_err(|Busy(why)| ApiError::unavailable(why))?;
+        let mut data_url = String::with_capacity(encoded_len);
+        data_url.push_str(PREFIX);
+        base64::engine::general_purpose::STANDARD.encode_string(&bytes, &mut data_url);
+        drop(bytes);
+        *url = data_url;
+        held.shrink_to(base + encoded_len as u64);
     }
     Ok(())
 }
@@ -226,15 +351,34 @@ mod tests {
     #[test]
     fn remote_urls_need_an_allowed_host() {
         let fetcher = |allowed: &[&str]| MediaFetcher::new(allowed.iter().map(|d| d.to_string()).collect(), None);
-        assert_eq!(host_of("http://user@Example.COM:8080/a.png?x"), "example.com");
-        assert_eq!(host_of("http://[::1]:8080/a.png"), "::1");
+        let origin = |host: &str, port| Origin {
+            host: host.into(),
+            port,
+        };
+        assert_eq!(
+            Origin::of_url("http://user@Example.COM:8080/a.png?x"),
+            origin("example.com", 8080)
+        );
+        assert_eq!(Origin::of_url("https://[::1]/a.png"), origin("::1", 443));
+        assert_eq!(Origin::of_url("http://a.org/a.png").entry(), "a.org:80");
         let e = fetcher(&[]).unwrap().check("http://example.com/a.png").unwrap_err();
-        assert!(e.message.contains("--allowed-media-domains example.com"), "{e}");
-        let allowed = fetcher(&["example.com"]).unwrap();
+        assert!(e.message.contains("--allowed-media-domains example.com:80"), "{e}");
+        let allowed = fetcher(&["example.com", "127.0.0.1:8080", "[::1]:9000"]).unwrap();
         let e = allowed.check("https://user@evil.org:8443/a.png").unwrap_err();
         assert!(e.message.contains("not in --allowed-media-domains"), "{e}");
         assert!(allowed.check("https://example.com/a.png").is_ok());
-        assert!(allowed.check("http://example.com:81/a.png").is_ok());
+        assert!(allowed.check("http://Example.com:80/a.png").is_ok());
+        // Per port: another port of an allowed host is another service.
+        assert!(allowed.check("http://example.com:81/a.png").is_err());
+        assert!(allowed.check("http://127.0.0.1:8080/a.png").is_ok());
+        assert!(allowed.check("http://127.0.0.1:8081/a.png").is_err());
+        assert!(allowed.check("http://127.0.0.1/a.png").is_err());
+        assert!(allowed.check("http://[::1]:9000/a.png").is_ok());
+        // Entries that can never match are refused at start-up.
+        for bad in ["http://x/y", "x/y", "", "x:0", "x:99999", "[::1"] {
+            let e = fetcher(&[bad]).unwrap_err().to_string();
+            assert!(e.contains("give a host or host:port"), "{bad}: {e}");
+        }
     }
 
     #[test]

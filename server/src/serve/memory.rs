@@ -2,8 +2,9 @@
 //! published snapshots as Server-Sent Events), the three resets and `/server_info`.
 
 use super::errors::{json_response, ApiError};
+use super::listener::Conn;
 use super::App;
-use axum::extract::State;
+use axum::extract::{Extension, State};
 use axum::http::StatusCode;
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
@@ -24,17 +25,19 @@ pub async fn memory(State(app): State<Arc<App>>) -> Response {
     answer(snapshot.await)
 }
 
-/// `GET /v1/memory/stream`: the latest snapshot at once, then each one the engine publishes.
-pub async fn memory_stream(State(app): State<Arc<App>>) -> Response {
+/// `GET /v1/memory/stream`: the latest snapshot at once, then each one the engine publishes. Past
+/// `--max-stream-subscribers` the oldest subscriber's connection is closed.
+pub async fn memory_stream(State(app): State<Arc<App>>, conn: Option<Extension<Conn>>) -> Response {
     let mut rx = match app.ready() {
         Ok(ready) => ready.occupancy.clone(),
         Err(e) => return e.into_response(),
     };
     rx.mark_changed();
-    let events = futures_util::stream::unfold(rx, |mut rx| async move {
+    let subscription = conn.map(|Extension(conn)| app.subscribers.join(conn));
+    let events = futures_util::stream::unfold((rx, subscription), |(mut rx, subscription)| async move {
         rx.changed().await.ok()?;
         let data = serde_json::to_string(&**rx.borrow_and_update()).unwrap_or_default();
-        Some((Ok::<_, Infallible>(Event::default().data(data)), rx))
+        Some((Ok::<_, Infallible>(Event::default().data(data)), (rx, subscription)))
     });
     Sse::new(events).keep_alive(KeepAlive::default()).into_response()
 }

@@ -15,6 +15,8 @@ mod memory;
 mod metrics;
 mod openai;
 mod output;
+mod site;
+mod subscribers;
 mod tokenize;
 
 pub use args::{strip_ignored_vllm_flags, ServeArgs};
@@ -33,13 +35,15 @@ use axum::Router;
 use engine_loop::{EngineHandle, EngineLoop};
 use errors::{json_response, ApiError};
 use kvlens_engine::occupancy::Occupancy;
-use listener::ConnectionLimits;
+use listener::{Admission, ConnectionLimits};
 use metrics::{Gauges, Metrics};
 use serde_json::json;
+use site::SiteRules;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use subscribers::Subscribers;
 use tokio::sync::{oneshot, watch};
 use tower_http::services::{ServeDir, ServeFile};
 
@@ -68,6 +72,10 @@ pub struct App {
     before_engine: AtomicUsize,
     /// `--body-timeout`.
     body_timeout: Duration,
+    /// The memory stream's subscribers (`--max-stream-subscribers`).
+    subscribers: Arc<Subscribers>,
+    /// The `Host` check (`--allowed-hosts`).
+    site: SiteRules,
 }
 
 /// The running engine as the handlers see it.
@@ -107,6 +115,33 @@ impl App {
             return Err(ApiError::unavailable("the server is shutting down"));
         }
         self.ready()
+    }
+}
+
+/// Raises the soft limit of open files to the hard limit (as vLLM does), so that
+/// `--max-connections` connections plus the server's own files fit; warns when they cannot.
+#[allow(unsafe_code)]
+fn raise_open_file_limit(max_connections: usize) {
+    #[cfg(unix)]
+    {
+        let mut limit = libc::rlimit {
+            rlim_cur: 0,
+            rlim_max: 0,
+        };
+        // SAFETY: getrlimit and setrlimit only read and write the struct passed to them.
+        let raised = unsafe {
+            libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) == 0 && {
+                limit.rlim_cur = limit.rlim_max;
+                libc::setrlimit(libc::RLIMIT_NOFILE, &limit) == 0
+            }
+        };
+        let room = usize::try_from(limit.rlim_cur).unwrap_or(usize::MAX);
+        if !raised || room < max_connections.saturating_add(64) {
+            tracing::warn!(
+                "at most {room} open files (ulimit -n): fewer than --max-connections {max_connections} plus the \
+                 server's own; raise the limit or lower --max-connections"
+            );
+        }
     }
 }
 
@@ -163,6 +198,10 @@ async fn serve(args: &ServeArgs, engine_args: EngineArgs) -> Result<()> {
     };
     let shutdown_timeout = seconds("--shutdown-timeout", args.shutdown_timeout, true)?;
     let body_timeout = seconds("--body-timeout", args.body_timeout, false)?;
+    if args.max_stream_subscribers == 0 {
+        return Err(UsageError("--max-stream-subscribers must be at least 1".into()).into());
+    }
+    raise_open_file_limit(args.max_connections);
     let app = Arc::new(App {
         ready: OnceLock::new(),
         api_key: args.api_key.clone(),
@@ -170,12 +209,15 @@ async fn serve(args: &ServeArgs, engine_args: EngineArgs) -> Result<()> {
         draining: AtomicBool::new(false),
         before_engine: AtomicUsize::new(0),
         body_timeout,
+        subscribers: Arc::new(Subscribers::new(args.max_stream_subscribers)),
+        site: SiteRules::new(local.ip().is_loopback(), &args.allowed_hosts.0),
     });
     let (stop_server, stopped) = oneshot::channel::<()>();
     let server = tokio::spawn(listener::serve(
         listener,
         router(app.clone(), &args.playground_dir).layer(cors),
         limits,
+        Arc::new(Admission::default()),
         async {
             let _ = stopped.await;
         },
@@ -358,6 +400,7 @@ fn router(app: Arc<App>, playground: &Path) -> Router {
     routes
         .method_not_allowed_fallback(method_not_allowed)
         .layer(middleware::from_fn_with_state(app.clone(), auth))
+        .layer(middleware::from_fn_with_state(app.clone(), site_checks))
         .with_state(app)
 }
 
@@ -389,6 +432,28 @@ async fn auth(State(app): State<Arc<App>>, req: axum::extract::Request, next: Ne
                 return ApiError::unauthorized().into_response();
             }
         }
+    }
+    next.run(req).await
+}
+
+/// 403 for a `Host` this server does not answer to and for a cross-origin POST a browser sent
+/// without a preflight ([`site`]).
+async fn site_checks(State(app): State<Arc<App>>, req: axum::extract::Request, next: Next) -> Response {
+    let host = req.headers().get(header::HOST).and_then(|v| v.to_str().ok());
+    if !app.site.host_allowed(host) {
+        return ApiError::forbidden(format!(
+            "this server does not answer to the host {:?}: it listens on a loopback address (a page whose domain \
+             points at this machine must not reach it); add the name to --allowed-hosts to allow it",
+            host.unwrap_or_default()
+        ))
+        .into_response();
+    }
+    if site::unasked_cross_site_post(req.method(), req.headers()) {
+        return ApiError::forbidden(
+            "a POST from another origin must be sent as Content-Type: application/json, so that the browser \
+             asks first under --allowed-origins",
+        )
+        .into_response();
     }
     next.run(req).await
 }

@@ -7,12 +7,11 @@
 //! cache nor reaches the engine.
 
 use super::errors::{json_response, ApiError};
-use super::generate::{preprocessing_error, read_json, served_model};
+use super::generate::{preprocessing_error, read_json, served_model, CancelWhenDropped};
 use super::media::resolve_remote_images;
 use super::App;
 use crate::runtime::PromptOptions;
-use axum::body::Body;
-use axum::extract::State;
+use axum::extract::{Request, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use kvlens_engine::input::chat::{ChatMessage, RenderOptions};
@@ -56,10 +55,11 @@ struct DetokenizeRequest {
 }
 
 /// `POST /tokenize`: `{count, max_model_len, tokens, token_strs}`.
-pub async fn tokenize(State(app): State<Arc<App>>, body: Body) -> Response {
+pub async fn tokenize(State(app): State<Arc<App>>, request: Request) -> Response {
+    let cancel = CancelWhenDropped::default();
     let answer = async {
         let ready = app.ready()?;
-        let req: TokenizeRequest = read_json(&app, body).await?;
+        let (req, mut held): (TokenizeRequest, _) = read_json(&app, &ready.frontend.preprocess_budget, request).await?;
         served_model(ready, req.model.as_deref())?;
         for (field, given) in [
             ("tools", &req.tools),
@@ -73,13 +73,14 @@ pub async fn tokenize(State(app): State<Arc<App>>, body: Body) -> Response {
             }
         }
         let frontend = ready.frontend.clone();
+        let cancel = cancel.0.clone();
         let tokens = match (req.prompt, req.messages) {
             (Some(prompt), None) => {
                 let special = req.add_special_tokens.unwrap_or(true);
-                tokio::task::spawn_blocking(move || frontend.encode_if_it_can_fit(&prompt, special))
+                tokio::task::spawn_blocking(move || frontend.encode_if_it_can_fit(&prompt, special, &cancel))
                     .await
                     .map_err(|e| ApiError::internal(format!("tokenizing failed: {e}")))?
-                    .map_err(|e| ApiError::bad_request(format!("{e:#}")))?
+                    .map_err(preprocessing_error)?
             }
             (None, Some(mut messages)) => {
                 let options = PromptOptions {
@@ -92,8 +93,8 @@ pub async fn tokenize(State(app): State<Arc<App>>, body: Body) -> Response {
                     allow_files: false,
                     skip_processor_cache: true,
                 };
-                resolve_remote_images(&mut messages, &app.media).await?;
-                tokio::task::spawn_blocking(move || frontend.prompt(&messages, options))
+                resolve_remote_images(&mut messages, &app.media, &mut held).await?;
+                tokio::task::spawn_blocking(move || frontend.prompt(&messages, options, &cancel))
                     .await
                     .map_err(|e| ApiError::internal(format!("preprocessing failed: {e}")))?
                     .map_err(preprocessing_error)?
@@ -105,6 +106,7 @@ pub async fn tokenize(State(app): State<Arc<App>>, body: Body) -> Response {
                 ))
             }
         };
+        drop(held);
         let tokenizer = &ready.frontend.tokenizer;
         let token_strs = req.return_token_strs.unwrap_or(false).then(|| {
             tokens
@@ -126,10 +128,10 @@ pub async fn tokenize(State(app): State<Arc<App>>, body: Body) -> Response {
 }
 
 /// `POST /detokenize`: `{prompt}`, special tokens included (vLLM decodes them too).
-pub async fn detokenize(State(app): State<Arc<App>>, body: Body) -> Response {
+pub async fn detokenize(State(app): State<Arc<App>>, request: Request) -> Response {
     let answer = async {
         let ready = app.ready()?;
-        let req: DetokenizeRequest = read_json(&app, body).await?;
+        let (req, _held): (DetokenizeRequest, _) = read_json(&app, &ready.frontend.preprocess_budget, request).await?;
         served_model(ready, req.model.as_deref())?;
         let vocab = ready.frontend.tokenizer.vocab_size();
         if let Some(bad) = req.tokens.iter().find(|&&id| id as usize >= vocab) {
