@@ -104,6 +104,11 @@ fn segments(o: &Occupancy, budget: Option<&Budget>) -> (Vec<Segment>, u64) {
             bytes: bytes(Category::Staging),
             colour: "#868e96",
         },
+        Segment {
+            label: "requests (host)",
+            bytes: bytes(Category::Requests),
+            colour: "#495057",
+        },
     ];
     let used: u64 = s.iter().map(|x| x.bytes).sum();
     let total = budget.map_or(used, |b| b.requested_bytes.max(used));
@@ -113,6 +118,25 @@ fn segments(o: &Occupancy, budget: Option<&Budget>) -> (Vec<Segment>, u64) {
         colour: "#f1f3f5",
     });
     (s, total)
+}
+
+/// The ledger counts what the engine has set aside (the whole KV cache from start-up, the peak of
+/// a step's activations, which are freed between steps); the operating system counts the pages the
+/// process has touched. Both, named, where the process figure is known (a server; not a tab).
+fn resident_line(reserved: u64, resident: Option<u64>) -> String {
+    match resident {
+        Some(r) => format!(
+            "reserved (ledger): {} · resident (OS): {}: KV blocks count in the ledger from start-up, in \
+             resident memory once written; activations are freed between steps, so the ledger shows their peak",
+            size(reserved),
+            size(r)
+        ),
+        None => format!(
+            "reserved (ledger): {}: KV blocks count from start-up; activations are freed between steps, so \
+             the ledger shows their peak",
+            size(reserved)
+        ),
+    }
 }
 
 /// One cell of the KV grid.
@@ -339,6 +363,7 @@ pub fn MemoryView(
             <h3>"Device memory"</h3>
             <div class="bar ledger" data-testid="ledger-bar" title="against the start-up budget">{bar}</div>
             <p class="muted">{format!("allocated: {} (zoomed)", size(held_total))}</p>
+            <p class="muted" data-testid="reserved-vs-resident">{resident_line(held_total, o.process.resident_bytes)}</p>
             <div class="bar ledger zoom">{zoom}</div>
             <ul class="legend">{legend}</ul>
             <p class="muted">{budget.map(|b| format!(

@@ -87,6 +87,9 @@ pub enum FinishReason {
     Length,
     /// Aborted by the caller.
     Abort,
+    /// The request failed (its engine step failed, or its tokens could not be detokenized), as
+    /// vLLM's `error`.
+    Error,
 }
 
 impl FinishReason {
@@ -96,6 +99,7 @@ impl FinishReason {
             FinishReason::Stop => "stop",
             FinishReason::Length => "length",
             FinishReason::Abort => "abort",
+            FinishReason::Error => "error",
         }
     }
 }
@@ -120,7 +124,8 @@ pub struct TokenEvent {
 pub struct EngineCounters {
     /// Images that went through the vision tower.
     pub vision_runs: u64,
-    /// Encoder-cache hits (an image's output was reused).
+    /// Encoder-cache hits (an image's output was reused), including images whose start the
+    /// prefix cache held and whose rest the decoder computed from the cached output.
     pub encoder_hits: u64,
     /// Images whose placeholders the prefix cache already held when their request was admitted:
     /// neither the vision tower nor the encoder cache was needed.
@@ -572,8 +577,9 @@ impl Engine {
             for i in seq.images_in(s.start, s.end()) {
                 let img = &seq.data.images[i];
                 if !s.encode.contains(&i) {
-                    // Once per use: in the step that reaches the image's first placeholder.
-                    if img.offset >= s.start {
+                    // Once per use: in the step that reaches the image's first placeholder, or in
+                    // the admitting step when the prefix cache held the image's start.
+                    if img.offset >= s.start || s.num_cached > 0 {
                         self.counters.encoder_hits += 1;
                     }
                     continue;

@@ -298,6 +298,31 @@ fn uploads_per_step_do_not_grow_with_the_layers() {
     );
 }
 
+/// An image whose first placeholders the prefix cache holds (the hit ends inside it) and whose
+/// output the encoder cache still has is counted once, as an encoder hit; before, it was counted
+/// in no counter.
+#[test]
+fn an_image_whose_start_the_prefix_cache_holds_is_counted_once() {
+    let _serial = serial();
+    let cfg = tiny_config();
+    let mut e = engine(16, 4);
+    // Same id length and first letter: the same prompt, its image at tokens 6..10.
+    e.add_request(request(&cfg, "p1", 12, Some((6, "img-p")), 1)).unwrap();
+    drain(&mut e);
+    let before = e.snapshot().counters;
+    e.add_request(request(&cfg, "p2", 12, Some((6, "img-p")), 1)).unwrap();
+    drain(&mut e);
+    let after = e.snapshot().counters;
+    assert_eq!(
+        after.prompt_tokens_cached - before.prompt_tokens_cached,
+        8,
+        "two blocks of 4: the hit ends inside the image"
+    );
+    assert_eq!(after.vision_runs, before.vision_runs, "{after:?}");
+    assert_eq!(after.encoder_hits - before.encoder_hits, 1, "{after:?}");
+    assert_eq!(after.prefix_cached_images, before.prefix_cached_images, "{after:?}");
+}
+
 #[test]
 fn aborting_a_waiting_request_leaves_no_encoder_reference() {
     let _serial = serial();

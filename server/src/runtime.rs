@@ -133,6 +133,10 @@ impl InputHost for ServerHost<'_> {
 fn input_error(e: InputError) -> anyhow::Error {
     match e {
         InputError::Busy(why) => Busy(why).into(),
+        InputError::Cancelled => {
+            tracing::info!("Stopped tokenizing and preprocessing a request: its client went away");
+            usage(e.to_string())
+        }
         e => usage(e.to_string()),
     }
 }

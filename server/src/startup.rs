@@ -19,6 +19,9 @@ use kvlens_engine::profile::ProfileResult;
 use std::path::PathBuf;
 use std::time::Instant;
 
+/// Largest `--preprocess-memory-gib`.
+const MAX_PREPROCESS_GIB: f64 = 1024.0;
+
 /// The engine flags of `kvlens serve`, spelled as `vllm serve` spells them.
 #[derive(Debug, Clone, clap::Args, serde::Serialize)]
 pub struct EngineArgs {
@@ -44,8 +47,9 @@ pub struct EngineArgs {
     /// a value over 1 only sets the default --long-prefill-token-threshold as vLLM does.
     #[arg(long, default_value_t = 1)]
     pub max_num_partial_prefills: usize,
-    /// Host memory, in GiB, that images being decoded and preprocessed may hold at once; more
-    /// images wait (then get a 503) [default: 1, raised to fit the largest allowed image].
+    /// Host memory, in GiB, that requests on their way to the engine may hold at once (bodies,
+    /// fetched images, tokenization, images being decoded and preprocessed); past it they wait
+    /// (then get a 503) [default: 1, raised to fit the largest allowed image; at most 1024].
     #[arg(long)]
     pub preprocess_memory_gib: Option<f64>,
     /// Reuse KV blocks across requests (on by default).
@@ -214,13 +218,19 @@ pub fn start(a: &EngineArgs) -> Result<Started> {
         .map_err(|e| usage(e.to_string()))?;
     frontend.limit_images = limits.image;
     let preprocess_bytes = match a.preprocess_memory_gib {
-        Some(g) if g > 0.0 && g.is_finite() => gib_to_bytes(g),
-        Some(g) => return Err(usage(format!("--preprocess-memory-gib must be positive, got {g}"))),
+        Some(g) if g > 0.0 && g <= MAX_PREPROCESS_GIB => gib_to_bytes(g),
+        Some(g) => {
+            return Err(usage(format!(
+                "--preprocess-memory-gib must be more than 0 and at most {MAX_PREPROCESS_GIB} GiB (a budget larger \
+                 than any host's memory bounds nothing), got {g}"
+            )))
+        }
         None => crate::runtime::DEFAULT_PREPROCESS_BYTES,
     };
     frontend.set_preprocess_budget(preprocess_bytes);
     tracing::info!(
-        "Image preprocessing may hold {:.2} GiB of host memory at once (--preprocess-memory-gib)",
+        "The request path (bodies, fetched images, tokenization, image preprocessing) may hold {:.2} GiB of host \
+         memory at once (--preprocess-memory-gib)",
         frontend.preprocess_budget.capacity() as f64 / GIB
     );
     let mut req = PlanRequest::new(served_model_names[0].clone(), runner.config().clone(), device);

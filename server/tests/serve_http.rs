@@ -445,7 +445,9 @@ fn memory_stream(server: &Server) {
     );
     let v: Value = serde_json::from_str(data).unwrap();
     assert!(v["kv"]["num_blocks"].as_u64().unwrap() > 1);
-    assert!(v["ledger"].as_array().is_some_and(|l| l.len() == 5));
+    assert!(v["ledger"]
+        .as_array()
+        .is_some_and(|l| l.len() == kvlens_engine::memory::ledger::Category::ALL.len()));
     assert!(v["processor_cache"].is_object() && v["encoder_cache"].is_object());
 }
 
@@ -614,7 +616,8 @@ fn images_are_resized_down_to_the_profiled_maximum() {
 }
 
 /// Answers one HTTP/1.1 request on `stream`: the PNG at `/c.png`, a redirect to it at `/moved`, a
-/// redirect to a host that is not allowed at `/away`, 404 elsewhere.
+/// redirect to a host that is not allowed at `/away`, text that is not an image at `/secret`, 404
+/// elsewhere.
 fn answer_image_request(stream: &mut (impl Read + Write), png: &[u8]) {
     let mut head = Vec::new();
     let mut byte = [0u8; 1];
@@ -629,6 +632,7 @@ fn answer_image_request(stream: &mut (impl Read + Write), png: &[u8]) {
         "/c.png" => ("200 OK", "", png),
         "/moved" => ("302 Found", "Location: /c.png\r\n", &b""[..]),
         "/away" => ("302 Found", "Location: http://example.com/c.png\r\n", &b""[..]),
+        "/secret" => ("200 OK", "", &b"SECRETS: an internal service's answer"[..]),
         _ => ("404 Not Found", "", &b""[..]),
     };
     let head = format!(
@@ -645,9 +649,11 @@ fn answer_image_request(stream: &mut (impl Read + Write), png: &[u8]) {
 fn image_host(png: Vec<u8>) -> u16 {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let port = listener.local_addr().unwrap().port();
+    let png = Arc::new(png);
     std::thread::spawn(move || {
         for mut stream in listener.incoming().map_while(Result::ok) {
-            answer_image_request(&mut stream, &png);
+            let png = png.clone();
+            std::thread::spawn(move || answer_image_request(&mut stream, &png));
         }
     });
     port
@@ -692,8 +698,10 @@ fn tls_image_host(png: Vec<u8>, cert: &rcgen::CertifiedKey<rcgen::KeyPair>) -> u
 #[test]
 fn http_images_from_allowed_domains_are_fetched() {
     let png = std::fs::read(fixture("golden/images/c_150x150.png")).unwrap();
+    let other_port = image_host(png.clone());
     let port = image_host(png);
-    let server = serve(&["--allowed-media-domains", "127.0.0.1"]);
+    let allowed = format!("127.0.0.1:{port}");
+    let server = serve(&["--allowed-media-domains", &allowed]);
     server.wait_ready();
     let inline = server.post("/v1/chat/completions", &image_chat(&image_url(), json!({})));
     let fetched = server.post(
@@ -718,6 +726,25 @@ fn http_images_from_allowed_domains_are_fetched() {
         &image_chat("http://example.com/c.png", json!({})),
     );
     elsewhere.assert_error(400, "a domain that is not allowed");
+    // The allowlist is per host and port: another service on the same host is not reached.
+    let other = server.post(
+        "/v1/chat/completions",
+        &image_chat(&format!("http://127.0.0.1:{other_port}/c.png"), json!({})),
+    );
+    other.assert_error(400, "another port of an allowed host");
+    assert!(
+        other.text().contains("not in --allowed-media-domains"),
+        "{}",
+        other.text()
+    );
+    // An answer that is not an image is refused without quoting it.
+    let secret = server.post(
+        "/v1/chat/completions",
+        &image_chat(&format!("http://127.0.0.1:{port}/secret"), json!({})),
+    );
+    secret.assert_error(400, "an answer that is not an image");
+    assert!(secret.text().contains("is not a PNG"), "{}", secret.text());
+    assert!(!secret.text().contains("SECRET"), "{}", secret.text());
 }
 
 /// https image URLs are fetched from allowed hosts whose certificate is trusted (here through
@@ -728,12 +755,24 @@ fn https_images_from_allowed_domains_are_fetched() {
     let png = std::fs::read(fixture("golden/images/c_150x150.png")).unwrap();
     let trusted = self_signed("kvlens test image host");
     let ca_file = scratch("serve-http-media-ca.pem");
-    std::fs::write(&ca_file, trusted.cert.pem()).unwrap();
     let port = tls_image_host(png.clone(), &trusted);
-    let untrusted_port = tls_image_host(png, &self_signed("someone else"));
+    let untrusted_port = tls_image_host(png.clone(), &self_signed("someone else"));
+    // openssl req -x509's default: a self-signed certificate that says CA:TRUE.
+    let ca_cert = {
+        let mut params = rcgen::CertificateParams::new(vec!["127.0.0.1".to_string()]).unwrap();
+        params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        let signing_key = rcgen::KeyPair::generate().unwrap();
+        let cert = params.self_signed(&signing_key).unwrap();
+        rcgen::CertifiedKey { cert, signing_key }
+    };
+    std::fs::write(&ca_file, format!("{}{}", trusted.cert.pem(), ca_cert.cert.pem())).unwrap();
+    let ca_port = tls_image_host(png, &ca_cert);
+    let allowed = [port, untrusted_port, ca_port].map(|p| format!("127.0.0.1:{p}"));
     let server = serve(&[
         "--allowed-media-domains",
-        "127.0.0.1",
+        &allowed[0],
+        &allowed[1],
+        &allowed[2],
         "--media-ca-file",
         ca_file.to_str().unwrap(),
     ]);
@@ -774,6 +813,10 @@ fn https_images_from_allowed_domains_are_fetched() {
     refused(
         format!("https://127.0.0.1:{untrusted_port}/c.png"),
         &["cannot fetch the image", "invalid peer certificate", "UnknownIssuer"],
+    );
+    refused(
+        format!("https://127.0.0.1:{ca_port}/c.png"),
+        &["CaUsedAsEndEntity", "basicConstraints=critical,CA:FALSE"],
     );
     assert_eq!(server.get("/health").status, 200);
 }
@@ -1120,7 +1163,7 @@ fn a_burst_of_large_images_stays_within_the_preprocessing_budget() {
     let log = server.log();
     let line = log
         .lines()
-        .find(|l| l.contains("Image preprocessing may hold"))
+        .find(|l| l.contains("image preprocessing) may hold"))
         .unwrap_or_else(|| panic!("{log}"));
     let budget_gib: f64 = line
         .split("hold ")
@@ -1241,6 +1284,9 @@ fn out_of_range_guard_flags_are_one_line_errors() {
         ("--body-timeout", "NaN"),
         ("--shutdown-timeout", "inf"),
         ("--shutdown-timeout", "-1"),
+        ("--max-stream-subscribers", "0"),
+        ("--preprocess-memory-gib", "1e30"),
+        ("--allowed-media-domains", "http://x/y"),
     ] {
         let out = common::kvlens(&["serve", "--port", "0", &format!("{flag}={value}")]);
         let err = String::from_utf8_lossy(&out.stderr);
@@ -1313,7 +1359,11 @@ fn any_origin_may_read_the_api_and_the_planner_is_the_playground_page() {
             r.head
         );
     }
-    let reset = http(port, "POST", "/reset_encoder_cache", &origin, b"");
+    // As the playground posts it: saying JSON, which a browser sends cross-origin only after the
+    // preflight above (without it the server refuses a cross-origin POST: see
+    // `pages_of_other_sites_cannot_drive_a_local_server`).
+    let json_origin = [origin[0], ("Content-Type", "application/json")];
+    let reset = http(port, "POST", "/reset_encoder_cache", &json_origin, b"");
     assert_eq!(reset.status, 200, "{}", reset.text());
     assert_eq!(
         header_value(&reset.head, "access-control-allow-origin").as_deref(),
@@ -1462,4 +1512,387 @@ fn the_vllm_metrics_reader_agrees_with_the_memory_endpoint() {
         assert_eq!(m.blocks_in_use(), mem["kv"]["num_in_use"].as_u64());
     }
     drop(server);
+}
+
+/// Opens a connection to the server and writes `request` (whole or partial); the answer is left
+/// unread.
+fn raw_open(port: u16, request: &str) -> std::net::TcpStream {
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    s.write_all(request.as_bytes()).unwrap();
+    s
+}
+
+/// Sends a whole raw request (which should say `Connection: close`) and reads the answer: the
+/// status and the body's text.
+fn raw(port: u16, request: &str) -> (u16, String) {
+    let mut s = raw_open(port, request);
+    s.set_read_timeout(Some(Duration::from_secs(300))).unwrap();
+    let mut answer = Vec::new();
+    s.read_to_end(&mut answer).unwrap();
+    let text = String::from_utf8_lossy(&answer).into_owned();
+    let status = text.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
+    (status, text)
+}
+
+/// 1,100 memory-stream subscribers that never read and then 1,100 POSTs with complete headers
+/// whose body never comes, against the default `--max-connections 1024` and `--body-timeout 60`:
+/// `/health` answers at once and a chat completes (before, every probe timed out until the bodies'
+/// deadline), and the subscribers past `--max-stream-subscribers` (32) have been closed.
+#[test]
+fn idle_subscribers_and_stalled_bodies_cannot_lock_the_server_out() {
+    let server = serve(&[]);
+    server.wait_ready();
+    let port = server.port();
+    let subscribers: Vec<std::net::TcpStream> = (0..1100)
+        .map(|_| raw_open(port, "GET /v1/memory/stream HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"))
+        .collect();
+    let stalled: Vec<std::net::TcpStream> = (0..1100)
+        .map(|_| {
+            raw_open(
+                port,
+                "POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n\
+                 Content-Length: 1000\r\n\r\n",
+            )
+        })
+        .collect();
+    let mut slowest = Duration::ZERO;
+    for _ in 0..5 {
+        let asked = Instant::now();
+        assert_eq!(server.get("/health").status, 200);
+        slowest = slowest.max(asked.elapsed());
+    }
+    let asked = Instant::now();
+    let chat = json!({"model": "tiny", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 2});
+    let r = server.post("/v1/chat/completions", &chat);
+    assert_eq!(r.status, 200, "{}", r.text());
+    println!(
+        "slowest of 5 /health probes {:.3} s, a chat {:.3} s, under 1,100 idle subscribers and 1,100 stalled bodies",
+        slowest.as_secs_f64(),
+        asked.elapsed().as_secs_f64()
+    );
+    assert!(slowest < Duration::from_secs(5), "{slowest:?}");
+    // Every subscriber but the newest 32 has been closed by the server.
+    let deadline = Instant::now() + Duration::from_secs(300);
+    let mut open: Vec<std::net::TcpStream> = subscribers;
+    let mut buf = [0u8; 4096];
+    while open.len() > 32 {
+        assert!(Instant::now() < deadline, "{} subscribers still open", open.len());
+        open.retain_mut(|s| {
+            s.set_nonblocking(true).unwrap();
+            loop {
+                match s.read(&mut buf) {
+                    Ok(0) => return false,
+                    Ok(_) => continue,
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return true,
+                    Err(_) => return false,
+                }
+            }
+        });
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let log = server.log();
+    assert!(log.contains("1024 connections open (--max-connections)"), "{log}");
+    drop(stalled);
+    assert_eq!(server.get("/health").status, 200);
+}
+
+/// What a page on another site can make a browser send: a chat as `text/plain`, a form or
+/// multipart (no CORS preflight needed) gets a 415 and generates nothing; a body-less reset with
+/// a foreign `Origin` gets a 403 unless it says JSON; a request naming a foreign `Host` (DNS
+/// rebinding) gets a 403 from a loopback-bound server. Clients without an `Origin` are unaffected.
+#[test]
+fn pages_of_other_sites_cannot_drive_a_local_server() {
+    let server = serve(&[]);
+    server.wait_ready();
+    let port = server.port();
+    let generated = |s: &Server| {
+        metric(
+            &s.get("/metrics").text(),
+            "vllm:generation_tokens_total{model_name=\"tiny\"}",
+        )
+    };
+    let before = generated(&server);
+    let chat =
+        json!({"model": "tiny", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 2}).to_string();
+    for content_type in [
+        Some("text/plain"),
+        Some("application/x-www-form-urlencoded"),
+        Some("multipart/form-data; boundary=x"),
+        None,
+    ] {
+        let header = content_type.map_or(String::new(), |t| format!("Content-Type: {t}\r\n"));
+        let (status, answer) = raw(
+            port,
+            &format!(
+                "POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nOrigin: https://evil.example\r\n\
+                 {header}Content-Length: {}\r\nConnection: close\r\n\r\n{chat}",
+                chat.len()
+            ),
+        );
+        // Refused before the body is read: a cross-origin POST that is not JSON.
+        assert_eq!(status, 403, "{content_type:?}: {answer}");
+        // Without an Origin (curl, the SDKs), a non-JSON body is still refused.
+        let (status, answer) = raw(
+            port,
+            &format!(
+                "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n{header}Content-Length: 2\r\nConnection: close\r\n\r\n{{}}"
+            ),
+        );
+        assert_eq!(status, 415, "{content_type:?}: {answer}");
+        assert!(answer.contains("application/json"), "{answer}");
+    }
+    assert_eq!(generated(&server), before, "nothing was generated");
+    let reset = |headers: &str| {
+        raw(
+            port,
+            &format!("POST /reset_prefix_cache HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n{headers}Content-Length: 0\r\nConnection: close\r\n\r\n"),
+        )
+    };
+    let (status, answer) = reset("Origin: https://evil.example\r\n");
+    assert_eq!(status, 403, "{answer}");
+    assert!(answer.contains("application/json"), "{answer}");
+    assert_eq!(reset("").0, 200, "curl's reset");
+    assert_eq!(
+        reset(&format!("Origin: http://127.0.0.1:{port}\r\n")).0,
+        200,
+        "the server's own page"
+    );
+    assert_eq!(
+        reset("Origin: https://evil.example\r\nContent-Type: application/json\r\n").0,
+        200,
+        "a request the browser preflighted under --allowed-origins"
+    );
+    for (host, expected) in [
+        ("evil.example", 403),
+        ("evil.example:8000", 403),
+        ("localhost", 200),
+        ("127.0.0.1", 200),
+        ("[::1]", 200),
+    ] {
+        let (status, answer) = raw(
+            port,
+            &format!("GET /v1/models HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n"),
+        );
+        assert_eq!(status, expected, "{host}: {answer}");
+    }
+}
+
+/// The tiny checkpoint with a 262,144-token context (as Qwen3-VL has), so that the length of a long
+/// text alone does not prove it too long.
+fn long_context_checkpoint() -> PathBuf {
+    let mut config: Value = serde_json::from_str(
+        &std::fs::read_to_string(common::root().join("tools/golden/configs/qwen3_vl_tiny.json")).unwrap(),
+    )
+    .unwrap();
+    config["text_config"]["max_position_embeddings"] = json!(262_144);
+    let path = scratch("serve-http-long-context.json");
+    std::fs::write(&path, config.to_string()).unwrap();
+    let dir = scratch("serve-http-long-context");
+    let out = common::kvlens(&[
+        "random-checkpoint",
+        "--config",
+        path.to_str().unwrap(),
+        "--out",
+        dir.to_str().unwrap(),
+        "--image-limits",
+        "1024,65536",
+        "--dtype",
+        "f32",
+        "--force",
+    ]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    dir
+}
+
+/// Four 4.2 MB prompts of digits (one token per byte, 4.2 million tokens) at once against a
+/// 262,144-token context: each is refused after counting a few 64 KiB pieces, the request path's
+/// host memory shows in the ledger's `requests` category and stays far below what tokenizing them
+/// whole took (4.5 GB); a long text whose client hangs up stops being tokenized.
+#[test]
+fn a_huge_prompt_is_refused_after_a_few_pieces_within_the_budget() {
+    let no_playground = scratch("serve-http-no-playground");
+    let server = Server::start(
+        &long_context_checkpoint(),
+        &[
+            "--playground-dir",
+            no_playground.to_str().unwrap(),
+            "--cpu-memory-gib",
+            "2",
+        ],
+    );
+    server.wait_ready();
+    let body = json!({"model": "tiny", "prompt": "7".repeat(4_200_000), "max_tokens": 1});
+    let pid = server.pid();
+    std::fs::write(format!("/proc/{pid}/clear_refs"), "5").unwrap();
+    let before = proc_status_bytes(pid, "VmRSS");
+    let replies: Vec<(u16, String)> = std::thread::scope(|s| {
+        let sent: Vec<_> = (0..4)
+            .map(|_| {
+                s.spawn(|| {
+                    let r = server.post("/v1/completions", &body);
+                    (r.status, r.text())
+                })
+            })
+            .collect();
+        sent.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let growth = proc_status_bytes(pid, "VmHWM").saturating_sub(before);
+    for (status, text) in &replies {
+        assert_eq!(*status, 400, "{text}");
+        assert!(text.contains("tokens in its first"), "{text}");
+    }
+    let m = memory(&server);
+    let requests = m["ledger"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["category"] == "requests")
+        .unwrap_or_else(|| panic!("{}", m["ledger"]))
+        .clone();
+    println!(
+        "4 x 4.2 MB prompts of digits: peak resident growth {} MiB, ledger requests peak {} MiB",
+        growth >> 20,
+        requests["peak_bytes"].as_u64().unwrap() >> 20
+    );
+    assert_eq!(requests["bytes"], 0, "{requests}");
+    let peak = requests["peak_bytes"].as_u64().unwrap();
+    assert!(peak > 4_200_000 && peak < 256 << 20, "{requests}");
+    assert!(growth < 768 << 20, "peak resident growth {} MiB", growth >> 20);
+    // A text of about 350,000 tokens, counted 11,000 tokens a piece; its client leaves at once.
+    // (Without `Connection: close`: hyper watches a kept-alive connection for the client's hang-up.)
+    let words = json!({"model": "tiny", "prompt": "hello ".repeat(350_000), "max_tokens": 1}).to_string();
+    drop(raw_open(
+        server.port(),
+        &format!(
+            "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n\
+             Content-Length: {}\r\n\r\n{words}",
+            words.len()
+        ),
+    ));
+    let deadline = Instant::now() + Duration::from_secs(300);
+    while !server
+        .log()
+        .contains("Stopped tokenizing and preprocessing a request: its client went away")
+    {
+        assert!(Instant::now() < deadline, "tokenizing never stopped:\n{}", server.log());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let deadline = Instant::now() + Duration::from_secs(300);
+    while ledger(&memory(&server), "requests") != 0 {
+        assert!(Instant::now() < deadline, "{}", memory(&server)["ledger"]);
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// 8 chats at once, each with a 63 MiB image fetched from an allowed host: the fetched bytes and
+/// their data URLs are reserved in the request path's budget as they arrive, so the peak resident
+/// growth stays near the budget (before: +1.3 GB) and the ledger's `requests` peak within it.
+#[test]
+fn fetched_images_stay_within_the_preprocessing_budget() {
+    // A PNG signature then 63 MiB of bytes: fetched whole, refused by the decoder.
+    let mut big = b"\x89PNG\r\n\x1a\n".to_vec();
+    big.resize(63 << 20, 0x5a);
+    let port = image_host(big);
+    let allowed = format!("127.0.0.1:{port}");
+    let server = serve(&[
+        "--allowed-media-domains",
+        &allowed,
+        "--preprocess-memory-gib",
+        "0.1",
+        "--mm-processor-kwargs",
+        r#"{"max_pixels": 65536}"#,
+    ]);
+    server.wait_ready();
+    let log = server.log();
+    let line = log
+        .lines()
+        .find(|l| l.contains("image preprocessing) may hold"))
+        .unwrap_or_else(|| panic!("{log}"));
+    let budget_gib: f64 = line
+        .split("hold ")
+        .nth(1)
+        .unwrap()
+        .split(' ')
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
+    let budget = (budget_gib * f64::from(1u32 << 30)) as u64;
+    let body = image_chat(&format!("http://127.0.0.1:{port}/c.png"), json!({"max_tokens": 1}));
+    let pid = server.pid();
+    std::fs::write(format!("/proc/{pid}/clear_refs"), "5").unwrap();
+    let before = proc_status_bytes(pid, "VmRSS");
+    let replies: Vec<(u16, String)> = std::thread::scope(|s| {
+        let sent: Vec<_> = (0..8)
+            .map(|_| {
+                s.spawn(|| {
+                    let r = server.post("/v1/chat/completions", &body);
+                    (r.status, r.text())
+                })
+            })
+            .collect();
+        sent.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let growth = proc_status_bytes(pid, "VmHWM").saturating_sub(before);
+    for (status, text) in &replies {
+        assert!(
+            (*status == 400 && text.contains("decode")) || (*status == 503 && text.contains("memory budget")),
+            "{status} {text}"
+        );
+    }
+    let m = memory(&server);
+    let peak = m["ledger"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["category"] == "requests")
+        .and_then(|e| e["peak_bytes"].as_u64())
+        .unwrap();
+    println!(
+        "8 x 63 MiB fetched images: peak resident growth {} MiB, ledger requests peak {} MiB, budget {} MiB",
+        growth >> 20,
+        peak >> 20,
+        budget >> 20
+    );
+    assert!(
+        peak >= 63 << 20 && peak <= budget,
+        "requests peak {peak}, budget {budget}"
+    );
+    assert!(
+        growth < budget + (200 << 20),
+        "peak resident growth {} MiB, budget {} MiB",
+        growth >> 20,
+        budget >> 20
+    );
+    assert_eq!(ledger(&m, "requests"), 0);
+}
+
+/// A failed engine step counts its requests as `error` (not `abort`), and a stream cut by it ends
+/// with a chunk whose `finish_reason` is `"error"`, the error event and `[DONE]`.
+#[test]
+fn a_failed_step_is_counted_as_an_error_and_its_stream_says_so() {
+    let no_playground = scratch("serve-http-no-playground");
+    let server = Server::start_with_env(
+        checkpoint(),
+        &["--playground-dir", no_playground.to_str().unwrap()],
+        &[("KVLENS_FAULT", "decoder:3")],
+    );
+    server.wait_ready();
+    let count = |reason: &str| {
+        metric(
+            &server.get("/metrics").text(),
+            &format!("vllm:request_success_total{{finished_reason=\"{reason}\",model_name=\"tiny\"}}"),
+        )
+    };
+    let body = json!({"model": "tiny", "prompt": "Blocks", "max_tokens": 20, "ignore_eos": true, "stream": true});
+    let r = server.post("/v1/completions", &body);
+    assert_eq!(r.status, 200, "{}", r.text());
+    let events = r.events();
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"), "{events:?}");
+    let error: Value = serde_json::from_str(&events[events.len() - 2]).unwrap();
+    assert_eq!(error["error"]["code"], 500, "{error}\n{events:?}\n{}", server.log());
+    let last: Value = serde_json::from_str(&events[events.len() - 3]).unwrap();
+    assert_eq!(last["choices"][0]["finish_reason"], "error", "{events:?}");
+    assert_eq!((count("error"), count("abort")), (1.0, 0.0));
+    assert_eq!(server.get("/health").status, 200);
 }

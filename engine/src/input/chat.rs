@@ -184,7 +184,16 @@ impl ImageSource {
                     "data:{header} is not base64-encoded (expected data:image/…;base64,…)"
                 )));
             }
-            let cleaned: String = payload.chars().filter(|c| !c.is_ascii_whitespace()).collect();
+            // Copied only when it holds whitespace (a data URL can be tens of megabytes).
+            let cleaned: std::borrow::Cow<'_, str> = if payload.bytes().any(|b| b.is_ascii_whitespace()) {
+                payload
+                    .chars()
+                    .filter(|c| !c.is_ascii_whitespace())
+                    .collect::<String>()
+                    .into()
+            } else {
+                payload.into()
+            };
             let engine = base64::engine::GeneralPurpose::new(
                 &base64::alphabet::STANDARD,
                 base64::engine::GeneralPurposeConfig::new()

@@ -27,8 +27,9 @@ const PUBLISH_INTERVAL: Duration = Duration::from_millis(100);
 pub enum Update {
     /// What a generated token adds to the answer (the last delta carries the finish reason).
     Delta(Delta),
-    /// The request failed (its step failed, or its tokens could not be detokenized).
-    Failed(ApiError),
+    /// The request failed (its step failed, or its tokens could not be detokenized): why, and
+    /// its last delta (the text held back so far, `finish_reason: "error"`).
+    Failed(ApiError, Delta),
 }
 
 /// What `/reset_encoder_cache` reports.
@@ -273,7 +274,9 @@ impl EngineLoop {
         }
         // Shutdown: every stream ends with `finish_reason: "abort"`, as vLLM ends aborted requests.
         let frontend = self.frontend.clone();
-        self.end_all(|live| Update::Delta(live.output.cut(&frontend.tokenizer, FinishReason::Abort)));
+        self.end_all(FinishReason::Abort, |live| {
+            Update::Delta(live.output.cut(&frontend.tokenizer, FinishReason::Abort))
+        });
         self.publish(true);
     }
 
@@ -350,7 +353,8 @@ impl EngineLoop {
         true
     }
 
-    /// Ends a live request early with `reason` (a client that went away, a stop string, a failure).
+    /// Ends a live request early with `reason` (a client that went away, a stop string, a
+    /// failure, a shutdown).
     fn abort(&mut self, id: &RequestId, reason: FinishReason) {
         if self.live.contains_key(id) {
             if let Err(e) = self.engine.abort(id) {
@@ -387,7 +391,10 @@ impl EngineLoop {
                 tracing::error!("engine step failed: {e}");
                 // The engine has dropped every request and emptied its caches: tell the clients.
                 let why = ApiError::internal(format!("the engine failed: {e}"));
-                self.end_all(|_| Update::Failed(why.clone()));
+                let frontend = self.frontend.clone();
+                self.end_all(FinishReason::Error, |live| {
+                    Update::Failed(why.clone(), live.output.cut(&frontend.tokenizer, FinishReason::Error))
+                });
             }
         }
     }
@@ -404,8 +411,9 @@ impl EngineLoop {
         let delta = match live.output.push(&self.frontend.tokenizer, event) {
             Ok(delta) => delta,
             Err(e) => {
-                let _ = live.updates.send(Update::Failed(e));
-                self.abort(&id, FinishReason::Abort);
+                let last = live.output.cut(&self.frontend.tokenizer, FinishReason::Error);
+                let _ = live.updates.send(Update::Failed(e, last));
+                self.abort(&id, FinishReason::Error);
                 return;
             }
         };
@@ -439,14 +447,14 @@ impl EngineLoop {
         }
     }
 
-    /// Aborts every live request, then sends each its last update (counted before the client
-    /// sees the end).
-    fn end_all(&mut self, mut last: impl FnMut(&mut Live) -> Update) {
+    /// Ends every live request with `reason`, then sends each its last update (counted before
+    /// the client sees the end).
+    fn end_all(&mut self, reason: FinishReason, mut last: impl FnMut(&mut Live) -> Update) {
         let ids: Vec<RequestId> = self.live.keys().cloned().collect();
         for id in ids {
             let Some(live) = self.live.get_mut(&id) else { continue };
             let (update, updates) = (last(live), live.updates.clone());
-            self.abort(&id, FinishReason::Abort);
+            self.abort(&id, reason);
             let _ = updates.send(update);
         }
     }

@@ -19,7 +19,7 @@ use axum::http::{header, HeaderMap};
 use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
 use futures_util::StreamExt;
-use kvlens_engine::engine::Request;
+use kvlens_engine::engine::{FinishReason, Request};
 use kvlens_engine::input::tokenizer::Tokenizer;
 use kvlens_engine::memory::ledger::Category;
 use std::collections::VecDeque;
@@ -275,7 +275,10 @@ async fn run(
         logprobs: spec.logprobs,
         return_token_ids: spec.return_token_ids,
     };
-    let sub = ready.engine.add(request, Output::new(spec.stop), arrival.arrived).await;
+    let sub = ready
+        .engine
+        .add(request, Output::new(spec.stop, spec.include_stop), arrival.arrived)
+        .await;
     arrival.close();
     let sub = sub?;
     if spec.stream {
@@ -285,8 +288,9 @@ async fn run(
     }
 }
 
-/// The next delta of a request, or why there is none.
-async fn next_delta(sub: &mut Subscription) -> Result<Delta, ApiError> {
+/// The next delta of a request, or why there is none (with the request's last delta, which ends
+/// it with `finish_reason: "error"`).
+async fn next_delta(sub: &mut Subscription) -> Result<Delta, (ApiError, Delta)> {
     match sub.updates.recv().await {
         Some(Update::Delta(delta)) => {
             if delta.finish.is_some() {
@@ -294,13 +298,17 @@ async fn next_delta(sub: &mut Subscription) -> Result<Delta, ApiError> {
             }
             Ok(delta)
         }
-        Some(Update::Failed(e)) => {
+        Some(Update::Failed(e, last)) => {
             sub.finished();
-            Err(e)
+            Err((e, last))
         }
         None => {
             sub.finished();
-            Err(ApiError::unavailable("the engine has stopped"))
+            let last = Delta {
+                finish: Some(FinishReason::Error),
+                ..Delta::default()
+            };
+            Err((ApiError::unavailable("the engine has stopped"), last))
         }
     }
 }
@@ -310,7 +318,7 @@ async fn whole(job: Job, mut sub: Subscription, tok: &Tokenizer) -> Result<Respo
     let mut text = String::new();
     let mut tokens: Vec<TokenLogprobs> = Vec::new();
     let finish = loop {
-        let delta = next_delta(&mut sub).await?;
+        let delta = next_delta(&mut sub).await.map_err(|(e, _)| e)?;
         text.push_str(&delta.text);
         tokens.extend(delta.token);
         if let Some(reason) = delta.finish {
@@ -340,7 +348,11 @@ impl Streamer {
     async fn fill(&mut self) {
         let delta = match next_delta(&mut self.sub).await {
             Ok(d) => d,
-            Err(e) => {
+            Err((e, last)) => {
+                // The stream ends as a finished one does, with `finish_reason: "error"`, then the
+                // error itself (vLLM's error event) and `[DONE]`.
+                let chunk = self.job.chunk(&self.frontend.tokenizer, &last, self.first);
+                self.pending.push_back(chunk.to_string());
                 self.pending.push_back(e.body().to_string());
                 self.pending.push_back("[DONE]".into());
                 self.done = true;

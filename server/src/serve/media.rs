@@ -105,79 +105,105 @@ impl MediaFetcher {
     }
 
     /// GETs one allowed URL, following redirects to allowed URLs: the body of the 200 answer, its
-    /// bytes reserved in `held` (grown from `base`) as they arrive.
+    /// bytes reserved in `held` (grown from `base`) before they arrive. The fetch must finish within
+    /// [`FETCH_TIMEOUT`], not counting the time it waits for room in the budget.
     async fn fetch(&self, first: &str, held: &mut Reserved<'_>, base: u64) -> Result<Vec<u8>, ApiError> {
-        let get = async {
-            let mut url = first.to_string();
-            let mut redirects = 0;
-            loop {
-                let failed = |why: String| ApiError::bad_request(format!("cannot fetch the image {url}: {why}"));
-                let uri: hyper::Uri = url.parse().map_err(|e| failed(format!("{e}")))?;
-                let resp = self.client.get(uri).await.map_err(|e| failed(with_hint(causes(&e))))?;
-                let status = resp.status();
-                if status.is_redirection() {
-                    let Some(to) = resp.headers().get(hyper::header::LOCATION) else {
-                        return Err(failed(format!("the server answered {status} without a Location")));
-                    };
-                    if redirects == MAX_REDIRECTS {
-                        return Err(failed(format!(
-                            "more than {MAX_REDIRECTS} redirects (the last to {})",
-                            String::from_utf8_lossy(to.as_bytes())
-                        )));
-                    }
-                    let to = to.to_str().map_err(|_| {
-                        failed(format!("the server answered {status} with a Location that is not text"))
-                    })?;
-                    let next = resolve(&url, to);
-                    if !is_remote(&next) {
-                        return Err(failed(format!(
-                            "the server redirected to {next}, which is not an http(s) URL"
-                        )));
-                    }
-                    self.check(&next)
-                        .map_err(|e| failed(format!("redirected: {}", e.message)))?;
-                    url = next;
-                    redirects += 1;
-                    continue;
-                }
-                if status != hyper::StatusCode::OK {
-                    return Err(failed(format!("the server answered {status}")));
-                }
-                let mut body = resp.into_body();
-                let mut bytes = Vec::new();
-                while let Some(frame) = body.frame().await {
-                    let frame = frame.map_err(|e| failed(causes(&e)))?;
-                    let Some(data) = frame.data_ref() else { continue };
-                    if bytes.len() + data.len() > MAX_MEDIA_BYTES {
-                        return Err(failed(format!("the image is larger than {MAX_MEDIA_BYTES} bytes")));
-                    }
-                    if bytes.len() + data.len() > bytes.capacity() {
-                        let cap = (bytes.capacity() * 2)
-                            .max(bytes.len() + data.len())
-                            .min(MAX_MEDIA_BYTES);
-                        held.grow_to(base + cap as u64)
-                            .await
-                            .map_err(|Busy(why)| ApiError::unavailable(why))?;
-                        bytes.reserve_exact(cap - bytes.len());
-                    }
-                    bytes.extend_from_slice(data);
-                }
-                if image::guess_format(&bytes).is_err() {
-                    return Err(failed(format!(
-                        "the answer ({} bytes) is not a PNG, JPEG, WebP, GIF, BMP or TIFF image",
-                        bytes.len()
-                    )));
-                }
-                return Ok(bytes);
-            }
-        };
-        tokio::time::timeout(FETCH_TIMEOUT, get).await.map_err(|_| {
+        let mut deadline = tokio::time::Instant::now() + FETCH_TIMEOUT;
+        let late = || {
             ApiError::bad_request(format!(
                 "cannot fetch the image {first}: no answer within {} s",
                 FETCH_TIMEOUT.as_secs()
             ))
-        })?
+        };
+        let mut url = first.to_string();
+        let mut redirects = 0;
+        loop {
+            let failed = |why: String| ApiError::bad_request(format!("cannot fetch the image {url}: {why}"));
+            let uri: hyper::Uri = url.parse().map_err(|e| failed(format!("{e}")))?;
+            let resp = tokio::time::timeout_at(deadline, self.client.get(uri))
+                .await
+                .map_err(|_| late())?
+                .map_err(|e| failed(with_hint(causes(&e))))?;
+            let status = resp.status();
+            if status.is_redirection() {
+                let Some(to) = resp.headers().get(hyper::header::LOCATION) else {
+                    return Err(failed(format!("the server answered {status} without a Location")));
+                };
+                if redirects == MAX_REDIRECTS {
+                    return Err(failed(format!(
+                        "more than {MAX_REDIRECTS} redirects (the last to {})",
+                        String::from_utf8_lossy(to.as_bytes())
+                    )));
+                }
+                let to = to
+                    .to_str()
+                    .map_err(|_| failed(format!("the server answered {status} with a Location that is not text")))?;
+                let next = resolve(&url, to);
+                if !is_remote(&next) {
+                    return Err(failed(format!(
+                        "the server redirected to {next}, which is not an http(s) URL"
+                    )));
+                }
+                self.check(&next)
+                    .map_err(|e| failed(format!("redirected: {}", e.message)))?;
+                url = next;
+                redirects += 1;
+                continue;
+            }
+            if status != hyper::StatusCode::OK {
+                return Err(failed(format!("the server answered {status}")));
+            }
+            // A declared length is reserved whole before reading, with the data URL the bytes
+            // become: a request waits for all it needs rather than holding part while it waits.
+            let declared = resp
+                .headers()
+                .get(hyper::header::CONTENT_LENGTH)
+                .and_then(|v| v.to_str().ok()?.parse::<usize>().ok())
+                .filter(|&n| n <= MAX_MEDIA_BYTES);
+            let mut bytes = Vec::new();
+            if let Some(n) = declared {
+                deadline += reserve(held, base + (n + data_url_len(n)) as u64).await?;
+                bytes.reserve_exact(n);
+            }
+            let mut body = resp.into_body();
+            loop {
+                let frame = match tokio::time::timeout_at(deadline, body.frame()).await {
+                    Err(_) => return Err(late()),
+                    Ok(None) => break,
+                    Ok(Some(frame)) => frame.map_err(|e| failed(causes(&e)))?,
+                };
+                let Some(data) = frame.data_ref() else { continue };
+                if bytes.len() + data.len() > MAX_MEDIA_BYTES {
+                    return Err(failed(format!("the image is larger than {MAX_MEDIA_BYTES} bytes")));
+                }
+                if bytes.len() + data.len() > bytes.capacity() {
+                    let cap = (bytes.capacity() * 2)
+                        .max(bytes.len() + data.len())
+                        .min(MAX_MEDIA_BYTES);
+                    deadline += reserve(held, base + cap as u64).await?;
+                    bytes.reserve_exact(cap - bytes.len());
+                }
+                bytes.extend_from_slice(data);
+            }
+            if image::guess_format(&bytes).is_err() {
+                return Err(failed(format!(
+                    "the answer ({} bytes) is not a PNG, JPEG, WebP, GIF, BMP or TIFF image",
+                    bytes.len()
+                )));
+            }
+            return Ok(bytes);
+        }
     }
+}
+
+/// Grows `held` to `bytes` (a 503 when the budget stays full): how long it waited, which a fetch's
+/// clock does not count.
+async fn reserve(held: &mut Reserved<'_>, bytes: u64) -> Result<Duration, ApiError> {
+    let asked = tokio::time::Instant::now();
+    held.grow_to(bytes.max(held.bytes()))
+        .await
+        .map_err(|Busy(why)| ApiError::unavailable(why))?;
+    Ok(asked.elapsed())
 }
 
 /// An error and its causes, outermost first (hyper's own message alone says only "client error").
@@ -312,10 +338,19 @@ fn resolve(base: &str, location: &str) -> String {
     format!("{origin}{dir}{location}")
 }
 
+/// The length of the data URL [`resolve_remote_images`] makes of `n` bytes.
+fn data_url_len(n: usize) -> usize {
+    DATA_URL_PREFIX.len() + n.div_ceil(3) * 4
+}
+
+/// What a fetched image's data URL starts with.
+const DATA_URL_PREFIX: &str = "data:application/octet-stream;base64,";
+
 /// Replaces every allowed `http(s)://` image URL in `messages` by a data URL of its bytes; refuses
 /// the other remote URLs. Data URLs and paths are left for preprocessing to judge. `held` (the
 /// request's reservation in the host-memory budget) grows by each fetched image as it arrives,
-/// then keeps its data URL.
+/// then keeps its data URL; at the end it also takes the bytes that decoding every data URL will
+/// hold while the request is preprocessed.
 pub async fn resolve_remote_images(
     messages: &mut [ChatMessage],
     media: &MediaFetcher,
@@ -329,18 +364,28 @@ pub async fn resolve_remote_images(
         media.check(trimmed)?;
         let base = held.bytes();
         let bytes = media.fetch(trimmed, held, base).await?;
-        const PREFIX: &str = "data:application/octet-stream;base64,";
-        let encoded_len = PREFIX.len() + bytes.len().div_ceil(3) * 4;
-        held.grow_to(held.bytes() + encoded_len as u64)
+        let encoded_len = data_url_len(bytes.len());
+        held.grow_to((base + (bytes.len() + encoded_len) as u64).max(held.bytes()))
             .await
             .map_err(|Busy(why)| ApiError::unavailable(why))?;
         let mut data_url = String::with_capacity(encoded_len);
-        data_url.push_str(PREFIX);
+        data_url.push_str(DATA_URL_PREFIX);
         base64::engine::general_purpose::STANDARD.encode_string(&bytes, &mut data_url);
         drop(bytes);
         *url = data_url;
         held.shrink_to(base + encoded_len as u64);
     }
+    // Preprocessing decodes every data URL's payload (three bytes for every four) before it
+    // decodes the images.
+    let decoded: usize = messages
+        .iter_mut()
+        .flat_map(ChatMessage::image_urls_mut)
+        .filter(|u| u.trim_start().starts_with("data:"))
+        .map(|u| u.len() / 4 * 3)
+        .sum();
+    held.grow_to(held.bytes() + decoded as u64)
+        .await
+        .map_err(|Busy(why)| ApiError::unavailable(why))?;
     Ok(())
 }
 

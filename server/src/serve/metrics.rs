@@ -67,8 +67,8 @@ struct Inner {
     e2e: Histogram,
     prompt_tokens: u64,
     generation_tokens: u64,
-    /// Finished requests: stop, length, abort.
-    finished: [u64; 3],
+    /// Finished requests: stop, length, abort, error.
+    finished: [u64; REASONS.len()],
     /// Requests whose client left before they reached the engine.
     cancelled_before_queue: u64,
 }
@@ -90,13 +90,14 @@ pub struct Gauges<'a> {
     pub processor_cache_entries: usize,
 }
 
-const REASONS: [&str; 3] = ["stop", "length", "abort"];
+const REASONS: [&str; 4] = ["stop", "length", "abort", "error"];
 
 fn reason_index(reason: FinishReason) -> usize {
     match reason {
         FinishReason::Stop => 0,
         FinishReason::Length => 1,
         FinishReason::Abort => 2,
+        FinishReason::Error => 3,
     }
 }
 
@@ -125,7 +126,7 @@ impl Default for Metrics {
                 e2e: Histogram::new(E2E_BUCKETS),
                 prompt_tokens: 0,
                 generation_tokens: 0,
-                finished: [0; 3],
+                finished: [0; REASONS.len()],
                 cancelled_before_queue: 0,
             }),
         }

@@ -80,6 +80,8 @@ pub struct CommonFields {
     pub tool_choice: Option<Value>,
     /// Only `{"type": "text"}` (plain text) is accepted: kvlens has no structured output.
     pub response_format: Option<Value>,
+    /// vLLM: end the output after the stop string instead of before it.
+    pub include_stop_str_in_output: Option<bool>,
 }
 
 /// `POST /v1/chat/completions`.
@@ -116,6 +118,15 @@ pub struct CompletionRequest {
     /// Report this many top log-probabilities per token (legacy shape).
     #[serde(default)]
     pub logprobs: Option<usize>,
+    /// Prepend the prompt to the answer: refused (kvlens computes no prompt log-probabilities).
+    #[serde(default)]
+    pub echo: Option<bool>,
+    /// Choices sampled to return the best: only 1 (vLLM's V1 engine refuses more too).
+    #[serde(default)]
+    pub best_of: Option<usize>,
+    /// Text after the insertion point: refused, as vLLM does.
+    #[serde(default)]
+    pub suffix: Option<String>,
     /// The rest.
     #[serde(flatten)]
     pub common: CommonFields,
@@ -152,6 +163,8 @@ pub struct Spec {
     pub logprobs: Option<usize>,
     /// Report token ids.
     pub return_token_ids: bool,
+    /// End the output after a stop string instead of before it.
+    pub include_stop: bool,
 }
 
 impl ChatRequest {
@@ -169,8 +182,21 @@ impl ChatRequest {
 }
 
 impl CompletionRequest {
-    /// The checked settings.
+    /// The checked settings: `echo`, `best_of` above 1 and `suffix` are refused, not ignored.
     pub fn spec(&self) -> Result<Spec, ApiError> {
+        if self.echo == Some(true) {
+            return Err(ApiError::bad_request(
+                "echo is not supported by kvlens (it would need the prompt's log-probabilities)",
+            ));
+        }
+        if let Some(n) = self.best_of.filter(|&n| n != 1) {
+            return Err(ApiError::bad_request(format!(
+                "best_of must be 1 (kvlens returns one choice per request), got {n}"
+            )));
+        }
+        if self.suffix.as_ref().is_some_and(|s| !s.is_empty()) {
+            return Err(ApiError::bad_request("suffix is not supported by kvlens"));
+        }
         self.common.spec(self.logprobs)
     }
 }
@@ -219,6 +245,7 @@ impl CommonFields {
             include_usage: self.stream_options.as_ref().is_some_and(|o| o.include_usage),
             logprobs,
             return_token_ids: self.return_token_ids.unwrap_or(false),
+            include_stop: self.include_stop_str_in_output.unwrap_or(false),
         })
     }
 }
@@ -488,5 +515,26 @@ mod tests {
         assert_eq!(one.prompt.into_text().unwrap(), "a");
         let two: CompletionRequest = serde_json::from_str(r#"{"prompt": ["a", "b"]}"#).unwrap();
         assert!(two.prompt.into_text().is_err());
+    }
+
+    #[test]
+    fn completion_fields_kvlens_cannot_honour_are_refused_not_ignored() {
+        let spec = |extra: &str| {
+            let req: CompletionRequest = serde_json::from_str(&format!(r#"{{"prompt": "a"{extra}}}"#)).unwrap();
+            req.spec()
+        };
+        for (bad, says) in [
+            (r#", "echo": true"#, "echo"),
+            (r#", "best_of": 3"#, "best_of"),
+            (r#", "suffix": "z""#, "suffix"),
+        ] {
+            let e = spec(bad).unwrap_err();
+            assert!(e.status.as_u16() == 400 && e.message.contains(says), "{bad}: {e}");
+        }
+        for fine in [r#", "echo": false"#, r#", "best_of": 1"#, r#", "suffix": """#] {
+            assert!(spec(fine).is_ok(), "{fine}");
+        }
+        assert!(spec(r#", "include_stop_str_in_output": true"#).unwrap().include_stop);
+        assert!(!spec("").unwrap().include_stop);
     }
 }

@@ -39,6 +39,9 @@ pub struct Output {
     stop: Vec<String>,
     /// Bytes held back while streaming: the longest stop string minus one.
     hold: usize,
+    /// The output ends after the stop string instead of before it (vLLM's
+    /// `include_stop_str_in_output`).
+    include_stop: bool,
     text: String,
     sent: usize,
     /// Tokens counted in the answer (those after a stop string are not).
@@ -55,14 +58,16 @@ fn floor_boundary(s: &str, mut i: usize) -> usize {
 }
 
 impl Output {
-    /// An empty output ending at any of `stop` (empty strings are ignored).
-    pub fn new(stop: Vec<String>) -> Self {
+    /// An empty output ending at any of `stop` (empty strings are ignored), before the stop string
+    /// or, with `include_stop`, after it.
+    pub fn new(stop: Vec<String>, include_stop: bool) -> Self {
         let stop: Vec<String> = stop.into_iter().filter(|s| !s.is_empty()).collect();
         let hold = stop.iter().map(|s| s.len().saturating_sub(1)).max().unwrap_or(0);
         Output {
             decoder: IncrementalDecoder::new(true),
             stop,
             hold,
+            include_stop,
             text: String::new(),
             sent: 0,
             num_tokens: 0,
@@ -87,8 +92,8 @@ impl Output {
             }
         }
         let mut stopped = false;
-        if let Some(cut) = self.find_stop(before) {
-            self.text.truncate(cut);
+        if let Some((start, len)) = self.find_stop(before) {
+            self.text.truncate(if self.include_stop { start + len } else { start });
             self.finish = Some(FinishReason::Stop);
             stopped = event.finish.is_none();
         } else {
@@ -130,13 +135,13 @@ impl Output {
         }
     }
 
-    /// Where the first stop string that ends after `from` begins.
-    fn find_stop(&self, from: usize) -> Option<usize> {
+    /// Where the first stop string that ends after `from` begins, and its length.
+    fn find_stop(&self, from: usize) -> Option<(usize, usize)> {
         self.stop
             .iter()
             .filter_map(|s| {
                 let start = floor_boundary(&self.text, from.saturating_sub(s.len() - 1));
-                self.text[start..].find(s.as_str()).map(|i| start + i)
+                self.text[start..].find(s.as_str()).map(|i| (start + i, s.len()))
             })
             .min()
     }
@@ -190,7 +195,7 @@ mod tests {
     #[test]
     fn text_streams_whole_and_multibyte_chars_wait_for_their_last_byte() {
         let tok = tokenizer();
-        let mut out = Output::new(vec![]);
+        let mut out = Output::new(vec![], false);
         let deltas = feed(&mut out, &tok, "aé b".as_bytes(), Some(FinishReason::Length));
         assert_eq!(deltas[1].text, "", "first byte of é is held");
         assert_eq!(deltas[2].text, "é");
@@ -202,7 +207,7 @@ mod tests {
     #[test]
     fn stop_strings_cut_the_text_and_are_never_streamed() {
         let tok = tokenizer();
-        let mut out = Output::new(vec!["STOP".into(), String::new()]);
+        let mut out = Output::new(vec!["STOP".into(), String::new()], false);
         let deltas = feed(&mut out, &tok, b"abcSTOPxyz", None);
         assert_eq!(joined(&deltas), "abc");
         let last = deltas.iter().position(|d| d.finish.is_some()).unwrap();
@@ -214,16 +219,21 @@ mod tests {
             .all(|d| d.token.is_none() && d.text.is_empty()));
         assert_eq!(out.num_tokens, 7);
         // Held-back text that turns out not to be a stop string is released.
-        let mut out = Output::new(vec!["STOP".into()]);
+        let mut out = Output::new(vec!["STOP".into()], false);
         let deltas = feed(&mut out, &tok, b"xSTx", Some(FinishReason::Length));
         assert_eq!(deltas[2].text, "", "ST may start STOP");
         assert_eq!(joined(&deltas), "xSTx");
+        // vLLM's include_stop_str_in_output keeps the stop string.
+        let mut out = Output::new(vec!["STOP".into()], true);
+        let deltas = feed(&mut out, &tok, b"abcSTOPxyz", None);
+        assert_eq!(joined(&deltas), "abcSTOP");
+        assert!(deltas.iter().any(|d| d.finish == Some(FinishReason::Stop)));
     }
 
     #[test]
     fn a_cut_output_releases_the_text_it_held_back() {
         let tok = tokenizer();
-        let mut out = Output::new(vec!["STOP".into()]);
+        let mut out = Output::new(vec!["STOP".into()], false);
         let deltas = feed(&mut out, &tok, b"abST", None);
         assert_eq!(joined(&deltas), "a", "the last 3 bytes may start STOP");
         let last = out.cut(&tok, FinishReason::Abort);
@@ -234,7 +244,7 @@ mod tests {
     #[test]
     fn a_stop_string_in_the_last_allowed_token_is_a_stop() {
         let tok = tokenizer();
-        let mut out = Output::new(vec!["cd".into()]);
+        let mut out = Output::new(vec!["cd".into()], false);
         let deltas = feed(&mut out, &tok, b"abcd", Some(FinishReason::Length));
         assert_eq!(joined(&deltas), "ab");
         let last = deltas.last().unwrap();
@@ -245,7 +255,7 @@ mod tests {
     #[test]
     fn special_tokens_are_skipped_and_an_engine_stop_keeps_its_reason() {
         let tok = tokenizer();
-        let mut out = Output::new(vec!["zz".into()]);
+        let mut out = Output::new(vec!["zz".into()], false);
         let mut deltas = feed(&mut out, &tok, b"hi", None);
         deltas.push(out.push(&tok, event(256, Some(FinishReason::Stop))).unwrap());
         assert_eq!(joined(&deltas), "hi");
