@@ -118,6 +118,27 @@ impl App {
     }
 }
 
+/// Connections the kernel queues for `accept` (Linux caps it at `net.core.somaxconn`, 4096 by
+/// default): a flood of connections waits there rather than having its SYNs dropped and retried
+/// a second later, which would delay honest clients caught among them.
+const LISTEN_BACKLOG: u32 = 4096;
+
+/// A listener on the first address `host:port` resolves to, with [`LISTEN_BACKLOG`].
+async fn listen(host: &str, port: u16) -> std::io::Result<tokio::net::TcpListener> {
+    let addr = tokio::net::lookup_host((host, port))
+        .await?
+        .next()
+        .ok_or_else(|| std::io::Error::new(std::io::ErrorKind::NotFound, "the host resolves to no address"))?;
+    let socket = if addr.is_ipv4() {
+        tokio::net::TcpSocket::new_v4()?
+    } else {
+        tokio::net::TcpSocket::new_v6()?
+    };
+    socket.set_reuseaddr(true)?;
+    socket.bind(addr)?;
+    socket.listen(LISTEN_BACKLOG)
+}
+
 /// Raises the soft limit of open files to the hard limit (as vLLM does), so that
 /// `--max-connections` connections plus the server's own files fit; warns when they cannot.
 #[allow(unsafe_code)]
@@ -163,7 +184,7 @@ pub fn run(args: &ServeArgs) -> Result<()> {
 async fn serve(args: &ServeArgs, engine_args: EngineArgs) -> Result<()> {
     let media = media::MediaFetcher::new(args.allowed_media_domains.clone(), args.media_ca_file.as_deref())?;
     let cors = args.cors()?;
-    let listener = tokio::net::TcpListener::bind((args.host.as_str(), args.port))
+    let listener = listen(&args.host, args.port)
         .await
         .map_err(|e| UsageError(format!("cannot listen on {}:{}: {e}", args.host, args.port)))?;
     let local = listener.local_addr()?;
