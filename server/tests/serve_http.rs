@@ -353,13 +353,34 @@ fn disconnect_frees_blocks(server: &Server) {
 }
 
 fn ledger(m: &Value, category: &str) -> u64 {
+    ledger_figure(m, category, "bytes")
+}
+
+/// One figure (`bytes`, `peak_bytes`) of a ledger category in a `/v1/memory` answer.
+fn ledger_figure(m: &Value, category: &str, figure: &str) -> u64 {
     m["ledger"]
         .as_array()
         .unwrap()
         .iter()
         .find(|e| e["category"] == category)
-        .and_then(|e| e["bytes"].as_u64())
-        .unwrap()
+        .and_then(|e| e[figure].as_u64())
+        .unwrap_or_else(|| panic!("no {category} {figure} in {}", m["ledger"]))
+}
+
+/// Posts each of `bodies` to `path` at once, one thread each: their statuses and texts.
+fn post_all(server: &Server, path: &str, bodies: &[&Value]) -> Vec<(u16, String)> {
+    std::thread::scope(|s| {
+        let sent: Vec<_> = bodies
+            .iter()
+            .map(|b| {
+                s.spawn(|| {
+                    let r = server.post(path, b);
+                    (r.status, r.text())
+                })
+            })
+            .collect();
+        sent.into_iter().map(|h| h.join().unwrap()).collect()
+    })
 }
 
 /// `/reset_mm_cache` clears the processor cache only; `/reset_encoder_cache` returns the bytes.
@@ -1021,18 +1042,7 @@ fn a_failed_step_fails_its_requests_and_nothing_else() {
                 )
             })
             .collect();
-        let replies: Vec<(u16, String)> = std::thread::scope(|s| {
-            let sent: Vec<_> = bodies
-                .iter()
-                .map(|b| {
-                    s.spawn(|| {
-                        let r = server.post("/v1/chat/completions", b);
-                        (r.status, r.text())
-                    })
-                })
-                .collect();
-            sent.into_iter().map(|h| h.join().unwrap()).collect()
-        });
+        let replies = post_all(&server, "/v1/chat/completions", &bodies.iter().collect::<Vec<_>>());
         let failed: Vec<&(u16, String)> = replies.iter().filter(|r| r.0 != 200).collect();
         assert!(!failed.is_empty(), "{plan}: nothing failed: {replies:?}");
         for (status, text) in &failed {
@@ -1190,17 +1200,7 @@ fn a_burst_of_large_images_stays_within_the_preprocessing_budget() {
     assert_eq!(server.post("/v1/chat/completions", &body).status, 200);
     std::fs::write(format!("/proc/{pid}/clear_refs"), "5").unwrap();
     let before = proc_status_bytes(pid, "VmRSS");
-    let replies: Vec<(u16, String)> = std::thread::scope(|s| {
-        let sent: Vec<_> = (0..8)
-            .map(|_| {
-                s.spawn(|| {
-                    let r = server.post("/v1/chat/completions", &body);
-                    (r.status, r.text())
-                })
-            })
-            .collect();
-        sent.into_iter().map(|h| h.join().unwrap()).collect()
-    });
+    let replies = post_all(&server, "/v1/chat/completions", &[&body; 8]);
     let growth = proc_status_bytes(pid, "VmHWM").saturating_sub(before);
     for (status, text) in &replies {
         assert!(
@@ -1725,38 +1725,21 @@ fn a_huge_prompt_is_refused_after_a_few_pieces_within_the_budget() {
     let pid = server.pid();
     std::fs::write(format!("/proc/{pid}/clear_refs"), "5").unwrap();
     let before = proc_status_bytes(pid, "VmRSS");
-    let replies: Vec<(u16, String)> = std::thread::scope(|s| {
-        let sent: Vec<_> = (0..4)
-            .map(|_| {
-                s.spawn(|| {
-                    let r = server.post("/v1/completions", &body);
-                    (r.status, r.text())
-                })
-            })
-            .collect();
-        sent.into_iter().map(|h| h.join().unwrap()).collect()
-    });
+    let replies = post_all(&server, "/v1/completions", &[&body; 4]);
     let growth = proc_status_bytes(pid, "VmHWM").saturating_sub(before);
     for (status, text) in &replies {
         assert_eq!(*status, 400, "{text}");
         assert!(text.contains("tokens in its first"), "{text}");
     }
     let m = memory(&server);
-    let requests = m["ledger"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|e| e["category"] == "requests")
-        .unwrap_or_else(|| panic!("{}", m["ledger"]))
-        .clone();
+    let peak = ledger_figure(&m, "requests", "peak_bytes");
     println!(
         "4 x 4.2 MB prompts of digits: peak resident growth {} MiB, ledger requests peak {} MiB",
         growth >> 20,
-        requests["peak_bytes"].as_u64().unwrap() >> 20
+        peak >> 20
     );
-    assert_eq!(requests["bytes"], 0, "{requests}");
-    let peak = requests["peak_bytes"].as_u64().unwrap();
-    assert!(peak > 4_200_000 && peak < 256 << 20, "{requests}");
+    assert_eq!(ledger(&m, "requests"), 0, "{}", m["ledger"]);
+    assert!(peak > 4_200_000 && peak < 256 << 20, "{}", m["ledger"]);
     assert!(growth < 768 << 20, "peak resident growth {} MiB", growth >> 20);
     // A text of about 350,000 tokens, counted 11,000 tokens a piece; its client leaves at once.
     // (Without `Connection: close`: hyper watches a kept-alive connection for the client's hang-up.)
@@ -1822,17 +1805,7 @@ fn fetched_images_stay_within_the_preprocessing_budget() {
     let pid = server.pid();
     std::fs::write(format!("/proc/{pid}/clear_refs"), "5").unwrap();
     let before = proc_status_bytes(pid, "VmRSS");
-    let replies: Vec<(u16, String)> = std::thread::scope(|s| {
-        let sent: Vec<_> = (0..8)
-            .map(|_| {
-                s.spawn(|| {
-                    let r = server.post("/v1/chat/completions", &body);
-                    (r.status, r.text())
-                })
-            })
-            .collect();
-        sent.into_iter().map(|h| h.join().unwrap()).collect()
-    });
+    let replies = post_all(&server, "/v1/chat/completions", &[&body; 8]);
     let growth = proc_status_bytes(pid, "VmHWM").saturating_sub(before);
     for (status, text) in &replies {
         assert!(
@@ -1841,13 +1814,7 @@ fn fetched_images_stay_within_the_preprocessing_budget() {
         );
     }
     let m = memory(&server);
-    let peak = m["ledger"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|e| e["category"] == "requests")
-        .and_then(|e| e["peak_bytes"].as_u64())
-        .unwrap();
+    let peak = ledger_figure(&m, "requests", "peak_bytes");
     println!(
         "8 x 63 MiB fetched images: peak resident growth {} MiB, ledger requests peak {} MiB, budget {} MiB",
         growth >> 20,

@@ -8,7 +8,8 @@
 //! waited on its client longest, so connections that hold a slot without sending (half-sent
 //! headers, stalled bodies, idle keep-alive) cannot lock out `/health` or a chat: a new client gets
 //! in at once, and an honest request, which sends at once, is never the longest waiting. Only when
-//! every connection is busy serving do new ones wait in the listen backlog, with a log line.
+//! every connection is busy serving does a new one wait (the next ones in the listen backlog), with
+//! a log line.
 //! Long-lived answers that are not generation (the memory stream) have a cap of their own
 //! ([`super::subscribers`]).
 
@@ -66,8 +67,10 @@ struct Table {
 
 /// Every open connection's admission state.
 #[derive(Debug, Default)]
-pub struct Admission {
+struct Admission {
     table: Mutex<Table>,
+    /// Wakes an accept loop waiting at the limit when a connection starts waiting on its client.
+    became_waiting: Notify,
     /// Connections closed for waiting on their client longest while the server was full.
     evicted: AtomicU64,
 }
@@ -109,7 +112,11 @@ impl Admission {
     fn add_busy(&self, state: &Arc<ConnState>, delta: isize) {
         let mut t = self.table();
         if let Some(&(busy, _)) = t.by_conn.get(&key(state)) {
-            Self::set_busy(&mut t, state, busy.saturating_add_signed(delta));
+            let busy = busy.saturating_add_signed(delta);
+            Self::set_busy(&mut t, state, busy);
+            if busy == 0 {
+                self.became_waiting.notify_waiters();
+            }
         }
     }
 
@@ -132,7 +139,7 @@ impl Admission {
     }
 
     /// Connections closed so far to make room.
-    pub fn evicted(&self) -> u64 {
+    fn evicted(&self) -> u64 {
         self.evicted.load(Ordering::Relaxed)
     }
 }
@@ -183,7 +190,9 @@ impl Conn {
     }
 }
 
-/// An answer's body that keeps its request counted as in flight until it is sent.
+/// An answer's body that keeps its request counted as in flight until hyper has taken all of it
+/// (hyper queues a whole body for writing and drops it, so an answer a client never reads does
+/// not keep its connection busy; a stream is polled only as the client reads).
 struct Tracked {
     inner: Body,
     _in_flight: InFlight,
@@ -238,15 +247,58 @@ impl hyper::service::Service<hyper::Request<Incoming>> for Service {
     }
 }
 
+/// Connections the kernel queues for `accept` (Linux caps it at `net.core.somaxconn`, 4096 by
+/// default): a flood of connections waits there rather than having its SYNs dropped and retried
+/// a second later, which would delay honest clients caught among them.
+const LISTEN_BACKLOG: u32 = 4096;
+
+/// A listener on the first address `host:port` resolves to, with [`LISTEN_BACKLOG`].
+pub async fn listen(host: &str, port: u16) -> std::io::Result<tokio::net::TcpListener> {
+    let addr = tokio::net::lookup_host((host, port))
+        .await?
+        .next()
+        .ok_or_else(|| std::io::Error::new(std::io::ErrorKind::NotFound, "the host resolves to no address"))?;
+    let socket = if addr.is_ipv4() {
+        tokio::net::TcpSocket::new_v4()?
+    } else {
+        tokio::net::TcpSocket::new_v6()?
+    };
+    socket.set_reuseaddr(true)?;
+    socket.bind(addr)?;
+    socket.listen(LISTEN_BACKLOG)
+}
+
+/// Raises the soft limit of open files to the hard limit (as vLLM does), so that
+/// `--max-connections` connections plus the server's own files fit; warns when they cannot.
+#[allow(unsafe_code)]
+pub fn raise_open_file_limit(max_connections: usize) {
+    #[cfg(unix)]
+    {
+        let mut limit = libc::rlimit {
+            rlim_cur: 0,
+            rlim_max: 0,
+        };
+        // SAFETY: getrlimit and setrlimit only read and write the struct passed to them.
+        let raised = unsafe {
+            libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) == 0 && {
+                limit.rlim_cur = limit.rlim_max;
+                libc::setrlimit(libc::RLIMIT_NOFILE, &limit) == 0
+            }
+        };
+        let room = usize::try_from(limit.rlim_cur).unwrap_or(usize::MAX);
+        if !raised || room < max_connections.saturating_add(64) {
+            tracing::warn!(
+                "at most {room} open files (ulimit -n): fewer than --max-connections {max_connections} plus the \
+                 server's own; raise the limit or lower --max-connections"
+            );
+        }
+    }
+}
+
 /// Serves `app` on `listener` until `shutdown` resolves, then lets open connections finish for
 /// the grace period.
-pub async fn serve(
-    listener: TcpListener,
-    app: Router,
-    limits: ConnectionLimits,
-    admission: Arc<Admission>,
-    shutdown: impl Future<Output = ()>,
-) {
+pub async fn serve(listener: TcpListener, app: Router, limits: ConnectionLimits, shutdown: impl Future<Output = ()>) {
+    let admission = Arc::new(Admission::default());
     let permits = Arc::new(Semaphore::new(limits.max_connections.max(1)));
     let timed_out = Arc::new(AtomicU64::new(0));
     let graceful = GracefulShutdown::new();
@@ -258,35 +310,6 @@ pub async fn serve(
     let mut warned: Option<Instant> = None;
     let router = TowerToHyperService::new(app);
     loop {
-        let permit = match permits.clone().try_acquire_owned() {
-            Ok(permit) => permit,
-            Err(_) => {
-                let evicted = admission.evict_oldest();
-                if warned.is_none_or(|t| t.elapsed() >= WARN_INTERVAL) {
-                    warned = Some(Instant::now());
-                    tracing::warn!(
-                        "{} connections open (--max-connections): {}; so far {} closed to make room, {} for sending \
-                         no complete request within {} s (--header-timeout)",
-                        limits.max_connections,
-                        if evicted {
-                            "each new connection closes the one that has waited on its client longest"
-                        } else {
-                            "every one is being served, new connections wait until one closes"
-                        },
-                        admission.evicted(),
-                        timed_out.load(Ordering::Relaxed),
-                        limits.header_timeout.as_secs_f64()
-                    );
-                }
-                tokio::select! {
-                    permit = permits.clone().acquire_owned() => match permit {
-                        Ok(permit) => permit,
-                        Err(_) => break,
-                    },
-                    () = &mut shutdown => break,
-                }
-            }
-        };
         let stream = tokio::select! {
             accepted = listener.accept() => match accepted {
                 Ok((stream, _)) => stream,
@@ -299,6 +322,40 @@ pub async fn serve(
             },
             () = &mut shutdown => break,
         };
+        // A connection has come. At the limit: close the connection that has waited on its client
+        // longest and take its slot; with none waiting, wait for a slot or for a connection to
+        // start waiting. (Only for a connection that has come: a slot is never freed in advance.)
+        let permit = loop {
+            if let Ok(permit) = permits.clone().try_acquire_owned() {
+                break Some(permit);
+            }
+            let became_waiting = admission.became_waiting.notified();
+            tokio::pin!(became_waiting);
+            became_waiting.as_mut().enable();
+            let evicted = admission.evict_oldest();
+            if warned.is_none_or(|t| t.elapsed() >= WARN_INTERVAL) {
+                warned = Some(Instant::now());
+                tracing::warn!(
+                    "{} connections open (--max-connections): {}; so far {} closed to make room, {} for sending \
+                     no complete request within {} s (--header-timeout)",
+                    limits.max_connections,
+                    if evicted {
+                        "each new connection closes the one that has waited on its client longest"
+                    } else {
+                        "every one is being served, new connections wait until one closes"
+                    },
+                    admission.evicted(),
+                    timed_out.load(Ordering::Relaxed),
+                    limits.header_timeout.as_secs_f64()
+                );
+            }
+            tokio::select! {
+                permit = permits.clone().acquire_owned() => break permit.ok(),
+                () = &mut became_waiting, if !evicted => continue,
+                () = &mut shutdown => break None,
+            }
+        };
+        let Some(permit) = permit else { break };
         let state = Arc::new(ConnState::default());
         admission.open(&state);
         let conn = Conn {
@@ -341,5 +398,56 @@ pub async fn serve(
             "connections still open {} s after the signal; closing them",
             limits.shutdown_grace.as_secs()
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    /// Two clients ask for a 64 MiB answer and never read it, on a server of two connections: hyper
+    /// has taken each whole answer, so their connections wait on their clients and a third client
+    /// is answered.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn clients_that_never_read_their_answers_make_room() {
+        let app = Router::new()
+            .route("/big", axum::routing::get(|| async { vec![7u8; 64 << 20] }))
+            .route("/small", axum::routing::get(|| async { "ok" }));
+        let listener = listen("127.0.0.1", 0).await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let limits = ConnectionLimits {
+            max_connections: 2,
+            header_timeout: Duration::from_secs(300),
+            shutdown_grace: Duration::from_secs(1),
+        };
+        let server = tokio::spawn(serve(listener, app, limits, std::future::pending()));
+        let mut never_read = Vec::new();
+        for _ in 0..2 {
+            let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port)).await.unwrap();
+            s.write_all(b"GET /big HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+                .await
+                .unwrap();
+            // The answer has started (the request is being served), and is then never read.
+            let mut status = [0u8; 12];
+            s.read_exact(&mut status).await.unwrap();
+            assert_eq!(&status, b"HTTP/1.1 200");
+            never_read.push(s);
+        }
+        let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port)).await.unwrap();
+        s.write_all(b"GET /small HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
+            .await
+            .unwrap();
+        let mut answer = Vec::new();
+        tokio::time::timeout(Duration::from_secs(300), s.read_to_end(&mut answer))
+            .await
+            .expect("the third client was answered")
+            .unwrap();
+        assert!(
+            answer.starts_with(b"HTTP/1.1 200"),
+            "{}",
+            String::from_utf8_lossy(&answer)
+        );
+        server.abort();
     }
 }

@@ -35,7 +35,7 @@ use axum::Router;
 use engine_loop::{EngineHandle, EngineLoop};
 use errors::{json_response, ApiError};
 use kvlens_engine::occupancy::Occupancy;
-use listener::{Admission, ConnectionLimits};
+use listener::ConnectionLimits;
 use metrics::{Gauges, Metrics};
 use serde_json::json;
 use site::SiteRules;
@@ -118,54 +118,6 @@ impl App {
     }
 }
 
-/// Connections the kernel queues for `accept` (Linux caps it at `net.core.somaxconn`, 4096 by
-/// default): a flood of connections waits there rather than having its SYNs dropped and retried
-/// a second later, which would delay honest clients caught among them.
-const LISTEN_BACKLOG: u32 = 4096;
-
-/// A listener on the first address `host:port` resolves to, with [`LISTEN_BACKLOG`].
-async fn listen(host: &str, port: u16) -> std::io::Result<tokio::net::TcpListener> {
-    let addr = tokio::net::lookup_host((host, port))
-        .await?
-        .next()
-        .ok_or_else(|| std::io::Error::new(std::io::ErrorKind::NotFound, "the host resolves to no address"))?;
-    let socket = if addr.is_ipv4() {
-        tokio::net::TcpSocket::new_v4()?
-    } else {
-        tokio::net::TcpSocket::new_v6()?
-    };
-    socket.set_reuseaddr(true)?;
-    socket.bind(addr)?;
-    socket.listen(LISTEN_BACKLOG)
-}
-
-/// Raises the soft limit of open files to the hard limit (as vLLM does), so that
-/// `--max-connections` connections plus the server's own files fit; warns when they cannot.
-#[allow(unsafe_code)]
-fn raise_open_file_limit(max_connections: usize) {
-    #[cfg(unix)]
-    {
-        let mut limit = libc::rlimit {
-            rlim_cur: 0,
-            rlim_max: 0,
-        };
-        // SAFETY: getrlimit and setrlimit only read and write the struct passed to them.
-        let raised = unsafe {
-            libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) == 0 && {
-                limit.rlim_cur = limit.rlim_max;
-                libc::setrlimit(libc::RLIMIT_NOFILE, &limit) == 0
-            }
-        };
-        let room = usize::try_from(limit.rlim_cur).unwrap_or(usize::MAX);
-        if !raised || room < max_connections.saturating_add(64) {
-            tracing::warn!(
-                "at most {room} open files (ulimit -n): fewer than --max-connections {max_connections} plus the \
-                 server's own; raise the limit or lower --max-connections"
-            );
-        }
-    }
-}
-
 /// Seconds since the Unix epoch (OpenAI's `created`).
 fn unix_seconds() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
@@ -184,7 +136,7 @@ pub fn run(args: &ServeArgs) -> Result<()> {
 async fn serve(args: &ServeArgs, engine_args: EngineArgs) -> Result<()> {
     let media = media::MediaFetcher::new(args.allowed_media_domains.clone(), args.media_ca_file.as_deref())?;
     let cors = args.cors()?;
-    let listener = listen(&args.host, args.port)
+    let listener = listener::listen(&args.host, args.port)
         .await
         .map_err(|e| UsageError(format!("cannot listen on {}:{}: {e}", args.host, args.port)))?;
     let local = listener.local_addr()?;
@@ -222,7 +174,7 @@ async fn serve(args: &ServeArgs, engine_args: EngineArgs) -> Result<()> {
     if args.max_stream_subscribers == 0 {
         return Err(UsageError("--max-stream-subscribers must be at least 1".into()).into());
     }
-    raise_open_file_limit(args.max_connections);
+    listener::raise_open_file_limit(args.max_connections);
     let app = Arc::new(App {
         ready: OnceLock::new(),
         api_key: args.api_key.clone(),
@@ -238,7 +190,6 @@ async fn serve(args: &ServeArgs, engine_args: EngineArgs) -> Result<()> {
         listener,
         router(app.clone(), &args.playground_dir).layer(cors),
         limits,
-        Arc::new(Admission::default()),
         async {
             let _ = stopped.await;
         },
