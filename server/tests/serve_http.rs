@@ -1146,6 +1146,32 @@ fn slow_header_floods_are_timed_out_and_limited() {
     assert_eq!(server.get("/health").status, 200);
 }
 
+/// The request path's host-memory budget in bytes, as the server's start-up line states it.
+fn preprocess_budget(server: &Server) -> u64 {
+    let log = server.log();
+    let line = log
+        .lines()
+        .find(|l| l.contains("image preprocessing) may hold"))
+        .unwrap_or_else(|| panic!("{log}"));
+    let gib: f64 = line
+        .split("hold ")
+        .nth(1)
+        .and_then(|rest| rest.split(' ').next())
+        .and_then(|g| g.parse().ok())
+        .unwrap_or_else(|| panic!("{line}"));
+    (gib * f64::from(1u32 << 30)) as u64
+}
+
+/// Runs `work` and returns what it returned and how far the server's peak resident memory rose
+/// above its resident memory before it (the peak is reset first).
+fn peak_growth<T>(server: &Server, work: impl FnOnce() -> T) -> (T, u64) {
+    let pid = server.pid();
+    std::fs::write(format!("/proc/{pid}/clear_refs"), "5").unwrap();
+    let before = proc_status_bytes(pid, "VmRSS");
+    let out = work();
+    (out, proc_status_bytes(pid, "VmHWM").saturating_sub(before))
+}
+
 /// This process's resident memory figure `field` (`VmRSS`, `VmHWM`) of `pid`, in bytes.
 fn proc_status_bytes(pid: u32, field: &str) -> u64 {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
@@ -1170,20 +1196,7 @@ fn a_burst_of_large_images_stays_within_the_preprocessing_budget() {
         r#"{"max_pixels": 65536}"#,
     ]);
     server.wait_ready();
-    let log = server.log();
-    let line = log
-        .lines()
-        .find(|l| l.contains("image preprocessing) may hold"))
-        .unwrap_or_else(|| panic!("{log}"));
-    let budget_gib: f64 = line
-        .split("hold ")
-        .nth(1)
-        .unwrap()
-        .split(' ')
-        .next()
-        .unwrap()
-        .parse()
-        .unwrap();
+    let budget = preprocess_budget(&server);
     let img = image::RgbImage::from_fn(6000, 6000, |x, y| {
         image::Rgb([(x / 1000) as u8 * 40, (y / 1000) as u8 * 40, 90])
     });
@@ -1195,20 +1208,15 @@ fn a_burst_of_large_images_stays_within_the_preprocessing_budget() {
         &format!("data:image/png;base64,{}", base64(&png)),
         json!({"max_tokens": 1}),
     );
-    let pid = server.pid();
     // Warm up once, then measure the peak from here.
     assert_eq!(server.post("/v1/chat/completions", &body).status, 200);
-    std::fs::write(format!("/proc/{pid}/clear_refs"), "5").unwrap();
-    let before = proc_status_bytes(pid, "VmRSS");
-    let replies = post_all(&server, "/v1/chat/completions", &[&body; 8]);
-    let growth = proc_status_bytes(pid, "VmHWM").saturating_sub(before);
+    let (replies, growth) = peak_growth(&server, || post_all(&server, "/v1/chat/completions", &[&body; 8]));
     for (status, text) in &replies {
         assert!(
             *status == 200 || (*status == 503 && text.contains("memory budget")),
             "{status} {text}"
         );
     }
-    let budget = (budget_gib * f64::from(1u32 << 30)) as u64;
     println!(
         "peak resident growth {} MiB with a budget of {} MiB",
         growth >> 20,
@@ -1687,21 +1695,7 @@ fn long_context_checkpoint() -> PathBuf {
     config["text_config"]["max_position_embeddings"] = json!(262_144);
     let path = scratch("serve-http-long-context.json");
     std::fs::write(&path, config.to_string()).unwrap();
-    let dir = scratch("serve-http-long-context");
-    let out = common::kvlens(&[
-        "random-checkpoint",
-        "--config",
-        path.to_str().unwrap(),
-        "--out",
-        dir.to_str().unwrap(),
-        "--image-limits",
-        "1024,65536",
-        "--dtype",
-        "f32",
-        "--force",
-    ]);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    dir
+    common::checkpoint_of(&path, "serve-http-long-context", &["--dtype", "f32"])
 }
 
 /// Four 4.2 MB prompts of digits (one token per byte, 4.2 million tokens) at once against a
@@ -1722,11 +1716,7 @@ fn a_huge_prompt_is_refused_after_a_few_pieces_within_the_budget() {
     );
     server.wait_ready();
     let body = json!({"model": "tiny", "prompt": "7".repeat(4_200_000), "max_tokens": 1});
-    let pid = server.pid();
-    std::fs::write(format!("/proc/{pid}/clear_refs"), "5").unwrap();
-    let before = proc_status_bytes(pid, "VmRSS");
-    let replies = post_all(&server, "/v1/completions", &[&body; 4]);
-    let growth = proc_status_bytes(pid, "VmHWM").saturating_sub(before);
+    let (replies, growth) = peak_growth(&server, || post_all(&server, "/v1/completions", &[&body; 4]));
     for (status, text) in &replies {
         assert_eq!(*status, 400, "{text}");
         assert!(text.contains("tokens in its first"), "{text}");
@@ -1786,27 +1776,9 @@ fn fetched_images_stay_within_the_preprocessing_budget() {
         r#"{"max_pixels": 65536}"#,
     ]);
     server.wait_ready();
-    let log = server.log();
-    let line = log
-        .lines()
-        .find(|l| l.contains("image preprocessing) may hold"))
-        .unwrap_or_else(|| panic!("{log}"));
-    let budget_gib: f64 = line
-        .split("hold ")
-        .nth(1)
-        .unwrap()
-        .split(' ')
-        .next()
-        .unwrap()
-        .parse()
-        .unwrap();
-    let budget = (budget_gib * f64::from(1u32 << 30)) as u64;
+    let budget = preprocess_budget(&server);
     let body = image_chat(&format!("http://127.0.0.1:{port}/c.png"), json!({"max_tokens": 1}));
-    let pid = server.pid();
-    std::fs::write(format!("/proc/{pid}/clear_refs"), "5").unwrap();
-    let before = proc_status_bytes(pid, "VmRSS");
-    let replies = post_all(&server, "/v1/chat/completions", &[&body; 8]);
-    let growth = proc_status_bytes(pid, "VmHWM").saturating_sub(before);
+    let (replies, growth) = peak_growth(&server, || post_all(&server, "/v1/chat/completions", &[&body; 8]));
     for (status, text) in &replies {
         assert!(
             (*status == 400 && text.contains("decode")) || (*status == 503 && text.contains("memory budget")),

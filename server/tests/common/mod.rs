@@ -51,8 +51,13 @@ pub fn tiny_checkpoint_in(name: &str, dtype: &str) -> PathBuf {
 
 /// [`tiny_checkpoint`] written with these extra `random-checkpoint` arguments.
 pub fn tiny_checkpoint_with(name: &str, args: &[&str]) -> PathBuf {
+    checkpoint_of(&root().join("tools/golden/configs/qwen3_vl_tiny.json"), name, args)
+}
+
+/// A random checkpoint of `config` (images of 1024 to 65536 pixels) written into the scratch
+/// directory under `name` with these extra `random-checkpoint` arguments.
+pub fn checkpoint_of(config: &Path, name: &str, args: &[&str]) -> PathBuf {
     let dir = scratch(name);
-    let config = root().join("tools/golden/configs/qwen3_vl_tiny.json");
     let out = kvlens(
         &[
             "random-checkpoint",
