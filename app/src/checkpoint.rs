@@ -4,7 +4,7 @@
 //! memory. What was fetched is kept in Cache Storage, so a reload does not download it again.
 
 use js_sys::{Reflect, Uint8Array};
-use kvlens_engine::config::ModelConfig;
+use kvlens_engine::arch::config::ModelConfig;
 use kvlens_engine::input::chat::select_chat_template;
 use kvlens_engine::model::checkpoint_files;
 use wasm_bindgen::{JsCast, JsValue};

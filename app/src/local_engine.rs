@@ -4,19 +4,19 @@
 
 use crate::checkpoint::{CheckpointInfo, Source};
 use crate::memory_view::{size, Budget, ResetKind};
+use kvlens_engine::arch::config::DType;
+use kvlens_engine::arch::weight_format::WeightFormat;
 use kvlens_engine::backend::cpu::CpuBackend;
 use kvlens_engine::backend::wgpu::{WgpuBackend, WgpuOptions};
 use kvlens_engine::backend::Backend;
 use kvlens_engine::builder::{build_engine, EngineOptions, StartupReport};
 use kvlens_engine::cache::RequestId;
-use kvlens_engine::config::DType;
 use kvlens_engine::engine::{Engine, Request, TokenEvent};
 use kvlens_engine::input::processor::InputProcessor;
 use kvlens_engine::memory::device::{device_preset, DeviceProfile};
 use kvlens_engine::memory::ledger::MemoryLedger;
 use kvlens_engine::memory::planner::{plan, MmLimits, Plan, PlanRequest};
 use kvlens_engine::model::stream::StreamLoader;
-use kvlens_engine::model::weight_format::WeightFormat;
 use kvlens_engine::occupancy::Occupancy;
 use kvlens_engine::runner::ModelRunner;
 use std::cell::{Cell, RefCell};
@@ -442,7 +442,7 @@ async fn yield_to_browser() {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kvlens_engine::config::ModelConfig;
+    use kvlens_engine::arch::config::ModelConfig;
 
     fn demo_info() -> CheckpointInfo {
         let config = ModelConfig::from_json(include_str!("../../tools/golden/configs/qwen3_vl_tiny.json")).unwrap();

@@ -4,13 +4,13 @@
 //! vllm-ascend log is explained as `kvlens plan --from-log` explains it. The engine's own planner
 //! computes everything, in wasm.
 
-use kvlens_engine::config::BUNDLED_CONFIGS;
+use kvlens_engine::arch::config::BUNDLED_CONFIGS;
+use kvlens_engine::arch::weight_format::WeightFormat;
 use kvlens_engine::memory::device::device_presets;
 use kvlens_engine::memory::log_budget::{HeaderSettings, LogBudget, WhatIf};
 use kvlens_engine::memory::plan_inputs::{bundled_model, PlanInputs, DEFAULT_DEVICE, DEFAULT_MODEL};
 use kvlens_engine::memory::vllm_log::{parse_vllm_log, RecognisedLine};
 use kvlens_engine::memory::{plan, Plan, Source};
-use kvlens_engine::model::weight_format::WeightFormat;
 use leptos::prelude::*;
 
 /// Text and number fields: (query key, vLLM's flag, what an empty field means).

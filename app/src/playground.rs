@@ -7,7 +7,7 @@ use crate::checkpoint::Source;
 use crate::local_engine::{verdict, Device, Local, Progress, Settings};
 use crate::memory_view::{size, Budget, MemoryView, ResetKind};
 use crate::server_mode::ServerMode;
-use kvlens_engine::model::weight_format::WeightFormat;
+use kvlens_engine::arch::weight_format::WeightFormat;
 use kvlens_engine::occupancy::Occupancy;
 use leptos::prelude::*;
 use std::collections::HashMap;

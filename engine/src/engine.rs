@@ -289,7 +289,7 @@ impl Engine {
     }
 
     /// The model's config.
-    pub fn model_config(&self) -> &crate::config::ModelConfig {
+    pub fn model_config(&self) -> &crate::arch::config::ModelConfig {
         self.runner.model_config()
     }
 

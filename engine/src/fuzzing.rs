@@ -5,8 +5,8 @@
 
 use std::sync::OnceLock;
 
+use crate::arch::config::{bundled_config, Family, ImageLimits, ModelConfig, ProcessorKwargs};
 use crate::backend::cpu::CpuBackend;
-use crate::config::{bundled_config, Family, ImageLimits, ModelConfig, ProcessorKwargs};
 use crate::input::chat::{default_template, image_sources, ChatMessage, ChatTemplate, RenderOptions};
 use crate::input::image::{decode_image, ProcessorSettings};
 use crate::memory::ledger::MemoryLedger;

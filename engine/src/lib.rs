@@ -3,10 +3,10 @@
 //! The crate has no networking, spawns no threads and touches no files: callers hand it bytes.
 //! It compiles for native targets and for `wasm32-unknown-unknown`.
 
+pub mod arch;
 pub mod backend;
 pub mod builder;
 pub mod cache;
-pub mod config;
 pub mod engine;
 pub mod fault;
 #[doc(hidden)]
@@ -15,6 +15,7 @@ pub mod input;
 pub mod memory;
 pub mod model;
 pub mod occupancy;
+mod parallel;
 pub mod profile;
 pub mod runner;
 pub mod sample;

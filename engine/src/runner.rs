@@ -4,9 +4,9 @@
 //! and queues the one read the step needs. The start-up profile is a dummy batch through the same
 //! path ([`crate::profile`]).
 
+use crate::arch::config::ModelConfig;
 use crate::backend::{Backend, KvLayout, PagedBatch, PagedSeq, Readback};
 use crate::cache::{MmHash, RequestId};
-use crate::config::ModelConfig;
 use crate::memory::ledger::{Category, MemoryLedger};
 use crate::model::rope::mrope_tables;
 use crate::model::text::DecoderInput;

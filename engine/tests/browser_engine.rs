@@ -21,12 +21,12 @@
 
 use base64::engine::general_purpose::STANDARD;
 use base64::Engine as _;
+use kvlens_engine::arch::config::{ImageLimits, ModelConfig};
 use kvlens_engine::backend::cpu::CpuBackend;
 #[cfg(feature = "wgpu")]
 use kvlens_engine::backend::wgpu::{WgpuBackend, WgpuOptions};
 use kvlens_engine::backend::Backend;
 use kvlens_engine::builder::{build_engine, EngineOptions};
-use kvlens_engine::config::{ImageLimits, ModelConfig};
 use kvlens_engine::engine::{Engine, Request};
 use kvlens_engine::input::chat::{select_chat_template, ChatMessage, Content, ContentPart, ImageUrl};
 use kvlens_engine::input::processor::{InlineImages, InputProcessor};

@@ -5,14 +5,14 @@
 use std::collections::HashMap;
 use std::sync::{Mutex, MutexGuard};
 
+use kvlens_engine::arch::config::ModelConfig;
+use kvlens_engine::arch::spec::tensor_specs;
 use kvlens_engine::backend::cpu::CpuBackend;
 use kvlens_engine::backend::instrumented::{Instrumented, Transfers};
 use kvlens_engine::backend::{block_on, Backend};
-use kvlens_engine::config::ModelConfig;
 use kvlens_engine::engine::{Engine, EngineConfig, FinishReason, ImageInput, Request};
 use kvlens_engine::memory::ledger::{Category, MemoryLedger};
 use kvlens_engine::model::random_weights::RandomInit;
-use kvlens_engine::model::spec::tensor_specs;
 use kvlens_engine::model::weights::SafetensorsFiles;
 use kvlens_engine::model::QwenVl;
 use kvlens_engine::runner::ModelRunner;

@@ -57,7 +57,7 @@ mod input {
 
     use crate::alloc_meter;
 
-    use kvlens_engine::config::{bundled_config, Family, ImageLimits};
+    use kvlens_engine::arch::config::{bundled_config, Family, ImageLimits};
     use kvlens_engine::input::image::{decode_image, ProcessorSettings, CLIP_MEAN, CLIP_STD};
     use kvlens_engine::input::{process_image, ImageSource, InputError};
 

@@ -5,7 +5,7 @@
 /// Inside a module named `input` so that `cargo test -p kvlens-engine input` selects these tests.
 mod input {
     use base64::Engine as _;
-    use kvlens_engine::config::{bundled_config, Family};
+    use kvlens_engine::arch::config::{bundled_config, Family};
     use kvlens_engine::input::{
         default_template, ChatMessage, InlineImages, InputError, InputHost, InputProcessor, ProcessedImage,
         PromptOptions,

@@ -37,7 +37,7 @@ mod input {
     fn rendered_qwen2_prompt_matches_python() {
         let t = tokenizer();
         let template = ChatTemplate::new(kvlens_engine::input::default_template(
-            kvlens_engine::config::Family::Qwen2Vl,
+            kvlens_engine::arch::config::Family::Qwen2Vl,
         ))
         .unwrap();
         let messages = ChatMessage::parse_list(

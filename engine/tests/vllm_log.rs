@@ -1,7 +1,7 @@
 //! Tests of the vLLM start-up log parser against the sample logs and synthetic variants, and of the
 //! budget rebuilt from a log that prints no total.
 
-use kvlens_engine::config::bundled_config;
+use kvlens_engine::arch::config::bundled_config;
 use kvlens_engine::memory::device::device_preset;
 use kvlens_engine::memory::log_budget::{rebuild, DeviceTotal};
 use kvlens_engine::memory::vllm_log::{

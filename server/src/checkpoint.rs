@@ -3,7 +3,7 @@
 
 use crate::UsageError;
 use anyhow::{Context, Result};
-use kvlens_engine::config::ModelConfig;
+use kvlens_engine::arch::config::ModelConfig;
 use kvlens_engine::model::checkpoint_files;
 use memmap2::Mmap;
 use std::fs::File;

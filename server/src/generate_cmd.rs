@@ -3,16 +3,16 @@
 use crate::runtime::{load, BackendChoice, Cancel, Frontend};
 use crate::UsageError;
 use anyhow::Result;
+use kvlens_engine::arch::config::ImageLimits;
+use kvlens_engine::arch::weight_format::WeightFormat;
 use kvlens_engine::backend::BackendKind;
 use kvlens_engine::builder::EngineOptions;
-use kvlens_engine::config::ImageLimits;
 use kvlens_engine::engine::{Engine, FinishReason};
 use kvlens_engine::input::chat::{ChatMessage, Content, ContentPart, ImageUrl};
 use kvlens_engine::input::tokenizer::IncrementalDecoder;
 use kvlens_engine::memory::ledger::Category;
 use kvlens_engine::memory::planner::{MmLimits, PlanRequest};
 use kvlens_engine::memory::weights::{weight_bytes_per_rank, Part};
-use kvlens_engine::model::weight_format::WeightFormat;
 use kvlens_engine::sample::SamplingParams;
 use std::io::Write;
 use std::path::PathBuf;

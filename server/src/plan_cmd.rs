@@ -2,7 +2,7 @@
 
 use crate::UsageError;
 use anyhow::Result;
-use kvlens_engine::config::{ImageLimits, ModelConfig};
+use kvlens_engine::arch::config::{ImageLimits, ModelConfig};
 use kvlens_engine::memory::log_budget::HeaderSettings;
 use kvlens_engine::memory::plan_inputs::{bundled_model, PlanInputs, PlanModel};
 use kvlens_engine::memory::vllm_log::{parse_vllm_log, ParsedLog};

@@ -8,11 +8,11 @@
 
 use crate::UsageError;
 use anyhow::{Context, Result};
-use kvlens_engine::config::{bundled_config, DType, Family, ImageLimits, ModelConfig, BUNDLED_CONFIGS};
+use kvlens_engine::arch::config::{bundled_config, DType, Family, ImageLimits, ModelConfig, BUNDLED_CONFIGS};
+use kvlens_engine::arch::spec::{tensor_specs, TensorSpec};
+use kvlens_engine::arch::weight_format::WeightFormat;
 use kvlens_engine::input::default_template;
 use kvlens_engine::model::random_weights::{safetensors_header, RandomInit, INIT_STD};
-use kvlens_engine::model::spec::{tensor_specs, TensorSpec};
-use kvlens_engine::model::weight_format::WeightFormat;
 use serde_json::{json, Map, Value};
 use std::fs::File;
 use std::io::{BufWriter, Write};

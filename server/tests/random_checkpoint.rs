@@ -2,7 +2,7 @@
 //! counts and the published tensor names, config round trips, the small files, and user mistakes
 //! (exit 2).
 
-use kvlens_engine::config::{DType, Family, ImageLimits, ModelConfig};
+use kvlens_engine::arch::config::{DType, Family, ImageLimits, ModelConfig};
 use kvlens_engine::memory::weights::param_counts;
 use serde_json::Value;
 use std::collections::BTreeMap;

@@ -4,15 +4,14 @@
 
 mod attention;
 mod bf16_gemm;
-pub(crate) mod blocks;
+mod block_dot;
 mod packed;
-mod parallel;
 mod segment_attention;
 mod vector_math;
 
 use super::{ready, Activation, BResult, Backend, BackendError, KvLayout, PagedBatch, RawDType, RawTensor, Readback};
+use crate::arch::weight_format::WeightFormat;
 use crate::memory::ledger::{Category, Held, MemoryLedger};
-use crate::model::weight_format::WeightFormat;
 use crate::sample::DeviceSampling;
 use attention::SeqAttention;
 use candle_core::{DType, Device, Tensor, D};
@@ -219,8 +218,8 @@ impl Backend for CpuBackend {
         "cpu"
     }
 
-    fn dtype(&self) -> crate::config::DType {
-        crate::config::DType::F32
+    fn dtype(&self) -> crate::arch::config::DType {
+        crate::arch::config::DType::F32
     }
 
     fn ledger(&self) -> &MemoryLedger {

@@ -118,7 +118,7 @@ impl<B: Backend> Backend for Instrumented<B> {
     fn name(&self) -> &'static str {
         self.inner.name()
     }
-    fn dtype(&self) -> crate::config::DType {
+    fn dtype(&self) -> crate::arch::config::DType {
         self.inner.dtype()
     }
     fn ledger(&self) -> &MemoryLedger {

@@ -6,6 +6,8 @@ pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod instrumented;
+#[cfg(test)]
+pub(crate) mod plan_check;
 mod readback;
 #[doc(hidden)]
 pub mod suite;
@@ -202,7 +204,7 @@ pub trait Backend: std::fmt::Debug + 'static {
     /// Short name (`cpu`, `wgpu`, `cuda`).
     fn name(&self) -> &'static str;
     /// The dtype its activations and KV cache are computed and stored in.
-    fn dtype(&self) -> crate::config::DType;
+    fn dtype(&self) -> crate::arch::config::DType;
     /// Bytes per element of [`Self::dtype`].
     fn elem_bytes(&self) -> u64 {
         self.dtype().size_bytes()

@@ -15,7 +15,7 @@ use minijinja::{Environment, Error, ErrorKind};
 use serde::Deserialize;
 
 use super::InputError;
-use crate::config::Family;
+use crate::arch::config::Family;
 
 /// One chat message: a role and its content.
 #[derive(Debug, Clone, PartialEq, Deserialize)]

@@ -16,7 +16,7 @@ use sha2::{Digest, Sha256};
 
 use super::resize::smart_resize;
 use super::InputError;
-use crate::config::{Family, ImageLimits, ModelConfig};
+use crate::arch::config::{Family, ImageLimits, ModelConfig};
 
 /// CLIP's per-channel mean as transformers writes it (Python floats).
 const CLIP_MEAN_F64: [f64; 3] = [0.48145466, 0.4578275, 0.40821073];

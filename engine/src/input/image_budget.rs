@@ -38,7 +38,7 @@ fn cost(pixels: u64, resized: u64, settings: &ProcessorSettings) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::{Family, ImageLimits};
+    use crate::arch::config::{Family, ImageLimits};
     use crate::input::image::process_image;
 
     use std::io::Cursor;

@@ -1,7 +1,7 @@
 //! `smart_resize`: the size an image is resized to before patchification, exactly as Hugging Face
 //! transformers computes it (Python's round-half-to-even included).
 
-use crate::config::ImageLimits;
+use crate::arch::config::ImageLimits;
 
 /// Why an image size cannot be processed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -57,7 +57,7 @@ pub fn image_tokens(height: u64, width: u64, factor: u64, limits: ImageLimits) -
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::Family;
+    use crate::arch::config::Family;
 
     /// Sizes `smart_resize` of transformers 4.57.1 gives
     /// (<https://github.com/huggingface/transformers/blob/v4.57.1/src/transformers/models/qwen2_vl/image_processing_qwen2_vl.py>).

@@ -4,7 +4,7 @@
 
 use super::planner::{finish_kv, plan, MmLimits, Plan, PlanError, PlanRequest, Source};
 use super::vllm_log::{ParsedLog, Printed, ProfilingFormat};
-use crate::config::DType;
+use crate::arch::config::DType;
 
 use super::GIB;
 
@@ -662,7 +662,7 @@ fn video_what_if(p: &Plan, req: &PlanRequest, target: usize) -> WhatIf {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::bundled_config;
+    use crate::arch::config::bundled_config;
     use crate::memory::device_preset;
     use crate::memory::vllm_log::parse_vllm_log;
 

@@ -6,8 +6,8 @@ use super::device::{device_preset, device_preset_names, gib_to_bytes};
 use super::log_budget::{header_settings, rebuild, what_if, DeviceTotal, HeaderSettings, LogBudget, WhatIf};
 use super::planner::{MmLimits, PlanError, PlanRequest, DEFAULT_MM_PROCESSOR_CACHE_GB};
 use super::vllm_log::ParsedLog;
-use crate::config::{bundled_config, DType, ImageLimits, ModelConfig};
-use crate::model::weight_format::WeightFormat;
+use crate::arch::config::{bundled_config, DType, ImageLimits, ModelConfig};
+use crate::arch::weight_format::WeightFormat;
 
 /// The model planned when neither a flag nor a log names one.
 pub const DEFAULT_MODEL: &str = "Qwen3-VL-8B-Instruct";

@@ -9,8 +9,8 @@
 
 use super::device::DeviceProfile;
 use super::weights::weight_bytes_per_rank;
-use crate::config::{DType, Family, ImageLimits, ModelConfig};
-use crate::model::weight_format::WeightFormat;
+use crate::arch::config::{DType, Family, ImageLimits, ModelConfig};
+use crate::arch::weight_format::WeightFormat;
 
 use super::GIB;
 /// vLLM's default `--limit-mm-per-prompt` for each modality in V1.
@@ -831,7 +831,7 @@ impl Plan {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::bundled_config;
+    use crate::arch::config::bundled_config;
     use crate::memory::device::{device_preset, gib_to_bytes};
 
     fn request(model: &str, device: &str) -> PlanRequest {

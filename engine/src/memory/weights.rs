@@ -1,12 +1,12 @@
-//! Parameters per tensor-parallel rank, counted from the model's [`TensorSpec`](crate::model::spec::TensorSpec)
+//! Parameters per tensor-parallel rank, counted from the model's [`TensorSpec`](crate::arch::spec::TensorSpec)
 //! list: how many each part has and how vLLM splits them across ranks (column/row-parallel layers
 //! split, norms, patch embedding and row-parallel biases replicated, KV heads replicated when there
 //! are fewer than ranks).
 
-use crate::config::ModelConfig;
-use crate::model::spec::{tensor_specs, TensorSpec};
-pub use crate::model::spec::{Part, Shard};
-use crate::model::weight_format::WeightFormat;
+use crate::arch::config::ModelConfig;
+use crate::arch::spec::{tensor_specs, TensorSpec};
+pub use crate::arch::spec::{Part, Shard};
+use crate::arch::weight_format::WeightFormat;
 
 /// A group of parameters with one sharding rule.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -52,7 +52,7 @@ pub struct ParamCounts {
     pub total: u64,
 }
 
-/// Lists every parameter group of the model: its tensors summed by [`TensorSpec::group`](crate::model::spec::TensorSpec::group),
+/// Lists every parameter group of the model: its tensors summed by [`TensorSpec::group`](crate::arch::spec::TensorSpec::group),
 /// in order of first appearance.
 pub fn param_groups(cfg: &ModelConfig) -> Vec<ParamGroup> {
     groups_of(tensor_specs(cfg))
@@ -135,7 +135,7 @@ pub fn weight_bytes_per_rank(cfg: &ModelConfig, tp: usize, dtype_bytes: u64, for
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::bundled_config;
+    use crate::arch::config::{bundled_config, BUNDLED_CONFIGS};
 
     /// (name, vision, text, embed, lm_head, total) of the published checkpoints; each total is what
     /// the model's safetensors index gives, `metadata.total_size` / 2 (bf16), at
@@ -263,7 +263,7 @@ mod tests {
                 "{name}"
             );
         }
-        assert_eq!(TABLE.len(), crate::config::BUNDLED_CONFIGS.len());
+        assert_eq!(TABLE.len(), crate::arch::config::BUNDLED_CONFIGS.len());
     }
 
     #[test]
@@ -305,5 +305,40 @@ mod tests {
         // Split across two ranks, each holds a bit more than half (replicated norms and biases).
         let (one, two) = (total(1, WeightFormat::Q4_0), total(2, WeightFormat::Q4_0));
         assert!(two > one / 2 && two < one / 2 + one / 50, "{two} vs {one}");
+    }
+
+    /// Where `tp` divides every split dimension, splitting tensor by tensor along its dimension (as
+    /// vLLM does) holds exactly what the planner's groups give each rank.
+    #[test]
+    fn per_tensor_shards_add_up_to_the_planner_s_figures() {
+        let mut checked = 0;
+        for (name, _) in BUNDLED_CONFIGS {
+            let cfg = bundled_config(name).unwrap();
+            let specs = tensor_specs(&cfg);
+            for tp in [1usize, 2, 4, 8] {
+                let divides = |t: &TensorSpec| match t.shard {
+                    Shard::Split(d) => t.shape[d].is_multiple_of(tp),
+                    Shard::Replicated | Shard::KvHeads(_) => true,
+                };
+                if !specs.iter().all(divides) {
+                    continue;
+                }
+                let per_tensor: u64 = specs
+                    .iter()
+                    .map(|t| match t.shard {
+                        Shard::Replicated => t.numel(),
+                        Shard::Split(_) => t.numel() / tp as u64,
+                        Shard::KvHeads(heads) => t.numel() / heads as u64 * (heads / tp).max(1) as u64,
+                    })
+                    .sum();
+                let planner: u64 = weight_bytes_per_rank(&cfg, tp, 1, WeightFormat::Unquantized)
+                    .iter()
+                    .map(|(_, b)| b)
+                    .sum();
+                assert_eq!(per_tensor, planner, "{name} at tp {tp}");
+                checked += 1;
+            }
+        }
+        assert!(checked >= 2 * BUNDLED_CONFIGS.len(), "{checked}");
     }
 }

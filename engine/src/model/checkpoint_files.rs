@@ -1,7 +1,7 @@
 //! What a checkpoint's small JSON files say about the rest, read from their text so that the
 //! server (files on disk) and the playground (fetched or picked files) read them alike.
 
-use crate::config::ModelConfig;
+use crate::arch::config::ModelConfig;
 
 /// The safetensors shards `model.safetensors.index.json` names, sorted, each once.
 pub fn shard_names(index_json: &str) -> Result<Vec<String>, String> {

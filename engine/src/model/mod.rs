@@ -3,15 +3,13 @@
 pub mod checkpoint_files;
 pub mod random_weights;
 pub mod rope;
-pub mod spec;
 pub mod stream;
 pub mod text;
 pub mod vision;
-pub mod weight_format;
 pub mod weights;
 
+use crate::arch::config::ModelConfig;
 use crate::backend::{Backend, BackendError};
-use crate::config::ModelConfig;
 use text::TextModel;
 use vision::VisionTower;
 use weights::{Loader, TensorSource};

@@ -5,9 +5,9 @@
 //! or the sharding) and are streamed out: the header first, from the known shapes, then each tensor
 //! in turn.
 
-use super::spec::{Init, TensorSpec};
-use super::weight_format::WeightFormat;
-use crate::config::DType;
+use crate::arch::config::DType;
+use crate::arch::spec::{Init, TensorSpec};
+use crate::arch::weight_format::WeightFormat;
 use std::io::{self, Write};
 
 /// Standard deviation of matrices, embeddings and biases when the config has no `initializer_range`.
@@ -194,8 +194,8 @@ impl Normal {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::ModelConfig;
-    use crate::model::spec::tensor_specs;
+    use crate::arch::config::ModelConfig;
+    use crate::arch::spec::tensor_specs;
     use crate::model::weights::SafetensorsFiles;
 
     #[test]

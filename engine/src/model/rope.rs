@@ -2,7 +2,7 @@
 //! and <https://github.com/huggingface/transformers/blob/main/src/transformers/models/qwen3_vl/modeling_qwen3_vl.py>): three position ids per token, and the
 //! cos/sin tables built from them (Qwen2/2.5 chunked sections, Qwen3 interleaved).
 
-use crate::config::TextConfig;
+use crate::arch::config::TextConfig;
 
 /// A placeholder run in the prompt: `offset`, and the image's merged grid `(t, h', w')`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -97,7 +97,7 @@ fn axis_of(cfg: &TextConfig, j: usize) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::bundled_config;
+    use crate::arch::config::bundled_config;
 
     #[test]
     fn positions_match_the_qwen2_vl_worked_example() {

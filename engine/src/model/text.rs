@@ -4,11 +4,11 @@
 //! and `Qwen3VLTextModel` in
 //! <https://github.com/huggingface/transformers/blob/main/src/transformers/models/qwen3_vl/modeling_qwen3_vl.py>.
 
-use super::spec::{Projection, TextMlpSpec, TextSpec};
 use super::weights::{Loader, TensorSource};
 use super::ModelError;
+use crate::arch::config::{ModelConfig, TextConfig};
+use crate::arch::spec::{Projection, TextMlpSpec, TextSpec};
 use crate::backend::{Backend, BackendError};
-use crate::config::{ModelConfig, TextConfig};
 
 #[derive(Debug)]
 struct Layer<B: Backend> {

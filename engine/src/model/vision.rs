@@ -5,11 +5,11 @@
 //! `modeling_qwen2_5_vl.py`, `modeling_qwen3_vl.py` under
 //! <https://github.com/huggingface/transformers/tree/main/src/transformers/models>).
 
-use super::spec::{Affine, MergerSpec, NormSpec, VisionMlpSpec, VisionSpec};
 use super::weights::{Loader, TensorSource};
 use super::ModelError;
+use crate::arch::config::{ModelConfig, VisionMlp};
+use crate::arch::spec::{Affine, MergerSpec, NormSpec, VisionMlpSpec, VisionSpec};
 use crate::backend::{Activation, Backend};
-use crate::config::{ModelConfig, VisionMlp};
 
 /// A normalisation layer of the vision tower.
 #[derive(Debug)]

@@ -3,10 +3,10 @@
 //! [`CheckpointLayout`]'s prefixes whatever the family (transformers has saved both), checked
 //! against the shapes of the model's [`TensorSpec`]s.
 
-use super::spec::TensorSpec;
 use super::ModelError;
+use crate::arch::config::CheckpointLayout;
+use crate::arch::spec::TensorSpec;
 use crate::backend::{Backend, RawDType, RawTensor};
-use crate::config::CheckpointLayout;
 use std::collections::HashMap;
 
 /// A checkpoint tensor as a [`TensorSource`] hands it to the [`Loader`].
@@ -289,12 +289,14 @@ mod tests {
 
     /// A checkpoint written from the specs, with one tensor dropped or reshaped.
     fn load_error(edit: impl Fn(&mut Vec<TensorSpec>)) -> String {
+        use crate::arch::spec::tensor_specs;
         use crate::backend::cpu::CpuBackend;
         use crate::memory::ledger::MemoryLedger;
-        use crate::model::{random_weights::RandomInit, spec::tensor_specs, QwenVl};
-        let cfg =
-            crate::config::ModelConfig::from_json(include_str!("../../../tools/golden/configs/qwen2_vl_tiny.json"))
-                .unwrap();
+        use crate::model::{random_weights::RandomInit, QwenVl};
+        let cfg = crate::arch::config::ModelConfig::from_json(include_str!(
+            "../../../tools/golden/configs/qwen2_vl_tiny.json"
+        ))
+        .unwrap();
         let mut specs = tensor_specs(&cfg);
         edit(&mut specs);
         let mut bytes = Vec::new();

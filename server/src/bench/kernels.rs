@@ -10,11 +10,11 @@
 //! where every layer reads different weights.
 
 use anyhow::{bail, Context, Result};
+use kvlens_engine::arch::weight_format::WeightFormat;
 use kvlens_engine::backend::cpu::CpuBackend;
 use kvlens_engine::backend::wgpu::{WgpuBackend, WgpuOptions};
 use kvlens_engine::backend::{block_on, Backend, RawDType, RawTensor};
 use kvlens_engine::memory::ledger::MemoryLedger;
-use kvlens_engine::model::weight_format::WeightFormat;
 use std::time::{Duration, Instant};
 
 /// Flags of `kvlens bench kernels`.

@@ -5,9 +5,9 @@
 //! read the keys and values where they sit in the cache, in tasks of positions: gathering them
 //! into tiles would copy the whole context for every token.
 
-use super::parallel::for_each_piece;
 use super::vector_math::exp_shifted_by_max;
 use crate::memory::ledger::{Category, MemoryLedger};
+use crate::parallel::for_each_piece;
 use candle_core::{Device, Tensor, D};
 
 /// Tile sizes: query rows per chunk and context positions per key tile; up to `in_place` query

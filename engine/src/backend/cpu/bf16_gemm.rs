@@ -12,8 +12,8 @@
 //! takes [`MR`]-row groups of the output and runs every panel over them, accumulators in registers.
 
 use super::packed::PackedMatrix;
-use super::parallel::for_each_piece;
 use crate::memory::ledger::{Category, MemoryLedger};
+use crate::parallel::for_each_piece;
 
 /// Output columns per panel (two 16-lane vectors).
 const NR: usize = 32;
@@ -165,7 +165,7 @@ unsafe fn tile_avx512(a: *const u32, panel: *const u32, kp: usize, tile: &mut [[
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::weight_format::WeightFormat;
+    use crate::arch::weight_format::WeightFormat;
 
     /// The branch-free rounding gives `half`'s bfloat16 for ties, both signs, infinities, NaN,
     /// subnormals and the largest finite values (which round to infinity).

@@ -9,9 +9,10 @@
 //! against activations quantized once per product.
 
 use super::bf16_gemm::round_bf16;
-use super::blocks::{Activations, BlockKind, BlockRows};
-use super::parallel::for_each_piece;
-use crate::model::weight_format::WeightFormat;
+use super::block_dot::{dot_row, Activations};
+use crate::arch::blocks::BlockRows;
+use crate::arch::weight_format::WeightFormat;
+use crate::parallel::for_each_piece;
 use std::borrow::Cow;
 
 /// The values of one matrix.
@@ -189,11 +190,7 @@ impl PackedMatrix {
         if !format.quantizes(&[rows, cols]) || values.len() != rows * cols {
             return None;
         }
-        let kind = match format {
-            WeightFormat::Q8_0 => BlockKind::Q8_0,
-            WeightFormat::Q4_0 => BlockKind::Q4_0,
-            WeightFormat::Unquantized => return None,
-        };
+        let kind = format.block_kind()?;
         let packing = Packing::Blocks(BlockRows::quantize(kind, values, cols));
         Some(PackedMatrix { rows, cols, packing })
     }
@@ -252,7 +249,7 @@ impl PackedMatrix {
                     let Some(a) = acts.iter().find(|a| a.kind() == b.kind()) else {
                         candle_core::bail!("no {:?} activations", b.kind());
                     };
-                    Box::new(move |row, cold, out| b.dot_row(row, a, cold, out))
+                    Box::new(move |row, cold, out| dot_row(b, row, a, cold, out))
                 }
             });
         }

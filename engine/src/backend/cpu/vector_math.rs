@@ -4,8 +4,8 @@
 //! (`½x(1 + tanh u) = x · σ(2u)`) and quick GELU. candle's versions call libm once per element
 //! and allocate a tensor per step; the vision tower's softmax alone takes billions of exponentials.
 
-use super::parallel::for_each_piece;
 use crate::backend::Activation;
+use crate::parallel::for_each_piece;
 
 /// e^x, with x clamped to [−87, 88] (e^−87 ≈ 1.6e−38 stands in for smaller results).
 #[inline(always)]

@@ -373,8 +373,8 @@ impl Backend for CudaBackend {
         "cuda"
     }
 
-    fn dtype(&self) -> crate::config::DType {
-        crate::config::DType::F32
+    fn dtype(&self) -> crate::arch::config::DType {
+        crate::arch::config::DType::F32
     }
 
     fn ledger(&self) -> &MemoryLedger {

@@ -15,7 +15,7 @@ pub struct WgpuOptions {
     pub f16_weights: bool,
     /// Quantize the matrices this format quantizes on load (`--quantization`); the other 2-D
     /// weights follow `f16_weights`.
-    pub quantization: crate::model::weight_format::WeightFormat,
+    pub quantization: crate::arch::weight_format::WeightFormat,
     /// Use the barrier-free kernels for matmul, norms and attention (None: on CPU adapters such
     /// as lavapipe, where a workgroup barrier is slow) rather than the tiled GEMM, the GEMV and the
     /// workgroup reductions.

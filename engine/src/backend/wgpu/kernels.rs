@@ -1,7 +1,7 @@
 //! The WGSL kernels (one file per family under `kernels/`), their pipelines compiled once and
 //! cached ([`check_all`] compiles every one of them up front).
 
-use crate::backend::cpu::blocks::{BlockKind, BLOCK};
+use crate::arch::blocks::{BlockKind, BLOCK};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 

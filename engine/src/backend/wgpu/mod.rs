@@ -21,10 +21,10 @@ mod storage;
 pub use device::WgpuOptions;
 
 use super::{Activation, BResult, Backend, BackendError, KvLayout, PagedBatch, RawDType, RawTensor, Readback};
-use crate::backend::cpu::blocks::BlockKind;
+use crate::arch::blocks::BlockKind;
+use crate::arch::weight_format::WeightFormat;
 use crate::fault::ledger_summary;
 use crate::memory::ledger::{Category, MemoryLedger};
-use crate::model::weight_format::WeightFormat;
 use crate::sample::DeviceSampling;
 use device::Gpu;
 use kernels::{grid, params, Kernel, Pipelines, WeightElem};
@@ -550,8 +550,8 @@ impl Backend for WgpuBackend {
         "wgpu"
     }
 
-    fn dtype(&self) -> crate::config::DType {
-        crate::config::DType::F32
+    fn dtype(&self) -> crate::arch::config::DType {
+        crate::arch::config::DType::F32
     }
 
     fn ledger(&self) -> &MemoryLedger {

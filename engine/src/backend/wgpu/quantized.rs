@@ -4,7 +4,7 @@
 //! their quants (`q8_0`: the CPU's bytes, `q + 128`; `q4_0`: eight nibbles per word in element
 //! order). The bytes are the format's, plus two when a part has an odd count of blocks.
 
-use crate::backend::cpu::blocks::{BlockKind, BlockRows, BLOCK};
+use crate::arch::blocks::{BlockKind, BlockRows, BLOCK};
 
 /// Words of one block's quants.
 fn quant_words(kind: BlockKind) -> usize {

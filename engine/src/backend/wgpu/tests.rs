@@ -165,7 +165,7 @@ fn f16_weights_round_like_half_precision() {
 /// matmul kernel multiplies by exactly those: the f32 product with the dequantized matrix.
 #[test]
 fn quantized_weights_hold_the_cpu_values_in_every_kernel() {
-    use crate::model::weight_format::WeightFormat;
+    use crate::arch::weight_format::WeightFormat;
     // k = 96: three blocks a row, so parts of odd row counts end in a half pair of blocks.
     let (k, out) = (96, 77);
     let w = raw(&noise(out * k, 7), &[out, k]);
@@ -219,8 +219,8 @@ fn quantized_weights_hold_the_cpu_values_in_every_kernel() {
 /// (the tiny MLPs' 37 rows of one block; every published Qwen-VL matrix has an even count).
 #[test]
 fn the_backend_allocates_what_the_planner_counts() {
-    use crate::model::spec::tensor_specs;
-    use crate::model::weight_format::tests::{assert_the_ledger_is_the_plan, tiny_checkpoints};
+    use crate::arch::spec::tensor_specs;
+    use crate::backend::plan_check::{assert_the_ledger_is_the_plan, tiny_checkpoints};
     for (cfg, bytes) in tiny_checkpoints() {
         let open = |ledger, quantization| {
             let opts = WgpuOptions {
@@ -229,7 +229,7 @@ fn the_backend_allocates_what_the_planner_counts() {
             };
             WgpuBackend::new_blocking(ledger, opts).unwrap()
         };
-        let padding = |format: crate::model::weight_format::WeightFormat| -> u64 {
+        let padding = |format: crate::arch::weight_format::WeightFormat| -> u64 {
             let specs = tensor_specs(&cfg);
             let odd = specs
                 .iter()

@@ -20,11 +20,11 @@ mod tests;
 
 pub use shard::MAX_HEADER_BYTES;
 
-use super::spec::{tensor_specs, TensorSpec};
 use super::weights::{check_shape, host_f32, raw_dtype, spellings, Loaded, Stored, TensorSource, Weight};
 use super::{check_supported, ModelError, QwenVl};
+use crate::arch::config::ModelConfig;
+use crate::arch::spec::{tensor_specs, TensorSpec};
 use crate::backend::{Backend, RawTensor};
-use crate::config::ModelConfig;
 use safetensors::Dtype;
 use shard::{ShardReader, Sink};
 use std::cell::RefCell;

@@ -9,6 +9,8 @@
 //! (`in % 32 == 0`); it keeps norms, biases, the 5-D patch embedding and the host-side position
 //! table in the compute dtype. The activations stay f32 and the matmuls accumulate in f32.
 
+use super::blocks::{BlockKind, BlockRows, BLOCK};
+
 /// The storage of the weight matrices, as `--quantization` names it (`None`: unquantized).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
 #[serde(rename_all = "snake_case")]
@@ -36,13 +38,18 @@ impl WeightFormat {
         }
     }
 
-    /// `(values, bytes)` per block, or None when unquantized.
-    pub fn block(self) -> Option<(usize, u64)> {
+    /// The GGML block format, or None when unquantized.
+    pub fn block_kind(self) -> Option<BlockKind> {
         match self {
             WeightFormat::Unquantized => None,
-            WeightFormat::Q8_0 => Some((32, 34)),
-            WeightFormat::Q4_0 => Some((32, 18)),
+            WeightFormat::Q8_0 => Some(BlockKind::Q8_0),
+            WeightFormat::Q4_0 => Some(BlockKind::Q4_0),
         }
+    }
+
+    /// `(values, bytes)` per block, or None when unquantized.
+    pub fn block(self) -> Option<(usize, u64)> {
+        self.block_kind().map(|kind| (BLOCK, kind.block_bytes() as u64))
     }
 
     /// Whether this format quantizes a loaded tensor of `shape`: a matrix `[out, in]` whose rows
@@ -58,12 +65,7 @@ impl WeightFormat {
     /// stores for them: GGML's quantization, dequantized (the numbers the CPU and wgpu backends
     /// multiply by). Unquantized leaves them.
     pub fn round_trip(self, values: &mut [f32]) {
-        use crate::backend::cpu::blocks::{BlockKind, BlockRows, BLOCK};
-        let kind = match self {
-            WeightFormat::Unquantized => return,
-            WeightFormat::Q8_0 => BlockKind::Q8_0,
-            WeightFormat::Q4_0 => BlockKind::Q4_0,
-        };
+        let Some(kind) = self.block_kind() else { return };
         debug_assert!(values.len().is_multiple_of(BLOCK));
         let blocks = BlockRows::quantize(kind, values, BLOCK);
         for (b, block) in values.chunks_exact_mut(BLOCK).enumerate() {
@@ -148,87 +150,5 @@ pub(crate) mod tests {
         assert_eq!(Q4_0.tensor_bytes(&[64, 64], 4), 64 * 2 * 18);
         assert_eq!(Q4_0.tensor_bytes(&[64, 37], 4), 64 * 37 * 4);
         assert_eq!(Unquantized.tensor_bytes(&[64, 64], 2), 64 * 64 * 2);
-    }
-
-    /// The tiny test checkpoints (random weights): each config and its safetensors bytes.
-    pub(crate) fn tiny_checkpoints() -> Vec<(crate::config::ModelConfig, Vec<u8>)> {
-        use crate::model::{random_weights::RandomInit, spec::tensor_specs};
-        [
-            include_str!("../../../tools/golden/configs/qwen2_vl_tiny.json"),
-            include_str!("../../../tools/golden/configs/qwen3_vl_tiny.json"),
-        ]
-        .into_iter()
-        .map(|config| {
-            let cfg = crate::config::ModelConfig::from_json(config).unwrap();
-            let mut bytes = Vec::new();
-            RandomInit::new(1, 0.02)
-                .write_safetensors(&mut bytes, &tensor_specs(&cfg), |_| {})
-                .unwrap();
-            (cfg, bytes)
-        })
-        .collect()
-    }
-
-    /// Loads a checkpoint in every format onto the backend `open` makes for the format and
-    /// asserts its weights in the ledger are what the planner counts with f32 kept tensors (less
-    /// the host-side position table), plus `padding(format)` bytes, and are freed with the
-    /// model; returns the planned totals.
-    pub(crate) fn assert_the_ledger_is_the_plan<B: crate::backend::Backend>(
-        cfg: &crate::config::ModelConfig,
-        checkpoint: &[u8],
-        open: impl Fn(crate::memory::ledger::MemoryLedger, WeightFormat) -> B,
-        padding: impl Fn(WeightFormat) -> u64,
-    ) -> Vec<u64> {
-        use crate::memory::ledger::{Category, MemoryLedger};
-        use crate::memory::weights::weight_bytes_per_rank;
-        use crate::model::{spec::tensor_specs, weights::SafetensorsFiles, QwenVl};
-        let shards = [("model.safetensors".to_string(), checkpoint)];
-        let source = SafetensorsFiles::parse(&shards).unwrap();
-        let host: u64 = tensor_specs(cfg).iter().filter(|t| t.host).map(|t| t.numel() * 4).sum();
-        let mut totals = Vec::new();
-        for format in WeightFormat::ALL {
-            let ledger = MemoryLedger::new();
-            let model = QwenVl::load(cfg.clone(), &source, &open(ledger.clone(), format), |_, _| {}).unwrap();
-            let planned: u64 = weight_bytes_per_rank(cfg, 1, 4, format).iter().map(|(_, b)| b).sum();
-            assert_eq!(
-                ledger.bytes(Category::Weights),
-                planned - host + padding(format),
-                "{format}"
-            );
-            totals.push(planned);
-            drop(model);
-            assert_eq!(ledger.bytes(Category::Weights), 0, "{format}: freed with the model");
-        }
-        totals
-    }
-
-    /// A tiny checkpoint loaded onto the CPU backend holds, per format, exactly the bytes the
-    /// planner counts (less the host-side position table, which the CPU reads on the host).
-    #[test]
-    fn the_cpu_backend_allocates_what_the_planner_counts() {
-        use crate::backend::cpu::CpuBackend;
-        use crate::memory::ledger::{Category, MemoryLedger};
-        use crate::model::{spec::tensor_specs, weights::SafetensorsFiles, QwenVl};
-        for (cfg, bytes) in tiny_checkpoints() {
-            let totals = assert_the_ledger_is_the_plan(&cfg, &bytes, CpuBackend::with_weights, |_| 0);
-            let specs = tensor_specs(&cfg);
-            let shards = [("model.safetensors".to_string(), bytes.as_slice())];
-            let source = SafetensorsFiles::parse(&shards).unwrap();
-            let host: u64 = specs.iter().filter(|t| t.host).map(|t| t.numel() * 4).sum();
-            assert!(totals[0] > 3 * totals[1] && totals[1] > totals[2], "{totals:?}");
-            // bfloat16 matrices: two bytes per matrix value, four per norm, bias and the patch
-            // embedding (the planner's `--dtype bfloat16` counts two for those as well).
-            let ledger = MemoryLedger::new();
-            let be = CpuBackend::new(ledger.clone()).with_bf16_matrices(true);
-            let model = QwenVl::load(cfg.clone(), &source, &be, |_, _| {}).unwrap();
-            let want: u64 = specs
-                .iter()
-                .filter(|t| !t.host)
-                .map(|t| t.numel() * if t.shape.len() == 2 { 2 } else { 4 })
-                .sum();
-            assert_eq!(ledger.bytes(Category::Weights), want);
-            assert!(want * 10 < (totals[0] - host) * 6, "{want} vs f32 {}", totals[0] - host);
-            drop(model);
-        }
     }
 }

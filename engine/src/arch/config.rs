@@ -311,55 +311,55 @@ pub enum ConfigError {
 pub const BUNDLED_CONFIGS: &[(&str, &str)] = &[
     (
         "Qwen2-VL-2B-Instruct",
-        include_str!("../configs/Qwen2-VL-2B-Instruct.json"),
+        include_str!("../../configs/Qwen2-VL-2B-Instruct.json"),
     ),
     (
         "Qwen2-VL-7B-Instruct",
-        include_str!("../configs/Qwen2-VL-7B-Instruct.json"),
+        include_str!("../../configs/Qwen2-VL-7B-Instruct.json"),
     ),
     (
         "Qwen2-VL-72B-Instruct",
-        include_str!("../configs/Qwen2-VL-72B-Instruct.json"),
+        include_str!("../../configs/Qwen2-VL-72B-Instruct.json"),
     ),
     (
         "Qwen2.5-VL-3B-Instruct",
-        include_str!("../configs/Qwen2.5-VL-3B-Instruct.json"),
+        include_str!("../../configs/Qwen2.5-VL-3B-Instruct.json"),
     ),
     (
         "Qwen2.5-VL-7B-Instruct",
-        include_str!("../configs/Qwen2.5-VL-7B-Instruct.json"),
+        include_str!("../../configs/Qwen2.5-VL-7B-Instruct.json"),
     ),
     (
         "Qwen2.5-VL-32B-Instruct",
-        include_str!("../configs/Qwen2.5-VL-32B-Instruct.json"),
+        include_str!("../../configs/Qwen2.5-VL-32B-Instruct.json"),
     ),
     (
         "Qwen2.5-VL-72B-Instruct",
-        include_str!("../configs/Qwen2.5-VL-72B-Instruct.json"),
+        include_str!("../../configs/Qwen2.5-VL-72B-Instruct.json"),
     ),
     (
         "Qwen3-VL-2B-Instruct",
-        include_str!("../configs/Qwen3-VL-2B-Instruct.json"),
+        include_str!("../../configs/Qwen3-VL-2B-Instruct.json"),
     ),
     (
         "Qwen3-VL-4B-Instruct",
-        include_str!("../configs/Qwen3-VL-4B-Instruct.json"),
+        include_str!("../../configs/Qwen3-VL-4B-Instruct.json"),
     ),
     (
         "Qwen3-VL-8B-Instruct",
-        include_str!("../configs/Qwen3-VL-8B-Instruct.json"),
+        include_str!("../../configs/Qwen3-VL-8B-Instruct.json"),
     ),
     (
         "Qwen3-VL-32B-Instruct",
-        include_str!("../configs/Qwen3-VL-32B-Instruct.json"),
+        include_str!("../../configs/Qwen3-VL-32B-Instruct.json"),
     ),
     (
         "Qwen3-VL-30B-A3B-Instruct",
-        include_str!("../configs/Qwen3-VL-30B-A3B-Instruct.json"),
+        include_str!("../../configs/Qwen3-VL-30B-A3B-Instruct.json"),
     ),
     (
         "Qwen3-VL-235B-A22B-Instruct",
-        include_str!("../configs/Qwen3-VL-235B-A22B-Instruct.json"),
+        include_str!("../../configs/Qwen3-VL-235B-A22B-Instruct.json"),
     ),
 ];
 
@@ -945,7 +945,8 @@ mod tests {
     /// products overflowed (a panic in debug builds).
     #[test]
     fn sizes_whose_products_overflow_are_refused() {
-        let tiny: Value = serde_json::from_str(include_str!("../../tools/golden/configs/qwen3_vl_tiny.json")).unwrap();
+        let tiny: Value =
+            serde_json::from_str(include_str!("../../../tools/golden/configs/qwen3_vl_tiny.json")).unwrap();
         let with = |pointer: &str, value: Value| {
             let mut cfg = tiny.clone();
             let (parent, key) = pointer.rsplit_once('/').unwrap();

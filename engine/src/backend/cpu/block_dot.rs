@@ -1,10 +1,4 @@
-//! GGML's `q8_0` and `q4_0` block formats on the CPU, and their product with activations.
-//!
-//! Each block of 32 values keeps GGML's scale `d` (an f16) and quantization, so the dequantized
-//! numbers are GGML's (and candle's, which a test checks). The bytes are GGML's count, laid out for
-//! the integer dot product: the scales of a row in one array, the quants in another and unsigned,
-//! `value = d · (q − offset)`: `q8_0` stores GGML's i8 plus 128, `q4_0` GGML's nibbles (value `j`
-//! in the low half of byte `j`, value `j + 16` in the high half).
+//! The products of GGML's block formats ([`crate::arch::blocks`]) with activations on the CPU.
 //!
 //! Products quantize the activations once per call, as GGML does (`q8_0`, but with an f32 scale),
 //! and sum `Σ_b d_w · (d_x · Σ q_w q_x − offset · d_x · Σ q_x)` per row: integer dot products with
@@ -12,54 +6,11 @@
 //! compiler vectorises (AVX2 where present, wasm simd128, NEON).
 
 use super::packed::prefetch_ahead;
-use super::parallel::for_each_piece;
+use crate::arch::blocks::{quantize_q8, BlockKind, BlockRows, BLOCK};
 use half::f16;
-
-/// Values per block.
-pub const BLOCK: usize = 32;
 
 /// Blocks whose scales one step of the vectorised product reads (one 512-bit register of f32).
 const SCALE_GROUP: usize = 16;
-
-/// The two block formats.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum BlockKind {
-    Q8_0,
-    Q4_0,
-}
-
-impl BlockKind {
-    /// Bytes of one block's quants.
-    pub fn quant_bytes(self) -> usize {
-        match self {
-            BlockKind::Q8_0 => BLOCK,
-            BlockKind::Q4_0 => BLOCK / 2,
-        }
-    }
-
-    /// What a stored quant is offset by.
-    fn offset(self) -> f32 {
-        match self {
-            BlockKind::Q8_0 => 128.0,
-            BlockKind::Q4_0 => 8.0,
-        }
-    }
-}
-
-/// GGML's `q8_0` rounding of one block: its scale and its values in `-127..=127`, each value
-/// scaled and rounded by `round` (GGML's reference rounds half away from zero, its x86 SIMD code
-/// to even). As in GGML, a block whose largest magnitude is below about 3.7e−37 gets a subnormal
-/// scale whose inverse is infinite; its values then saturate to −128..=127.
-#[inline(always)]
-fn quantize_q8(values: &[f32], out: &mut [i8], round: impl Fn(f32) -> f32) -> f32 {
-    let amax = values.iter().fold(0f32, |a, v| a.max(v.abs()));
-    let d = amax / 127.0;
-    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
-    for (q, &v) in out.iter_mut().zip(values) {
-        *q = round(v * id) as i8;
-    }
-    d
-}
 
 /// `y` rounded to the nearest integer, ties to even, for |y| < 2²²: adding 1.5 · 2²³ leaves no
 /// fraction bits (infinities and NaN pass through, as `f32::round` leaves them). Plain float
@@ -71,136 +22,16 @@ fn round_small_to_even(y: f32) -> f32 {
     (y + SHIFTER) - SHIFTER
 }
 
-/// Quantizes one block of 32 values into `out` (`kind`'s stored quants); returns its scale.
-fn quantize_block(kind: BlockKind, block: &[f32], out: &mut [u8]) -> f32 {
-    match kind {
-        BlockKind::Q8_0 => {
-            let mut q8 = [0i8; BLOCK];
-            let d = quantize_q8(block, &mut q8, f32::round);
-            for (o, &q) in out.iter_mut().zip(&q8) {
-                *o = (q as i16 + 128) as u8;
-            }
-            d
-        }
-        BlockKind::Q4_0 => {
-            // The value of largest magnitude, with its sign, maps to -8.
-            let max = block.iter().fold(0f32, |m, &v| if v.abs() > m.abs() { v } else { m });
-            let d = max / -8.0;
-            let id = if d != 0.0 { 1.0 / d } else { 0.0 };
-            let nibble = |v: f32| ((v * id + 8.5) as u8).min(15);
-            for (j, o) in out.iter_mut().enumerate() {
-                *o = nibble(block[j]) | (nibble(block[j + BLOCK / 2]) << 4);
-            }
-            d
-        }
-    }
-}
-
-/// Rows of a matrix quantized block by block (see the module's documentation for the layout).
-#[derive(Debug)]
-pub struct BlockRows {
-    kind: BlockKind,
-    cols: usize,
-    /// f16 bit patterns, `cols / 32` per row.
-    scales: Vec<u16>,
-    /// `quant_bytes` per block.
-    quants: Vec<u8>,
-}
-
-impl BlockRows {
-    /// Quantizes `values`, row-major with `cols` (a multiple of 32) per row, in pieces of rows on
-    /// candle's thread pool.
-    pub fn quantize(kind: BlockKind, values: &[f32], cols: usize) -> Self {
-        debug_assert!(cols.is_multiple_of(BLOCK) && values.len().is_multiple_of(cols));
-        const ROWS_PER_TASK: usize = 64;
-        let (blocks, qb) = (values.len() / BLOCK, kind.quant_bytes());
-        let per_task = ROWS_PER_TASK * cols / BLOCK;
-        let mut scales = vec![0u16; blocks];
-        let mut quants = vec![0u8; blocks * qb];
-        let mut pieces: Vec<(&mut [u16], &mut [u8])> = scales
-            .chunks_mut(per_task.max(1))
-            .zip(quants.chunks_mut(per_task.max(1) * qb))
-            .collect();
-        for_each_piece(&mut pieces, 1, |t, piece| {
-            let (scales, quants) = &mut piece[0];
-            let first = t * per_task * BLOCK;
-            for (i, (scale, out)) in scales.iter_mut().zip(quants.chunks_exact_mut(qb)).enumerate() {
-                let block = &values[first + i * BLOCK..][..BLOCK];
-                *scale = f16::from_f32(quantize_block(kind, block, out)).to_bits();
-            }
-        });
-        BlockRows {
-            kind,
-            cols,
-            scales,
-            quants,
-        }
-    }
-
-    /// The format.
-    pub fn kind(&self) -> BlockKind {
-        self.kind
-    }
-
-    /// The scales' f16 bit patterns, one per block, row after row.
-    pub fn scales(&self) -> &[u16] {
-        &self.scales
-    }
-
-    /// The quants, `quant_bytes` per block in the order of [`BlockRows::scales`] (see the
-    /// module's documentation for the bytes).
-    pub fn quants(&self) -> &[u8] {
-        &self.quants
-    }
-
-    /// Bytes of scales and quants.
-    pub fn bytes(&self) -> usize {
-        self.scales.len() * 2 + self.quants.len()
-    }
-
-    fn blocks_per_row(&self) -> usize {
-        self.cols / BLOCK
-    }
-
-    /// Row `row`'s values in f32.
-    pub fn dequantize_row(&self, row: usize, out: &mut [f32]) {
-        let nb = self.blocks_per_row();
-        let qb = self.kind.quant_bytes();
-        let offset = self.kind.offset();
-        for b in row * nb..(row + 1) * nb {
-            let d = f16::from_bits(self.scales[b]).to_f32();
-            let q = &self.quants[b * qb..(b + 1) * qb];
-            let out = &mut out[(b - row * nb) * BLOCK..][..BLOCK];
-            match self.kind {
-                BlockKind::Q8_0 => {
-                    for (o, &q) in out.iter_mut().zip(q) {
-                        *o = d * (q as f32 - offset);
-                    }
-                }
-                BlockKind::Q4_0 => {
-                    let (lo, hi) = out.split_at_mut(BLOCK / 2);
-                    for ((l, h), &q) in lo.iter_mut().zip(hi).zip(q) {
-                        *l = d * ((q & 0x0F) as f32 - offset);
-                        *h = d * ((q >> 4) as f32 - offset);
-                    }
-                }
-            }
-        }
-    }
-
-    /// `out[i] = x_i · row` for each row `x_i` of `acts` (quantized for this matrix's format);
-    /// `cold`: the first row of a run (see [`prefetch_ahead`]).
-    pub fn dot_row(&self, row: usize, acts: &Activations, cold: bool, out: &mut [f32]) {
-        debug_assert_eq!(acts.kind, self.kind);
-        let nb = self.blocks_per_row();
-        let qb = self.kind.quant_bytes();
-        prefetch_ahead(&self.scales, row * nb..(row + 1) * nb, cold);
-        prefetch_ahead(&self.quants, row * nb * qb..(row + 1) * nb * qb, cold);
-        let scales = &self.scales[row * nb..(row + 1) * nb];
-        let quants = &self.quants[row * nb * qb..(row + 1) * nb * qb];
-        for (i, o) in out.iter_mut().enumerate() {
-            *o = dot_fastest(self.kind, scales, quants, &acts.row(i));
-        }
+/// `out[i] = x_i · row` for `row` of `w` and each row `x_i` of `acts` (quantized for `w`'s
+/// format); `cold`: the first row of a run (see [`prefetch_ahead`]).
+pub fn dot_row(w: &BlockRows, row: usize, acts: &Activations, cold: bool, out: &mut [f32]) {
+    debug_assert_eq!(acts.kind, w.kind());
+    let (nb, qb) = (w.blocks_per_row(), w.kind().quant_bytes());
+    prefetch_ahead(w.scales(), row * nb..(row + 1) * nb, cold);
+    prefetch_ahead(w.quants(), row * nb * qb..(row + 1) * nb * qb, cold);
+    let (scales, quants) = (w.row_scales(row), w.row_quants(row));
+    for (i, o) in out.iter_mut().enumerate() {
+        *o = dot_fastest(w.kind(), scales, quants, &acts.row(i));
     }
 }
 
@@ -419,7 +250,6 @@ fn dot_fastest(kind: BlockKind, scales: &[u16], quants: &[u8], x: &ActRow<'_>) -
 #[cfg(test)]
 mod tests {
     use super::*;
-    use candle_core::quantized::k_quants::{BlockQ4_0, BlockQ8_0, GgmlType};
 
     fn values(n: usize, seed: usize) -> Vec<f32> {
         (0..n)
@@ -437,35 +267,6 @@ mod tests {
             .chain([127.000_01, -127.000_01, 0.499_999_97, -0.5, 2.5])
         {
             assert_eq!(round_small_to_even(y), y.round_ties_even(), "{y}");
-        }
-    }
-
-    /// The dequantized values are GGML's, as candle's `k_quants` computes them.
-    #[test]
-    fn blocks_dequantize_to_ggml_s_values() {
-        let cols = 96;
-        let w = values(5 * cols, 3);
-        for kind in [BlockKind::Q8_0, BlockKind::Q4_0] {
-            let rows = BlockRows::quantize(kind, &w, cols);
-            assert_eq!(rows.bytes(), w.len() / BLOCK * (2 + kind.quant_bytes()));
-            let mut want = vec![0f32; w.len()];
-            match kind {
-                BlockKind::Q8_0 => {
-                    let mut b = vec![BlockQ8_0::zeros(); w.len() / BLOCK];
-                    BlockQ8_0::from_float(&w, &mut b);
-                    BlockQ8_0::to_float(&b, &mut want);
-                }
-                BlockKind::Q4_0 => {
-                    let mut b = vec![BlockQ4_0::zeros(); w.len() / BLOCK];
-                    BlockQ4_0::from_float(&w, &mut b);
-                    BlockQ4_0::to_float(&b, &mut want);
-                }
-            }
-            let mut got = vec![0f32; w.len()];
-            for (r, out) in got.chunks_exact_mut(cols).enumerate() {
-                rows.dequantize_row(r, out);
-            }
-            assert_eq!(got, want, "{kind:?}");
         }
     }
 
@@ -494,11 +295,7 @@ mod tests {
                     for r in 0..3 {
                         w.dequantize_row(r, &mut wide);
                         let want: f64 = wide.iter().zip(&xd).map(|(&a, &b)| a as f64 * b as f64).sum();
-                        let nb = cols / BLOCK;
-                        let (s, q) = (
-                            &w.scales[r * nb..(r + 1) * nb],
-                            &w.quants[r * nb * kind.quant_bytes()..(r + 1) * nb * kind.quant_bytes()],
-                        );
+                        let (s, q) = (w.row_scales(r), w.row_quants(r));
                         let mut got = vec![("portable", dot_portable(kind, s, q, &row))];
                         got.push(("fastest", dot_fastest(kind, s, q, &row)));
                         for (name, g) in got {

@@ -5,7 +5,7 @@ use std::sync::Mutex;
 
 /// Runs `f(i, piece)` for each `len`-long piece `i` of `out` (the last may be shorter), the pieces
 /// shared out over the pool's threads.
-pub(super) fn for_each_piece<T: Send>(out: &mut [T], len: usize, f: impl Fn(usize, &mut [T]) + Sync) {
+pub(crate) fn for_each_piece<T: Send>(out: &mut [T], len: usize, f: impl Fn(usize, &mut [T]) + Sync) {
     let pieces: Vec<Mutex<&mut [T]>> = out.chunks_mut(len.max(1)).map(Mutex::new).collect();
     candle_core::utils::barrier_pool().execute_chunked(pieces.len(), |range| {
         for i in range {
