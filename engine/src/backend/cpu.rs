@@ -5,6 +5,7 @@
 mod attention;
 mod bf16_gemm;
 mod block_dot;
+mod isa;
 mod packed;
 mod segment_attention;
 mod vector_math;

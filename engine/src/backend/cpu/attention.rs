@@ -5,6 +5,7 @@
 //! read the keys and values where they sit in the cache, in tasks of positions: gathering them
 //! into tiles would copy the whole context for every token.
 
+use super::isa::fastest;
 use super::vector_math::exp_shifted_by_max;
 use crate::memory::ledger::{Category, MemoryLedger};
 use crate::parallel::for_each_piece;
@@ -238,16 +239,9 @@ impl InPlace<'_> {
         self.run(first, len)
     }
 
-    /// [`InPlace::run`] compiled for the widest instructions this CPU has (the one `unsafe`
-    /// call: a function compiled for AVX2 and FMA, called once they are detected).
-    #[allow(unsafe_code)]
+    /// [`InPlace::run`] compiled for the widest instructions this CPU has.
     fn run_fastest(&self, first: usize, len: usize) -> Partial {
-        #[cfg(target_arch = "x86_64")]
-        if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
-            // SAFETY: the features `run_avx2` is compiled with were detected on this CPU.
-            return unsafe { self.run_avx2(first, len) };
-        }
-        self.run(first, len)
+        fastest!(avx2_fma => self.run_avx2(first, len), _ => self.run(first, len))
     }
 }
 

@@ -24,12 +24,7 @@ const TILES_PER_TASK: usize = 2;
 
 /// Whether this CPU runs [`matmul`].
 pub(super) fn available() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        std::is_x86_feature_detected!("avx512f") && std::is_x86_feature_detected!("avx512bf16")
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    false
+    super::isa::isa().avx512_bf16
 }
 
 /// The bfloat16 nearest `x` (ties to even), as bits; NaN stays NaN. `half::bf16::from_f32`'s

@@ -5,6 +5,7 @@
 //! AVX-512 VNNI where the CPU has it (64 weights per instruction), else a portable loop the
 //! compiler vectorises (AVX2 where present, wasm simd128, NEON).
 
+use super::isa::fastest;
 use super::packed::prefetch_ahead;
 use crate::arch::blocks::{quantize_q8, BlockKind, BlockRows, BLOCK};
 use half::f16;
@@ -221,30 +222,16 @@ fn dot_vnni<const Q4: bool>(scales: &[u16], quants: &[u8], x: &ActRow<'_>) -> f3
     _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1])) - _mm512_reduce_add_ps(corr)
 }
 
-/// [`dot_portable`] with the widest instructions this CPU has (the `unsafe` calls: functions
-/// compiled for CPU features, called once those are detected).
-#[allow(unsafe_code)]
+/// [`dot_portable`] with the widest instructions this CPU has.
 fn dot_fastest(kind: BlockKind, scales: &[u16], quants: &[u8], x: &ActRow<'_>) -> f32 {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if std::is_x86_feature_detected!("avx512vnni")
-            && std::is_x86_feature_detected!("avx512bw")
-            && std::is_x86_feature_detected!("avx512vl")
-        {
-            // SAFETY: the features `dot_vnni` is compiled with were detected on this CPU.
-            return unsafe {
-                match kind {
-                    BlockKind::Q8_0 => dot_vnni::<false>(scales, quants, x),
-                    BlockKind::Q4_0 => dot_vnni::<true>(scales, quants, x),
-                }
-            };
-        }
-        if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
-            // SAFETY: as above, for `dot_avx2`.
-            return unsafe { dot_avx2(kind, scales, quants, x) };
-        }
-    }
-    dot_portable(kind, scales, quants, x)
+    fastest!(
+        avx512_vnni => match kind {
+            BlockKind::Q8_0 => dot_vnni::<false>(scales, quants, x),
+            BlockKind::Q4_0 => dot_vnni::<true>(scales, quants, x),
+        },
+        avx2_fma => dot_avx2(kind, scales, quants, x),
+        _ => dot_portable(kind, scales, quants, x),
+    )
 }
 
 #[cfg(test)]

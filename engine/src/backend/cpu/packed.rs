@@ -10,6 +10,7 @@
 
 use super::bf16_gemm::round_bf16;
 use super::block_dot::{dot_row, Activations};
+use super::isa::fastest;
 use crate::arch::blocks::BlockRows;
 use crate::arch::weight_format::WeightFormat;
 use crate::parallel::for_each_piece;
@@ -77,23 +78,13 @@ fn dot_rows_avx512(w: &[u16], xs: &[f32], out: &mut [f32]) {
     dot_rows::<true>(w, xs, out)
 }
 
-/// [`dot_rows`] with the widest instructions this CPU has (the `unsafe` calls: functions compiled
-/// for AVX-512 or AVX2 and FMA, called once those are detected).
-#[allow(unsafe_code)]
+/// [`dot_rows`] with the widest instructions this CPU has.
 fn dot_rows_fastest(w: &[u16], xs: &[f32], out: &mut [f32]) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        let fma = std::is_x86_feature_detected!("fma");
-        if fma && std::is_x86_feature_detected!("avx512f") {
-            // SAFETY: the features `dot_rows_avx512` is compiled with were detected on this CPU.
-            return unsafe { dot_rows_avx512(w, xs, out) };
-        }
-        if fma && std::is_x86_feature_detected!("avx2") {
-            // SAFETY: the features `dot_rows_avx2` is compiled with were detected on this CPU.
-            return unsafe { dot_rows_avx2(w, xs, out) };
-        }
-    }
-    dot_rows::<false>(w, xs, out)
+    fastest!(
+        avx512_fma => dot_rows_avx512(w, xs, out),
+        avx2_fma => dot_rows_avx2(w, xs, out),
+        _ => dot_rows::<false>(w, xs, out),
+    )
 }
 
 /// How far ahead of the weights a product reads it asks the CPU to fetch them (measured on the

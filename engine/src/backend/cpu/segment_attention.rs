@@ -5,6 +5,7 @@
 //! threads × rows × segment length however large the image, and q, k and v are read where they are
 //! (strided views, no transposed copies).
 
+use super::isa::fastest;
 use super::vector_math::exp_shifted_by_max;
 use crate::memory::ledger::{Category, MemoryLedger};
 use std::sync::Mutex;
@@ -147,16 +148,9 @@ impl Inputs<'_> {
         self.run(b, h, scores)
     }
 
-    /// [`Inputs::run`] compiled for the widest instructions this CPU has (the one `unsafe` call:
-    /// a function compiled for AVX2 and FMA, called once they are detected).
-    #[allow(unsafe_code)]
+    /// [`Inputs::run`] compiled for the widest instructions this CPU has.
     fn run_fastest(&self, b: Block, h: usize, scores: &mut Vec<f32>) -> Vec<f32> {
-        #[cfg(target_arch = "x86_64")]
-        if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
-            // SAFETY: the features `run_avx2` is compiled with were detected on this CPU.
-            return unsafe { self.run_avx2(b, h, scores) };
-        }
-        self.run(b, h, scores)
+        fastest!(avx2_fma => self.run_avx2(b, h, scores), _ => self.run(b, h, scores))
     }
 }
 

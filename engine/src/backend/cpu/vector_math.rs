@@ -4,6 +4,7 @@
 //! (`½x(1 + tanh u) = x · σ(2u)`) and quick GELU. candle's versions call libm once per element
 //! and allocate a tensor per step; the vision tower's softmax alone takes billions of exponentials.
 
+use super::isa::fastest;
 use crate::backend::Activation;
 use crate::parallel::for_each_piece;
 
@@ -90,16 +91,9 @@ impl Elementwise {
         self.run(a, b, out)
     }
 
-    /// [`Elementwise::run`] compiled for the widest instructions this CPU has (the one `unsafe`
-    /// call: a function compiled for AVX2 and FMA, called once they are detected).
-    #[allow(unsafe_code)]
+    /// [`Elementwise::run`] compiled for the widest instructions this CPU has.
     fn run_fastest(self, a: &[f32], b: &[f32], out: &mut [f32]) {
-        #[cfg(target_arch = "x86_64")]
-        if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
-            // SAFETY: the features `run_avx2` is compiled with were detected on this CPU.
-            return unsafe { self.run_avx2(a, b, out) };
-        }
-        self.run(a, b, out)
+        fastest!(avx2_fma => self.run_avx2(a, b, out), _ => self.run(a, b, out))
     }
 
     /// The step over all of `a` (and `b`, as long), in pieces on candle's thread pool.

@@ -4,8 +4,9 @@
 //! `sgemm`, bf16 weights with `cublasGemmEx` over bf16 inputs and f32 accumulation); activations
 //! and the paged KV cache are f32. Every allocation is recorded in the ledger.
 //!
-//! The only module of the workspace that allows `unsafe`: kernel launches, uninitialised device
-//! allocations and cuBLAS calls are unsafe in cudarc. Each block states what makes it sound.
+//! Kernel launches, uninitialised device allocations and cuBLAS calls are unsafe in cudarc, so this
+//! module allows `unsafe` (the CPU backend's are its instruction-set dispatch, `cpu/isa.rs`, and
+//! its intrinsic kernels). Each block states what makes it sound.
 #![allow(unsafe_code)]
 
 mod launch;
@@ -326,6 +327,7 @@ impl CudaBackend {
         dims: (usize, usize, usize),
     ) -> BResult<()> {
         let (n, k, m) = dims;
+        // SAFETY: `to_bf16` below writes all `n · k` values before the GEMM reads them.
         let mut xb = unsafe { self.stream.alloc::<u16>((n * k).max(1)) }.map_err(self.alloc_err(2 * (n * k) as u64))?;
         let _held = self.ledger.hold(Category::Activations, 2 * (n * k) as u64);
         let count = (n * k) as u32;
