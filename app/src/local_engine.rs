@@ -17,7 +17,7 @@ use kvlens_engine::memory::device::{device_preset, DeviceProfile};
 use kvlens_engine::memory::ledger::MemoryLedger;
 use kvlens_engine::memory::planner::{plan, MmLimits, Plan, PlanRequest};
 use kvlens_engine::model::stream::StreamLoader;
-use kvlens_engine::occupancy::Occupancy;
+use kvlens_engine::occupancy::{Occupancy, ProcessMemory};
 use kvlens_engine::runner::ModelRunner;
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
@@ -327,7 +327,13 @@ impl Local {
 
     fn publish(&self) {
         self.seq.set(self.seq.get() + 1);
-        let occupancy = Occupancy::of(&self.engine.borrow(), &self.input, self.seq.get(), now_s());
+        let occupancy = Occupancy::of(
+            &self.engine.borrow(),
+            &self.input,
+            self.seq.get(),
+            now_s(),
+            ProcessMemory::default(),
+        );
         (self.on_step)(occupancy);
     }
 

@@ -26,8 +26,9 @@ pub struct Occupancy {
 }
 
 impl Occupancy {
-    /// The occupancy of `engine` and of the processor cache of `input` now.
-    pub fn of(engine: &Engine, input: &InputProcessor, seq: u64, time: f64) -> Self {
+    /// The occupancy of `engine` and of the processor cache of `input` now; `process`: what the
+    /// caller read of its process (the engine reads no files).
+    pub fn of(engine: &Engine, input: &InputProcessor, seq: u64, time: f64, process: ProcessMemory) -> Self {
         let processor_cache = input
             .processor_cache
             .lock()
@@ -39,7 +40,7 @@ impl Occupancy {
             engine: engine.snapshot(),
             prefix_cache: engine.kv().prefix_cache_stats(),
             processor_cache,
-            process: ProcessMemory::now(),
+            process,
         }
     }
 }
@@ -49,17 +50,4 @@ impl Occupancy {
 pub struct ProcessMemory {
     /// Resident set size in bytes (Linux `VmRSS`; absent elsewhere, in the browser too).
     pub resident_bytes: Option<u64>,
-}
-
-impl ProcessMemory {
-    /// Reads this process's figures now.
-    pub fn now() -> Self {
-        let resident_bytes = std::fs::read_to_string("/proc/self/status").ok().and_then(|s| {
-            s.lines()
-                .find_map(|l| l.strip_prefix("VmRSS:"))
-                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
-                .map(|kib| kib << 10)
-        });
-        ProcessMemory { resident_bytes }
-    }
 }

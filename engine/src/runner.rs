@@ -131,11 +131,6 @@ impl<B: Backend> ModelRunner<B> {
         }
     }
 
-    /// The current KV cache's geometry, if one is allocated.
-    pub fn layout(&self) -> Option<KvLayout> {
-        self.kv.as_ref().map(|(l, _)| *l)
-    }
-
     /// Hands the KV cache to the caller (the profile swaps in a scratch one).
     pub(crate) fn take_kv(&mut self) -> Option<(KvLayout, B::KvCache)> {
         self.kv.take()

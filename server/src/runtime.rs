@@ -253,6 +253,7 @@ pub fn load(dir: &Path, choice: BackendChoice) -> Result<(LoadedRunner, Frontend
             let opts = WgpuOptions {
                 f16_weights: choice.f16_weights,
                 quantization: choice.quantization,
+                adapter: std::env::var("KVLENS_WGPU_ADAPTER").ok().filter(|s| !s.is_empty()),
                 ..WgpuOptions::default()
             };
             let backend = WgpuBackend::new_blocking(ledger.clone(), opts).map_err(|e| usage(e.to_string()))?;

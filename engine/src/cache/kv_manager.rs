@@ -77,6 +77,7 @@ pub enum KvBlockState {
 }
 
 /// One block in a [`KvSnapshot`].
+#[cfg(test)]
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct KvBlockSnapshot {
     /// Block id.
@@ -93,7 +94,8 @@ pub struct KvBlockSnapshot {
     pub hash: Option<BlockHash>,
 }
 
-/// Serializable picture of the KV cache for a UI.
+/// Every block of the KV cache, for the tests' assertions ([`KvSummary`] is what a UI is sent).
+#[cfg(test)]
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct KvSnapshot {
     /// Total blocks, the null block included.
@@ -123,7 +125,7 @@ pub struct KvSnapshot {
 }
 
 /// A compact picture of the KV cache: counts, block states as runs, and each request's blocks.
-/// Cheap enough to send after every engine step, unlike [`KvSnapshot`]'s per-block list.
+/// Cheap enough to send after every engine step.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct KvSummary {
     /// Total blocks, the null block included.
@@ -412,8 +414,9 @@ impl KvCacheManager {
         }
     }
 
-    /// Serializable picture of every block, the free queue and the totals.
-    pub fn snapshot(&self) -> KvSnapshot {
+    /// Every block, the free queue and the totals.
+    #[cfg(test)]
+    pub(crate) fn snapshot(&self) -> KvSnapshot {
         let n = self.num_blocks();
         let mut owners: Vec<Vec<RequestId>> = vec![Vec::new(); n];
         for (id, req) in &self.requests {

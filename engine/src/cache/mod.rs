@@ -17,9 +17,7 @@ pub use block_pool::{BlockId, BlockPool, FreeQueueIter, NULL_BLOCK};
 pub use encoder_cache::{
     EncoderCacheEntrySnapshot, EncoderCacheManager, EncoderCacheReset, EncoderCacheSnapshot, EncoderCacheStats,
 };
-pub use kv_manager::{
-    ComputedBlocks, KvBlockSnapshot, KvBlockState, KvCacheManager, KvSnapshot, KvSummary, PrefixCacheStats,
-};
+pub use kv_manager::{ComputedBlocks, KvBlockState, KvCacheManager, KvSummary, PrefixCacheStats};
 pub use processor_cache::{
     ProcessorCache, ProcessorCacheEntrySnapshot, ProcessorCacheSnapshot, ProcessorCacheStats,
     DEFAULT_PROCESSOR_CACHE_BYTES,

@@ -153,11 +153,6 @@ impl<T> Scheduler<T> {
         &self.running
     }
 
-    /// Mutable access to running requests (only their `data` can change).
-    pub fn running_mut(&mut self) -> &mut [Sequence<T>] {
-        &mut self.running
-    }
-
     /// Requests queued, new or preempted, in admission order.
     pub fn waiting(&self) -> impl Iterator<Item = &Sequence<T>> {
         self.waiting.iter()

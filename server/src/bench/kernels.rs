@@ -35,8 +35,8 @@ pub struct KernelsArgs {
     /// Only the cases whose name contains this (e.g. gemv, lm_head, gemm).
     #[arg(long)]
     only: Option<String>,
-    /// The wgpu adapter by name (a substring) [default: KVLENS_WGPU_ADAPTER, else the best one].
-    #[arg(long)]
+    /// The wgpu adapter by name (a substring) [default: the best one].
+    #[arg(long, env = "KVLENS_WGPU_ADAPTER")]
     adapter: Option<String>,
     /// Seconds of timed samples per case and backend: no sample starts that would end later.
     #[arg(long, default_value_t = 10.0)]

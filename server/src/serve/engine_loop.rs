@@ -12,7 +12,7 @@ use crate::runtime::Frontend;
 use kvlens_engine::cache::RequestId;
 use kvlens_engine::engine::{Engine, EngineError, FinishReason, Request, TokenEvent};
 use kvlens_engine::memory::ledger::Category;
-use kvlens_engine::occupancy::Occupancy;
+use kvlens_engine::occupancy::{Occupancy, ProcessMemory};
 use std::collections::HashMap;
 use std::sync::mpsc;
 use std::sync::Arc;
@@ -223,7 +223,18 @@ fn unix_time() -> f64 {
 }
 
 fn occupancy_of(engine: &Engine, frontend: &Frontend, seq: u64) -> Occupancy {
-    Occupancy::of(engine, frontend, seq, unix_time())
+    Occupancy::of(engine, frontend, seq, unix_time(), process_memory())
+}
+
+/// This process's resident set size (Linux `VmRSS`; absent elsewhere).
+fn process_memory() -> ProcessMemory {
+    let resident_bytes = std::fs::read_to_string("/proc/self/status").ok().and_then(|s| {
+        s.lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+            .map(|kib| kib << 10)
+    });
+    ProcessMemory { resident_bytes }
 }
 
 impl EngineLoop {

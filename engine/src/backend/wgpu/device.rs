@@ -1,5 +1,5 @@
 //! Finding an adapter and opening a device with its real limits: natively a hardware adapter when
-//! there is one and lavapipe otherwise (`KVLENS_WGPU_ADAPTER` picks one by name); in the browser
+//! there is one and lavapipe otherwise (or the one [`WgpuOptions::adapter`] names); in the browser
 //! the page's WebGPU adapter.
 
 use super::super::{BResult, BackendError};
@@ -7,7 +7,8 @@ use super::super::{BResult, BackendError};
 /// How the backend chooses and opens its device.
 #[derive(Debug, Clone, Default)]
 pub struct WgpuOptions {
-    /// A substring of the adapter's name to pick (case-insensitive); `KVLENS_WGPU_ADAPTER` when unset.
+    /// A substring of the adapter's name to pick (case-insensitive; the server takes it from
+    /// `KVLENS_WGPU_ADAPTER`); None: the first adapter.
     pub adapter: Option<String>,
     /// Caps the storage-binding size below the adapter's (tests of the split path).
     pub max_binding_bytes: Option<u64>,
@@ -76,19 +77,11 @@ const NO_ADAPTER: &str = "this browser offers no WebGPU adapter (no navigator.gp
                           requestAdapter() gave null): use a browser with WebGPU enabled; headless \
                           Chromium offers its SwiftShader adapter only with --enable-unsafe-webgpu";
 
-/// `KVLENS_WGPU_ADAPTER`, when set and not empty (a page has no environment).
-fn adapter_from_env() -> Option<String> {
-    #[cfg(not(target_arch = "wasm32"))]
-    return std::env::var("KVLENS_WGPU_ADAPTER").ok().filter(|s| !s.is_empty());
-    #[cfg(target_arch = "wasm32")]
-    None
-}
-
 /// Opens the device of the chosen adapter with the adapter's own limits.
 pub(super) async fn open(opts: &WgpuOptions) -> BResult<Gpu> {
     let instance = wgpu::Instance::new(wgpu::InstanceDescriptor::new_without_display_handle_from_env());
     let all = candidates(&instance).await;
-    let wanted = opts.adapter.clone().or_else(adapter_from_env);
+    let wanted = opts.adapter.clone();
     let names: Vec<String> = all.iter().map(|a| adapter_line(&a.get_info())).collect();
     let adapter = match &wanted {
         Some(name) => all
@@ -98,7 +91,7 @@ pub(super) async fn open(opts: &WgpuOptions) -> BResult<Gpu> {
     };
     let Some(adapter) = adapter else {
         let why = match wanted {
-            Some(name) => format!("no wgpu adapter matches {name:?} (KVLENS_WGPU_ADAPTER); found: {names:?}"),
+            Some(name) => format!("no wgpu adapter matches {name:?}; found: {names:?}"),
             None => NO_ADAPTER.to_string(),
         };
         return Err(library(why));

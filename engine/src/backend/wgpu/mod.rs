@@ -1235,4 +1235,4 @@ impl WgpuBackend {
 }
 
 #[cfg(all(test, not(target_arch = "wasm32")))]
-mod tests;
+pub(crate) mod tests;

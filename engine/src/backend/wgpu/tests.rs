@@ -8,9 +8,14 @@ use crate::backend::suite::{host, max_err, noise};
 use crate::backend::{block_on, Activation, Backend, KvLayout, PagedBatch, PagedSeq, RawDType, RawTensor};
 use crate::memory::ledger::MemoryLedger;
 
-/// A backend on this machine's adapter; panics with the reason when there is none.
+/// A backend on this machine's adapter (`KVLENS_WGPU_ADAPTER` picks one, as in the server);
+/// panics with the reason when there is none.
 pub(crate) fn backend_with(opts: WgpuOptions) -> WgpuBackend {
-    WgpuBackend::new_blocking(MemoryLedger::new(), opts)
+    let adapter = opts
+        .adapter
+        .clone()
+        .or_else(|| std::env::var("KVLENS_WGPU_ADAPTER").ok());
+    WgpuBackend::new_blocking(MemoryLedger::new(), WgpuOptions { adapter, ..opts })
         .unwrap_or_else(|e| panic!("the wgpu tests need an adapter (`cargo xtask test` installs lavapipe): {e}"))
 }
 

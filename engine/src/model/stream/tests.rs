@@ -292,11 +292,8 @@ fn a_complete_stream_missing_a_tensor_names_it() {
 #[cfg(all(feature = "wgpu", not(target_arch = "wasm32")))]
 #[test]
 fn streamed_onto_wgpu_gives_the_logits_of_the_whole_file() {
-    use crate::backend::wgpu::{WgpuBackend, WgpuOptions};
-    let gpu = || {
-        WgpuBackend::new_blocking(MemoryLedger::new(), WgpuOptions::default())
-            .unwrap_or_else(|e| panic!("the wgpu tests need an adapter (`cargo xtask test` installs lavapipe): {e}"))
-    };
+    use crate::backend::wgpu::{tests::backend_with, WgpuOptions};
+    let gpu = || backend_with(WgpuOptions::default());
     let cfg = qwen3_vl();
     let shards = vec![("model.safetensors".to_string(), file(&tensor_specs(&cfg)))];
     let want = file_logits(&cfg, &shards, gpu());
