@@ -10,6 +10,7 @@ use kvlens_engine::cache::RequestId;
 use kvlens_engine::engine::TokenEvent;
 use kvlens_engine::input::chat::{ChatMessage, Content, ContentPart, ImageUrl};
 use kvlens_engine::input::processor::InlineImages;
+use kvlens_engine::output::Output;
 use kvlens_engine::sample::SamplingParams;
 use leptos::prelude::*;
 use std::collections::HashMap;
@@ -173,17 +174,20 @@ pub fn Chat(
         let started = now_ms();
         let mut first = None::<f64>;
         let decoder = Rc::clone(&local);
+        // Each token is decoded once, as the server does (re-decoding the whole reply per token
+        // is quadratic in its length).
+        let mut output = Output::new(Vec::new(), false);
         let sink = Box::new(move |e: &TokenEvent| {
+            let delta = output.push(&decoder.input.tokenizer, e.clone());
             let now = now_ms();
             let first_at = *first.get_or_insert(now);
             messages.update(|m| {
                 let Some(last) = m.last_mut() else { return };
                 last.token_ids.push(e.token);
-                last.text = decoder
-                    .input
-                    .tokenizer
-                    .decode(&last.token_ids, true)
-                    .unwrap_or_else(|err| format!("(cannot decode: {err})"));
+                match &delta {
+                    Ok(delta) => last.text.push_str(&delta.text),
+                    Err(err) => last.text.push_str(&format!(" (cannot decode: {err})")),
+                }
                 let n = last.token_ids.len();
                 let prefill = prompt_len as f64 / ((first_at - started).max(1.0) / 1e3);
                 last.stats = if n > 1 {

@@ -551,7 +551,6 @@ impl Engine {
         let ids: Vec<RequestId> = self
             .sched
             .running()
-            .iter()
             .chain(self.sched.waiting())
             .map(|s| s.id().clone())
             .collect();

@@ -15,6 +15,7 @@ pub mod input;
 pub mod memory;
 pub mod model;
 pub mod occupancy;
+pub mod output;
 mod parallel;
 pub mod profile;
 pub mod runner;

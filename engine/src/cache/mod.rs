@@ -23,13 +23,29 @@ pub use processor_cache::{
     DEFAULT_PROCESSOR_CACHE_BYTES,
 };
 
+#[cfg(test)]
+thread_local! {
+    /// Identifier comparisons made on this thread (tests of how bookkeeping scales).
+    pub(crate) static ID_COMPARISONS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
 /// Defines a string newtype usable as a map key and looked up by `&str`.
 macro_rules! string_id {
     ($(#[$meta:meta])* $name:ident) => {
         $(#[$meta])*
-        #[derive(Clone, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+        // Equality is the string's, as the derived Hash assumes; the tests count comparisons.
+        #[allow(clippy::derived_hash_with_manual_eq)]
+        #[derive(Clone, Debug, Default, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
         #[serde(transparent)]
         pub struct $name(pub String);
+
+        impl PartialEq for $name {
+            fn eq(&self, other: &Self) -> bool {
+                #[cfg(test)]
+                ID_COMPARISONS.with(|c| c.set(c.get() + 1));
+                self.0 == other.0
+            }
+        }
 
         impl $name {
             /// The identifier as a string slice.

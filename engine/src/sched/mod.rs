@@ -23,7 +23,7 @@ mod sequence;
 #[cfg(test)]
 mod tests;
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 
 use crate::cache::{
     CacheError, ComputedBlocks, EncoderCacheManager, KvCacheManager, MmHash, MmSpan, RequestId, TokenId,
@@ -116,14 +116,17 @@ struct Budget {
     encoder: usize,
 }
 
-/// Waiting and running requests over a KV cache manager and an encoder cache manager.
+/// Waiting and running requests over a KV cache manager and an encoder cache manager. As in vLLM,
+/// the requests live in a map by id and the queues hold ids, so looking one up costs the same
+/// whatever the batch.
 #[derive(Debug)]
 pub struct Scheduler<T> {
     cfg: SchedulerConfig,
     kv: KvCacheManager,
     enc: EncoderCacheManager,
-    waiting: VecDeque<Sequence<T>>,
-    running: Vec<Sequence<T>>,
+    requests: HashMap<RequestId, Sequence<T>>,
+    waiting: VecDeque<RequestId>,
+    running: Vec<RequestId>,
 }
 
 impl<T> Scheduler<T> {
@@ -133,6 +136,7 @@ impl<T> Scheduler<T> {
             cfg,
             kv,
             enc,
+            requests: HashMap::new(),
             waiting: VecDeque::new(),
             running: Vec::new(),
         }
@@ -149,13 +153,13 @@ impl<T> Scheduler<T> {
     }
 
     /// Requests holding KV blocks, in scheduling order.
-    pub fn running(&self) -> &[Sequence<T>] {
-        &self.running
+    pub fn running(&self) -> impl Iterator<Item = &Sequence<T>> {
+        self.running.iter().map(|id| &self.requests[id])
     }
 
     /// Requests queued, new or preempted, in admission order.
     pub fn waiting(&self) -> impl Iterator<Item = &Sequence<T>> {
-        self.waiting.iter()
+        self.waiting.iter().map(|id| &self.requests[id])
     }
 
     /// Number of running requests.
@@ -211,7 +215,7 @@ impl<T> Scheduler<T> {
                 total.div_ceil(bs)
             ));
         }
-        if self.waiting.iter().chain(&self.running).any(|s| s.id() == &id) {
+        if self.requests.contains_key(&id) {
             return bad(format!("request id {id} is already in use"));
         }
         let mut end = 0;
@@ -228,8 +232,9 @@ impl<T> Scheduler<T> {
                 ));
             }
         }
-        let seq = Sequence::new(id, prompt, spans, bs, data)?;
-        self.waiting.push_back(seq);
+        let seq = Sequence::new(id.clone(), prompt, spans, bs, data)?;
+        self.requests.insert(id.clone(), seq);
+        self.waiting.push_back(id);
         Ok(())
     }
 
@@ -241,9 +246,6 @@ impl<T> Scheduler<T> {
     /// referenced (vLLM keeps them, which can deadlock).
     pub fn schedule(&mut self) -> Result<SchedulerOutput, CacheError> {
         let mut out = SchedulerOutput::default();
-        // Running-list indices of the scheduled requests, parallel to `out.scheduled`: preemption
-        // only removes requests after the one being scheduled, so these stay valid.
-        let mut indices = Vec::new();
         let mut budget = Budget {
             tokens: self.cfg.max_num_batched_tokens,
             encoder: self.cfg.max_num_encoder_input_tokens,
@@ -251,7 +253,7 @@ impl<T> Scheduler<T> {
 
         let mut i = 0;
         'running: while i < self.running.len() && budget.tokens > 0 {
-            let seq = &self.running[i];
+            let seq = &self.requests[&self.running[i]];
             let start = seq.computed();
             let want = self.cfg.chunk(seq.len() - start, budget.tokens);
             let plan = plan_encoder_inputs(&mut self.enc, seq, start, want, budget.encoder);
@@ -260,7 +262,7 @@ impl<T> Scheduler<T> {
                 continue;
             }
             loop {
-                let seq = &self.running[i];
+                let seq = &self.requests[&self.running[i]];
                 let blocks = self.kv.allocate_slots(
                     seq.id(),
                     plan.num_new,
@@ -277,13 +279,15 @@ impl<T> Scheduler<T> {
                     break 'running;
                 }
             }
-            self.commit(i, start, 0, plan, &mut budget, &mut out)?;
-            indices.push(i);
+            let id = self.running[i].clone();
+            self.commit(&id, start, 0, plan, &mut budget, &mut out)?;
             i += 1;
         }
 
         while out.preempted.is_empty() && budget.tokens > 0 && self.running.len() < self.cfg.max_num_seqs {
-            let Some(seq) = self.waiting.front() else { break };
+            let Some(seq) = self.waiting.front().map(|id| &self.requests[id]) else {
+                break;
+            };
             debug_assert_eq!(seq.computed(), 0, "waiting requests hold no KV");
             let hit = self.kv.get_computed_blocks(seq.block_hashes(), seq.len());
             let start = hit.num_tokens();
@@ -302,15 +306,17 @@ impl<T> Scheduler<T> {
                 self.enc.free(seq.id());
                 break;
             }
-            let seq = self.waiting.pop_front().expect("front exists");
-            self.running.push(seq);
-            let index = self.running.len() - 1;
-            self.commit(index, start, start, plan, &mut budget, &mut out)?;
-            indices.push(index);
+            let id = self.waiting.pop_front().expect("front exists");
+            self.commit(&id, start, start, plan, &mut budget, &mut out)?;
+            self.requests
+                .get_mut(&id)
+                .expect("queued requests exist")
+                .set_running(true);
+            self.running.push(id);
         }
 
-        for (s, &index) in out.scheduled.iter().zip(&indices) {
-            let seq = &mut self.running[index];
+        for s in &out.scheduled {
+            let seq = self.requests.get_mut(&s.id).expect("scheduled requests exist");
             seq.set_computed(s.end());
             // An image repeated later in the same request keeps its entry until that use is done too.
             let in_kv = |h: &MmHash| {
@@ -331,14 +337,14 @@ impl<T> Scheduler<T> {
     /// Records a scheduled request: allocates its encoder entries and charges the budgets.
     fn commit(
         &mut self,
-        index: usize,
+        id: &RequestId,
         start: usize,
         num_cached: usize,
         plan: EncoderPlan,
         budget: &mut Budget,
         out: &mut SchedulerOutput,
     ) -> Result<(), CacheError> {
-        let seq = &self.running[index];
+        let seq = &self.requests[id];
         for &img in &plan.encode {
             let span = &seq.spans()[img];
             self.enc.allocate(seq.id(), &span.hash, span.length)?;
@@ -357,23 +363,26 @@ impl<T> Scheduler<T> {
 
     /// Moves running request `index` to the front of the waiting queue with nothing computed.
     fn preempt(&mut self, index: usize, out: &mut SchedulerOutput) -> Result<(), CacheError> {
-        let mut seq = self.running.remove(index);
-        self.kv.free(seq.id())?;
-        self.enc.free(seq.id());
-        seq.set_computed(0);
-        out.preempted.push(seq.id().clone());
-        self.waiting.push_front(seq);
+        let id = self.running.remove(index);
+        self.kv.free(&id)?;
+        self.enc.free(&id);
+        if let Some(seq) = self.requests.get_mut(&id) {
+            seq.set_computed(0);
+            seq.set_running(false);
+        }
+        out.preempted.push(id.clone());
+        self.waiting.push_front(id);
         Ok(())
     }
 
-    /// The running request `id`, if it is running.
+    /// The request `id`, running or waiting.
     pub fn get(&self, id: &RequestId) -> Option<&Sequence<T>> {
-        self.running.iter().find(|s| s.id() == id)
+        self.requests.get(id)
     }
 
-    /// The running request `id`, mutably.
+    /// The request `id`, mutably.
     pub fn get_mut(&mut self, id: &RequestId) -> Option<&mut Sequence<T>> {
-        self.running.iter_mut().find(|s| s.id() == id)
+        self.requests.get_mut(id)
     }
 
     /// Appends a token sampled for running request `id` (which the step brought to its full
@@ -392,11 +401,16 @@ impl<T> Scheduler<T> {
     pub fn finish(&mut self, ids: &[RequestId]) -> Result<Vec<Sequence<T>>, CacheError> {
         let mut done = Vec::with_capacity(ids.len());
         for id in ids {
-            if let Some(i) = self.running.iter().position(|s| s.id() == id) {
-                let seq = self.running.remove(i);
+            if self.requests.get(id).is_some_and(Sequence::is_running) {
+                let seq = self.requests.remove(id).expect("looked up above");
                 self.release(&seq)?;
                 done.push(seq);
             }
+        }
+        if !done.is_empty() {
+            // One pass over the running list for all of them.
+            let requests = &self.requests;
+            self.running.retain(|id| requests.contains_key(id));
         }
         Ok(done)
     }
@@ -404,13 +418,12 @@ impl<T> Scheduler<T> {
     /// Drops a request wherever it is, releasing its KV blocks and encoder references at once;
     /// returns it, or None for an unknown id.
     pub fn abort(&mut self, id: &RequestId) -> Result<Option<Sequence<T>>, CacheError> {
-        let seq = if let Some(i) = self.waiting.iter().position(|s| s.id() == id) {
-            self.waiting.remove(i)
-        } else if let Some(i) = self.running.iter().position(|s| s.id() == id) {
-            Some(self.running.remove(i))
-        } else {
-            None
-        };
+        let seq = self.requests.remove(id);
+        match &seq {
+            Some(s) if s.is_running() => self.running.retain(|r| r != id),
+            Some(_) => self.waiting.retain(|w| w != id),
+            None => {}
+        }
         if let Some(seq) = &seq {
             self.release(seq)?;
         }

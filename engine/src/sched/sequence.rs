@@ -14,6 +14,7 @@ pub struct Sequence<T> {
     spans: Vec<MmSpan>,
     hashes: Vec<BlockHash>,
     computed: usize,
+    running: bool,
     /// The caller's per-request state.
     pub data: T,
 }
@@ -37,8 +38,19 @@ impl<T> Sequence<T> {
             spans,
             hashes,
             computed: 0,
+            running: false,
             data,
         })
+    }
+
+    /// Whether the request holds KV blocks (is in the running list).
+    pub fn is_running(&self) -> bool {
+        self.running
+    }
+
+    /// Marks the request running or waiting.
+    pub(super) fn set_running(&mut self, running: bool) {
+        self.running = running;
     }
 
     /// The request id.

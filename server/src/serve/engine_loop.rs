@@ -7,12 +7,12 @@
 
 use super::errors::ApiError;
 use super::metrics::Metrics;
-use super::output::{Delta, Output};
 use crate::runtime::Frontend;
 use kvlens_engine::cache::RequestId;
 use kvlens_engine::engine::{Engine, EngineError, FinishReason, Request, TokenEvent};
 use kvlens_engine::memory::ledger::Category;
 use kvlens_engine::occupancy::{Occupancy, ProcessMemory};
+use kvlens_engine::output::{Delta, Output};
 use std::collections::HashMap;
 use std::sync::mpsc;
 use std::sync::Arc;
@@ -422,6 +422,7 @@ impl EngineLoop {
         let delta = match live.output.push(&self.frontend.tokenizer, event) {
             Ok(delta) => delta,
             Err(e) => {
+                let e = ApiError::internal(format!("detokenizing: {e}"));
                 let last = live.output.cut(&self.frontend.tokenizer, FinishReason::Error);
                 let _ = live.updates.send(Update::Failed(e, last));
                 self.abort(&id, FinishReason::Error);

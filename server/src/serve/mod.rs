@@ -14,7 +14,6 @@ mod media;
 mod memory;
 mod metrics;
 mod openai;
-mod output;
 mod site;
 mod subscribers;
 mod tokenize;

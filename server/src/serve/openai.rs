@@ -3,10 +3,10 @@
 //! `return_token_ids`): parsing into [`SamplingParams`], and the JSON of answers and SSE chunks.
 
 use super::errors::ApiError;
-use super::output::{Delta, TokenLogprobs};
 use kvlens_engine::engine::FinishReason;
 use kvlens_engine::input::chat::ChatMessage;
 use kvlens_engine::input::tokenizer::Tokenizer;
+use kvlens_engine::output::{Delta, TokenLogprobs};
 use kvlens_engine::sample::SamplingParams;
 use serde::Deserialize;
 use serde_json::{json, Value};

@@ -3,7 +3,9 @@
 
 use std::sync::LazyLock;
 
-/// The instruction sets the CPU kernels have versions for (all false off x86_64).
+/// The instruction sets the CPU kernels have versions for (all false off x86_64, where only
+/// `avx512_bf16` is read: the other versions are not compiled).
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 #[derive(Clone, Copy, Debug, Default)]
 pub(super) struct Isa {
     /// AVX2 and FMA.

@@ -1,10 +1,11 @@
-//! One request's output as the API reports it: incremental detokenization, stop strings (the text
-//! ends before the first one, as in vLLM and OpenAI; while streaming, text that could be the start
-//! of a stop string is held back), and the tokens with their log-probabilities.
+//! One request's output as every front end reports it (vLLM's `OutputProcessor` with its
+//! `IncrementalDetokenizer`): incremental detokenization, each token decoded once, stop strings
+//! (the text ends before the first one, as in vLLM and OpenAI; while streaming, text that could be
+//! the start of a stop string is held back), and the tokens with their log-probabilities.
 
-use super::errors::ApiError;
-use kvlens_engine::engine::{FinishReason, TokenEvent};
-use kvlens_engine::input::tokenizer::{IncrementalDecoder, Tokenizer};
+use crate::engine::{FinishReason, TokenEvent};
+use crate::input::tokenizer::{IncrementalDecoder, Tokenizer};
+use crate::input::InputError;
 
 /// A generated token and its log-probabilities.
 #[derive(Debug, Clone, PartialEq)]
@@ -75,19 +76,18 @@ impl Output {
         }
     }
 
-    /// Adds one token from the engine.
-    pub fn push(&mut self, tokenizer: &Tokenizer, event: TokenEvent) -> Result<Delta, ApiError> {
+    /// Adds one token from the engine; fails only when the tokenizer cannot decode it.
+    pub fn push(&mut self, tokenizer: &Tokenizer, event: TokenEvent) -> Result<Delta, InputError> {
         if self.finish.is_some() {
             return Ok(Delta::default());
         }
-        let detok = |e: kvlens_engine::input::InputError| ApiError::internal(format!("detokenizing: {e}"));
         self.num_tokens += 1;
         let before = self.text.len();
-        if let Some(piece) = self.decoder.step(tokenizer, event.token).map_err(detok)? {
+        if let Some(piece) = self.decoder.step(tokenizer, event.token)? {
             self.text.push_str(&piece);
         }
         if event.finish.is_some() {
-            if let Some(rest) = self.decoder.finish(tokenizer).map_err(detok)? {
+            if let Some(rest) = self.decoder.finish(tokenizer)? {
                 self.text.push_str(&rest);
             }
         }
