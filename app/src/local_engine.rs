@@ -6,10 +6,9 @@ use crate::checkpoint::{CheckpointInfo, Source};
 use crate::memory_view::{size, Budget, ResetKind};
 use kvlens_engine::arch::config::DType;
 use kvlens_engine::arch::weight_format::WeightFormat;
-use kvlens_engine::backend::cpu::CpuBackend;
 use kvlens_engine::backend::wgpu::{WgpuBackend, WgpuOptions};
-use kvlens_engine::backend::Backend;
-use kvlens_engine::builder::{build_engine, EngineOptions, StartupReport};
+use kvlens_engine::backend::{Backend, BackendKind};
+use kvlens_engine::builder::{build_engine, open, BackendChoice, EngineOptions, ModelSource, StartupReport};
 use kvlens_engine::cache::RequestId;
 use kvlens_engine::engine::{Engine, Request, TokenEvent};
 use kvlens_engine::input::processor::InputProcessor;
@@ -18,7 +17,7 @@ use kvlens_engine::memory::ledger::MemoryLedger;
 use kvlens_engine::memory::planner::{plan, MmLimits, Plan, PlanRequest};
 use kvlens_engine::model::stream::StreamLoader;
 use kvlens_engine::occupancy::{Occupancy, ProcessMemory};
-use kvlens_engine::runner::ModelRunner;
+use kvlens_engine::runner::{ModelRunner, StepRunner};
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::rc::Rc;
@@ -188,69 +187,56 @@ fn held(ledger: &MemoryLedger) -> String {
     format!("Ledger at that moment: {}", entries.join(", "))
 }
 
-/// Streams the weights onto `backend` and starts the engine as `kvlens serve` does.
-async fn start_on<B: Backend + 'static>(
-    backend: B,
-    source: &Source,
-    info: &CheckpointInfo,
-    input: &mut InputProcessor,
-    device: &Device,
-    s: Settings,
-    progress: &dyn Fn(Progress),
-) -> Result<(Engine, StartupReport), String> {
-    let known: Option<u64> = info.shards.iter().map(|(_, s)| *s).sum();
-    let total = Rc::new(Cell::new(known.unwrap_or(0)));
-    // Unknown as soon as one file's size is (a response without Content-Length).
-    let total_known = Rc::new(Cell::new(true));
-    let read = Rc::new(Cell::new(0u64));
-    let report = |tensors: usize| {
-        progress(Progress {
-            tensors,
-            bytes: read.get(),
-            total_bytes: total_known.get().then(|| total.get()),
-        })
-    };
-    let mut stream =
-        StreamLoader::new(info.config.clone(), &backend, |tensors, _| report(tensors)).map_err(|e| e.to_string())?;
-    for (name, size) in &info.shards {
-        stream.begin_shard(name.clone()).map_err(|e| e.to_string())?;
-        let length = |l: Option<u64>| match (size, l) {
-            (Some(_), _) => {}
-            (None, Some(l)) => total.set(total.get() + l),
-            (None, None) => total_known.set(false),
-        };
-        source
-            .stream(name, length, |chunk| {
-                read.set(read.get() + chunk.len() as u64);
-                stream.push(chunk).map_err(|e| e.to_string())
+/// A checkpoint streamed from its source onto whichever backend [`open`] made: each tensor
+/// converted as soon as its bytes are in.
+struct Streamed<'a> {
+    source: &'a Source,
+    info: &'a CheckpointInfo,
+    progress: &'a dyn Fn(Progress),
+}
+
+impl ModelSource for Streamed<'_> {
+    async fn load_onto<B: Backend + 'static>(self, backend: B) -> Result<Box<dyn StepRunner>, String> {
+        let (info, progress) = (self.info, self.progress);
+        let known: Option<u64> = info.shards.iter().map(|(_, s)| *s).sum();
+        let total = Rc::new(Cell::new(known.unwrap_or(0)));
+        // Unknown as soon as one file's size is (a response without Content-Length).
+        let total_known = Rc::new(Cell::new(true));
+        let read = Rc::new(Cell::new(0u64));
+        let report = |tensors: usize| {
+            progress(Progress {
+                tensors,
+                bytes: read.get(),
+                total_bytes: total_known.get().then(|| total.get()),
             })
-            .await
-            .map_err(|e| {
-                format!(
-                    "{e}. {}. Try a smaller checkpoint or fewer KV blocks.",
-                    held(backend.ledger())
-                )
-            })?;
+        };
+        let mut stream = StreamLoader::new(info.config.clone(), &backend, |tensors, _| report(tensors))
+            .map_err(|e| e.to_string())?;
+        for (name, size) in &info.shards {
+            stream.begin_shard(name.clone()).map_err(|e| e.to_string())?;
+            let length = |l: Option<u64>| match (size, l) {
+                (Some(_), _) => {}
+                (None, Some(l)) => total.set(total.get() + l),
+                (None, None) => total_known.set(false),
+            };
+            self.source
+                .stream(name, length, |chunk| {
+                    read.set(read.get() + chunk.len() as u64);
+                    stream.push(chunk).map_err(|e| e.to_string())
+                })
+                .await
+                .map_err(|e| {
+                    format!(
+                        "{e}. {}. Try a smaller checkpoint or fewer KV blocks.",
+                        held(backend.ledger())
+                    )
+                })?;
+        }
+        let model = stream
+            .finish()
+            .map_err(|e| format!("{e}. {}", held(backend.ledger())))?;
+        Ok(Box::new(ModelRunner::new(backend, model)))
     }
-    let model = stream
-        .finish()
-        .map_err(|e| format!("{e}. {}", held(backend.ledger())))?;
-    let req = plan_request(info, Some(input), device, s);
-    let opts = EngineOptions {
-        enable_prefix_caching: true,
-        long_prefill_token_threshold: 0,
-        max_num_partial_prefills: 1,
-        vocab_size: input.tokenizer.vocab_size(),
-    };
-    let (engine, report) =
-        build_engine(ModelRunner::new(backend, model), req, opts, &now_s).map_err(|e| e.to_string())?;
-    input.set_processor_cache_bytes(report.plan.processor_cache_bytes);
-    input.max_model_len = report.plan.max_model_len;
-    input.limit_images = s.images_per_prompt;
-    if let Some(tokens) = report.max_image_tokens {
-        input.max_image_tokens = tokens;
-    }
-    Ok((engine, report))
 }
 
 impl Local {
@@ -273,33 +259,37 @@ impl Local {
             info.eos.clone(),
         )
         .map_err(|e| e.to_string())?;
-        // What the model runs on, for the status line: the quantized weights' own device names them.
-        let (engine, report, described) = match device {
-            Device::WebGpu(b) if s.quantization == WeightFormat::Unquantized => {
-                let (engine, report) = start_on(b.clone(), source, info, &mut input, device, s, progress).await?;
-                (engine, report, device.describe())
-            }
+        let kind = match device {
             Device::WebGpu(page_device) => {
-                // The page's device keeps f32 weights; quantized ones go onto a device of their own,
-                // and the page's gives back the buffers an earlier model left in its pool.
+                // The model gets a device of its own; the page's gives back the buffers an
+                // earlier model left in its pool.
                 page_device.release_pooled();
-                let opts = WgpuOptions {
-                    quantization: s.quantization,
-                    ..WgpuOptions::default()
-                };
-                let b = WgpuBackend::new(MemoryLedger::new(), opts)
-                    .await
-                    .map_err(|e| e.to_string())?;
-                let described = Device::WebGpu(b.clone()).describe();
-                let (engine, report) = start_on(b, source, info, &mut input, device, s, progress).await?;
-                (engine, report, described)
+                BackendKind::Wgpu
             }
-            Device::Cpu(_) => {
-                let cpu = CpuBackend::with_weights(MemoryLedger::new(), s.quantization);
-                let (engine, report) = start_on(cpu, source, info, &mut input, device, s, progress).await?;
-                (engine, report, device.describe())
-            }
+            Device::Cpu(_) => BackendKind::Cpu,
         };
+        let choice = BackendChoice::new(kind, None, s.quantization)?;
+        let streamed = Streamed { source, info, progress };
+        let runner = open(&choice, MemoryLedger::new(), streamed).await?;
+        // What the model runs on, for the status line.
+        let described = match device {
+            Device::WebGpu(_) => format!("WebGPU: {}", runner.describe()),
+            Device::Cpu(_) => device.describe(),
+        };
+        let req = plan_request(info, Some(&input), device, s);
+        let opts = EngineOptions {
+            enable_prefix_caching: true,
+            long_prefill_token_threshold: 0,
+            max_num_partial_prefills: 1,
+            vocab_size: input.tokenizer.vocab_size(),
+        };
+        let (engine, report) = build_engine(runner, req, opts, &now_s).map_err(|e| e.to_string())?;
+        input.set_processor_cache_bytes(report.plan.processor_cache_bytes);
+        input.max_model_len = report.plan.max_model_len;
+        input.limit_images = s.images_per_prompt;
+        if let Some(tokens) = report.max_image_tokens {
+            input.max_image_tokens = tokens;
+        }
         let local = Rc::new(Local {
             engine: RefCell::new(engine),
             input,

@@ -12,7 +12,7 @@
 //! [`Engine::step_async`] awaits the read between the two (the browser); [`Engine::step`] blocks on
 //! it (native callers). The engine spawns no threads: its caller drives the steps.
 
-use crate::backend::{block_on, BResult, BackendError};
+use crate::backend::{block_on, BResult, BackendError, DeviceSamplingSupport};
 use crate::cache::{
     CacheError, EncoderCacheManager, EncoderCacheSnapshot, KvCacheManager, KvSummary, MmHash, MmSpan, RequestId,
 };
@@ -251,8 +251,7 @@ pub struct StepMeta {
 impl Engine {
     /// An engine over a model runner (a [`crate::runner::ModelRunner`] on some backend); allocates
     /// the runner's KV cache for `cfg`.
-    pub fn new(runner: impl StepRunner + 'static, cfg: EngineConfig) -> Result<Self, EngineError> {
-        let mut runner: Box<dyn StepRunner> = Box::new(runner);
+    pub fn new(mut runner: Box<dyn StepRunner>, cfg: EngineConfig) -> Result<Self, EngineError> {
         runner.allocate_kv(cfg.num_blocks, cfg.block_size)?;
         let kv = KvCacheManager::new(
             cfg.num_blocks,
@@ -635,18 +634,21 @@ impl Engine {
     /// from its own generator, when all of them allow device sampling; unchanged (the logits are
     /// read for the host, which draws when it samples) when any does not.
     fn sample_on_device(&mut self, mut batch: StepBatch) -> StepBatch {
+        let caps = self.runner.capabilities();
+        // Any width: the sampler clamps it to the logits row.
+        let allowed = self.allowed(usize::MAX);
         let all_allow = batch.seqs.iter().filter(|s| s.logit_rows > 0).all(|s| {
-            let seq = self.sched.get(&s.id).expect("batched requests are running");
-            seq.data.params.samples_on_device()
+            let params = &self.sched.get(&s.id).expect("batched requests are running").data.params;
+            params.samples_on_device() && (caps.sampling == DeviceSamplingSupport::Full || params.is_greedy())
         });
         if !all_allow {
             return batch;
         }
-        // Any width: the sampler clamps it to the logits row.
-        let allowed = self.allowed(usize::MAX);
         for s in batch.seqs.iter_mut().filter(|s| s.logit_rows > 0) {
             let data = &mut self.sched.get_mut(&s.id).expect("batched requests are running").data;
-            s.sampling = Some(DeviceSampling::new(&data.params, allowed, &mut data.rng));
+            let row = DeviceSampling::new(&data.params, allowed, &mut data.rng);
+            debug_assert!(caps.samples(&row));
+            s.sampling = Some(row);
         }
         batch
     }

@@ -5,13 +5,14 @@
 //! path ([`crate::profile`]).
 
 use crate::arch::config::ModelConfig;
-use crate::backend::{Backend, KvLayout, PagedBatch, PagedSeq, Readback};
+use crate::backend::{Backend, BackendError, Capabilities, DeviceMemory, KvLayout, PagedBatch, PagedSeq, Readback};
 use crate::cache::{MmHash, RequestId};
 use crate::memory::ledger::{Category, MemoryLedger};
 use crate::model::rope::mrope_tables;
 use crate::model::text::DecoderInput;
 use crate::model::vision::VisionOutput;
 use crate::model::{ModelError, QwenVl};
+use crate::profile::{ProfileResult, ProfileSpec};
 use crate::sample::DeviceSampling;
 use std::collections::HashMap;
 use std::ops::Range;
@@ -149,6 +150,16 @@ pub trait StepRunner: std::fmt::Debug {
     fn ledger(&self) -> &MemoryLedger;
     /// The backend's short name.
     fn backend_name(&self) -> &'static str;
+    /// What the backend can do.
+    fn capabilities(&self) -> Capabilities;
+    /// The device's free and total memory now, where it has memory of its own.
+    fn device_memory(&self) -> Option<Result<DeviceMemory, BackendError>>;
+    /// The backend and its device in one line, for the start-up log.
+    fn describe(&self) -> String;
+    /// The largest buffer one kernel can bind, where the backend has such a limit.
+    fn max_binding_bytes(&self) -> Option<u64>;
+    /// Runs the profile pass (see [`ModelRunner::profile`]).
+    fn profile(&mut self, spec: ProfileSpec) -> Result<ProfileResult, ModelError>;
     /// Bytes per element of the backend's activations and KV cache.
     fn elem_bytes(&self) -> u64;
     /// The model's config.
@@ -175,6 +186,26 @@ impl<B: Backend> StepRunner for ModelRunner<B> {
 
     fn backend_name(&self) -> &'static str {
         self.be.name()
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        B::CAPABILITIES
+    }
+
+    fn device_memory(&self) -> Option<Result<DeviceMemory, BackendError>> {
+        self.be.device_memory()
+    }
+
+    fn describe(&self) -> String {
+        self.be.describe()
+    }
+
+    fn max_binding_bytes(&self) -> Option<u64> {
+        self.be.max_binding_bytes()
+    }
+
+    fn profile(&mut self, spec: ProfileSpec) -> Result<ProfileResult, ModelError> {
+        ModelRunner::profile(self, spec)
     }
 
     fn elem_bytes(&self) -> u64 {

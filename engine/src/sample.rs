@@ -4,6 +4,9 @@
 
 use std::collections::HashMap;
 
+/// The temperature at or below which sampling is greedy.
+const GREEDY_TEMPERATURE: f32 = 1e-5;
+
 /// How to pick the next token.
 #[derive(Debug, Clone, PartialEq, serde::Deserialize, serde::Serialize)]
 #[serde(default)]
@@ -233,6 +236,11 @@ impl SamplingParams {
             && self.presence_penalty == 0.0
             && self.frequency_penalty == 0.0
     }
+
+    /// Whether the request takes the most likely token (temperature at most 1e-5).
+    pub fn is_greedy(&self) -> bool {
+        self.temperature <= GREEDY_TEMPERATURE
+    }
 }
 
 impl DeviceSampling {
@@ -256,7 +264,7 @@ impl DeviceSampling {
 
     /// Whether the most likely token is taken.
     pub fn is_greedy(&self) -> bool {
-        self.temperature <= 1e-5
+        self.temperature <= GREEDY_TEMPERATURE
     }
 
     /// Whether top-k, top-p or min-p cuts the candidates: the draw then walks them by descending

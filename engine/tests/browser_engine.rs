@@ -194,8 +194,10 @@ async fn generate_matches_native<B: Backend + 'static>(backend: B) -> Engine {
         max_num_partial_prefills: 1,
         vocab_size: input.tokenizer.vocab_size(),
     };
-    let (mut engine, _) = build_engine(ModelRunner::new(backend, model), plan_req, opts, &|| now_ms() / 1e3)
-        .unwrap_or_else(|e| panic!("the engine starts on the {name} backend: {e}"));
+    let (mut engine, _) = build_engine(Box::new(ModelRunner::new(backend, model)), plan_req, opts, &|| {
+        now_ms() / 1e3
+    })
+    .unwrap_or_else(|e| panic!("the engine starts on the {name} backend: {e}"));
     let built = now_ms();
     console_log!(
         "{name}: engine started (profile run included) in {:.0} ms",

@@ -87,7 +87,7 @@ fn engine_over<B: Backend>(
         vocab_size,
         long_prefill_token_threshold: 0,
     };
-    Engine::new(ModelRunner::new(be, model), cfg).unwrap()
+    Engine::new(Box::new(ModelRunner::new(be, model)), cfg).unwrap()
 }
 
 /// A greedy request of `len` prompt tokens, with a 4-token image (a 4×4 patch grid) at `image`.
@@ -612,7 +612,7 @@ fn a_long_prefill_s_transient_memory_is_counted_in_the_ledger() {
         vocab_size: 0,
         long_prefill_token_threshold: 0,
     };
-    let mut e = Engine::new(ModelRunner::new(be, model), engine_cfg).unwrap();
+    let mut e = Engine::new(Box::new(ModelRunner::new(be, model)), engine_cfg).unwrap();
     e.add_request(request(&cfg, "long", n, None, 1)).unwrap();
     let ledger = e.ledger().clone();
     ledger.reset_peaks();

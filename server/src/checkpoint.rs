@@ -1,7 +1,7 @@
 //! A Hugging Face checkpoint directory on disk: config, memory-mapped safetensors shards, tokenizer,
 //! chat template, preprocessor and generation settings. The engine gets bytes; files stay here.
 
-use crate::UsageError;
+use crate::usage;
 use anyhow::{Context, Result};
 use kvlens_engine::arch::config::ModelConfig;
 use kvlens_engine::model::checkpoint_files;
@@ -37,10 +37,6 @@ pub struct TemplateFiles {
     pub json: Option<String>,
     /// tokenizer_config.json.
     pub tokenizer_config: Option<String>,
-}
-
-fn usage(msg: String) -> anyhow::Error {
-    UsageError(msg).into()
 }
 
 impl TemplateFiles {

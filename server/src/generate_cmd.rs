@@ -1,12 +1,13 @@
 //! `kvlens generate`: one conversation through the engine on the CPU, streamed or as JSON.
 
-use crate::runtime::{load, BackendChoice, Cancel, Frontend};
+use crate::runtime::{device_of, load, Cancel, Frontend};
 use crate::UsageError;
 use anyhow::Result;
+use kvlens_engine::arch::config::DType;
 use kvlens_engine::arch::config::ImageLimits;
 use kvlens_engine::arch::weight_format::WeightFormat;
 use kvlens_engine::backend::BackendKind;
-use kvlens_engine::builder::EngineOptions;
+use kvlens_engine::builder::{build_engine, BackendChoice, EngineOptions};
 use kvlens_engine::engine::{Engine, FinishReason};
 use kvlens_engine::input::chat::{ChatMessage, Content, ContentPart, ImageUrl};
 use kvlens_engine::input::tokenizer::IncrementalDecoder;
@@ -109,12 +110,8 @@ fn messages(a: &GenerateArgs) -> Result<Vec<ChatMessage>> {
 /// Runs `kvlens generate`.
 pub fn run(a: &GenerateArgs) -> Result<()> {
     let msgs = messages(a)?;
-    let choice = BackendChoice {
-        kind: a.backend,
-        f16_weights: a.dtype != "float32",
-        quantization: a.quantization,
-    };
-    let (runner, front) = load(&a.model, choice)?;
+    let choice = BackendChoice::new(a.backend, DType::parse(&a.dtype), a.quantization).map_err(UsageError)?;
+    let (runner, front) = load(&a.model, choice.clone())?;
     let params = SamplingParams {
         temperature: a.temperature,
         top_p: a.top_p,
@@ -131,10 +128,10 @@ pub fn run(a: &GenerateArgs) -> Result<()> {
     let prompt_ids = req.prompt.clone();
     // Sized by the server's start-up code, for this one conversation: one sequence, the whole
     // prompt in one step, its images as the largest the profile runs.
-    let cfg = runner.config().clone();
+    let cfg = runner.model_config().clone();
     // What one decode step reads: the decoder and the output head (the embedding when tied), at
     // the bytes per unquantized value the backend keeps (half precision with --dtype).
-    let elem_bytes = if a.dtype != "float32" { 2 } else { 4 };
+    let elem_bytes = choice.weights_dtype().size_bytes();
     let decode_read_bytes: u64 = weight_bytes_per_rank(&cfg, 1, elem_bytes, a.quantization)
         .iter()
         .filter(|(part, _)| match part {
@@ -144,7 +141,7 @@ pub fn run(a: &GenerateArgs) -> Result<()> {
         })
         .map(|(_, b)| b)
         .sum();
-    let (device, non_torch) = runner.device(None)?;
+    let (device, non_torch) = device_of(&*runner, None)?;
     let mut plan_req = PlanRequest::new("generate", cfg.clone(), device);
     let patch = cfg.vision.patch_size as u64;
     let largest = grids.iter().map(|g| u64::from(g[1] * g[2]) * patch * patch).max();
@@ -167,8 +164,7 @@ pub fn run(a: &GenerateArgs) -> Result<()> {
         vocab_size: front.tokenizer.vocab_size(),
     };
     let clock = Instant::now();
-    let (mut engine, _) = runner
-        .build(plan_req, opts, &|| clock.elapsed().as_secs_f64())
+    let (mut engine, _) = build_engine(runner, plan_req, opts, &|| clock.elapsed().as_secs_f64())
         .map_err(|e| UsageError(e.to_string()))?;
     drop(req);
     for k in 0..a.repeat {

@@ -53,6 +53,11 @@ impl std::fmt::Display for UsageError {
 
 impl std::error::Error for UsageError {}
 
+/// A [`UsageError`] as the `anyhow::Error` commands return.
+pub fn usage(msg: impl Into<String>) -> anyhow::Error {
+    UsageError(msg.into()).into()
+}
+
 fn main() -> ExitCode {
     logging::init();
     let cli = Cli::parse_from(serve::strip_ignored_vllm_flags(std::env::args_os().collect()));

@@ -1,6 +1,6 @@
 //! `kvlens plan`: the start-up budget as a table, vLLM-style log lines, or JSON.
 
-use crate::UsageError;
+use crate::usage;
 use anyhow::Result;
 use kvlens_engine::arch::config::{ImageLimits, ModelConfig};
 use kvlens_engine::memory::log_budget::HeaderSettings;
@@ -24,10 +24,6 @@ pub struct PlanArgs {
     /// Print one JSON object instead of the table.
     #[arg(long)]
     pub json: bool,
-}
-
-fn usage(msg: impl Into<String>) -> anyhow::Error {
-    UsageError(msg.into()).into()
 }
 
 /// Loads a bundled config by name or a checkpoint directory's config.json (+ preprocessor limits).

@@ -6,7 +6,7 @@
 //! [`tensor_specs`] and their bytes come from [`kvlens_engine::model::random_weights`], streamed to disk shard by
 //! shard.
 
-use crate::UsageError;
+use crate::usage;
 use anyhow::{Context, Result};
 use kvlens_engine::arch::config::{bundled_config, DType, Family, ImageLimits, ModelConfig, BUNDLED_CONFIGS};
 use kvlens_engine::arch::spec::{tensor_specs, TensorSpec};
@@ -126,10 +126,6 @@ fn parse_image_limits(s: &str) -> Result<ImageLimits, String> {
         ));
     }
     Ok(limits)
-}
-
-fn usage(msg: impl Into<String>) -> anyhow::Error {
-    UsageError(msg.into()).into()
 }
 
 /// Writes the checkpoint (or, with `--dry-run`, describes it).

@@ -3,17 +3,11 @@
 
 use crate::checkpoint::Checkpoint;
 use crate::preprocess::{Busy, PreprocessBudget};
-use crate::UsageError;
+use crate::usage;
 use anyhow::Result;
-use kvlens_engine::arch::config::ModelConfig;
-use kvlens_engine::arch::weight_format::WeightFormat;
-use kvlens_engine::backend::cpu::CpuBackend;
-#[cfg(feature = "cuda")]
-use kvlens_engine::backend::cuda::{CudaBackend, CudaOptions};
-use kvlens_engine::backend::wgpu::{WgpuBackend, WgpuOptions};
-use kvlens_engine::backend::{Backend, BackendKind};
-use kvlens_engine::builder::{build_engine, BuildError, EngineOptions, StartupReport};
-use kvlens_engine::engine::{Engine, Request};
+use kvlens_engine::backend::{block_on, Backend};
+use kvlens_engine::builder::{open, BackendChoice, ModelSource};
+use kvlens_engine::engine::Request;
 use kvlens_engine::input::chat::{select_chat_template, ChatMessage, ChatTemplate};
 use kvlens_engine::input::image::ProcessedImage;
 use kvlens_engine::input::image_budget::largest_preprocessing_bytes;
@@ -22,10 +16,9 @@ use kvlens_engine::input::processor::{InputHost, InputProcessor, Prompt};
 use kvlens_engine::input::InputError;
 use kvlens_engine::memory::device::DeviceProfile;
 use kvlens_engine::memory::ledger::{Category, MemoryLedger};
-use kvlens_engine::memory::planner::PlanRequest;
 use kvlens_engine::model::weights::SafetensorsFiles;
 use kvlens_engine::model::QwenVl;
-use kvlens_engine::runner::ModelRunner;
+use kvlens_engine::runner::{ModelRunner, StepRunner};
 use kvlens_engine::sample::SamplingParams;
 use std::ops::{Deref, DerefMut};
 use std::path::Path;
@@ -141,146 +134,63 @@ fn input_error(e: InputError) -> anyhow::Error {
     }
 }
 
-fn usage(msg: impl Into<String>) -> anyhow::Error {
-    UsageError(msg.into()).into()
-}
-
-/// Which backend to load onto and how.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct BackendChoice {
-    /// The backend.
-    pub kind: BackendKind,
-    /// Keep 2-D weights in half precision (wgpu: f16; cuda and cpu: bf16); activations stay f32.
-    pub f16_weights: bool,
-    /// Weight matrices quantized on load (`--quantization`; the CPU and wgpu backends).
-    pub quantization: WeightFormat,
-}
-
-/// A checkpoint's weights on the chosen backend, in its model runner.
-#[derive(Debug)]
-pub enum LoadedRunner {
-    /// On the CPU backend.
-    Cpu(ModelRunner<CpuBackend>),
-    /// On the wgpu backend.
-    Wgpu(ModelRunner<WgpuBackend>),
-    /// On the CUDA backend (boxed: its kernel table makes it the largest variant).
-    #[cfg(feature = "cuda")]
-    Cuda(Box<ModelRunner<CudaBackend>>),
-}
-
-impl LoadedRunner {
-    /// The model's configuration.
-    pub fn config(&self) -> &ModelConfig {
-        match self {
-            LoadedRunner::Cpu(r) => &r.model().cfg,
-            LoadedRunner::Wgpu(r) => &r.model().cfg,
-            #[cfg(feature = "cuda")]
-            LoadedRunner::Cuda(r) => &r.model().cfg,
-        }
-    }
-
-    /// The device start-up sizes the engine for, and the memory on it that is not the engine's
-    /// (vLLM's non-torch memory): the CPU "device" of `cpu_memory_gib` with nothing else on it,
-    /// or the GPU as `cuMemGetInfo` sees it after loading, less the weights (the CUDA context,
-    /// cuBLAS's workspace and other processes).
-    pub fn device(&self, cpu_memory_gib: Option<f64>) -> Result<(DeviceProfile, u64)> {
-        #[cfg(feature = "cuda")]
-        if let LoadedRunner::Cuda(r) = self {
-            let be = r.backend();
-            let m = be.memory().map_err(|e| usage(e.to_string()))?;
-            let device = kvlens_engine::memory::device::cuda_device(be.device_name(), m.total);
+/// The device start-up sizes the engine for, and the memory on it that is not the engine's (vLLM's
+/// non-torch memory): the CPU "device" of `cpu_memory_gib` with nothing else on it, or a device
+/// with memory of its own as its driver sees it after loading, less the weights (the CUDA
+/// context, cuBLAS's workspace and other processes).
+pub fn device_of(runner: &dyn StepRunner, cpu_memory_gib: Option<f64>) -> Result<(DeviceProfile, u64)> {
+    match runner.device_memory() {
+        Some(memory) => {
+            let m = memory.map_err(|e| usage(e.to_string()))?;
+            let device = kvlens_engine::memory::device::cuda_device(&runner.describe(), m.total);
             // Called after loading, when the weights are all the backend holds.
-            let weights = be.ledger().bytes(kvlens_engine::memory::ledger::Category::Weights);
+            let weights = runner.ledger().bytes(Category::Weights);
             let used = m.total.saturating_sub(m.free);
-            return Ok((device, used.saturating_sub(weights)));
+            Ok((device, used.saturating_sub(weights)))
         }
-        Ok((crate::startup::cpu_device(cpu_memory_gib)?, 0))
-    }
-
-    /// Profiles, sizes and builds the engine (see [`build_engine`]).
-    pub fn build(
-        self,
-        req: PlanRequest,
-        opts: EngineOptions,
-        seconds: &dyn Fn() -> f64,
-    ) -> Result<(Engine, StartupReport), BuildError> {
-        match self {
-            LoadedRunner::Cpu(r) => build_engine(r, req, opts, seconds),
-            LoadedRunner::Wgpu(r) => build_engine(r, req, opts, seconds),
-            #[cfg(feature = "cuda")]
-            LoadedRunner::Cuda(r) => build_engine(*r, req, opts, seconds),
-        }
+        None => Ok((crate::startup::cpu_device(cpu_memory_gib)?, 0)),
     }
 }
 
-/// Loads a checkpoint's weights onto `backend` tensor by tensor (memory-mapped shards, each
-/// tensor converted as it goes) with a progress bar.
-fn load_weights<B: Backend>(ckpt: &Checkpoint, backend: &B) -> Result<QwenVl<B>> {
-    let started = Instant::now();
-    let shards: Vec<(String, &[u8])> = ckpt.shards.iter().map(|(n, m)| (n.clone(), &m[..])).collect();
-    let source = SafetensorsFiles::parse(&shards).map_err(|e| usage(e.to_string()))?;
-    let bar = indicatif::ProgressBar::new(ckpt.weight_bytes());
-    bar.set_style(
-        indicatif::ProgressStyle::with_template("loading weights {bar:30} {bytes}/{total_bytes}, {msg}")
-            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
-    );
-    let model = QwenVl::load(ckpt.config.clone(), &source, backend, |_, bytes| {
-        bar.set_position(bytes)
-    })
-    .map_err(|e| usage(e.to_string()))?;
-    bar.finish_and_clear();
-    let weights = backend.ledger().bytes(kvlens_engine::memory::ledger::Category::Weights);
-    tracing::info!(
-        "Loading model weights took {:.4} GiB and {:.2} seconds",
-        weights as f64 / (1u64 << 30) as f64,
-        started.elapsed().as_secs_f64()
-    );
-    Ok(model)
+/// A checkpoint's memory-mapped shards, loaded onto a backend tensor by tensor (each converted as
+/// it goes) with a progress bar.
+struct ShardFiles<'a> {
+    ckpt: &'a Checkpoint,
+}
+
+impl ModelSource for ShardFiles<'_> {
+    async fn load_onto<B: Backend + 'static>(self, backend: B) -> std::result::Result<Box<dyn StepRunner>, String> {
+        let (ckpt, started) = (self.ckpt, Instant::now());
+        tracing::info!("{}", backend.describe());
+        let shards: Vec<(String, &[u8])> = ckpt.shards.iter().map(|(n, m)| (n.clone(), &m[..])).collect();
+        let source = SafetensorsFiles::parse(&shards).map_err(|e| e.to_string())?;
+        let bar = indicatif::ProgressBar::new(ckpt.weight_bytes());
+        bar.set_style(
+            indicatif::ProgressStyle::with_template("loading weights {bar:30} {bytes}/{total_bytes}, {msg}")
+                .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+        );
+        let model = QwenVl::load(ckpt.config.clone(), &source, &backend, |_, bytes| {
+            bar.set_position(bytes)
+        })
+        .map_err(|e| e.to_string())?;
+        bar.finish_and_clear();
+        let weights = backend.ledger().bytes(Category::Weights);
+        tracing::info!(
+            "Loading model weights took {:.4} GiB and {:.2} seconds",
+            weights as f64 / (1u64 << 30) as f64,
+            started.elapsed().as_secs_f64()
+        );
+        Ok(Box::new(ModelRunner::new(backend, model)))
+    }
 }
 
 /// Opens the backend, loads the weights onto it and builds the frontend.
-pub fn load(dir: &Path, choice: BackendChoice) -> Result<(LoadedRunner, Frontend)> {
-    if choice.quantization != WeightFormat::Unquantized && choice.kind == BackendKind::Cuda {
-        return Err(usage(format!(
-            "--quantization {}: quantized weights run on the cpu and wgpu backends; the cuda backend keeps float32 or half-precision weights (--dtype)",
-            choice.quantization
-        )));
-    }
+pub fn load(dir: &Path, mut choice: BackendChoice) -> Result<(Box<dyn StepRunner>, Frontend)> {
     let ckpt = Checkpoint::open(dir)?;
     let ledger = MemoryLedger::new();
-    let runner = match choice.kind {
-        BackendKind::Wgpu => {
-            let opts = WgpuOptions {
-                f16_weights: choice.f16_weights,
-                quantization: choice.quantization,
-                adapter: std::env::var("KVLENS_WGPU_ADAPTER").ok().filter(|s| !s.is_empty()),
-                ..WgpuOptions::default()
-            };
-            let backend = WgpuBackend::new_blocking(ledger.clone(), opts).map_err(|e| usage(e.to_string()))?;
-            tracing::info!("{}", backend.describe());
-            let model = load_weights(&ckpt, &backend)?;
-            LoadedRunner::Wgpu(ModelRunner::new(backend, model))
-        }
-        BackendKind::Cpu => {
-            let backend =
-                CpuBackend::with_weights(ledger.clone(), choice.quantization).with_bf16_matrices(choice.f16_weights);
-            let model = load_weights(&ckpt, &backend)?;
-            LoadedRunner::Cpu(ModelRunner::new(backend, model))
-        }
-        #[cfg(feature = "cuda")]
-        BackendKind::Cuda => {
-            let opts = CudaOptions {
-                ordinal: 0,
-                bf16_weights: choice.f16_weights,
-            };
-            let backend = CudaBackend::new(ledger.clone(), opts).map_err(|e| usage(e.to_string()))?;
-            tracing::info!("{}", backend.describe());
-            let model = load_weights(&ckpt, &backend)?;
-            LoadedRunner::Cuda(Box::new(ModelRunner::new(backend, model)))
-        }
-        #[cfg(not(feature = "cuda"))]
-        BackendKind::Cuda => return Err(usage(BackendKind::Cuda.ensure_built().err().unwrap_or_default())),
-    };
+    choice.adapter = std::env::var("KVLENS_WGPU_ADAPTER").ok().filter(|s| !s.is_empty());
+    let opened = block_on(open(&choice, ledger.clone(), ShardFiles { ckpt: &ckpt }));
+    let runner = opened.map_err(usage)?;
     let frontend = Frontend::new(&ckpt, ledger)?;
     Ok((runner, frontend))
 }

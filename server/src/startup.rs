@@ -3,12 +3,12 @@
 //! measured figures), allocate it, and log the same lines as vLLM.
 
 use crate::random_checkpoint_cmd::{self, RandomCheckpointArgs, WeightDtype};
-use crate::runtime::{load, BackendChoice, Frontend};
-use crate::UsageError;
+use crate::runtime::{device_of, load, Frontend};
+use crate::usage;
 use anyhow::Result;
-use kvlens_engine::arch::config::{DType, ProcessorKwargs};
+use kvlens_engine::arch::config::ProcessorKwargs;
 use kvlens_engine::backend::BackendKind;
-use kvlens_engine::builder::{BuildError, EngineOptions};
+use kvlens_engine::builder::{build_engine, BackendChoice, BuildError, EngineOptions};
 use kvlens_engine::engine::Engine;
 use kvlens_engine::memory::device::{device_preset, gib_to_bytes, DeviceProfile};
 use kvlens_engine::memory::log_budget::HeaderSettings;
@@ -95,10 +95,6 @@ pub struct Started {
     pub log_lines: Vec<String>,
 }
 
-fn usage(msg: impl Into<String>) -> anyhow::Error {
-    UsageError(msg.into()).into()
-}
-
 /// The demo checkpoint directory, written on first use.
 pub fn demo_checkpoint() -> Result<PathBuf> {
     let home = std::env::var_os("HOME")
@@ -147,27 +143,32 @@ pub fn cpu_device(gib: Option<f64>) -> Result<DeviceProfile> {
 
 /// Loads, profiles and sizes the engine; prints vLLM's start-up lines to stderr.
 pub fn start(a: &EngineArgs) -> Result<Started> {
-    a.backend.ensure_built().map_err(usage)?;
     let dtype = parse_dtype("dtype", &a.vllm.dtype).map_err(|e| usage(e.to_string()))?;
     let kv_dtype = parse_dtype("kv-cache-dtype", &a.vllm.kv_cache_dtype).map_err(|e| usage(e.to_string()))?;
+    let choice = BackendChoice::new(a.backend, dtype, a.vllm.quantization.parse().map_err(usage)?).map_err(usage)?;
+    let caps = a
+        .backend
+        .capabilities()
+        .ok_or_else(|| usage(format!("no {} backend", a.backend)))?;
+    // The weight matrices' dtype, for the replay line below.
+    let weights_dtype = choice.weights_dtype();
     for (flag, d, given) in [
         ("--dtype", dtype, &a.vllm.dtype),
         ("--kv-cache-dtype", kv_dtype, &a.vllm.kv_cache_dtype),
     ] {
-        if d.is_some_and(|d| d != DType::F32) {
+        if d.is_some_and(|d| d != caps.compute) {
+            let weights = if flag == "--dtype" && choice.half_weights {
+                format!(" (its weight matrices in {})", weights_dtype.name())
+            } else {
+                String::new()
+            };
             tracing::warn!(
-                "{flag} {given}: the {} backend computes and stores in float32",
-                a.backend
+                "{flag} {given}: the {} backend computes and stores activations and the KV cache in {}{weights}",
+                a.backend,
+                caps.compute.name()
             );
         }
     }
-    let choice = BackendChoice {
-        kind: a.backend,
-        // Half-precision weights where the backend keeps them (wgpu, cuda); compute stays f32.
-        // The CPU server keeps f32: its start-up budget and replay line assume float32 weights.
-        f16_weights: a.backend != BackendKind::Cpu && dtype.is_some_and(|d| d != DType::F32),
-        quantization: a.vllm.quantization.parse().map_err(usage)?,
-    };
     let limits = match &a.vllm.limit_mm_per_prompt {
         Some(s) => MmLimits::parse(s).map_err(|e| usage(e.to_string()))?,
         None => MmLimits::default(),
@@ -208,7 +209,7 @@ pub fn start(a: &EngineArgs) -> Result<Started> {
         }
     }
     let (runner, mut frontend) = load(&model_dir, choice)?;
-    let (device, non_torch) = runner.device(a.cpu_memory_gib)?;
+    let (device, non_torch) = device_of(&*runner, a.cpu_memory_gib)?;
     let total = device.total_bytes;
     if let Some(path) = &a.chat_template {
         frontend.set_chat_template(path)?;
@@ -233,7 +234,7 @@ pub fn start(a: &EngineArgs) -> Result<Started> {
          memory at once (--preprocess-memory-gib)",
         frontend.preprocess_budget.capacity() as f64 / GIB
     );
-    let mut req = PlanRequest::new(served_model_names[0].clone(), runner.config().clone(), device);
+    let mut req = PlanRequest::new(served_model_names[0].clone(), runner.model_config().clone(), device);
     req.image_limits = frontend.settings.limits;
     a.vllm
         .apply(&mut req, &HeaderSettings::default())
@@ -248,7 +249,7 @@ pub fn start(a: &EngineArgs) -> Result<Started> {
         vocab_size: frontend.tokenizer.vocab_size(),
     };
     let clock = Instant::now();
-    let built = runner.build(req, opts, &|| clock.elapsed().as_secs_f64());
+    let built = build_engine(runner, req, opts, &|| clock.elapsed().as_secs_f64());
     let (mut engine, report) = match built {
         Ok(built) => built,
         Err(BuildError::Budget { error, log_lines }) => {
@@ -269,7 +270,7 @@ pub fn start(a: &EngineArgs) -> Result<Started> {
     // The resolved settings as a command line, so `kvlens plan --from-log` can rebuild this budget.
     let mut log_lines = vec![format!(
         "kvlens serve {} --max-model-len {} --max-num-batched-tokens {} --max-num-seqs {} --block-size {} \
-         --gpu-memory-utilization {} --cpu-memory-gib {:.6} --dtype float32 --kv-cache-dtype float32 \
+         --gpu-memory-utilization {} --cpu-memory-gib {:.6} --dtype {} --kv-cache-dtype {} \
          --limit-mm-per-prompt image={},video=0",
         model_dir.display(),
         p.max_model_len,
@@ -278,6 +279,8 @@ pub fn start(a: &EngineArgs) -> Result<Started> {
         p.block_size,
         p.gpu_memory_utilization,
         total as f64 / GIB,
+        weights_dtype.name(),
+        caps.compute.name(),
         limits.image
     )];
     log_lines.extend(report.log_lines);

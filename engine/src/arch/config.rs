@@ -137,6 +137,16 @@ pub enum DType {
 }
 
 impl DType {
+    /// The name vLLM's `--dtype` takes.
+    pub fn name(self) -> &'static str {
+        match self {
+            DType::F32 => "float32",
+            DType::F16 => "float16",
+            DType::Bf16 => "bfloat16",
+            DType::Fp8 => "fp8",
+        }
+    }
+
     /// Bytes per element.
     pub fn size_bytes(self) -> u64 {
         match self {

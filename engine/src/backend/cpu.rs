@@ -215,12 +215,16 @@ impl Backend for CpuBackend {
     type Paged = PagedBatch;
     type Segments = Vec<(usize, usize)>;
 
+    const CAPABILITIES: super::Capabilities = super::Capabilities {
+        compute: crate::arch::config::DType::F32,
+        quantized: &[WeightFormat::Q8_0, WeightFormat::Q4_0],
+        half_weights: Some(crate::arch::config::DType::Bf16),
+        sampling: super::DeviceSamplingSupport::Full,
+        device_memory: false,
+    };
+
     fn name(&self) -> &'static str {
         "cpu"
-    }
-
-    fn dtype(&self) -> crate::arch::config::DType {
-        crate::arch::config::DType::F32
     }
 
     fn ledger(&self) -> &MemoryLedger {

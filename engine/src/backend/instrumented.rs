@@ -115,11 +115,16 @@ impl<B: Backend> Backend for Instrumented<B> {
     type Paged = B::Paged;
     type Segments = B::Segments;
 
+    const CAPABILITIES: super::Capabilities = B::CAPABILITIES;
+
     fn name(&self) -> &'static str {
         self.inner.name()
     }
-    fn dtype(&self) -> crate::arch::config::DType {
-        self.inner.dtype()
+    fn describe(&self) -> String {
+        self.inner.describe()
+    }
+    fn device_memory(&self) -> Option<BResult<super::DeviceMemory>> {
+        self.inner.device_memory()
     }
     fn ledger(&self) -> &MemoryLedger {
         self.inner.ledger()

@@ -148,6 +148,19 @@ impl BackendKind {
         }
     }
 
+    /// What the backend can do, when this build holds it.
+    pub fn capabilities(self) -> Option<Capabilities> {
+        match self {
+            BackendKind::Cpu => Some(cpu::CpuBackend::CAPABILITIES),
+            #[cfg(feature = "wgpu")]
+            BackendKind::Wgpu => Some(wgpu::WgpuBackend::CAPABILITIES),
+            #[cfg(feature = "cuda")]
+            BackendKind::Cuda => Some(cuda::CudaBackend::CAPABILITIES),
+            #[allow(unreachable_patterns)]
+            _ => None,
+        }
+    }
+
     /// Whether this build holds the backend.
     pub fn is_built(self) -> bool {
         match self {
@@ -189,6 +202,56 @@ impl std::fmt::Display for BackendKind {
     }
 }
 
+/// Which rows [`Backend::sample`] samples on the device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeviceSamplingSupport {
+    /// Every [`DeviceSampling`]: greedy, temperature, top-k, top-p, min-p.
+    Full,
+    /// Greedy rows only; a step with any other row reads its logits for the host.
+    Greedy,
+}
+
+/// What a backend can do. The server, the playground and the engine ask this instead of
+/// matching on backend names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Capabilities {
+    /// The dtype its activations and KV cache are computed and stored in.
+    pub compute: crate::arch::config::DType,
+    /// The block formats it stores weight matrices in (quantized on load), besides the compute
+    /// dtype.
+    pub quantized: &'static [crate::arch::weight_format::WeightFormat],
+    /// The half-precision dtype it keeps unquantized weight matrices in when asked, if any.
+    pub half_weights: Option<crate::arch::config::DType>,
+    /// Which rows it samples on the device.
+    pub sampling: DeviceSamplingSupport,
+    /// Whether [`Backend::device_memory`] answers (a device with memory of its own).
+    pub device_memory: bool,
+}
+
+impl Capabilities {
+    /// Whether it stores weight matrices in `format` (the compute dtype always).
+    pub fn stores(&self, format: crate::arch::weight_format::WeightFormat) -> bool {
+        format == crate::arch::weight_format::WeightFormat::Unquantized || self.quantized.contains(&format)
+    }
+
+    /// Whether a step may sample `row` on the device.
+    pub fn samples(&self, row: &DeviceSampling) -> bool {
+        match self.sampling {
+            DeviceSamplingSupport::Full => true,
+            DeviceSamplingSupport::Greedy => row.is_greedy(),
+        }
+    }
+}
+
+/// Free and total memory of a device, as its driver reports them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeviceMemory {
+    /// Bytes free now.
+    pub free: u64,
+    /// Bytes in all.
+    pub total: u64,
+}
+
 /// The operations of a Qwen-VL forward pass. Row-major 2-D tensors `[rows, cols]` unless stated.
 pub trait Backend: std::fmt::Debug + 'static {
     /// A tensor on this backend.
@@ -201,13 +264,23 @@ pub trait Backend: std::fmt::Debug + 'static {
     /// The vision tower's attention segments as the backend's kernels read them.
     type Segments: std::fmt::Debug;
 
+    /// What this backend can do.
+    const CAPABILITIES: Capabilities;
+
     /// Short name (`cpu`, `wgpu`, `cuda`).
     fn name(&self) -> &'static str;
-    /// The dtype its activations and KV cache are computed and stored in.
-    fn dtype(&self) -> crate::arch::config::DType;
-    /// Bytes per element of [`Self::dtype`].
+    /// The backend and its device in one line, for the start-up log.
+    fn describe(&self) -> String {
+        self.name().to_string()
+    }
+    /// The device's free and total memory now, where [`Capabilities::device_memory`] says it has
+    /// its own.
+    fn device_memory(&self) -> Option<BResult<DeviceMemory>> {
+        None
+    }
+    /// Bytes per element of its activations and KV cache ([`Capabilities::compute`]).
     fn elem_bytes(&self) -> u64 {
-        self.dtype().size_bytes()
+        Self::CAPABILITIES.compute.size_bytes()
     }
     /// The ledger every allocation is recorded in.
     fn ledger(&self) -> &MemoryLedger;

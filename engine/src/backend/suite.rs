@@ -285,7 +285,8 @@ fn near_tie(row: &[f32], s: &DeviceSampling) -> bool {
     })
 }
 
-/// Samples `row` once per setting of [`SAMPLING_GRID`] with seeded uniforms and checks each
+/// Samples `row` once per setting of [`SAMPLING_GRID`] the backend samples (its
+/// [`Capabilities`](super::Capabilities)) with seeded uniforms and checks each
 /// against [`DeviceSampling::pick`]: the log-probability within 1e-4, the token the same or, on a
 /// near-tie, the other side of it. Returns how many tokens differ.
 fn sample_grid<B: Backend>(b: &B, row: &[f32], allowed: usize, rng: &mut Rng) -> usize {
@@ -300,6 +301,7 @@ fn sample_grid<B: Backend>(b: &B, row: &[f32], allowed: usize, rng: &mut Rng) ->
             allowed,
             u: rng.uniform(),
         })
+        .filter(|s| B::CAPABILITIES.samples(s))
         .collect();
     let rows = row.repeat(settings.len());
     let got = host(b, &b.sample(&t(b, &rows, settings.len(), width), &settings).unwrap());
@@ -353,4 +355,19 @@ pub fn sampling_matches_the_host_definition<B: Backend>(b: &B) {
         "{differ:?} of {draws} tokens differ"
     );
     assert!(b.sample(&t(b, &[0.0; 4], 2, 2), &[]).is_err());
+    if B::CAPABILITIES.sampling == super::DeviceSamplingSupport::Greedy {
+        let top_k = DeviceSampling {
+            temperature: 1.0,
+            top_k: 2,
+            top_p: 1.0,
+            min_p: 0.0,
+            allowed: 2,
+            u: 0.5,
+        };
+        let refused = b.sample(&t(b, &[0.0; 2], 1, 2), &[top_k]);
+        assert!(
+            refused.is_err(),
+            "a greedy-only backend refuses other rows, without reading"
+        );
+    }
 }

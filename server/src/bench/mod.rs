@@ -18,7 +18,7 @@ mod synth;
 mod timeline;
 mod tokens;
 
-use crate::UsageError;
+use crate::usage;
 use anyhow::{bail, Context, Result};
 use dataset::{DatasetName, DatasetSpec};
 use rand::rngs::StdRng;
@@ -190,13 +190,9 @@ fn draw_timeline(timeline: &timeline::Timeline, path: &Path) -> Result<()> {
     Ok(())
 }
 
-fn usage(msg: String) -> anyhow::Error {
-    UsageError(msg).into()
-}
-
 fn bench_serve(a: &ServeBenchArgs) -> Result<()> {
     if a.num_prompts == 0 {
-        return Err(usage("--num-prompts must be at least 1".into()));
+        return Err(usage("--num-prompts must be at least 1"));
     }
     let selected = metrics::parse_metrics(&a.percentile_metrics).map_err(|e| usage(format!("{e:#}")))?;
     let percentiles = metrics::parse_percentiles(&a.metric_percentiles).map_err(|e| usage(format!("{e:#}")))?;

@@ -13,7 +13,10 @@ mod launch;
 #[cfg(test)]
 mod tests;
 
-use super::{ready, Activation, BResult, Backend, BackendError, KvLayout, PagedBatch, RawDType, RawTensor, Readback};
+use super::{
+    ready, Activation, BResult, Backend, BackendError, DeviceMemory, KvLayout, PagedBatch, RawDType, RawTensor,
+    Readback,
+};
 use crate::fault::ledger_summary;
 use crate::memory::ledger::{Category, Held, MemoryLedger};
 use crate::sample::DeviceSampling;
@@ -149,15 +152,6 @@ fn lib<E: std::error::Error + Send + Sync + 'static>(e: E) -> BackendError {
 
 fn missing(what: &str) -> BackendError {
     BackendError::Library(what.into())
-}
-
-/// Free and total device memory in bytes, as `cuMemGetInfo` reports them.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct DeviceMemory {
-    /// Free bytes on the device (all processes counted).
-    pub free: u64,
-    /// The device's memory.
-    pub total: u64,
 }
 
 /// [`SOURCE`] compiled by NVRTC for compute capability `major.minor` (needs only the NVRTC
@@ -371,12 +365,24 @@ impl Backend for CudaBackend {
     type Paged = CudaPaged;
     type Segments = CudaSegments;
 
-    fn name(&self) -> &'static str {
-        "cuda"
+    const CAPABILITIES: super::Capabilities = super::Capabilities {
+        compute: crate::arch::config::DType::F32,
+        quantized: &[],
+        half_weights: Some(crate::arch::config::DType::Bf16),
+        sampling: super::DeviceSamplingSupport::Greedy,
+        device_memory: true,
+    };
+
+    fn describe(&self) -> String {
+        CudaBackend::describe(self)
     }
 
-    fn dtype(&self) -> crate::arch::config::DType {
-        crate::arch::config::DType::F32
+    fn device_memory(&self) -> Option<BResult<DeviceMemory>> {
+        Some(self.memory())
+    }
+
+    fn name(&self) -> &'static str {
+        "cuda"
     }
 
     fn ledger(&self) -> &MemoryLedger {
@@ -830,14 +836,11 @@ impl Backend for CudaBackend {
                 rows.len()
             )));
         }
-        if !rows.iter().all(|s| s.is_greedy()) {
-            // Top-k / top-p / min-p draws on the host, from the rows as the device computed them.
-            let data = super::block_on(self.read(logits))?;
-            let picked = rows.iter().zip(data.chunks_exact(width)).flat_map(|(s, row)| {
-                let (token, logprob) = s.pick(row);
-                [token as f32, logprob]
-            });
-            return self.upload(picked.collect(), &[n, 2]);
+        if let Some(s) = rows.iter().find(|s| !Self::CAPABILITIES.samples(s)) {
+            // The engine reads such a step's logits for the host instead (`CAPABILITIES`).
+            return Err(BackendError::Shape(format!(
+                "sample: the cuda backend samples greedy rows only, not {s:?}"
+            )));
         }
         let allowed: Vec<u32> = rows.iter().map(|s| s.allowed.clamp(1, width) as u32).collect();
         let dev = self.upload_u32(&allowed)?;

@@ -546,12 +546,20 @@ impl Backend for WgpuBackend {
     type Paged = WgpuPaged;
     type Segments = WgpuSegments;
 
-    fn name(&self) -> &'static str {
-        "wgpu"
+    const CAPABILITIES: super::Capabilities = super::Capabilities {
+        compute: crate::arch::config::DType::F32,
+        quantized: &[WeightFormat::Q8_0, WeightFormat::Q4_0],
+        half_weights: Some(crate::arch::config::DType::F16),
+        sampling: super::DeviceSamplingSupport::Full,
+        device_memory: false,
+    };
+
+    fn describe(&self) -> String {
+        WgpuBackend::describe(self)
     }
 
-    fn dtype(&self) -> crate::arch::config::DType {
-        crate::arch::config::DType::F32
+    fn name(&self) -> &'static str {
+        "wgpu"
     }
 
     fn ledger(&self) -> &MemoryLedger {

@@ -4,13 +4,15 @@
 //! from what is left and build the engine. vLLM's start-up log lines come back as data; the caller
 //! prints them (or draws them).
 
-use crate::backend::Backend;
+mod open;
+
 use crate::engine::{Engine, EngineConfig, EngineError};
 use crate::memory::ledger::Category;
 use crate::memory::planner::{gib, plan, Plan, PlanRequest};
 use crate::model::ModelError;
 use crate::profile::{ProfileResult, ProfileSpec};
-use crate::runner::ModelRunner;
+use crate::runner::StepRunner;
+pub use open::{open, BackendChoice, ModelSource};
 
 /// Engine settings the planner does not decide.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -74,16 +76,16 @@ pub fn largest_image_grid(max_tokens: usize, merge: usize) -> [usize; 3] {
 /// Sizes and builds the engine over a loaded model. `req` holds the device and the user's flags;
 /// its weights, dtypes and activation peak are filled in here from the backend. `seconds` is a
 /// clock (the engine has none of its own) used to time the profile run.
-pub fn build_engine<B: Backend>(
-    mut runner: ModelRunner<B>,
+pub fn build_engine(
+    mut runner: Box<dyn StepRunner>,
     mut req: PlanRequest,
     opts: EngineOptions,
     seconds: &dyn Fn() -> f64,
 ) -> Result<(Engine, StartupReport), BuildError> {
-    let be = runner.backend();
-    req.weights_bytes = Some(be.ledger().bytes(Category::Weights));
-    req.dtype = Some(be.dtype());
-    req.kv_cache_dtype = Some(be.dtype());
+    req.weights_bytes = Some(runner.ledger().bytes(Category::Weights));
+    let compute = runner.capabilities().compute;
+    req.dtype = Some(compute);
+    req.kv_cache_dtype = Some(compute);
     // First pass: the budgets the profile run needs (the activation figure is replaced below).
     let draft = plan(&req).map_err(|e| BuildError::Plan(e.to_string()))?;
     let merge = req.model.vision.spatial_merge_size;
@@ -99,7 +101,7 @@ pub fn build_engine<B: Backend>(
     let profile_s = seconds() - started;
     req.activation_peak_bytes = Some(profile.activation_peak_bytes);
     let mut p = plan(&req).map_err(|e| BuildError::Plan(e.to_string()))?;
-    let binding_cap = kv_binding_cap(runner.backend().max_binding_bytes(), &p);
+    let binding_cap = kv_binding_cap(runner.max_binding_bytes(), &p);
     if let Some(cap) = binding_cap.filter(|&cap| p.available_kv_bytes > cap as i64) {
         req.kv_cache_memory_bytes = Some(cap);
         p = plan(&req).map_err(|e| BuildError::Plan(e.to_string()))?;
@@ -120,12 +122,12 @@ pub fn build_engine<B: Backend>(
             gib(p.weights_bytes)
         ),
     ];
-    if let (Some(cap), Some(binding)) = (binding_cap, runner.backend().max_binding_bytes()) {
+    if let (Some(cap), Some(binding)) = (binding_cap, runner.max_binding_bytes()) {
         if req.kv_cache_memory_bytes == Some(cap) {
             log_lines.push(format!(
                 "The {} backend binds at most {} MiB per buffer and keeps one layer's keys in one buffer: \
                  the KV cache is limited to {} GiB",
-                runner.backend().name(),
+                runner.backend_name(),
                 binding >> 20,
                 gib(cap)
             ));
