@@ -1,5 +1,6 @@
 //! `kvlens`: the command line of the kvlens engine.
 
+#[cfg(feature = "bench")]
 mod bench;
 mod checkpoint;
 mod generate_cmd;
@@ -30,6 +31,7 @@ struct Cli {
 #[derive(Debug, Subcommand)]
 enum Command {
     /// Benchmark a running server (`bench serve`: vLLM's `vllm bench serve`, plus a memory timeline).
+    #[cfg(feature = "bench")]
     Bench(bench::BenchArgs),
     /// Generate a reply to one conversation (text and images) on the CPU.
     Generate(Box<generate_cmd::GenerateArgs>),
@@ -62,6 +64,7 @@ fn main() -> ExitCode {
     logging::init();
     let cli = Cli::parse_from(serve::strip_ignored_vllm_flags(std::env::args_os().collect()));
     let result = match cli.command {
+        #[cfg(feature = "bench")]
         Command::Bench(args) => bench::run(&args),
         Command::Generate(args) => generate_cmd::run(&args),
         Command::Plan(args) => plan_cmd::run(&args),

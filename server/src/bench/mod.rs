@@ -9,6 +9,7 @@ mod arrival;
 mod bandwidth;
 mod client;
 mod dataset;
+#[cfg(feature = "wgpu")]
 mod kernels;
 mod metrics;
 mod plot;
@@ -46,6 +47,7 @@ enum BenchCommand {
     Soak(soak::SoakArgs),
     /// The wgpu backend's matmul kernels against the CPU backend at Qwen3-VL-2B's shapes: decode
     /// GEMV in GB/s and prefill GEMM in GFLOP/s, with f32 and f16 weights (no server involved).
+    #[cfg(feature = "wgpu")]
     Kernels(kernels::KernelsArgs),
     /// The host's memory read bandwidth (all cores, a buffer far above the caches): the roofline
     /// of a decode step that reads every weight once.
@@ -161,6 +163,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
             .enable_all()
             .build()?
             .block_on(soak::run(a)),
+        #[cfg(feature = "wgpu")]
         BenchCommand::Kernels(a) => kernels::run(a),
         BenchCommand::Bandwidth(a) => bandwidth::run(a),
     }
