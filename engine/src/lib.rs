@@ -9,8 +9,11 @@ pub mod builder;
 pub mod cache;
 pub mod engine;
 pub mod fault;
+#[cfg(any(test, feature = "testing"))]
 #[doc(hidden)]
 pub mod fuzzing;
+#[cfg(any(test, feature = "testing"))]
+pub mod golden;
 pub mod input;
 pub mod memory;
 pub mod model;

@@ -192,6 +192,29 @@ mod tests {
         deltas.iter().map(|d| d.text.as_str()).collect()
     }
 
+    /// A 500-token reply is decoded a few tokens at a time: each token decodes again at most the
+    /// last character emitted and the unfinished one (the playground re-decoded the whole reply
+    /// per token, quadratic in its length).
+    #[test]
+    fn a_long_reply_is_decoded_a_bounded_window_at_a_time() {
+        let tok = tokenizer();
+        let mut out = Output::new(vec![], false);
+        let mut text = "ab é 漢字 🙂 ".repeat(30);
+        text.truncate(floor_boundary(&text, 500));
+        text.extend(std::iter::repeat_n('x', 500 - text.len()));
+        let bytes = text.as_bytes();
+        let mut joined = String::new();
+        let mut widest = 0;
+        for (i, &b) in bytes.iter().enumerate() {
+            let last = (i + 1 == bytes.len()).then_some(FinishReason::Length);
+            joined.push_str(&out.push(&tok, event(b as u32, last)).unwrap().text);
+            widest = widest.max(out.decoder.window());
+        }
+        assert_eq!(out.num_tokens, 500);
+        assert_eq!(joined, text);
+        assert!(widest <= 8, "a step decoded {widest} tokens again");
+    }
+
     #[test]
     fn text_streams_whole_and_multibyte_chars_wait_for_their_last_byte() {
         let tok = tokenizer();

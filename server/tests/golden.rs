@@ -3,6 +3,7 @@
 //! (`cargo xtask golden`); here the checkpoint is regenerated with `kvlens random-checkpoint` from
 //! the recorded command (same seed → same bytes) and every case is replayed without Python.
 
+use kvlens_engine::golden::{self, Fixture, Generated, Tolerance, NO_MARGIN_CHECK};
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -54,36 +55,19 @@ fn sha256_hex(bytes: &[u8]) -> String {
 struct Run {
     /// Extra `kvlens generate` arguments (the backend and its weights precision).
     args: &'static [&'static str],
-    /// Largest allowed difference of a top log-probability from the reference's.
-    logprob_tol: f64,
-    /// Reference margins (top-1 minus top-2 log-probability) above which tokens must agree.
-    min_margin: f64,
-    /// Largest allowed mean difference over the reference's top-5 tokens found in ours.
-    mean_tol: f64,
-    /// Least share of steps (while the sequences agree) whose greedy token is the reference's.
-    min_agreement: f64,
-    /// Least number of the reference's top-5 tokens found among ours, over all cases.
-    min_pairs: usize,
+    tol: Tolerance,
 }
 
 /// The CPU backend (f32), the reference precision.
 const CPU: Run = Run {
     args: &["--backend", "cpu"],
-    logprob_tol: 1e-3,
-    min_margin: 1e-3,
-    mean_tol: 1e-3,
-    min_agreement: 0.0,
-    min_pairs: 50,
+    tol: Tolerance::F32,
 };
 
 /// The wgpu backend with f32 weights: the same tolerances as the CPU.
 const WGPU_F32: Run = Run {
     args: &["--backend", "wgpu"],
-    logprob_tol: 1e-3,
-    min_margin: 1e-3,
-    mean_tol: 1e-3,
-    min_agreement: 0.0,
-    min_pairs: 50,
+    tol: Tolerance::F32,
 };
 
 /// The wgpu backend with f16 weights: each weight rounded to 11 significant bits. Measured on
@@ -92,11 +76,13 @@ const WGPU_F32: Run = Run {
 /// twice the bound.
 const WGPU_F16: Run = Run {
     args: &["--backend", "wgpu", "--dtype", "float16"],
-    logprob_tol: 0.15,
-    min_margin: 0.3,
-    mean_tol: 0.15,
-    min_agreement: 0.0,
-    min_pairs: 50,
+    tol: Tolerance {
+        logprob: 0.15,
+        min_margin: 0.3,
+        mean: 0.15,
+        min_agreement: 0.0,
+        min_pairs: 50,
+    },
 };
 
 /// The CPU backend with bfloat16 weight matrices: each weight of these f32 checkpoints rounded to
@@ -108,11 +94,13 @@ const WGPU_F16: Run = Run {
 /// agreement share, as for the quantized formats below.
 const CPU_BF16: Run = Run {
     args: &["--backend", "cpu", "--dtype", "bfloat16"],
-    logprob_tol: 1.5,
-    min_margin: NO_MARGIN_CHECK,
-    mean_tol: 0.2,
-    min_agreement: 0.7,
-    min_pairs: 80,
+    tol: Tolerance {
+        logprob: 1.5,
+        min_margin: NO_MARGIN_CHECK,
+        mean: 0.2,
+        min_agreement: 0.7,
+        min_pairs: 80,
+    },
 };
 
 /// Quantized weights move the logits of these random checkpoints far more than of a trained
@@ -120,28 +108,31 @@ const CPU_BF16: Run = Run {
 /// already move a log-probability by 0.1), so tokens are not required to agree. Measured here
 /// (docs/PERFORMANCE.md): `q8_0` top-1 agreement 62–92 %, mean difference 0.07–0.20, largest 2.1;
 /// `q4_0` leaves the reference at the first token (0/5), its few shared top-5 tokens (0–3 per
-/// family) differing by 0.5–1.5. The bounds sit above those; `PackedMatrix`'s own test bounds
-/// the kernels against f32.
-const NO_MARGIN_CHECK: f64 = f64::INFINITY;
-
+/// family) differing by 0.5–1.5. The bounds sit above those (`NO_MARGIN_CHECK`: tokens held to
+/// the agreement share only); `PackedMatrix`'s own test bounds the kernels against f32.
+///
 /// The CPU backend with `q8_0` weight matrices (8.5 bits per weight).
 const CPU_Q8_0: Run = Run {
     args: &["--backend", "cpu", "--quantization", "q8_0"],
-    logprob_tol: 3.0,
-    min_margin: NO_MARGIN_CHECK,
-    mean_tol: 0.3,
-    min_agreement: 0.5,
-    min_pairs: 30,
+    tol: Tolerance {
+        logprob: 3.0,
+        min_margin: NO_MARGIN_CHECK,
+        mean: 0.3,
+        min_agreement: 0.5,
+        min_pairs: 30,
+    },
 };
 
 /// The CPU backend with `q4_0` weight matrices (4.5 bits per weight).
 const CPU_Q4_0: Run = Run {
     args: &["--backend", "cpu", "--quantization", "q4_0"],
-    logprob_tol: 2.5,
-    min_margin: NO_MARGIN_CHECK,
-    mean_tol: 2.0,
-    min_agreement: 0.0,
-    min_pairs: 0,
+    tol: Tolerance {
+        logprob: 2.5,
+        min_margin: NO_MARGIN_CHECK,
+        mean: 2.0,
+        min_agreement: 0.0,
+        min_pairs: 0,
+    },
 };
 
 /// The wgpu backend with `q8_0` weight matrices: the kernels multiply f32 activations by the
@@ -165,11 +156,7 @@ fn run_family(name: &str, run: &Run) {
     std::fs::create_dir_all(&tmp).unwrap();
     let ckpt = tmp.join("ckpt");
     checkpoint(&fixture, &ckpt);
-    let mut compared_tokens = 0;
-    let mut worst: f64 = 0.0;
-    // Over the steps whose prefix equals the reference's: top-1 agreement, and the differences of
-    // the reference's top-5 log-probabilities found among ours.
-    let (mut steps_seen, mut top1_agree, mut pairs, mut diff_sum) = (0usize, 0usize, 0usize, 0f64);
+    let mut generated = Vec::new();
     for case in fixture["cases"].as_array().unwrap() {
         let case_name = case["name"].as_str().unwrap();
         // Image paths in the fixture are relative to the fixtures directory.
@@ -185,7 +172,7 @@ fn run_family(name: &str, run: &Run) {
         }
         let mpath = tmp.join(format!("{case_name}.json"));
         std::fs::write(&mpath, messages.to_string()).unwrap();
-        let want_tokens = case["token_ids"].as_array().unwrap();
+        let max_tokens = case["token_ids"].as_array().unwrap().len();
         let out = kvlens()
             .args([
                 "generate",
@@ -197,7 +184,7 @@ fn run_family(name: &str, run: &Run) {
             .args(run.args)
             .args([
                 "--max-tokens",
-                &want_tokens.len().to_string(),
+                &max_tokens.to_string(),
                 "--ignore-eos",
                 "--logprobs",
                 "5",
@@ -211,77 +198,22 @@ fn run_family(name: &str, run: &Run) {
             String::from_utf8_lossy(&out.stderr)
         );
         let got: Value = serde_json::from_slice(&out.stdout).unwrap();
-        assert_eq!(
-            got["prompt_token_ids"], case["prompt_token_ids"],
-            "{name}/{case_name}: prompt ids"
-        );
-        assert_eq!(
-            got["image_grid_thw"], case["image_grid_thw"],
-            "{name}/{case_name}: grids"
-        );
-        let steps = case["steps"].as_array().unwrap();
-        let got_tokens = got["token_ids"].as_array().unwrap();
-        let got_top = got["top_logprobs"].as_array().unwrap();
-        for (i, step) in steps.iter().enumerate() {
-            // Compare the reference's top log-probabilities while the sequences agree.
-            let want_top = step["top"].as_array().unwrap();
-            let got_step: Vec<(u64, f64)> = got_top[i]
-                .as_array()
+        let ids = |v: &Value| -> Vec<u32> {
+            v.as_array()
                 .unwrap()
                 .iter()
-                .map(|p| (p[0].as_u64().unwrap(), p[1].as_f64().unwrap()))
-                .collect();
-            steps_seen += 1;
-            top1_agree += usize::from(got_tokens[i] == want_tokens[i]);
-            for w in want_top {
-                let (id, lp) = (w[0].as_u64().unwrap(), w[1].as_f64().unwrap());
-                if let Some((_, g)) = got_step.iter().find(|(gid, _)| *gid == id) {
-                    worst = worst.max((g - lp).abs());
-                    pairs += 1;
-                    diff_sum += (g - lp).abs();
-                    assert!(
-                        (g - lp).abs() < run.logprob_tol,
-                        "{name}/{case_name} step {i}: token {id} logprob {g} vs {lp}"
-                    );
-                }
-            }
-            let margin = step["margin"].as_f64().unwrap();
-            if margin > run.min_margin {
-                assert_eq!(
-                    got_tokens[i], want_tokens[i],
-                    "{name}/{case_name}: token {i} (margin {margin})"
-                );
-                compared_tokens += 1;
-            }
-            if got_tokens[i] != want_tokens[i] {
-                break;
-            }
-        }
+                .map(|t| t.as_u64().unwrap() as u32)
+                .collect()
+        };
+        generated.push(Generated {
+            prompt_token_ids: ids(&got["prompt_token_ids"]),
+            image_grid_thw: serde_json::from_value(got["image_grid_thw"].clone()).unwrap(),
+            token_ids: ids(&got["token_ids"]),
+            top_logprobs: serde_json::from_value(got["top_logprobs"].clone()).unwrap(),
+        });
     }
-    let mean = diff_sum / pairs.max(1) as f64;
-    let agreement = top1_agree as f64 / steps_seen.max(1) as f64;
-    eprintln!(
-        "{name} {:?}: {compared_tokens} tokens compared; top-1 agreement {top1_agree}/{steps_seen}; {pairs} top-5 log-probabilities found, largest difference {worst:.2e}, mean {mean:.2e}",
-        run.args
-    );
-    assert!(
-        pairs >= run.min_pairs,
-        "{name}: only {pairs} of the reference's top-5 tokens were among ours"
-    );
-    assert!(
-        mean <= run.mean_tol,
-        "{name}: mean logprob difference {mean} above {}",
-        run.mean_tol
-    );
-    assert!(
-        agreement >= run.min_agreement,
-        "{name}: top-1 agreement {agreement} below {}",
-        run.min_agreement
-    );
-    assert!(
-        compared_tokens >= 10 || run.min_margin == NO_MARGIN_CHECK,
-        "{name}: only {compared_tokens} tokens had a clear reference margin"
-    );
+    let label = format!("kvlens generate {}", run.args.join(" "));
+    golden::compare(&Fixture::parse(name, &text), &generated, &run.tol, &label);
     std::fs::remove_dir_all(&tmp).unwrap();
 }
 

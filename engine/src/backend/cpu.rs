@@ -605,4 +605,5 @@ impl Backend for CpuBackend {
 #[cfg(test)]
 mod tests {
     crate::backend_suite!(super::CpuBackend::default());
+    crate::golden_suite!(crate::backend::cpu::CpuBackend::default());
 }

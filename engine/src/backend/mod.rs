@@ -10,6 +10,7 @@ pub mod instrumented;
 pub(crate) mod plan_check;
 mod readback;
 #[doc(hidden)]
+#[cfg(any(test, feature = "testing"))]
 pub mod suite;
 #[cfg(feature = "wgpu")]
 pub mod wgpu;

@@ -115,6 +115,12 @@ impl IncrementalDecoder {
         Ok(Some(new_text))
     }
 
+    /// How many ids the next step decodes again besides the new one (the work per token).
+    #[cfg(test)]
+    pub(crate) fn window(&self) -> usize {
+        self.ids.len() - self.prefix_offset
+    }
+
     /// Text still held back at the end of the sequence (an incomplete character decodes as U+FFFD,
     /// as in a full decode).
     pub fn finish(&mut self, tokenizer: &Tokenizer) -> Result<Option<String>, InputError> {

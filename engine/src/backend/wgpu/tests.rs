@@ -24,6 +24,7 @@ fn backend() -> WgpuBackend {
 }
 
 crate::backend_suite!(backend());
+crate::golden_suite!(backend());
 
 /// Both kernel sets on this adapter: the barrier-free one and the workgroup-reduction one.
 fn both() -> [WgpuBackend; 2] {
