@@ -190,11 +190,12 @@ impl BlockRows {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use candle_core::quantized::k_quants::{BlockQ4_0, BlockQ8_0, GgmlType};
 
-    fn values(n: usize, seed: usize) -> Vec<f32> {
+    /// Deterministic values in [-0.1, 0.1).
+    pub(crate) fn values(n: usize, seed: usize) -> Vec<f32> {
         (0..n)
             .map(|i| (((i + seed) * 7919 % 1000) as f32 / 500.0 - 1.0) * 0.1)
             .collect()

@@ -237,12 +237,7 @@ fn dot_fastest(kind: BlockKind, scales: &[u16], quants: &[u8], x: &ActRow<'_>) -
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn values(n: usize, seed: usize) -> Vec<f32> {
-        (0..n)
-            .map(|i| (((i + seed) * 7919 % 1000) as f32 / 500.0 - 1.0) * 0.1)
-            .collect()
-    }
+    use crate::arch::blocks::tests::values;
 
     /// The activations' rounding is `round_ties_even` over the range the quantization gives it.
     #[test]
