@@ -257,7 +257,11 @@ impl<B: Backend> StepRunner for ModelRunner<B> {
             .ok_or_else(|| ModelError::Input("the runner has no KV cache".into()))?;
         let bs = layout.block_size;
         let deep_levels = self.model.cfg.vision.deepstack_visual_indexes.len();
-        let (mut ids, mut positions, mut paged) = (Vec::new(), Vec::new(), PagedBatch::default());
+        let mut paged = PagedBatch {
+            layout: *layout,
+            ..PagedBatch::default()
+        };
+        let (mut ids, mut positions) = (Vec::new(), Vec::new());
         let (mut image_rows, mut image_parts) = (Vec::new(), Vec::new());
         let mut deep_parts: Vec<Vec<B::Tensor>> = vec![Vec::new(); deep_levels];
         let (mut logit_rows, mut row_ids, mut sampling) = (Vec::new(), Vec::new(), Vec::new());

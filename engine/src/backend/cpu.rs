@@ -280,6 +280,7 @@ impl Backend for CpuBackend {
     }
 
     fn upload_paged(&self, batch: PagedBatch) -> BResult<PagedBatch> {
+        batch.flatten()?;
         Ok(batch)
     }
 

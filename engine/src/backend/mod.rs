@@ -6,6 +6,7 @@ pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod instrumented;
+mod paged;
 #[cfg(test)]
 pub(crate) mod plan_check;
 mod readback;
@@ -17,6 +18,7 @@ pub mod wgpu;
 
 use crate::memory::ledger::MemoryLedger;
 use crate::sample::DeviceSampling;
+pub use paged::PagedRows;
 pub use readback::{block_on, ready, Readback};
 
 /// Why a backend operation failed.
@@ -93,9 +95,12 @@ pub struct PagedSeq {
 }
 
 /// A decoder step's attention metadata on the host: built once per step and handed to the backend
-/// once ([`Backend::upload_paged`]), then used by every layer's K/V write and paged attention.
+/// once ([`Backend::upload_paged`], which checks it: [`PagedBatch::flatten`]), then used by every
+/// layer's K/V write and paged attention.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct PagedBatch {
+    /// The KV cache the slots and block tables point into.
+    pub layout: KvLayout,
     /// KV slot (`block · block_size + offset`) of every query row.
     pub slots: Vec<usize>,
     /// The sequences, covering the query rows in order.
@@ -103,7 +108,7 @@ pub struct PagedBatch {
 }
 
 /// Geometry of a paged KV cache.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct KvLayout {
     /// Decoder layers.
     pub layers: usize,
@@ -301,7 +306,8 @@ pub trait Backend: std::fmt::Debug + 'static {
     /// device: the copy completes when the returned future does (at once on the CPU; in the
     /// browser only after control returns to the event loop).
     fn read(&self, t: &Self::Tensor) -> Readback;
-    /// Hands a step's attention metadata to the device, once per step.
+    /// Checks a step's attention metadata ([`PagedBatch::flatten`]) and hands it to the device,
+    /// once per step.
     fn upload_paged(&self, batch: PagedBatch) -> BResult<Self::Paged>;
     /// Hands the vision tower's attention segments `(start, len)` in rows to the device.
     fn upload_segments(&self, segments: &[(usize, usize)]) -> BResult<Self::Segments>;

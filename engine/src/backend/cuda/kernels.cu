@@ -239,16 +239,16 @@ struct PagedRow {
     __device__ unsigned int operator()(unsigned int j) const { return table[j / block_size] * block_size + j % block_size; }
 };
 
-// Causal attention over the paged cache: grid (rows, heads). meta[2r] is the number of keys row r
-// sees (its position + 1), meta[2r+1] the offset of its sequence's block table in `tables`.
+// Causal attention over the paged cache: grid (rows, heads). meta[2r] is the offset of row r's
+// block table in `tables`, meta[2r+1] the number of keys it sees (its position + 1).
 extern "C" __global__ void paged_attention(const float* q, const float* kc, const float* vc, const unsigned int* meta,
                                            const unsigned int* tables, float* out, unsigned int heads,
                                            unsigned int kv_heads, unsigned int d, unsigned int block_size,
                                            float scale) {
     unsigned int r = blockIdx.x, h = blockIdx.y, cols = heads * d, kv_width = kv_heads * d;
     unsigned int kvh = h / (heads / kv_heads);
-    PagedRow key_row = {tables + meta[2 * r + 1], block_size};
-    attend(q + (unsigned long long)r * cols + h * d, kc + kvh * d, vc + kvh * d, kv_width, meta[2 * r], key_row, scale, d,
+    PagedRow key_row = {tables + meta[2 * r], block_size};
+    attend(q + (unsigned long long)r * cols + h * d, kc + kvh * d, vc + kvh * d, kv_width, meta[2 * r + 1], key_row, scale, d,
            out + (unsigned long long)r * cols + h * d);
 }
 

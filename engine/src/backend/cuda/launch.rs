@@ -2,7 +2,7 @@
 //! options, launch geometry, and the per-row metadata of the attention kernels. Nothing here
 //! touches a GPU, so it is tested on any machine.
 
-use crate::backend::{Activation, BResult, BackendError, PagedBatch};
+use crate::backend::{Activation, BResult, BackendError};
 
 /// The CUDA C source of every kernel (compiled by NVRTC when the backend starts).
 pub const SOURCE: &str = include_str!("kernels.cu");
@@ -106,106 +106,9 @@ pub fn compile_options(major: i32, minor: i32) -> Vec<String> {
     ]
 }
 
-/// The vision tower's segments as the kernel reads them: `(start, len)` of each row's segment.
-pub fn segment_rows(segments: &[(usize, usize)]) -> BResult<Vec<u32>> {
-    let mut rows = Vec::new();
-    let mut next = 0;
-    for &(start, len) in segments {
-        if start != next {
-            return Err(BackendError::Shape(format!(
-                "segments must cover the rows in order: one starts at {start}, expected {next}"
-            )));
-        }
-        next += len;
-        for _ in 0..len {
-            rows.push(count(start, "segment start")?);
-            rows.push(count(len, "segment length")?);
-        }
-    }
-    Ok(rows)
-}
-
-/// A step's paged-attention metadata as the kernels read it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct PagedRows {
-    /// KV slot of each query row.
-    pub slots: Vec<u32>,
-    /// Per query row: the number of keys it sees (its position + 1), and the offset of its
-    /// sequence's block table in [`Self::tables`].
-    pub meta: Vec<u32>,
-    /// Every sequence's block table, one after another.
-    pub tables: Vec<u32>,
-    /// Query rows.
-    pub rows: usize,
-}
-
-/// Checks `batch` as the CPU backend does, and every slot and block against a cache of
-/// `num_blocks` blocks of `block_size` (a kernel would write or read outside it), and flattens it.
-pub fn paged_rows(batch: &PagedBatch, block_size: usize, num_blocks: usize) -> BResult<PagedRows> {
-    let capacity = num_blocks * block_size;
-    if let Some(bad) = batch.slots.iter().find(|&&s| s >= capacity) {
-        return Err(BackendError::Shape(format!(
-            "KV slot {bad} outside the cache's {capacity}"
-        )));
-    }
-    if let Some(bad) = batch
-        .seqs
-        .iter()
-        .flat_map(|s| &s.block_table)
-        .find(|&&b| b >= num_blocks)
-    {
-        return Err(BackendError::Shape(format!(
-            "block {bad} outside the cache's {num_blocks}"
-        )));
-    }
-    let mut out = PagedRows {
-        slots: batch.slots.iter().map(|&s| count(s, "slot")).collect::<BResult<_>>()?,
-        meta: Vec::new(),
-        tables: Vec::new(),
-        rows: 0,
-    };
-    for s in &batch.seqs {
-        if s.query_start != out.rows {
-            return Err(BackendError::Shape(
-                "paged_attention: sequences must cover the query rows in order".into(),
-            ));
-        }
-        if s.query_len > s.context_len || s.context_len.div_ceil(block_size.max(1)) > s.block_table.len() {
-            return Err(BackendError::Shape(
-                "paged_attention: sequence outside its block table".into(),
-            ));
-        }
-        let offset = count(out.tables.len(), "block tables")?;
-        out.tables.extend(
-            s.block_table
-                .iter()
-                .map(|&b| count(b, "block"))
-                .collect::<BResult<Vec<_>>>()?,
-        );
-        for i in 0..s.query_len {
-            out.meta.push(count(s.context_len - s.query_len + i + 1, "context")?);
-            out.meta.push(offset);
-        }
-        out.rows += s.query_len;
-    }
-    if out.slots.len() != out.rows {
-        return Err(BackendError::Shape(format!(
-            "{} KV slots for {} query rows",
-            out.slots.len(),
-            out.rows
-        )));
-    }
-    // The kernels index an empty table array with nothing; keep one element so it can be uploaded.
-    if out.tables.is_empty() {
-        out.tables.push(0);
-    }
-    Ok(out)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::backend::PagedSeq;
 
     #[test]
     fn every_kernel_in_the_source_is_listed_and_every_listed_one_exists() {
@@ -240,51 +143,5 @@ mod tests {
         let o = compile_options(9, 0);
         assert_eq!(o[0], "--gpu-architecture=compute_90");
         assert!(o.contains(&"--fmad=false".to_string()));
-    }
-
-    #[test]
-    fn segments_give_each_row_its_segment() {
-        assert_eq!(segment_rows(&[(0, 2), (2, 1)]).unwrap(), [0, 2, 0, 2, 2, 1]);
-        assert!(segment_rows(&[(1, 2)]).is_err());
-    }
-
-    #[test]
-    fn paged_rows_give_each_query_its_context_and_table() {
-        let batch = PagedBatch {
-            slots: vec![12, 13, 5],
-            seqs: vec![
-                PagedSeq {
-                    query_start: 0,
-                    query_len: 2,
-                    context_len: 6,
-                    block_table: vec![2, 3],
-                },
-                PagedSeq {
-                    query_start: 2,
-                    query_len: 1,
-                    context_len: 2,
-                    block_table: vec![1],
-                },
-            ],
-        };
-        let p = paged_rows(&batch, 4, 4).unwrap();
-        assert_eq!(p.rows, 3);
-        assert_eq!(p.slots, [12, 13, 5]);
-        assert_eq!(p.tables, [2, 3, 1]);
-        // Rows 0 and 1 are positions 4 and 5 of a context of 6; row 2 is position 1.
-        assert_eq!(p.meta, [5, 0, 6, 0, 2, 2]);
-        let mut bad = batch.clone();
-        bad.seqs[1].context_len = 5;
-        assert!(paged_rows(&bad, 4, 4).is_err(), "5 tokens need 2 blocks of 4");
-        bad = batch.clone();
-        bad.seqs[1].query_start = 3;
-        assert!(paged_rows(&bad, 4, 4).is_err());
-        assert!(
-            paged_rows(&batch, 4, 3).is_err(),
-            "block 3 and slots 12, 13 are outside 3 blocks"
-        );
-        bad = batch;
-        bad.slots.pop();
-        assert!(paged_rows(&bad, 4, 4).is_err(), "every query row needs its slot");
     }
 }

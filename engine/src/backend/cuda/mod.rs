@@ -472,11 +472,8 @@ impl Backend for CudaBackend {
     }
 
     fn upload_paged(&self, batch: PagedBatch) -> BResult<CudaPaged> {
-        let layout = self
-            .kv_layout
-            .get()
-            .ok_or_else(|| BackendError::Shape("attention metadata before any KV cache was allocated".into()))?;
-        let rows = launch::paged_rows(&batch, layout.block_size, layout.num_blocks)?;
+        let layout = batch.layout;
+        let rows = batch.flatten()?;
         let bytes = 4 * (rows.slots.len() + rows.meta.len() + rows.tables.len()) as u64;
         Ok(CudaPaged {
             slots: self.upload_u32(&rows.slots)?,
@@ -489,7 +486,7 @@ impl Backend for CudaBackend {
     }
 
     fn upload_segments(&self, segments: &[(usize, usize)]) -> BResult<CudaSegments> {
-        let rows = launch::segment_rows(segments)?;
+        let rows = super::paged::segment_rows(segments)?;
         Ok(CudaSegments {
             _held: self.ledger.hold(Category::Activations, 4 * rows.len() as u64),
             num_rows: rows.len() / 2,

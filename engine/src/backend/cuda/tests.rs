@@ -150,6 +150,7 @@ fn long_attention_matches_the_cpu() {
     let tokens = 300;
     let slots: Vec<usize> = (0..tokens).map(|p| table[p / 16] * 16 + p % 16).collect();
     let batch = PagedBatch {
+        layout,
         slots,
         seqs: vec![PagedSeq {
             query_start: 0,
@@ -187,6 +188,7 @@ fn a_metadata_slot_outside_the_cache_is_refused_before_any_kernel() {
     };
     let _cache = gpu.alloc_kv(layout).unwrap();
     let batch = PagedBatch {
+        layout,
         slots: vec![9],
         seqs: vec![PagedSeq {
             query_start: 0,

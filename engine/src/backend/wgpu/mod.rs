@@ -662,33 +662,20 @@ impl Backend for WgpuBackend {
     }
 
     fn upload_paged(&self, batch: PagedBatch) -> BResult<WgpuPaged> {
-        let mut tables = Vec::new();
-        let mut rows = Vec::with_capacity(batch.slots.len() * 2);
-        for s in &batch.seqs {
-            let at = tables.len();
-            tables.extend_from_slice(&s.block_table);
-            for i in 0..s.query_len {
-                // Row i of the sequence sits at position context_len − query_len + i.
-                rows.push(at);
-                rows.push((s.context_len + i + 1).saturating_sub(s.query_len));
-            }
-        }
+        let flat = batch.flatten()?;
         Ok(WgpuPaged {
-            slots: self.upload_u32(batch.slots.iter().copied())?,
-            rows: self.upload_u32(rows)?,
-            tables: self.upload_u32(tables)?,
+            slots: self.upload_u32(flat.slots.iter().map(|&s| s as usize))?,
+            rows: self.upload_u32(flat.meta.iter().map(|&m| m as usize))?,
+            tables: self.upload_u32(flat.tables.iter().map(|&t| t as usize))?,
             host: batch,
         })
     }
 
     fn upload_segments(&self, segments: &[(usize, usize)]) -> BResult<WgpuSegments> {
-        let rows: usize = segments.iter().map(|s| s.1).sum();
-        let meta = segments
-            .iter()
-            .flat_map(|&(start, len)| (0..len).flat_map(move |_| [start, len]));
+        let meta = super::paged::segment_rows(segments)?;
         Ok(WgpuSegments {
-            rows,
-            meta: self.upload_u32(meta)?,
+            rows: meta.len() / 2,
+            meta: self.upload_u32(meta.iter().map(|&m| m as usize))?,
         })
     }
 
@@ -1021,13 +1008,12 @@ impl Backend for WgpuBackend {
         batch: &WgpuPaged,
     ) -> BResult<()> {
         let width = cache.layout.kv_heads * cache.layout.head_dim;
-        let capacity = cache.layout.num_blocks * cache.layout.block_size;
         let rows = batch.host.slots.len();
         if k.numel() != rows * width || v.shape != k.shape || layer >= cache.layout.layers {
             return Err(shape_err(format!("write_kv: {rows} slots for {:?}", k.shape)));
         }
-        if let Some(bad) = batch.host.slots.iter().find(|&&s| s >= capacity) {
-            return Err(shape_err(format!("write_kv: slot {bad} outside {capacity}")));
+        if batch.host.layout != cache.layout {
+            return Err(shape_err("write_kv: a batch checked for another cache".into()));
         }
         let (k, v) = (self.as_f32(k)?, self.as_f32(v)?);
         let words = [rows as u32, width as u32];
@@ -1061,24 +1047,11 @@ impl Backend for WgpuBackend {
                 "paged_attention: q {rows}×{cols}, {heads} heads of {d}"
             )));
         }
-        let mut next = 0;
-        for s in &batch.host.seqs {
-            if s.query_start != next {
-                return Err(shape_err(
-                    "paged_attention: sequences must cover the query rows in order".into(),
-                ));
-            }
-            if s.query_len > s.context_len || s.context_len.div_ceil(block_size) > s.block_table.len() {
-                return Err(shape_err("paged_attention: sequence outside its block table".into()));
-            }
-            if let Some(bad) = s.block_table.iter().find(|&&b| b >= cache.layout.num_blocks) {
-                return Err(shape_err(format!("paged_attention: block {bad} outside the cache")));
-            }
-            next += s.query_len;
-        }
-        if next != rows {
+        // The batch was checked against its layout when it was uploaded.
+        if batch.host.layout != cache.layout || batch.host.slots.len() != rows {
             return Err(shape_err(format!(
-                "paged_attention: sequences cover {next} of {rows} query rows"
+                "paged_attention: a batch of {} rows for another cache, or not {rows} rows",
+                batch.host.slots.len()
             )));
         }
         self.attention(

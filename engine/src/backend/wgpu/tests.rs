@@ -360,14 +360,34 @@ fn paged_attention_on(g: WgpuBackend) {
         // Fill the cache: A's 11 positions, then B's own positions 4 and 5 (block 5).
         let mut slots: Vec<usize> = (0..11).map(|p| slot(&tables[0], p)).collect();
         slots.extend([4, 5].map(|p| slot(&tables[1], p)));
+        // The fill is a prefill of A's 11 positions and B's positions 4 and 5.
         let fill = PagedBatch {
+            layout,
             slots: slots.clone(),
-            seqs: vec![],
+            seqs: vec![
+                PagedSeq {
+                    query_start: 0,
+                    query_len: 11,
+                    context_len: 11,
+                    block_table: tables[0].clone(),
+                },
+                PagedSeq {
+                    query_start: 11,
+                    query_len: 2,
+                    context_len: 6,
+                    block_table: tables[1].clone(),
+                },
+            ],
         };
         let kv_k = noise(slots.len() * width, 20);
         let kv_v = noise(slots.len() * width, 21);
+        // A's last 7 positions in prefill and B decoding at position 5.
         let step = PagedBatch {
-            slots: vec![],
+            layout,
+            slots: (4..11)
+                .map(|p| slot(&tables[0], p))
+                .chain([slot(&tables[1], 5)])
+                .collect(),
             seqs: vec![
                 PagedSeq {
                     query_start: 0,

@@ -1,0 +1,169 @@
+//! A step's attention metadata checked and flattened once on the host: every backend checks its
+//! [`PagedBatch`] here when it is uploaded, and the backends whose kernels read flat arrays (wgpu,
+//! cuda) upload the [`PagedRows`] and the segments' rows made here.
+
+use super::{BResult, BackendError, PagedBatch};
+
+fn count(n: usize, what: &str) -> BResult<u32> {
+    u32::try_from(n).map_err(|_| BackendError::Shape(format!("{what}: {n} is more than a kernel can index")))
+}
+
+/// The vision tower's segments as the kernel reads them: `(start, len)` of each row's segment.
+pub fn segment_rows(segments: &[(usize, usize)]) -> BResult<Vec<u32>> {
+    let mut rows = Vec::new();
+    let mut next = 0;
+    for &(start, len) in segments {
+        if start != next {
+            return Err(BackendError::Shape(format!(
+                "segments must cover the rows in order: one starts at {start}, expected {next}"
+            )));
+        }
+        next += len;
+        for _ in 0..len {
+            rows.push(count(start, "segment start")?);
+            rows.push(count(len, "segment length")?);
+        }
+    }
+    Ok(rows)
+}
+
+/// A step's paged-attention metadata as the kernels read it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PagedRows {
+    /// KV slot of each query row.
+    pub slots: Vec<u32>,
+    /// Per query row: the offset of its sequence's block table in [`Self::tables`], and the
+    /// number of keys it sees (its position + 1), as the segments' rows are (start, length).
+    pub meta: Vec<u32>,
+    /// Every sequence's block table, one after another.
+    pub tables: Vec<u32>,
+    /// Query rows.
+    pub rows: usize,
+}
+
+impl PagedBatch {
+    /// Checks the batch against its cache's layout (every slot and block inside it, the sequences
+    /// covering the query rows in order, each inside its block table) and flattens it for kernels.
+    pub fn flatten(&self) -> BResult<PagedRows> {
+        paged_rows(self, self.layout.block_size, self.layout.num_blocks)
+    }
+}
+
+fn paged_rows(batch: &PagedBatch, block_size: usize, num_blocks: usize) -> BResult<PagedRows> {
+    let capacity = num_blocks * block_size;
+    if let Some(bad) = batch.slots.iter().find(|&&s| s >= capacity) {
+        return Err(BackendError::Shape(format!(
+            "KV slot {bad} outside the cache's {capacity}"
+        )));
+    }
+    if let Some(bad) = batch
+        .seqs
+        .iter()
+        .flat_map(|s| &s.block_table)
+        .find(|&&b| b >= num_blocks)
+    {
+        return Err(BackendError::Shape(format!(
+            "block {bad} outside the cache's {num_blocks}"
+        )));
+    }
+    let mut out = PagedRows {
+        slots: batch.slots.iter().map(|&s| count(s, "slot")).collect::<BResult<_>>()?,
+        meta: Vec::new(),
+        tables: Vec::new(),
+        rows: 0,
+    };
+    for s in &batch.seqs {
+        if s.query_start != out.rows {
+            return Err(BackendError::Shape(
+                "paged_attention: sequences must cover the query rows in order".into(),
+            ));
+        }
+        if s.query_len > s.context_len || s.context_len.div_ceil(block_size.max(1)) > s.block_table.len() {
+            return Err(BackendError::Shape(
+                "paged_attention: sequence outside its block table".into(),
+            ));
+        }
+        let offset = count(out.tables.len(), "block tables")?;
+        out.tables.extend(
+            s.block_table
+                .iter()
+                .map(|&b| count(b, "block"))
+                .collect::<BResult<Vec<_>>>()?,
+        );
+        for i in 0..s.query_len {
+            out.meta.push(offset);
+            out.meta.push(count(s.context_len - s.query_len + i + 1, "context")?);
+        }
+        out.rows += s.query_len;
+    }
+    if out.slots.len() != out.rows {
+        return Err(BackendError::Shape(format!(
+            "{} KV slots for {} query rows",
+            out.slots.len(),
+            out.rows
+        )));
+    }
+    // The kernels index an empty table array with nothing; keep one element so it can be uploaded.
+    if out.tables.is_empty() {
+        out.tables.push(0);
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::{KvLayout, PagedSeq};
+
+    #[test]
+    fn segments_give_each_row_its_segment() {
+        assert_eq!(segment_rows(&[(0, 2), (2, 1)]).unwrap(), [0, 2, 0, 2, 2, 1]);
+        assert!(segment_rows(&[(1, 2)]).is_err());
+    }
+
+    #[test]
+    fn paged_rows_give_each_query_its_context_and_table() {
+        let batch = PagedBatch {
+            layout: KvLayout {
+                layers: 1,
+                num_blocks: 4,
+                block_size: 4,
+                kv_heads: 1,
+                head_dim: 1,
+            },
+            slots: vec![12, 13, 5],
+            seqs: vec![
+                PagedSeq {
+                    query_start: 0,
+                    query_len: 2,
+                    context_len: 6,
+                    block_table: vec![2, 3],
+                },
+                PagedSeq {
+                    query_start: 2,
+                    query_len: 1,
+                    context_len: 2,
+                    block_table: vec![1],
+                },
+            ],
+        };
+        let p = batch.flatten().unwrap();
+        assert_eq!(p.rows, 3);
+        assert_eq!(p.slots, [12, 13, 5]);
+        assert_eq!(p.tables, [2, 3, 1]);
+        // Rows 0 and 1 are positions 4 and 5 of a context of 6; row 2 is position 1.
+        assert_eq!(p.meta, [0, 5, 0, 6, 2, 2]);
+        let mut bad = batch.clone();
+        bad.seqs[1].context_len = 5;
+        assert!(bad.flatten().is_err(), "5 tokens need 2 blocks of 4");
+        bad = batch.clone();
+        bad.seqs[1].query_start = 3;
+        assert!(bad.flatten().is_err());
+        bad = batch.clone();
+        bad.layout.num_blocks = 3;
+        assert!(bad.flatten().is_err(), "block 3 and slots 12, 13 are outside 3 blocks");
+        bad = batch;
+        bad.slots.pop();
+        assert!(bad.flatten().is_err(), "every query row needs its slot");
+    }
+}
