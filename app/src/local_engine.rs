@@ -284,12 +284,8 @@ impl Local {
             vocab_size: input.tokenizer.vocab_size(),
         };
         let (engine, report) = build_engine(runner, req, opts, &now_s).map_err(|e| e.to_string())?;
-        input.set_processor_cache_bytes(report.plan.processor_cache_bytes);
-        input.max_model_len = report.plan.max_model_len;
+        report.size_input(&mut input);
         input.limit_images = s.images_per_prompt;
-        if let Some(tokens) = report.max_image_tokens {
-            input.max_image_tokens = tokens;
-        }
         let local = Rc::new(Local {
             engine: RefCell::new(engine),
             input,

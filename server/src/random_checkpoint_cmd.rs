@@ -20,7 +20,7 @@ use std::ops::Range;
 use std::path::{Path, PathBuf};
 
 /// Default largest shard: 2 GiB of tensor data.
-pub const SHARD_BYTES: u64 = 2 << 30;
+const SHARD_BYTES: u64 = 2 << 30;
 /// Show a progress bar above this many bytes of weights.
 const PROGRESS_BYTES: u64 = 100_000_000;
 
@@ -128,6 +128,22 @@ fn parse_image_limits(s: &str) -> Result<ImageLimits, String> {
     Ok(limits)
 }
 
+/// Writes the bundled tiny demo checkpoint (bf16, seed 0) to `dir`, replacing what is there.
+pub fn write_demo(dir: &Path) -> Result<()> {
+    run(&RandomCheckpointArgs {
+        config: DEMO.to_string(),
+        out: Some(dir.to_path_buf()),
+        dtype: WeightDtype::Bf16,
+        seed: 0,
+        tokenizer: None,
+        image_limits: None,
+        shard_size: SHARD_BYTES,
+        exact_in: Default::default(),
+        force: true,
+        dry_run: false,
+    })
+}
+
 /// Writes the checkpoint (or, with `--dry-run`, describes it).
 pub fn run(args: &RandomCheckpointArgs) -> Result<()> {
     let (name, raw) = load_config_source(&args.config)?;
@@ -207,7 +223,7 @@ pub fn run(args: &RandomCheckpointArgs) -> Result<()> {
 }
 
 /// The name of the tiny demo model's config.
-pub const DEMO: &str = "demo";
+const DEMO: &str = "demo";
 
 /// The tiny demo model's config (the Qwen3-VL golden config).
 const DEMO_CONFIG: &str = include_str!("../../tools/golden/configs/qwen3_vl_tiny.json");

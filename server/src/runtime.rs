@@ -14,7 +14,7 @@ use kvlens_engine::input::image_budget::largest_preprocessing_bytes;
 pub use kvlens_engine::input::processor::PromptOptions;
 use kvlens_engine::input::processor::{InputHost, InputProcessor, Prompt};
 use kvlens_engine::input::InputError;
-use kvlens_engine::memory::device::DeviceProfile;
+use kvlens_engine::memory::device::{device_preset, gib_to_bytes, DeviceProfile};
 use kvlens_engine::memory::ledger::{Category, MemoryLedger};
 use kvlens_engine::model::weights::SafetensorsFiles;
 use kvlens_engine::model::QwenVl;
@@ -148,8 +148,27 @@ pub fn device_of(runner: &dyn StepRunner, cpu_memory_gib: Option<f64>) -> Result
             let used = m.total.saturating_sub(m.free);
             Ok((device, used.saturating_sub(weights)))
         }
-        None => Ok((crate::startup::cpu_device(cpu_memory_gib)?, 0)),
+        None => Ok((cpu_device(cpu_memory_gib)?, 0)),
     }
+}
+
+/// Total RAM from /proc/meminfo (None where it cannot be read).
+fn machine_ram_bytes() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemTotal:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
+/// The CPU "device": `--cpu-memory-gib` of memory, or 40% of the machine's RAM.
+pub fn cpu_device(gib: Option<f64>) -> Result<DeviceProfile> {
+    let total = match gib {
+        Some(g) if g > 0.0 && g.is_finite() => gib_to_bytes(g),
+        Some(g) => return Err(usage(format!("--cpu-memory-gib must be positive, got {g}"))),
+        None => machine_ram_bytes().unwrap_or(8 << 30) / 5 * 2,
+    };
+    let preset = device_preset("cpu").ok_or_else(|| anyhow::anyhow!("the cpu device preset is missing"))?;
+    Ok(preset.with_total_bytes(total))
 }
 
 /// A checkpoint's memory-mapped shards, loaded onto a backend tensor by tensor (each converted as

@@ -2,7 +2,7 @@
 //! images on the backend, size the KV cache from what is left (the planner's formulas with the
 //! measured figures), allocate it, and log the same lines as vLLM.
 
-use crate::random_checkpoint_cmd::{self, RandomCheckpointArgs, WeightDtype};
+use crate::random_checkpoint_cmd;
 use crate::runtime::{device_of, load, Frontend};
 use crate::usage;
 use anyhow::Result;
@@ -10,7 +10,7 @@ use kvlens_engine::arch::config::ProcessorKwargs;
 use kvlens_engine::backend::BackendKind;
 use kvlens_engine::builder::{build_engine, BackendChoice, BuildError, EngineOptions};
 use kvlens_engine::engine::Engine;
-use kvlens_engine::memory::device::{device_preset, gib_to_bytes, DeviceProfile};
+use kvlens_engine::memory::device::gib_to_bytes;
 use kvlens_engine::memory::log_budget::HeaderSettings;
 use kvlens_engine::memory::plan_inputs::{parse_dtype, VllmFlags};
 use kvlens_engine::memory::planner::{MmLimits, Plan, PlanRequest};
@@ -107,38 +107,8 @@ pub fn demo_checkpoint() -> Result<PathBuf> {
     }
     std::fs::create_dir_all(&root)?;
     tracing::info!("writing the tiny demo checkpoint to {} (first use)", dir.display());
-    random_checkpoint_cmd::run(&RandomCheckpointArgs {
-        config: random_checkpoint_cmd::DEMO.to_string(),
-        out: Some(dir.clone()),
-        dtype: WeightDtype::Bf16,
-        seed: 0,
-        tokenizer: None,
-        image_limits: None,
-        shard_size: random_checkpoint_cmd::SHARD_BYTES,
-        exact_in: Default::default(),
-        force: true,
-        dry_run: false,
-    })?;
+    random_checkpoint_cmd::write_demo(&dir)?;
     Ok(dir)
-}
-
-/// Total RAM from /proc/meminfo (None where it cannot be read).
-fn machine_ram_bytes() -> Option<u64> {
-    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = text.lines().find(|l| l.starts_with("MemTotal:"))?;
-    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kib * 1024)
-}
-
-/// The CPU "device": `--cpu-memory-gib` of memory, or 40% of the machine's RAM.
-pub fn cpu_device(gib: Option<f64>) -> Result<DeviceProfile> {
-    let total = match gib {
-        Some(g) if g > 0.0 && g.is_finite() => gib_to_bytes(g),
-        Some(g) => return Err(usage(format!("--cpu-memory-gib must be positive, got {g}"))),
-        None => machine_ram_bytes().unwrap_or(8 << 30) / 5 * 2,
-    };
-    let preset = device_preset("cpu").ok_or_else(|| anyhow::anyhow!("the cpu device preset is missing"))?;
-    Ok(preset.with_total_bytes(total))
 }
 
 /// Loads, profiles and sizes the engine; prints vLLM's start-up lines to stderr.
@@ -261,12 +231,8 @@ pub fn start(a: &EngineArgs) -> Result<Started> {
         Err(e @ BuildError::Plan(_)) => return Err(usage(e.to_string())),
         Err(e) => return Err(e.into()),
     };
+    report.size_input(&mut frontend);
     let p = report.plan;
-    frontend.set_processor_cache_bytes(p.processor_cache_bytes);
-    frontend.max_model_len = p.max_model_len;
-    if let Some(tokens) = report.max_image_tokens {
-        frontend.max_image_tokens = tokens;
-    }
     // The resolved settings as a command line, so `kvlens plan --from-log` can rebuild this budget.
     let mut log_lines = vec![format!(
         "kvlens serve {} --max-model-len {} --max-num-batched-tokens {} --max-num-seqs {} --block-size {} \

@@ -339,7 +339,18 @@ async function playgroundOnCpu(base) {
     const device = await byTest(page, 'device').textContent();
     assert(device.startsWith('CPU backend'), `WebGPU was off, yet: ${device}`);
     await loadDemo(page);
+    // The page's longest main-thread task while the CPU fallback generates (the engine runs on
+    // the page's thread: each step is one task). Reported, not asserted: a Web Worker is to bring
+    // it under 100 ms.
+    await page.evaluate(() => {
+      window.__longestTask = 0;
+      new PerformanceObserver((list) => {
+        for (const e of list.getEntries()) window.__longestTask = Math.max(window.__longestTask, e.duration);
+      }).observe({ type: 'longtask' });
+    });
     sameTokens(await ask(page, 0), 'CPU fallback');
+    const longest = await page.evaluate(() => window.__longestTask);
+    console.log(`    longest main-thread task while the CPU fallback generated: ${longest.toFixed(0)} ms`);
   } finally {
     await b.close();
   }

@@ -169,6 +169,18 @@ pub fn build_engine(
 
 /// The most KV-cache bytes a backend whose buffers bind at most `binding` bytes can hold: as many
 /// blocks as one layer's keys fit in one buffer, for every layer's keys and values.
+impl StartupReport {
+    /// Sizes `input` as start-up sized the engine: the processor cache, the context length and
+    /// the largest image the profile ran.
+    pub fn size_input(&self, input: &mut crate::input::InputProcessor) {
+        input.set_processor_cache_bytes(self.plan.processor_cache_bytes);
+        input.max_model_len = self.plan.max_model_len;
+        if let Some(tokens) = self.max_image_tokens {
+            input.max_image_tokens = tokens;
+        }
+    }
+}
+
 fn kv_binding_cap(binding: Option<u64>, p: &Plan) -> Option<u64> {
     let per_layer_block = p.page_size_bytes;
     let keys_per_block = (per_layer_block / 2).max(1);
