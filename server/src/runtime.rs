@@ -161,7 +161,7 @@ fn machine_ram_bytes() -> Option<u64> {
 }
 
 /// The CPU "device": `--cpu-memory-gib` of memory, or 40% of the machine's RAM.
-pub fn cpu_device(gib: Option<f64>) -> Result<DeviceProfile> {
+fn cpu_device(gib: Option<f64>) -> Result<DeviceProfile> {
     let total = match gib {
         Some(g) if g > 0.0 && g.is_finite() => gib_to_bytes(g),
         Some(g) => return Err(usage(format!("--cpu-memory-gib must be positive, got {g}"))),

@@ -220,7 +220,6 @@ impl Backend for CpuBackend {
         quantized: &[WeightFormat::Q8_0, WeightFormat::Q4_0],
         half_weights: Some(crate::arch::config::DType::Bf16),
         sampling: super::DeviceSamplingSupport::Full,
-        device_memory: false,
     };
 
     fn name(&self) -> &'static str {
@@ -280,7 +279,7 @@ impl Backend for CpuBackend {
     }
 
     fn upload_paged(&self, batch: PagedBatch) -> BResult<PagedBatch> {
-        batch.flatten()?;
+        batch.check()?;
         Ok(batch)
     }
 

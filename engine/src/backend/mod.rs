@@ -230,8 +230,6 @@ pub struct Capabilities {
     pub half_weights: Option<crate::arch::config::DType>,
     /// Which rows it samples on the device.
     pub sampling: DeviceSamplingSupport,
-    /// Whether [`Backend::device_memory`] answers (a device with memory of its own).
-    pub device_memory: bool,
 }
 
 impl Capabilities {
@@ -279,8 +277,7 @@ pub trait Backend: std::fmt::Debug + 'static {
     fn describe(&self) -> String {
         self.name().to_string()
     }
-    /// The device's free and total memory now, where [`Capabilities::device_memory`] says it has
-    /// its own.
+    /// The device's free and total memory now, where it has memory of its own (None elsewhere).
     fn device_memory(&self) -> Option<BResult<DeviceMemory>> {
         None
     }

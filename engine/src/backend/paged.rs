@@ -42,72 +42,70 @@ pub struct PagedRows {
 }
 
 impl PagedBatch {
-    /// Checks the batch against its cache's layout (every slot and block inside it, the sequences
-    /// covering the query rows in order, each inside its block table) and flattens it for kernels.
-    pub fn flatten(&self) -> BResult<PagedRows> {
-        paged_rows(self, self.layout.block_size, self.layout.num_blocks)
+    /// Checks the batch against its cache's layout: every slot and block inside it, the sequences
+    /// covering the query rows in order, each inside its block table, one slot per query row.
+    pub fn check(&self) -> BResult<()> {
+        let (block_size, num_blocks) = (self.layout.block_size, self.layout.num_blocks);
+        let capacity = num_blocks * block_size;
+        if let Some(bad) = self.slots.iter().find(|&&s| s >= capacity) {
+            return Err(BackendError::Shape(format!(
+                "KV slot {bad} outside the cache's {capacity}"
+            )));
+        }
+        let mut rows = 0;
+        for s in &self.seqs {
+            if let Some(bad) = s.block_table.iter().find(|&&b| b >= num_blocks) {
+                return Err(BackendError::Shape(format!(
+                    "block {bad} outside the cache's {num_blocks}"
+                )));
+            }
+            if s.query_start != rows {
+                return Err(BackendError::Shape(
+                    "paged_attention: sequences must cover the query rows in order".into(),
+                ));
+            }
+            if s.query_len > s.context_len || s.context_len.div_ceil(block_size.max(1)) > s.block_table.len() {
+                return Err(BackendError::Shape(
+                    "paged_attention: sequence outside its block table".into(),
+                ));
+            }
+            rows += s.query_len;
+        }
+        if self.slots.len() != rows {
+            return Err(BackendError::Shape(format!(
+                "{} KV slots for {rows} query rows",
+                self.slots.len()
+            )));
+        }
+        Ok(())
     }
-}
 
-fn paged_rows(batch: &PagedBatch, block_size: usize, num_blocks: usize) -> BResult<PagedRows> {
-    let capacity = num_blocks * block_size;
-    if let Some(bad) = batch.slots.iter().find(|&&s| s >= capacity) {
-        return Err(BackendError::Shape(format!(
-            "KV slot {bad} outside the cache's {capacity}"
-        )));
-    }
-    if let Some(bad) = batch
-        .seqs
-        .iter()
-        .flat_map(|s| &s.block_table)
-        .find(|&&b| b >= num_blocks)
-    {
-        return Err(BackendError::Shape(format!(
-            "block {bad} outside the cache's {num_blocks}"
-        )));
-    }
-    let mut out = PagedRows {
-        slots: batch.slots.iter().map(|&s| count(s, "slot")).collect::<BResult<_>>()?,
-        meta: Vec::new(),
-        tables: Vec::new(),
-        rows: 0,
-    };
-    for s in &batch.seqs {
-        if s.query_start != out.rows {
-            return Err(BackendError::Shape(
-                "paged_attention: sequences must cover the query rows in order".into(),
-            ));
+    /// [`Self::check`]s the batch and flattens it for kernels that read flat arrays.
+    pub fn flatten(&self) -> BResult<PagedRows> {
+        self.check()?;
+        let mut out = PagedRows {
+            slots: self.slots.iter().map(|&s| count(s, "slot")).collect::<BResult<_>>()?,
+            meta: Vec::new(),
+            tables: Vec::new(),
+            rows: 0,
+        };
+        for s in &self.seqs {
+            let offset = count(out.tables.len(), "block tables")?;
+            for &b in &s.block_table {
+                out.tables.push(count(b, "block")?);
+            }
+            for i in 0..s.query_len {
+                out.meta.push(offset);
+                out.meta.push(count(s.context_len - s.query_len + i + 1, "context")?);
+            }
+            out.rows += s.query_len;
         }
-        if s.query_len > s.context_len || s.context_len.div_ceil(block_size.max(1)) > s.block_table.len() {
-            return Err(BackendError::Shape(
-                "paged_attention: sequence outside its block table".into(),
-            ));
+        // The kernels index an empty table array with nothing; keep one element so it can be uploaded.
+        if out.tables.is_empty() {
+            out.tables.push(0);
         }
-        let offset = count(out.tables.len(), "block tables")?;
-        out.tables.extend(
-            s.block_table
-                .iter()
-                .map(|&b| count(b, "block"))
-                .collect::<BResult<Vec<_>>>()?,
-        );
-        for i in 0..s.query_len {
-            out.meta.push(offset);
-            out.meta.push(count(s.context_len - s.query_len + i + 1, "context")?);
-        }
-        out.rows += s.query_len;
+        Ok(out)
     }
-    if out.slots.len() != out.rows {
-        return Err(BackendError::Shape(format!(
-            "{} KV slots for {} query rows",
-            out.slots.len(),
-            out.rows
-        )));
-    }
-    // The kernels index an empty table array with nothing; keep one element so it can be uploaded.
-    if out.tables.is_empty() {
-        out.tables.push(0);
-    }
-    Ok(out)
 }
 
 #[cfg(test)]

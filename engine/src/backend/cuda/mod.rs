@@ -370,7 +370,6 @@ impl Backend for CudaBackend {
         quantized: &[],
         half_weights: Some(crate::arch::config::DType::Bf16),
         sampling: super::DeviceSamplingSupport::Greedy,
-        device_memory: true,
     };
 
     fn describe(&self) -> String {

@@ -551,7 +551,6 @@ impl Backend for WgpuBackend {
         quantized: &[WeightFormat::Q8_0, WeightFormat::Q4_0],
         half_weights: Some(crate::arch::config::DType::F16),
         sampling: super::DeviceSamplingSupport::Full,
-        device_memory: false,
     };
 
     fn describe(&self) -> String {
