@@ -7,6 +7,7 @@ use std::sync::OnceLock;
 
 use crate::arch::config::{bundled_config, Family, ImageLimits, ModelConfig, ProcessorKwargs};
 use crate::backend::cpu::CpuBackend;
+use crate::backend::Backend;
 use crate::input::chat::{default_template, image_sources, ChatMessage, ChatTemplate, RenderOptions};
 use crate::input::image::{decode_image, ProcessorSettings};
 use crate::memory::ledger::MemoryLedger;
@@ -14,7 +15,7 @@ use crate::memory::log_budget::{header_settings, rebuild, what_if, DeviceTotal};
 use crate::memory::vllm_log::parse_vllm_log;
 use crate::memory::{device_preset, plan, MmLimits, PlanRequest};
 use crate::model::stream::StreamLoader;
-use crate::model::weights::{Loader, SafetensorsFiles};
+use crate::model::weights::SafetensorsFiles;
 
 /// A harness: returns on every input, panics on a bug.
 pub type Harness = fn(&[u8]);
@@ -62,17 +63,19 @@ pub fn image(data: &[u8]) {
 }
 
 /// A safetensors file: header and tensor table parsed, then every tensor loaded onto the CPU
-/// backend at its stored shape (the checks `Loader::get` makes before it copies); then the same
+/// backend at its stored shape, as a weight matrix where it has two axes or more; then the same
 /// bytes streamed in 7-byte chunks as the one shard of the tiny Qwen2-VL test model, whose largest
 /// tensor (19 MiB) is the most a stream may gather.
 pub fn safetensors(data: &[u8]) {
     let shards = [("model.safetensors".to_string(), data)];
     let backend = CpuBackend::new(MemoryLedger::new());
     if let Ok(files) = SafetensorsFiles::parse(&shards) {
-        let loader = Loader::new(&files, &backend);
         for name in files.names() {
             if let Ok(Some(raw)) = files.raw(name) {
-                let _ = loader.get(name, &raw.shape);
+                let _ = match raw.matrix_dims() {
+                    Some(_) => backend.load_weight(raw).map(drop),
+                    None => backend.load_tensor(raw).map(drop),
+                };
             }
         }
     }

@@ -77,6 +77,13 @@ impl TensorSpec {
     pub fn numel(&self) -> u64 {
         self.shape.iter().map(|&d| d as u64).product()
     }
+
+    /// Whether the model multiplies by it (a matrix, an embedding, the patch embedding viewed as a
+    /// matrix), so that the backend stores it as a weight matrix: every tensor of rank 2 or more
+    /// the model does not read on the host.
+    pub fn is_matrix(&self) -> bool {
+        !self.host && self.shape.len() >= 2
+    }
 }
 
 /// A layer with a weight and a bias.

@@ -25,15 +25,37 @@ fn lib(e: candle_core::Error) -> BackendError {
     BackendError::Library(Box::new(e))
 }
 
-/// A CPU tensor: an f32 candle tensor plus the ledger entry of the storage it owns; or a weight
-/// matrix in bfloat16 or a quantized format, which only [`Backend::linear`] and
-/// [`Backend::embedding`] read (its candle tensor is then empty, so any other operation fails on
-/// the shape).
+/// A CPU tensor: an f32 candle tensor plus the ledger entry of the storage it owns.
 #[derive(Debug, Clone)]
 pub struct CpuTensor {
     t: Tensor,
-    q: Option<Arc<PackedMatrix>>,
     _held: Option<Arc<Held>>,
+}
+
+/// A CPU weight matrix `[out, in]` and its ledger entry.
+#[derive(Debug, Clone)]
+pub struct CpuWeight {
+    m: Matrix,
+    _held: Arc<Held>,
+}
+
+/// How a [`CpuWeight`] is stored.
+#[derive(Debug, Clone)]
+enum Matrix {
+    /// f32, multiplied by candle's GEMM.
+    Dense(Tensor),
+    /// bfloat16 or GGML blocks, multiplied by our kernels ([`PackedMatrix`]).
+    Packed(Arc<PackedMatrix>),
+}
+
+impl CpuWeight {
+    /// Rows and columns.
+    fn dims(&self) -> (usize, usize) {
+        match &self.m {
+            Matrix::Dense(t) => t.dims2().unwrap_or_default(),
+            Matrix::Packed(q) => q.dims(),
+        }
+    }
 }
 
 /// The paged KV cache: per layer, keys and values as `[num_blocks · block_size, kv_heads · head_dim]`.
@@ -81,18 +103,31 @@ impl CpuBackend {
         let bytes = (t.elem_count() * 4) as u64;
         CpuTensor {
             t,
-            q: None,
             _held: Some(Arc::new(self.ledger.hold(category, bytes))),
         }
     }
 
-    /// A packed weight matrix, recorded as weights.
-    fn wrap_packed(&self, q: PackedMatrix) -> BResult<CpuTensor> {
-        Ok(CpuTensor {
-            t: Tensor::zeros(0, DType::F32, &Device::Cpu).map_err(lib)?,
-            _held: Some(Arc::new(self.ledger.hold(Category::Weights, q.bytes()))),
-            q: Some(Arc::new(q)),
-        })
+    /// A weight matrix, recorded as weights.
+    fn weight(&self, m: Matrix) -> CpuWeight {
+        let bytes = match &m {
+            Matrix::Dense(t) => t.elem_count() as u64 * 4,
+            Matrix::Packed(q) => q.bytes(),
+        };
+        CpuWeight {
+            m,
+            _held: Arc::new(self.ledger.hold(Category::Weights, bytes)),
+        }
+    }
+
+    /// A checkpoint tensor's values as an f32 candle tensor of its shape.
+    fn f32_tensor(raw: &RawTensor<'_>) -> BResult<Tensor> {
+        let dtype = match raw.dtype {
+            RawDType::F32 => DType::F32,
+            RawDType::F16 => DType::F16,
+            RawDType::Bf16 => DType::BF16,
+        };
+        let t = Tensor::from_raw_buffer(raw.data, dtype, &raw.shape, &Device::Cpu).map_err(lib)?;
+        t.to_dtype(DType::F32).map_err(lib)
     }
 
     fn act(&self, t: candle_core::Result<Tensor>) -> BResult<CpuTensor> {
@@ -109,11 +144,6 @@ impl CpuBackend {
 
     /// The tensor's values on the host.
     fn host(t: &CpuTensor) -> BResult<Vec<f32>> {
-        if t.q.is_some() {
-            return Err(BackendError::Shape(
-                "a packed weight matrix is read only by linear and embedding".into(),
-            ));
-        }
         t.t.flatten_all().and_then(|f| f.to_vec1::<f32>()).map_err(lib)
     }
 
@@ -147,7 +177,6 @@ impl CpuBackend {
     fn view(parent: &CpuTensor, t: candle_core::Result<Tensor>) -> BResult<CpuTensor> {
         Ok(CpuTensor {
             t: t.map_err(lib)?,
-            q: None,
             _held: parent._held.clone(),
         })
     }
@@ -211,6 +240,7 @@ fn rows_view<'a>(storage: &'a candle_core::Storage, layout: &candle_core::Layout
 
 impl Backend for CpuBackend {
     type Tensor = CpuTensor;
+    type Weight = CpuWeight;
     type KvCache = CpuKvCache;
     type Paged = PagedBatch;
     type Segments = Vec<(usize, usize)>;
@@ -230,12 +260,15 @@ impl Backend for CpuBackend {
         &self.ledger
     }
 
-    fn load_weight(&self, raw: RawTensor<'_>) -> BResult<CpuTensor> {
-        if let &[rows, cols] = raw.shape.as_slice() {
+    fn load_weight(&self, raw: RawTensor<'_>) -> BResult<CpuWeight> {
+        let Some((rows, cols)) = raw.matrix_dims() else {
+            return Err(BackendError::Shape(format!("a weight matrix of shape {:?}", raw.shape)));
+        };
+        if raw.shape.len() == 2 {
             if self.weights.quantizes(&raw.shape) {
                 let values = crate::model::weights::host_f32(&raw);
                 if let Some(q) = PackedMatrix::quantize(self.weights, &values, rows, cols) {
-                    return self.wrap_packed(q);
+                    return Ok(self.weight(Matrix::Packed(Arc::new(q))));
                 }
             } else if self.bf16_matrices {
                 let bits = match raw.dtype {
@@ -250,18 +283,16 @@ impl Backend for CpuBackend {
                         .collect(),
                 };
                 if let Some(m) = PackedMatrix::bf16(bits, rows, cols) {
-                    return self.wrap_packed(m);
+                    return Ok(self.weight(Matrix::Packed(Arc::new(m))));
                 }
             }
         }
-        let dtype = match raw.dtype {
-            RawDType::F32 => DType::F32,
-            RawDType::F16 => DType::F16,
-            RawDType::Bf16 => DType::BF16,
-        };
-        let t = Tensor::from_raw_buffer(raw.data, dtype, &raw.shape, &Device::Cpu).map_err(lib)?;
-        let t = t.to_dtype(DType::F32).map_err(lib)?;
-        Ok(self.wrap(t, Category::Weights))
+        let t = Self::f32_tensor(&raw)?.reshape((rows, cols)).map_err(lib)?;
+        Ok(self.weight(Matrix::Dense(t)))
+    }
+
+    fn load_tensor(&self, raw: RawTensor<'_>) -> BResult<CpuTensor> {
+        Ok(self.wrap(Self::f32_tensor(&raw)?, Category::Weights))
     }
 
     fn upload(&self, data: Vec<f32>, shape: &[usize]) -> BResult<CpuTensor> {
@@ -269,9 +300,7 @@ impl Backend for CpuBackend {
     }
 
     fn keep(&self, t: &CpuTensor, category: Category) -> CpuTensor {
-        let mut kept = self.wrap(t.t.clone(), category);
-        kept.q = t.q.clone();
-        kept
+        self.wrap(t.t.clone(), category)
     }
 
     fn read(&self, t: &CpuTensor) -> Readback {
@@ -288,16 +317,13 @@ impl Backend for CpuBackend {
     }
 
     fn shape(&self, t: &CpuTensor) -> Vec<usize> {
-        match &t.q {
-            Some(q) => vec![q.dims().0, q.dims().1],
-            None => t.t.dims().to_vec(),
-        }
+        t.t.dims().to_vec()
     }
 
-    fn linear(&self, x: &CpuTensor, w: &CpuTensor, b: Option<&CpuTensor>) -> BResult<CpuTensor> {
-        let y = match &w.q {
-            None => x.t.matmul(&w.t.t().map_err(lib)?).map_err(lib)?,
-            Some(q) => {
+    fn linear(&self, x: &CpuTensor, w: &CpuWeight, b: Option<&CpuTensor>) -> BResult<CpuTensor> {
+        let y = match &w.m {
+            Matrix::Dense(w) => x.t.matmul(&w.t().map_err(lib)?).map_err(lib)?,
+            Matrix::Packed(q) => {
                 let (m, _) = dims2(&x.t)?;
                 let (rows, cols) = q.dims();
                 if m >= DEQUANTIZE_FROM_ROWS && bf16_gemm::available() {
@@ -328,9 +354,15 @@ impl Backend for CpuBackend {
 
     /// Few rows (decode) against packed matrices: every product in one pass over the pool, the
     /// activations quantized once; otherwise one [`Backend::linear`] each.
-    fn linears(&self, x: &CpuTensor, ws: &[(&CpuTensor, Option<&CpuTensor>)]) -> BResult<Vec<CpuTensor>> {
+    fn linears(&self, x: &CpuTensor, ws: &[(&CpuWeight, Option<&CpuTensor>)]) -> BResult<Vec<CpuTensor>> {
         let (m, _) = dims2(&x.t)?;
-        let packed: Option<Vec<&PackedMatrix>> = ws.iter().map(|(w, _)| w.q.as_deref()).collect();
+        let packed: Option<Vec<&PackedMatrix>> = ws
+            .iter()
+            .map(|(w, _)| match &w.m {
+                Matrix::Packed(q) => Some(&**q),
+                Matrix::Dense(_) => None,
+            })
+            .collect();
         let Some(packed) = packed.filter(|_| m < DEQUANTIZE_FROM_ROWS) else {
             return ws.iter().map(|&(w, b)| self.linear(x, w, b)).collect();
         };
@@ -344,19 +376,23 @@ impl Backend for CpuBackend {
             .collect()
     }
 
-    fn embedding(&self, table: &CpuTensor, ids: &[u32]) -> BResult<CpuTensor> {
-        let vocab = self.shape(table)[0];
+    fn embedding(&self, table: &CpuWeight, ids: &[u32]) -> BResult<CpuTensor> {
+        let (vocab, dim) = table.dims();
         if let Some(bad) = ids.iter().find(|&&i| i as usize >= vocab) {
             return Err(BackendError::Shape(format!(
                 "token id {bad} is outside the vocabulary of {vocab}"
             )));
         }
-        if let Some(q) = &table.q {
-            let rows: Vec<usize> = ids.iter().map(|&i| i as usize).collect();
-            return self.upload(q.gather(&rows), &[ids.len(), q.dims().1]);
+        match &table.m {
+            Matrix::Packed(q) => {
+                let rows: Vec<usize> = ids.iter().map(|&i| i as usize).collect();
+                self.upload(q.gather(&rows), &[ids.len(), dim])
+            }
+            Matrix::Dense(t) => {
+                let idx = Tensor::new(ids, &Device::Cpu).map_err(lib)?;
+                self.act(t.index_select(&idx, 0))
+            }
         }
-        let idx = Tensor::new(ids, &Device::Cpu).map_err(lib)?;
-        self.act(table.t.index_select(&idx, 0))
     }
 
     fn rms_norm(&self, x: &CpuTensor, w: &CpuTensor, eps: f64) -> BResult<CpuTensor> {

@@ -111,6 +111,7 @@ impl Future for HeldRead {
 
 impl<B: Backend> Backend for Instrumented<B> {
     type Tensor = B::Tensor;
+    type Weight = B::Weight;
     type KvCache = B::KvCache;
     type Paged = B::Paged;
     type Segments = B::Segments;
@@ -129,8 +130,11 @@ impl<B: Backend> Backend for Instrumented<B> {
     fn ledger(&self) -> &MemoryLedger {
         self.inner.ledger()
     }
-    fn load_weight(&self, raw: RawTensor<'_>) -> BResult<Self::Tensor> {
+    fn load_weight(&self, raw: RawTensor<'_>) -> BResult<Self::Weight> {
         self.inner.load_weight(raw)
+    }
+    fn load_tensor(&self, raw: RawTensor<'_>) -> BResult<Self::Tensor> {
+        self.inner.load_tensor(raw)
     }
     fn upload(&self, data: Vec<f32>, shape: &[usize]) -> BResult<Self::Tensor> {
         self.upload_counted();
@@ -166,13 +170,13 @@ impl<B: Backend> Backend for Instrumented<B> {
     fn shape(&self, t: &Self::Tensor) -> Vec<usize> {
         self.inner.shape(t)
     }
-    fn linear(&self, x: &Self::Tensor, w: &Self::Tensor, b: Option<&Self::Tensor>) -> BResult<Self::Tensor> {
+    fn linear(&self, x: &Self::Tensor, w: &Self::Weight, b: Option<&Self::Tensor>) -> BResult<Self::Tensor> {
         self.inner.linear(x, w, b)
     }
-    fn linears(&self, x: &Self::Tensor, ws: &[(&Self::Tensor, Option<&Self::Tensor>)]) -> BResult<Vec<Self::Tensor>> {
+    fn linears(&self, x: &Self::Tensor, ws: &[(&Self::Weight, Option<&Self::Tensor>)]) -> BResult<Vec<Self::Tensor>> {
         self.inner.linears(x, ws)
     }
-    fn embedding(&self, table: &Self::Tensor, ids: &[u32]) -> BResult<Self::Tensor> {
+    fn embedding(&self, table: &Self::Weight, ids: &[u32]) -> BResult<Self::Tensor> {
         self.index_list();
         self.inner.embedding(table, ids)
     }

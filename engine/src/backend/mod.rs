@@ -57,6 +57,16 @@ pub enum RawDType {
     Bf16,
 }
 
+impl RawDType {
+    /// Bytes per element.
+    pub fn size(self) -> usize {
+        match self {
+            RawDType::F32 => 4,
+            RawDType::F16 | RawDType::Bf16 => 2,
+        }
+    }
+}
+
 /// A checkpoint tensor as stored: dtype, shape and little-endian bytes (usually memory-mapped).
 #[derive(Debug, Clone)]
 pub struct RawTensor<'a> {
@@ -66,6 +76,17 @@ pub struct RawTensor<'a> {
     pub shape: Vec<usize>,
     /// Bytes, `numel × dtype size`.
     pub data: &'a [u8],
+}
+
+impl RawTensor<'_> {
+    /// The tensor as the matrix [`Backend::load_weight`] stores: `[shape[0], the rest]`, for a
+    /// tensor of rank 2 or more.
+    pub fn matrix_dims(&self) -> Option<(usize, usize)> {
+        match self.shape[..] {
+            [rows, ref rest @ ..] if !rest.is_empty() => Some((rows, rest.iter().product())),
+            _ => None,
+        }
+    }
 }
 
 /// Element-wise activations.
@@ -258,8 +279,12 @@ pub struct DeviceMemory {
 
 /// The operations of a Qwen-VL forward pass. Row-major 2-D tensors `[rows, cols]` unless stated.
 pub trait Backend: std::fmt::Debug + 'static {
-    /// A tensor on this backend.
+    /// An f32 tensor on this backend: activations, norms, biases.
     type Tensor: Clone + std::fmt::Debug;
+    /// A weight matrix `[out, in]` in the format the backend stores it in (f32, half precision or
+    /// GGML blocks), read only by [`Backend::linear`], [`Backend::linears`] and
+    /// [`Backend::embedding`].
+    type Weight: Clone + std::fmt::Debug;
     /// The paged KV cache on this backend.
     type KvCache: std::fmt::Debug;
 
@@ -293,8 +318,12 @@ pub trait Backend: std::fmt::Debug + 'static {
         None
     }
 
-    /// Converts a checkpoint tensor to the compute dtype (recorded as weights).
-    fn load_weight(&self, raw: RawTensor<'_>) -> BResult<Self::Tensor>;
+    /// Stores a checkpoint matrix (recorded as weights): `[out, in]`, or a tensor of higher rank
+    /// viewed as `[shape[0], the rest]` (the patch embedding), in the format the backend was
+    /// opened with for its shape ([`crate::arch::weight_format::WeightFormat::quantizes`]).
+    fn load_weight(&self, raw: RawTensor<'_>) -> BResult<Self::Weight>;
+    /// Converts a checkpoint vector (a norm, a bias) to the compute dtype (recorded as weights).
+    fn load_tensor(&self, raw: RawTensor<'_>) -> BResult<Self::Tensor>;
     /// Uploads host floats as an activation.
     fn upload(&self, data: Vec<f32>, shape: &[usize]) -> BResult<Self::Tensor>;
     /// The same storage, recorded under `category` from now on (e.g. an encoder output that is kept).
@@ -312,14 +341,14 @@ pub trait Backend: std::fmt::Debug + 'static {
     fn shape(&self, t: &Self::Tensor) -> Vec<usize>;
 
     /// `x · wᵀ (+ b)` for `x [n, in]`, `w [out, in]`.
-    fn linear(&self, x: &Self::Tensor, w: &Self::Tensor, b: Option<&Self::Tensor>) -> BResult<Self::Tensor>;
+    fn linear(&self, x: &Self::Tensor, w: &Self::Weight, b: Option<&Self::Tensor>) -> BResult<Self::Tensor>;
     /// [`Backend::linear`] of one `x` with several `(w, b)` (a layer's q/k/v, its gate and up), in
     /// one pass where the backend can share the work.
-    fn linears(&self, x: &Self::Tensor, ws: &[(&Self::Tensor, Option<&Self::Tensor>)]) -> BResult<Vec<Self::Tensor>> {
+    fn linears(&self, x: &Self::Tensor, ws: &[(&Self::Weight, Option<&Self::Tensor>)]) -> BResult<Vec<Self::Tensor>> {
         ws.iter().map(|&(w, b)| self.linear(x, w, b)).collect()
     }
     /// Rows `ids` of `table [vocab, dim]`.
-    fn embedding(&self, table: &Self::Tensor, ids: &[u32]) -> BResult<Self::Tensor>;
+    fn embedding(&self, table: &Self::Weight, ids: &[u32]) -> BResult<Self::Tensor>;
     /// RMSNorm over the last axis.
     fn rms_norm(&self, x: &Self::Tensor, w: &Self::Tensor, eps: f64) -> BResult<Self::Tensor>;
     /// LayerNorm over the last axis.

@@ -49,6 +49,17 @@ fn t<B: Backend>(b: &B, data: &[f32], rows: usize, cols: usize) -> B::Tensor {
     b.upload(data.to_vec(), &[rows, cols]).unwrap()
 }
 
+/// A weight matrix `[rows, cols]` of f32 values, stored as the backend stores checkpoint matrices.
+pub fn weight<B: Backend>(b: &B, data: &[f32], rows: usize, cols: usize) -> B::Weight {
+    let bytes: Vec<u8> = data.iter().flat_map(|v| v.to_le_bytes()).collect();
+    b.load_weight(crate::backend::RawTensor {
+        dtype: crate::backend::RawDType::F32,
+        shape: vec![rows, cols],
+        data: &bytes,
+    })
+    .unwrap()
+}
+
 /// The tensor's values on the host.
 pub fn host<B: Backend>(b: &B, t: &B::Tensor) -> Vec<f32> {
     block_on(b.read(t)).unwrap()
@@ -81,7 +92,7 @@ fn close(got: &[f32], want: &[f32], tol: f32) {
 /// Linear with bias, RMSNorm, LayerNorm and an activation against hand-computed values.
 pub fn linear_norms_and_activations<B: Backend>(b: &B) {
     let x = t(b, &[1.0, 2.0, 3.0, 4.0], 2, 2);
-    let w = t(b, &[1.0, 0.0, 1.0, 1.0, 0.0, 2.0], 3, 2);
+    let w = weight(b, &[1.0, 0.0, 1.0, 1.0, 0.0, 2.0], 3, 2);
     let bias = b.upload(vec![0.5, 0.0, -1.0], &[3]).unwrap();
     close(
         &host(b, &b.linear(&x, &w, Some(&bias)).unwrap()),
@@ -225,7 +236,11 @@ pub fn rows_gather_scatter_and_concat<B: Backend>(b: &B) {
     );
     close(&host(b, &b.narrow_cols(&x, 1, 1).unwrap()), &[1.0, 3.0, 5.0], 0.0);
     close(
-        &host(b, &b.embedding(&x, &[2, 2, 1]).unwrap()),
+        &host(
+            b,
+            &b.embedding(&weight(b, &[0.0, 1.0, 2.0, 3.0, 4.0, 5.0], 3, 2), &[2, 2, 1])
+                .unwrap(),
+        ),
         &[4.0, 5.0, 4.0, 5.0, 2.0, 3.0],
         0.0,
     );

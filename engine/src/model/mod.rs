@@ -54,7 +54,7 @@ impl<B: Backend> QwenVl<B> {
     ) -> Result<Self, ModelError> {
         check_supported(&cfg)?;
         let loader = Loader::new(source, be);
-        let vision = VisionTower::load(&cfg, &loader, be)?;
+        let vision = VisionTower::load(&cfg, &loader)?;
         let (n, bytes) = loader.progress();
         progress(n, bytes);
         let text = TextModel::load(&cfg, &loader)?;

@@ -14,14 +14,14 @@ use crate::backend::{Backend, BackendError};
 struct Layer<B: Backend> {
     input_norm: B::Tensor,
     post_norm: B::Tensor,
-    q: (B::Tensor, Option<B::Tensor>),
-    k: (B::Tensor, Option<B::Tensor>),
-    v: (B::Tensor, Option<B::Tensor>),
-    o: B::Tensor,
+    q: (B::Weight, Option<B::Tensor>),
+    k: (B::Weight, Option<B::Tensor>),
+    v: (B::Weight, Option<B::Tensor>),
+    o: B::Weight,
     qk_norm: Option<(B::Tensor, B::Tensor)>,
-    gate: B::Tensor,
-    up: B::Tensor,
-    down: B::Tensor,
+    gate: B::Weight,
+    up: B::Weight,
+    down: B::Weight,
 }
 
 /// What one forward pass over the decoder needs besides the weights.
@@ -43,18 +43,18 @@ pub struct DecoderInput<'a, B: Backend> {
 #[derive(Debug)]
 pub struct TextModel<B: Backend> {
     cfg: TextConfig,
-    embed: B::Tensor,
+    embed: B::Weight,
     layers: Vec<Layer<B>>,
     norm: B::Tensor,
-    lm_head: Option<B::Tensor>,
+    lm_head: Option<B::Weight>,
 }
 
 impl<B: Backend> TextModel<B> {
     /// Loads the decoder's weights, named and shaped by its [`TextSpec`].
     pub fn load<S: TensorSource<B>>(cfg: &ModelConfig, l: &Loader<'_, '_, S, B>) -> Result<Self, ModelError> {
         let spec = TextSpec::new(cfg);
-        let proj = |p: &Projection| -> Result<(B::Tensor, Option<B::Tensor>), ModelError> {
-            Ok((l.load(&p.weight)?, p.bias.as_ref().map(|b| l.load(b)).transpose()?))
+        let proj = |p: &Projection| -> Result<(B::Weight, Option<B::Tensor>), ModelError> {
+            Ok((l.matrix(&p.weight)?, p.bias.as_ref().map(|b| l.load(b)).transpose()?))
         };
         let mut layers = Vec::with_capacity(spec.layers.len());
         for s in &spec.layers {
@@ -73,21 +73,21 @@ impl<B: Backend> TextModel<B> {
                 q: proj(&s.q)?,
                 k: proj(&s.k)?,
                 v: proj(&s.v)?,
-                o: l.load(&s.o)?,
+                o: l.matrix(&s.o)?,
                 qk_norm,
-                gate: l.load(gate)?,
-                up: l.load(up)?,
-                down: l.load(down)?,
+                gate: l.matrix(gate)?,
+                up: l.matrix(up)?,
+                down: l.matrix(down)?,
             });
         }
         // Tied models ship no lm_head; a missing lm_head is treated as tied too.
         let lm_head = match &spec.lm_head {
-            Some(head) if l.has(head) => Some(l.load(head)?),
+            Some(head) if l.has(head) => Some(l.matrix(head)?),
             _ => None,
         };
         Ok(TextModel {
             cfg: cfg.text.clone(),
-            embed: l.load(&spec.embed_tokens)?,
+            embed: l.matrix(&spec.embed_tokens)?,
             layers,
             norm: l.load(&spec.norm)?,
             lm_head,

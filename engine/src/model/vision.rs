@@ -40,14 +40,14 @@ impl<B: Backend> Norm<B> {
 /// A linear layer with bias.
 #[derive(Debug)]
 struct Linear<B: Backend> {
-    w: B::Tensor,
+    w: B::Weight,
     b: B::Tensor,
 }
 
 impl<B: Backend> Linear<B> {
     fn load<S: TensorSource<B>>(l: &Loader<'_, '_, S, B>, spec: &Affine) -> Result<Self, ModelError> {
         Ok(Linear {
-            w: l.load(&spec.weight)?,
+            w: l.matrix(&spec.weight)?,
             b: l.load(&spec.bias)?,
         })
     }
@@ -117,7 +117,7 @@ pub struct VisionTower<B: Backend> {
     width: usize,
     heads: usize,
     merge: usize,
-    patch_w: B::Tensor,
+    patch_w: B::Weight,
     patch_b: Option<B::Tensor>,
     /// Qwen3-VL learned position table, kept on the host for interpolation.
     pos_table: Option<Vec<f32>>,
@@ -146,10 +146,10 @@ impl<B: Backend> Merger<B> {
 impl<B: Backend> VisionTower<B> {
     /// Loads the tower's weights, named and shaped by its [`VisionSpec`]. The learned position
     /// table is read straight to the host, where it is interpolated.
-    pub fn load<S: TensorSource<B>>(cfg: &ModelConfig, l: &Loader<'_, '_, S, B>, be: &B) -> Result<Self, ModelError> {
+    pub fn load<S: TensorSource<B>>(cfg: &ModelConfig, l: &Loader<'_, '_, S, B>) -> Result<Self, ModelError> {
         let v = &cfg.vision;
         let spec = VisionSpec::new(cfg);
-        let patch_w = be.reshape(&l.load(&spec.patch_weight)?, v.hidden_size, v.patch_dim())?;
+        let patch_w = l.matrix(&spec.patch_weight)?;
         let patch_b = spec.patch_bias.as_ref().map(|b| l.load(b)).transpose()?;
         let pos_table = spec.pos_embed.as_ref().map(|t| l.host(t)).transpose()?;
         let mut blocks = Vec::with_capacity(spec.blocks.len());

@@ -26,16 +26,39 @@ pub struct Loaded<B: Backend> {
     /// Its bytes in the checkpoint.
     pub bytes: u64,
     /// What it was converted to.
-    pub value: Weight<B>,
+    pub value: Converted<B>,
 }
 
-/// Where a converted tensor lives.
+/// What a tensor was converted to, by how the model reads it.
 #[derive(Debug)]
-pub enum Weight<B: Backend> {
-    /// On the backend ([`Backend::load_weight`]).
-    Backend(B::Tensor),
+pub enum Converted<B: Backend> {
+    /// A weight matrix on the backend ([`TensorSpec::is_matrix`], [`Backend::load_weight`]).
+    Matrix(B::Weight),
+    /// A vector on the backend ([`Backend::load_tensor`]).
+    Tensor(B::Tensor),
     /// Host floats, for the tensors the model reads on the host ([`TensorSpec::host`]).
     Host(Vec<f32>),
+}
+
+impl<B: Backend> Converted<B> {
+    /// Converts `raw` as the model reads `spec`.
+    pub(super) fn of(backend: &B, spec: &TensorSpec, raw: RawTensor<'_>) -> Result<Self, ModelError> {
+        Ok(if spec.host {
+            Converted::Host(host_f32(&raw))
+        } else if spec.is_matrix() {
+            Converted::Matrix(backend.load_weight(raw)?)
+        } else {
+            Converted::Tensor(backend.load_tensor(raw)?)
+        })
+    }
+
+    fn kind(&self) -> &'static str {
+        match self {
+            Converted::Matrix(_) => "a weight matrix",
+            Converted::Tensor(_) => "a tensor on the backend",
+            Converted::Host(_) => "host floats",
+        }
+    }
 }
 
 /// Where checkpoint tensors come from.
@@ -194,33 +217,35 @@ impl<'s, 'b, S: TensorSource<B>, B: Backend> Loader<'s, 'b, S, B> {
         spellings(&spec.name).iter().any(|n| self.source.contains(n))
     }
 
-    /// Loads `name` (any spelling) onto the backend, requiring exactly `shape`.
-    pub fn get(&self, name: &str, shape: &[usize]) -> Result<B::Tensor, ModelError> {
-        match self.fetch(name, shape)? {
-            Stored::Raw(raw) => Ok(self.backend.load_weight(raw)?),
-            Stored::Loaded(Loaded {
-                value: Weight::Backend(t),
-                ..
-            }) => Ok(t),
-            Stored::Loaded(_) => Err(misplaced(name, "host floats", "the backend")),
+    /// Converts `spec` (any spelling) as the model reads it ([`Converted::of`]).
+    fn convert(&self, spec: &TensorSpec) -> Result<Converted<B>, ModelError> {
+        match self.fetch(&spec.name, &spec.shape)? {
+            Stored::Raw(raw) => Converted::of(self.backend, spec, raw),
+            Stored::Loaded(loaded) => Ok(loaded.value),
         }
     }
 
-    /// Loads `spec` (any spelling) onto the backend.
+    /// Loads vector `spec` (a norm, a bias; any spelling) onto the backend.
     pub fn load(&self, spec: &TensorSpec) -> Result<B::Tensor, ModelError> {
-        debug_assert!(!spec.host, "{} is read to the host", spec.name);
-        self.get(&spec.name, &spec.shape)
+        match self.convert(spec)? {
+            Converted::Tensor(t) => Ok(t),
+            other => Err(misplaced(&spec.name, other.kind(), "a tensor on the backend")),
+        }
+    }
+
+    /// Loads weight matrix `spec` (any spelling) onto the backend.
+    pub fn matrix(&self, spec: &TensorSpec) -> Result<B::Weight, ModelError> {
+        match self.convert(spec)? {
+            Converted::Matrix(w) => Ok(w),
+            other => Err(misplaced(&spec.name, other.kind(), "a weight matrix")),
+        }
     }
 
     /// Reads `spec` (any spelling) into host floats, without the backend.
     pub fn host(&self, spec: &TensorSpec) -> Result<Vec<f32>, ModelError> {
-        debug_assert!(spec.host, "{} is not marked as read to the host", spec.name);
-        match self.fetch(&spec.name, &spec.shape)? {
-            Stored::Raw(raw) => Ok(host_f32(&raw)),
-            Stored::Loaded(Loaded {
-                value: Weight::Host(v), ..
-            }) => Ok(v),
-            Stored::Loaded(_) => Err(misplaced(&spec.name, "the backend", "host floats")),
+        match self.convert(spec)? {
+            Converted::Host(v) => Ok(v),
+            other => Err(misplaced(&spec.name, other.kind(), "host floats")),
         }
     }
 
@@ -234,11 +259,7 @@ impl<'s, 'b, S: TensorSource<B>, B: Backend> Loader<'s, 'b, S, B> {
             let bytes = match &stored {
                 Stored::Raw(raw) => {
                     check_shape(&n, &raw.shape, shape)?;
-                    let elem = match raw.dtype {
-                        RawDType::F32 => 4,
-                        RawDType::F16 | RawDType::Bf16 => 2,
-                    };
-                    if raw.data.len() != shape.iter().product::<usize>() * elem {
+                    if raw.data.len() != shape.iter().product::<usize>() * raw.dtype.size() {
                         return Err(ModelError::Checkpoint(format!(
                             "tensor {n} has {} bytes for shape {shape:?}",
                             raw.data.len()
@@ -265,7 +286,7 @@ impl<'s, 'b, S: TensorSource<B>, B: Backend> Loader<'s, 'b, S, B> {
 /// model's loading code and [`TensorSpec::host`] disagree.
 fn misplaced(name: &str, converted: &str, read: &str) -> ModelError {
     ModelError::Checkpoint(format!(
-        "tensor {name} was converted to {converted} as it streamed in, but the model reads it from {read}"
+        "tensor {name} was converted to {converted}, but the model reads it as {read}"
     ))
 }
 

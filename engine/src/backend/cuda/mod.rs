@@ -41,7 +41,7 @@ pub struct CudaOptions {
     pub bf16_weights: bool,
 }
 
-/// A tensor's device storage.
+/// A weight matrix's device storage.
 #[derive(Debug)]
 enum Data {
     F32(CudaSlice<f32>),
@@ -49,22 +49,35 @@ enum Data {
     Bf16(CudaSlice<u16>),
 }
 
-/// A tensor on the GPU: its storage (shared by views) and the ledger entry that counts it.
+impl Data {
+    fn bytes(&self) -> u64 {
+        match self {
+            Data::F32(s) => 4 * s.len() as u64,
+            Data::Bf16(s) => 2 * s.len() as u64,
+        }
+    }
+}
+
+/// An f32 tensor on the GPU: its storage (shared by views) and the ledger entry that counts it.
 #[derive(Debug, Clone)]
 pub struct CudaTensor {
-    data: Arc<Data>,
+    data: Arc<CudaSlice<f32>>,
     shape: Vec<usize>,
     _held: Arc<Held>,
 }
 
+/// A weight matrix `[rows, cols]` on the GPU, in f32 or bf16, and its ledger entry.
+#[derive(Debug, Clone)]
+pub struct CudaWeight {
+    data: Arc<Data>,
+    rows: usize,
+    cols: usize,
+    _held: Arc<Held>,
+}
+
 impl CudaTensor {
-    fn f32(&self) -> BResult<&CudaSlice<f32>> {
-        match &*self.data {
-            Data::F32(s) => Ok(s),
-            Data::Bf16(_) => Err(BackendError::Shape(
-                "a bf16 weight where the operation takes f32 activations".into(),
-            )),
-        }
+    fn f32(&self) -> &CudaSlice<f32> {
+        &self.data
     }
 
     fn dims2(&self) -> BResult<(usize, usize)> {
@@ -260,11 +273,8 @@ impl CudaBackend {
         unsafe { self.stream.alloc::<f32>(n.max(1)) }.map_err(self.alloc_err(4 * n as u64))
     }
 
-    fn wrap(&self, data: Data, shape: Vec<usize>, category: Category) -> CudaTensor {
-        let bytes = match &data {
-            Data::F32(s) => 4 * s.len(),
-            Data::Bf16(s) => 2 * s.len(),
-        } as u64;
+    fn wrap(&self, data: CudaSlice<f32>, shape: Vec<usize>, category: Category) -> CudaTensor {
+        let bytes = 4 * data.len() as u64;
         CudaTensor {
             data: Arc::new(data),
             shape,
@@ -273,7 +283,25 @@ impl CudaBackend {
     }
 
     fn activation(&self, data: CudaSlice<f32>, shape: Vec<usize>) -> CudaTensor {
-        self.wrap(Data::F32(data), shape, Category::Activations)
+        self.wrap(data, shape, Category::Activations)
+    }
+
+    /// A checkpoint tensor's values in f32 on the device, checked against its shape.
+    fn floats(&self, raw: &RawTensor<'_>) -> BResult<CudaSlice<f32>> {
+        let n: usize = raw.shape.iter().product();
+        let expected = n * raw.dtype.size();
+        if raw.data.len() != expected {
+            return Err(BackendError::Shape(format!(
+                "weight of shape {:?} has {} bytes, expected {expected}",
+                raw.shape,
+                raw.data.len()
+            )));
+        }
+        let host = crate::model::weights::host_f32(raw);
+        let host = if host.is_empty() { vec![0.0] } else { host };
+        self.stream
+            .clone_htod(&host)
+            .map_err(self.alloc_err(4 * host.len() as u64))
     }
 
     fn upload_u32(&self, data: &[u32]) -> BResult<CudaSlice<u32>> {
@@ -361,6 +389,7 @@ impl CudaBackend {
 
 impl Backend for CudaBackend {
     type Tensor = CudaTensor;
+    type Weight = CudaWeight;
     type KvCache = CudaKvCache;
     type Paged = CudaPaged;
     type Segments = CudaSegments;
@@ -388,42 +417,50 @@ impl Backend for CudaBackend {
         &self.ledger
     }
 
-    fn load_weight(&self, raw: RawTensor<'_>) -> BResult<CudaTensor> {
-        let n: usize = raw.shape.iter().product();
-        let expected = n * match raw.dtype {
-            RawDType::F32 => 4,
-            RawDType::F16 | RawDType::Bf16 => 2,
+    fn load_weight(&self, raw: RawTensor<'_>) -> BResult<CudaWeight> {
+        let Some((rows, cols)) = raw.matrix_dims() else {
+            return Err(BackendError::Shape(format!("a weight matrix of shape {:?}", raw.shape)));
         };
-        if raw.data.len() != expected {
-            return Err(BackendError::Shape(format!(
-                "weight of shape {:?} has {} bytes, expected {expected}",
-                raw.shape,
-                raw.data.len()
-            )));
-        }
-        let floats = || crate::model::weights::host_f32(&raw);
         // Matrices in bf16 when asked: a bf16 checkpoint's bits as stored, others rounded to
-        // nearest even; vectors (norms, biases) stay f32.
+        // nearest even.
         let data = if self.options.bf16_weights && raw.shape.len() == 2 {
+            if raw.data.len() != rows * cols * raw.dtype.size() {
+                return Err(BackendError::Shape(format!(
+                    "weight of shape {:?} has {} bytes",
+                    raw.shape,
+                    raw.data.len()
+                )));
+            }
             let bits: Vec<u16> = match raw.dtype {
                 RawDType::Bf16 => raw
                     .data
                     .chunks_exact(2)
                     .map(|b| u16::from_le_bytes([b[0], b[1]]))
                     .collect(),
-                _ => floats()
+                _ => crate::model::weights::host_f32(&raw)
                     .into_iter()
                     .map(|v| half::bf16::from_f32(v).to_bits())
                     .collect(),
             };
-            Data::Bf16(self.stream.clone_htod(&bits).map_err(self.alloc_err(2 * n as u64))?)
-        } else {
-            Data::F32(
+            let bits = if bits.is_empty() { vec![0] } else { bits };
+            Data::Bf16(
                 self.stream
-                    .clone_htod(&floats())
-                    .map_err(self.alloc_err(4 * n as u64))?,
+                    .clone_htod(&bits)
+                    .map_err(self.alloc_err(2 * bits.len() as u64))?,
             )
+        } else {
+            Data::F32(self.floats(&raw)?)
         };
+        Ok(CudaWeight {
+            _held: Arc::new(self.ledger.hold(Category::Weights, data.bytes())),
+            data: Arc::new(data),
+            rows,
+            cols,
+        })
+    }
+
+    fn load_tensor(&self, raw: RawTensor<'_>) -> BResult<CudaTensor> {
+        let data = self.floats(&raw)?;
         Ok(self.wrap(data, raw.shape, Category::Weights))
     }
 
@@ -443,10 +480,7 @@ impl Backend for CudaBackend {
     }
 
     fn keep(&self, t: &CudaTensor, category: Category) -> CudaTensor {
-        let bytes = match &*t.data {
-            Data::F32(s) => 4 * s.len(),
-            Data::Bf16(s) => 2 * s.len(),
-        } as u64;
+        let bytes = 4 * t.data.len() as u64;
         CudaTensor {
             data: t.data.clone(),
             shape: t.shape.clone(),
@@ -456,14 +490,7 @@ impl Backend for CudaBackend {
 
     fn read(&self, t: &CudaTensor) -> Readback {
         let n = t.numel();
-        let host = match &*t.data {
-            Data::F32(s) => self.stream.clone_dtoh(s).map_err(lib),
-            Data::Bf16(s) => self
-                .stream
-                .clone_dtoh(s)
-                .map(|bits| bits.into_iter().map(|b| half::bf16::from_bits(b).to_f32()).collect())
-                .map_err(lib),
-        };
+        let host = self.stream.clone_dtoh(&*t.data).map_err(lib);
         ready(host.map(|mut v: Vec<f32>| {
             v.truncate(n);
             v
@@ -497,18 +524,17 @@ impl Backend for CudaBackend {
         t.shape.clone()
     }
 
-    fn linear(&self, x: &CudaTensor, w: &CudaTensor, b: Option<&CudaTensor>) -> BResult<CudaTensor> {
+    fn linear(&self, x: &CudaTensor, w: &CudaWeight, b: Option<&CudaTensor>) -> BResult<CudaTensor> {
         let (n, k) = x.dims2()?;
-        let (m, wk) = w.dims2()?;
+        let (m, wk) = (w.rows, w.cols);
         if wk != k || b.is_some_and(|b| b.numel() != m) {
             return Err(BackendError::Shape(format!(
-                "linear: x {:?}, w {:?}, bias {:?}",
+                "linear: x {:?}, w [{m}, {wk}], bias {:?}",
                 x.shape,
-                w.shape,
                 b.map(|b| &b.shape)
             )));
         }
-        let xs = x.f32()?;
+        let xs = x.f32();
         let mut y = self.alloc_f32(n * m)?;
         if n == 0 || m == 0 || k == 0 {
             self.stream.memset_zeros(&mut y).map_err(lib)?;
@@ -534,14 +560,14 @@ impl Backend for CudaBackend {
             }
         }
         if let Some(b) = b {
-            let (bs, rows, cols) = (b.f32()?, n as u32, m as u32);
+            let (bs, rows, cols) = (b.f32(), n as u32, m as u32);
             launch!(self, "add_bias", launch::elementwise(n * m)?; &mut y, bs, &rows, &cols)?;
         }
         Ok(self.activation(y, vec![n, m]))
     }
 
-    fn embedding(&self, table: &CudaTensor, ids: &[u32]) -> BResult<CudaTensor> {
-        let (vocab, dim) = table.dims2()?;
+    fn embedding(&self, table: &CudaWeight, ids: &[u32]) -> BResult<CudaTensor> {
+        let (vocab, dim) = (table.rows, table.cols);
         if let Some(bad) = ids.iter().find(|&&i| i as usize >= vocab) {
             return Err(BackendError::Shape(format!(
                 "token id {bad} is outside the vocabulary of {vocab}"
@@ -565,7 +591,7 @@ impl Backend for CudaBackend {
                 w.numel()
             )));
         }
-        let (xs, ws, c, e) = (x.f32()?, w.f32()?, cols as u32, eps as f32);
+        let (xs, ws, c, e) = (x.f32(), w.f32(), cols as u32, eps as f32);
         let mut out = self.alloc_f32(rows * cols)?;
         if rows > 0 {
             launch!(self, "rms_norm", launch::per_row(rows)?; xs, ws, &mut out, &c, &e)?;
@@ -581,7 +607,7 @@ impl Backend for CudaBackend {
                 w.numel()
             )));
         }
-        let (xs, ws, bs, c, e) = (x.f32()?, w.f32()?, b.f32()?, cols as u32, eps as f32);
+        let (xs, ws, bs, c, e) = (x.f32(), w.f32(), b.f32(), cols as u32, eps as f32);
         let mut out = self.alloc_f32(rows * cols)?;
         if rows > 0 {
             launch!(self, "layer_norm", launch::per_row(rows)?; xs, ws, bs, &mut out, &c, &e)?;
@@ -590,7 +616,7 @@ impl Backend for CudaBackend {
     }
 
     fn activate(&self, x: &CudaTensor, act: Activation) -> BResult<CudaTensor> {
-        let (xs, n, kind) = (x.f32()?, x.numel() as u32, launch::activation_kind(act));
+        let (xs, n, kind) = (x.f32(), x.numel() as u32, launch::activation_kind(act));
         let mut out = self.alloc_f32(x.numel())?;
         launch!(self, "activate", launch::elementwise(x.numel())?; xs, &mut out, &n, &kind)?;
         Ok(self.activation(out, x.shape.clone()))
@@ -598,7 +624,7 @@ impl Backend for CudaBackend {
 
     fn silu_mul(&self, gate: &CudaTensor, up: &CudaTensor) -> BResult<CudaTensor> {
         Self::same_shape(gate, up, "silu_mul")?;
-        let (g, u, n) = (gate.f32()?, up.f32()?, gate.numel() as u32);
+        let (g, u, n) = (gate.f32(), up.f32(), gate.numel() as u32);
         let mut out = self.alloc_f32(gate.numel())?;
         launch!(self, "silu_mul", launch::elementwise(gate.numel())?; g, u, &mut out, &n)?;
         Ok(self.activation(out, gate.shape.clone()))
@@ -606,7 +632,7 @@ impl Backend for CudaBackend {
 
     fn add(&self, a: &CudaTensor, b: &CudaTensor) -> BResult<CudaTensor> {
         Self::same_shape(a, b, "add")?;
-        let (x, y, n) = (a.f32()?, b.f32()?, a.numel() as u32);
+        let (x, y, n) = (a.f32(), b.f32(), a.numel() as u32);
         let mut out = self.alloc_f32(a.numel())?;
         launch!(self, "add", launch::elementwise(a.numel())?; x, y, &mut out, &n)?;
         Ok(self.activation(out, a.shape.clone()))
@@ -621,7 +647,7 @@ impl Backend for CudaBackend {
                 x.shape, cos.shape, sin.shape
             )));
         }
-        let (xs, cs, ss) = (x.f32()?, cos.f32()?, sin.f32()?);
+        let (xs, cs, ss) = (x.f32(), cos.f32(), sin.f32());
         let (n32, c32, d32) = (n as u32, cols as u32, d as u32);
         let mut out = self.alloc_f32(n * cols)?;
         launch!(self, "rope", launch::elementwise(n * cols)?; xs, cs, ss, &mut out, &n32, &c32, &d32)?;
@@ -633,7 +659,7 @@ impl Backend for CudaBackend {
         if start + len > cols {
             return Err(BackendError::Shape(format!("narrow_cols: {start}+{len} of {cols}")));
         }
-        let xs = x.f32()?;
+        let xs = x.f32();
         let (r, c, s, l) = (rows as u32, cols as u32, start as u32, len as u32);
         let mut out = self.alloc_f32(rows * len)?;
         launch!(self, "narrow_cols", launch::elementwise(rows * len)?; xs, &mut out, &r, &c, &s, &l)?;
@@ -657,7 +683,7 @@ impl Backend for CudaBackend {
         }
         let ids: Vec<u32> = idx.iter().map(|&i| i as u32).collect();
         let dev = self.upload_u32(&ids)?;
-        let (xs, n, c) = (x.f32()?, idx.len() as u32, cols as u32);
+        let (xs, n, c) = (x.f32(), idx.len() as u32, cols as u32);
         let mut out = self.alloc_f32(idx.len() * cols)?;
         launch!(self, "gather_rows", launch::elementwise(idx.len() * cols)?; xs, &dev, &mut out, &n, &c)?;
         Ok(self.activation(out, vec![idx.len(), cols]))
@@ -674,11 +700,11 @@ impl Backend for CudaBackend {
         }
         let mut out = self.alloc_f32(rows * cols)?;
         if rows * cols > 0 {
-            self.stream.memcpy_dtod(x.f32()?, &mut out).map_err(lib)?;
+            self.stream.memcpy_dtod(x.f32(), &mut out).map_err(lib)?;
         }
         let ids: Vec<u32> = idx.iter().map(|&i| i as u32).collect();
         let dev = self.upload_u32(&ids)?;
-        let (s, n, c, a32) = (src.f32()?, idx.len() as u32, cols as u32, add as u32);
+        let (s, n, c, a32) = (src.f32(), idx.len() as u32, cols as u32, add as u32);
         launch!(self, "scatter_rows", launch::elementwise(idx.len() * cols)?; &mut out, &dev, s, &n, &c, &a32)?;
         Ok(self.activation(out, vec![rows, cols]))
     }
@@ -704,7 +730,7 @@ impl Backend for CudaBackend {
             let n = p.numel();
             if n > 0 {
                 let mut dst = out.slice_mut(at..at + n);
-                self.stream.memcpy_dtod(&p.f32()?.slice(0..n), &mut dst).map_err(lib)?;
+                self.stream.memcpy_dtod(&p.f32().slice(0..n), &mut dst).map_err(lib)?;
             }
             at += n;
         }
@@ -733,7 +759,7 @@ impl Backend for CudaBackend {
         }
         let d = cols / heads;
         let g = launch::attention(rows, heads, d)?;
-        let (qs, ks, vs) = (q.f32()?, k.f32()?, v.f32()?);
+        let (qs, ks, vs) = (q.f32(), k.f32(), v.f32());
         let (h, d32, scale) = (heads as u32, d as u32, 1.0 / (d as f32).sqrt());
         let mut out = self.alloc_f32(rows * cols)?;
         if rows > 0 {
@@ -781,7 +807,7 @@ impl Backend for CudaBackend {
                 batch.rows, k.shape
             )));
         }
-        let (ks, vs, n, w) = (k.f32()?, v.f32()?, batch.rows as u32, width as u32);
+        let (ks, vs, n, w) = (k.f32(), v.f32(), batch.rows as u32, width as u32);
         if batch.rows > 0 {
             let (kc, vc) = (&mut cache.keys[layer], &mut cache.values[layer]);
             launch!(self, "write_kv", launch::elementwise(batch.rows * width)?; kc, vc, ks, vs, &batch.slots, &n, &w)?;
@@ -813,7 +839,7 @@ impl Backend for CudaBackend {
             )));
         }
         let g = launch::attention(rows, heads, d)?;
-        let qs = q.f32()?;
+        let qs = q.f32();
         let (h, kvh, d32, bs) = (heads as u32, l.kv_heads as u32, d as u32, l.block_size as u32);
         let scale = 1.0 / (d as f32).sqrt();
         let mut out = self.alloc_f32(rows * cols)?;
@@ -840,7 +866,7 @@ impl Backend for CudaBackend {
         }
         let allowed: Vec<u32> = rows.iter().map(|s| s.allowed.clamp(1, width) as u32).collect();
         let dev = self.upload_u32(&allowed)?;
-        let (ls, w) = (logits.f32()?, width as u32);
+        let (ls, w) = (logits.f32(), width as u32);
         let mut out = self.alloc_f32(2 * n)?;
         launch!(self, "greedy", launch::per_row(n)?; ls, &dev, &mut out, &w)?;
         Ok(self.activation(out, vec![n, 2]))

@@ -251,7 +251,7 @@ mod tests {
 
     #[test]
     fn entry_points_and_weight_formats_come_from_the_sources() {
-        assert_eq!(Kernel::Embedding.entry_points(), ["gather", "widen"]);
+        assert_eq!(Kernel::Embedding.entry_points(), ["gather"]);
         assert!(Kernel::Matmul.entry_points().contains(&"gemv"));
         assert_eq!(Kernel::Matmul.weight_formats().len(), 4);
         assert_eq!(Kernel::Norm.weight_formats(), [None]);

@@ -51,16 +51,11 @@ struct Part {
     rows: usize,
 }
 
-#[derive(Debug)]
-struct Store {
-    parts: Vec<Part>,
-    elem: WeightElem,
-}
-
-/// A tensor on the device: one buffer (activations) or several row ranges (a large weight).
+/// An f32 tensor on the device: one buffer, or row ranges where it is larger than one storage
+/// binding (the logits of many rows), which only [`Backend::read`] takes.
 #[derive(Debug, Clone)]
 pub struct WgpuTensor {
-    store: Arc<Store>,
+    parts: Arc<Vec<Part>>,
     shape: Vec<usize>,
 }
 
@@ -69,13 +64,27 @@ impl WgpuTensor {
         self.shape.iter().product()
     }
 
-    /// The one f32 buffer of an activation.
-    fn single(&self) -> Option<&wgpu::Buffer> {
-        match (&self.store.parts[..], self.store.elem) {
-            ([p], WeightElem::F32) => Some(&p.buf.buffer),
-            _ => None,
+    /// The tensor's one buffer, as every kernel binds it.
+    fn buffer(&self) -> BResult<&wgpu::Buffer> {
+        match &self.parts[..] {
+            [p] => Ok(&p.buf.buffer),
+            parts => Err(shape_err(format!(
+                "a tensor of shape {:?} in {} buffers (larger than one storage binding) can only be read",
+                self.shape,
+                parts.len()
+            ))),
         }
     }
+}
+
+/// A weight matrix `[rows, cols]` on the device in its stored format ([`WeightElem`]), in row
+/// ranges that each fit one storage binding.
+#[derive(Debug, Clone)]
+pub struct WgpuWeight {
+    parts: Arc<Vec<Part>>,
+    elem: WeightElem,
+    rows: usize,
+    cols: usize,
 }
 
 /// The paged KV cache: per layer, a K and a V buffer of `[slots, kv_heads · head_dim]` f32.
@@ -341,10 +350,7 @@ impl WgpuBackend {
     fn tensor(&self, buf: Buf, shape: Vec<usize>) -> WgpuTensor {
         let rows = shape.first().copied().unwrap_or(1);
         WgpuTensor {
-            store: Arc::new(Store {
-                parts: vec![Part { buf, row0: 0, rows }],
-                elem: WeightElem::F32,
-            }),
+            parts: Arc::new(vec![Part { buf, row0: 0, rows }]),
             shape,
         }
     }
@@ -443,22 +449,6 @@ impl WgpuBackend {
         self.dispatch(kernel, None, "main", words, binds, grid((n as u64).div_ceil(256)))
     }
 
-    /// An f32 single-buffer view of `t`: itself, or its weight parts widened into one buffer.
-    fn as_f32(&self, t: &WgpuTensor) -> BResult<WgpuTensor> {
-        if t.single().is_some() {
-            return Ok(t.clone());
-        }
-        let cols = t.numel() / t.shape.first().copied().unwrap_or(1).max(1);
-        let out = self.scratch(t.numel())?;
-        for part in &t.store.parts {
-            let words = [0, cols as u32, part.row0 as u32, part.rows as u32];
-            let binds = [(2, &out.buffer), (9, &part.buf.buffer)];
-            let groups = grid(((part.rows * cols) as u64).div_ceil(256));
-            self.dispatch(Kernel::Embedding, Some(t.store.elem), "widen", &words, &binds, groups)?;
-        }
-        Ok(self.tensor(out, t.shape.clone()))
-    }
-
     fn upload_u32(&self, values: impl IntoIterator<Item = usize>) -> BResult<Buf> {
         let bytes = u32s(values);
         self.owned(bytes.len() as u64, Category::Activations, Some(&bytes))
@@ -542,6 +532,7 @@ impl WgpuBackend {
 
 impl Backend for WgpuBackend {
     type Tensor = WgpuTensor;
+    type Weight = WgpuWeight;
     type KvCache = WgpuKvCache;
     type Paged = WgpuPaged;
     type Segments = WgpuSegments;
@@ -569,16 +560,16 @@ impl Backend for WgpuBackend {
         Some(self.inner.gpu.max_binding)
     }
 
-    fn load_weight(&self, raw: RawTensor<'_>) -> BResult<WgpuTensor> {
-        let numel: usize = raw.shape.iter().product();
+    fn load_weight(&self, raw: RawTensor<'_>) -> BResult<WgpuWeight> {
+        let Some((rows, cols)) = raw.matrix_dims() else {
+            return Err(shape_err(format!("a weight matrix of shape {:?}", raw.shape)));
+        };
         let elem = match self.inner.quantization {
             WeightFormat::Q8_0 if WeightFormat::Q8_0.quantizes(&raw.shape) => WeightElem::Q8_0,
             WeightFormat::Q4_0 if WeightFormat::Q4_0.quantizes(&raw.shape) => WeightElem::Q4_0,
             _ if self.inner.f16_weights && raw.shape.len() == 2 => WeightElem::F16,
             _ => WeightElem::F32,
         };
-        let rows = raw.shape.first().copied().unwrap_or(1);
-        let cols = numel / rows.max(1);
         let row_bytes = elem.row_bytes(cols).max(1);
         // Less a word: what an odd count of f16 values or of blocks adds to a part; and the
         // kernels index a part's elements with u32.
@@ -597,10 +588,19 @@ impl Backend for WgpuBackend {
             let buf = self.owned(bytes.len() as u64, Category::Weights, Some(&bytes))?;
             parts.push(Part { buf, row0, rows: n });
         }
-        Ok(WgpuTensor {
-            store: Arc::new(Store { parts, elem }),
-            shape: raw.shape.clone(),
+        Ok(WgpuWeight {
+            parts: Arc::new(parts),
+            elem,
+            rows,
+            cols,
         })
+    }
+
+    fn load_tensor(&self, raw: RawTensor<'_>) -> BResult<WgpuTensor> {
+        let numel = raw.shape.iter().product();
+        let bytes = Self::convert(&raw, false, 0, numel);
+        let buf = self.owned(bytes.len() as u64, Category::Weights, Some(&bytes))?;
+        Ok(self.tensor(buf, raw.shape.clone()))
     }
 
     fn upload(&self, data: Vec<f32>, shape: &[usize]) -> BResult<WgpuTensor> {
@@ -617,10 +617,9 @@ impl Backend for WgpuBackend {
     fn keep(&self, t: &WgpuTensor, category: Category) -> WgpuTensor {
         // A kept tensor gets its own buffer, so that the pooled one it came from can be reused.
         let copy = (|| -> BResult<WgpuTensor> {
-            let src = self.as_f32(t)?;
+            let from = t.buffer()?;
             let bytes = (t.numel() as u64 * 4).max(4);
             let buf = self.owned(bytes, category, None)?;
-            let from = src.single().expect("as_f32 gives one buffer");
             self.with_encoder(|enc| enc.copy_buffer_to_buffer(from, 0, &buf.buffer, 0, bytes));
             Ok(self.tensor(buf, t.shape.clone()))
         })();
@@ -631,11 +630,7 @@ impl Backend for WgpuBackend {
     fn read(&self, t: &WgpuTensor) -> Readback {
         let run = || -> BResult<readback::Pending> {
             self.device_error()?;
-            // f32 parts are copied where their rows go; weights in other formats are widened first.
-            let src = match t.store.elem {
-                WeightElem::F32 => t.clone(),
-                _ => self.as_f32(t)?,
-            };
+            // Each part is copied where its rows go.
             let bytes = (t.numel() as u64 * 4).max(4);
             let row_bytes = bytes / t.shape.first().copied().unwrap_or(1).max(1) as u64;
             let staging = self.create(bytes, wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST, None)?;
@@ -646,7 +641,7 @@ impl Backend for WgpuBackend {
                 self.inner.device_bytes.clone(),
             );
             self.with_encoder(|enc| {
-                for p in &src.store.parts {
+                for p in t.parts.iter() {
                     let size = (p.rows as u64 * row_bytes).min(bytes);
                     enc.copy_buffer_to_buffer(&p.buf.buffer, 0, &staging.buffer, p.row0 as u64 * row_bytes, size);
                 }
@@ -682,19 +677,17 @@ impl Backend for WgpuBackend {
         t.shape.clone()
     }
 
-    fn linear(&self, x: &WgpuTensor, w: &WgpuTensor, b: Option<&WgpuTensor>) -> BResult<WgpuTensor> {
+    fn linear(&self, x: &WgpuTensor, w: &WgpuWeight, b: Option<&WgpuTensor>) -> BResult<WgpuTensor> {
         let (n, k) = dims2(x)?;
-        let (out, wk) = dims2(w)?;
+        let (out, wk) = (w.rows, w.cols);
         if wk != k || b.is_some_and(|b| b.numel() != out) {
             return Err(shape_err(format!(
                 "linear: x {n}×{k}, w {out}×{wk}, bias {:?}",
                 b.map(|b| b.shape.clone())
             )));
         }
-        let x = self.as_f32(x)?;
-        let bias = b.map(|b| self.as_f32(b)).transpose()?;
-        let xb = x.single().expect("f32");
-        let bb = bias.as_ref().and_then(|b| b.single()).unwrap_or(&self.inner.dummy);
+        let xb = x.buffer()?;
+        let bb = b.map(WgpuTensor::buffer).transpose()?.unwrap_or(&self.inner.dummy);
         // An output larger than one binding (logits of many rows) is made in parts of whole rows;
         // a part's rows start at a multiple of 64 so its slice of x is aligned to 256 bytes.
         let row_bytes = (out * 4).max(1) as u64;
@@ -717,7 +710,7 @@ impl Backend for WgpuBackend {
                 offset: (row0 * k * 4) as u64,
                 size: std::num::NonZeroU64::new((rows * k * 4) as u64),
             };
-            for part in &w.store.parts {
+            for part in w.parts.iter() {
                 let words = |n: usize, first: usize| {
                     [
                         n as u32,
@@ -725,7 +718,7 @@ impl Backend for WgpuBackend {
                         part.rows as u32,
                         out as u32,
                         part.row0 as u32,
-                        bias.is_some() as u32,
+                        b.is_some() as u32,
                         first as u32,
                     ]
                 };
@@ -737,7 +730,7 @@ impl Backend for WgpuBackend {
                         (9, part.buf.buffer.as_entire_binding()),
                     ]
                 };
-                let elem = Some(w.store.elem);
+                let elem = Some(w.elem);
                 if self.inner.cpu_adapter {
                     let (gx, gy, _) = grid(part.rows.div_ceil(64) as u64);
                     let groups = (gx, gy, rows.div_ceil(4) as u32);
@@ -759,16 +752,13 @@ impl Backend for WgpuBackend {
             parts.push(Part { buf: y, row0, rows });
         }
         Ok(WgpuTensor {
-            store: Arc::new(Store {
-                parts,
-                elem: WeightElem::F32,
-            }),
+            parts: Arc::new(parts),
             shape: vec![n, out],
         })
     }
 
-    fn embedding(&self, table: &WgpuTensor, ids: &[u32]) -> BResult<WgpuTensor> {
-        let (vocab, cols) = dims2(table)?;
+    fn embedding(&self, table: &WgpuWeight, ids: &[u32]) -> BResult<WgpuTensor> {
+        let (vocab, cols) = (table.rows, table.cols);
         if let Some(bad) = ids.iter().find(|&&i| i as usize >= vocab) {
             return Err(shape_err(format!(
                 "token id {bad} is outside the vocabulary of {vocab}"
@@ -776,18 +766,11 @@ impl Backend for WgpuBackend {
         }
         let idb = self.upload_u32(ids.iter().map(|&i| i as usize))?;
         let out = self.scratch(ids.len() * cols)?;
-        for part in &table.store.parts {
+        for part in table.parts.iter() {
             let words = [ids.len() as u32, cols as u32, part.row0 as u32, part.rows as u32];
             let binds = [(1, &idb.buffer), (2, &out.buffer), (9, &part.buf.buffer)];
             let groups = grid(((ids.len() * cols) as u64).div_ceil(256));
-            self.dispatch(
-                Kernel::Embedding,
-                Some(table.store.elem),
-                "gather",
-                &words,
-                &binds,
-                groups,
-            )?;
+            self.dispatch(Kernel::Embedding, Some(table.elem), "gather", &words, &binds, groups)?;
         }
         Ok(self.tensor(out, vec![ids.len(), cols]))
     }
@@ -826,13 +809,12 @@ impl Backend for WgpuBackend {
                 "rope: {cols} columns are not whole heads of {d} (cos {cn}×{d}, {n} rows)"
             )));
         }
-        let (x, cos, sin) = (self.as_f32(x)?, self.as_f32(cos)?, self.as_f32(sin)?);
         let out = self.scratch(n * cols)?;
         let words = [n as u32, cols as u32, d as u32, 0];
         let binds = [
-            (1, x.single().expect("f32")),
-            (2, cos.single().expect("f32")),
-            (3, sin.single().expect("f32")),
+            (1, x.buffer()?),
+            (2, cos.buffer()?),
+            (3, sin.buffer()?),
             (4, &out.buffer),
         ];
         self.elementwise(Kernel::Rope, &words, &binds, n * cols)?;
@@ -844,9 +826,8 @@ impl Backend for WgpuBackend {
         if start + len > cols {
             return Err(shape_err(format!("narrow of columns {start}+{len} of {cols}")));
         }
-        let x = self.as_f32(x)?;
         let out = self.scratch(n * len)?;
-        let src = x.single().expect("f32");
+        let src = x.buffer()?;
         self.copy_rows(src, &out.buffer, None, n, len, [cols, start, len, 0], 0, false)?;
         Ok(self.tensor(out, vec![n, len]))
     }
@@ -855,9 +836,9 @@ impl Backend for WgpuBackend {
         if rows * cols != x.numel() {
             return Err(shape_err(format!("reshape of {:?} to {rows}×{cols}", x.shape)));
         }
-        let x = self.as_f32(x)?;
+        x.buffer()?;
         Ok(WgpuTensor {
-            store: x.store,
+            parts: x.parts.clone(),
             shape: vec![rows, cols],
         })
     }
@@ -867,10 +848,9 @@ impl Backend for WgpuBackend {
         if let Some(bad) = idx.iter().find(|&&i| i >= rows) {
             return Err(shape_err(format!("gather of row {bad} from {rows} rows")));
         }
-        let x = self.as_f32(x)?;
         let ib = self.upload_u32(idx.iter().copied())?;
         let out = self.scratch(idx.len() * cols)?;
-        let src = x.single().expect("f32");
+        let src = x.buffer()?;
         self.copy_rows(
             src,
             &out.buffer,
@@ -893,15 +873,14 @@ impl Backend for WgpuBackend {
                 idx.len()
             )));
         }
-        let (x, src) = (self.as_f32(x)?, self.as_f32(src)?);
         let out = self.scratch(rows * cols)?;
         let bytes = (rows * cols * 4) as u64;
         if bytes > 0 {
-            let from = x.single().expect("f32");
+            let from = x.buffer()?;
             self.with_encoder(|enc| enc.copy_buffer_to_buffer(from, 0, &out.buffer, 0, bytes));
         }
         let ib = self.upload_u32(idx.iter().copied())?;
-        let s = src.single().expect("f32");
+        let s = src.buffer()?;
         self.copy_rows(
             s,
             &out.buffer,
@@ -931,10 +910,9 @@ impl Backend for WgpuBackend {
         let out = self.scratch(rows * cols)?;
         let mut at = 0u64;
         for p in parts {
-            let p = self.as_f32(p)?;
             let bytes = (p.numel() * 4) as u64;
             if bytes > 0 {
-                let from = p.single().expect("f32");
+                let from = p.buffer()?;
                 self.with_encoder(|enc| enc.copy_buffer_to_buffer(from, 0, &out.buffer, at, bytes));
             }
             at += bytes;
@@ -958,11 +936,10 @@ impl Backend for WgpuBackend {
             )));
         }
         let d = cols / heads;
-        let (k, v) = (self.as_f32(k)?, self.as_f32(v)?);
         self.attention(
             q,
-            k.single().expect("f32"),
-            v.single().expect("f32"),
+            k.buffer()?,
+            v.buffer()?,
             heads,
             d,
             1,
@@ -1014,11 +991,10 @@ impl Backend for WgpuBackend {
         if batch.host.layout != cache.layout {
             return Err(shape_err("write_kv: a batch checked for another cache".into()));
         }
-        let (k, v) = (self.as_f32(k)?, self.as_f32(v)?);
         let words = [rows as u32, width as u32];
         let binds = [
-            (1, k.single().expect("f32")),
-            (2, v.single().expect("f32")),
+            (1, k.buffer()?),
+            (2, v.buffer()?),
             (3, &batch.slots.buffer),
             (4, &cache.keys[layer].buffer),
             (5, &cache.values[layer].buffer),
@@ -1077,15 +1053,10 @@ impl Backend for WgpuBackend {
                 rows.len()
             )));
         }
-        let logits = self.as_f32(logits)?;
         let settings = sample_settings(rows);
         let settings = self.owned(settings.len() as u64, Category::Activations, Some(&settings))?;
         let out = self.scratch(n * 2)?;
-        let binds = [
-            (1, logits.single().expect("f32")),
-            (2, &settings.buffer),
-            (3, &out.buffer),
-        ];
+        let binds = [(1, logits.buffer()?), (2, &settings.buffer), (3, &out.buffer)];
         let words = [n as u32, width as u32];
         self.dispatch(Kernel::Sample, None, "main", &words, &binds, grid(n as u64))?;
         Ok(self.tensor(out, vec![n, 2]))
@@ -1126,15 +1097,13 @@ impl WgpuBackend {
                 w.shape
             )));
         }
-        let (x, w) = (self.as_f32(x)?, self.as_f32(w)?);
-        let b = b.map(|b| self.as_f32(b)).transpose()?;
         let out = self.scratch(rows * cols)?;
-        let wb = w.single().expect("f32");
+        let wb = w.buffer()?;
         let words = [rows as u32, cols as u32, (eps as f32).to_bits(), b.is_some() as u32];
         let binds = [
-            (1, x.single().expect("f32")),
+            (1, x.buffer()?),
             (2, wb),
-            (3, b.as_ref().map_or(wb, |b| b.single().expect("f32"))),
+            (3, b.map(WgpuTensor::buffer).transpose()?.unwrap_or(wb)),
             (4, &out.buffer),
         ];
         let (entry, groups) = if self.inner.cpu_adapter {
@@ -1150,15 +1119,10 @@ impl WgpuBackend {
         if a.shape != b.shape {
             return Err(shape_err(format!("element-wise op on {:?} and {:?}", a.shape, b.shape)));
         }
-        let (a, b) = (self.as_f32(a)?, self.as_f32(b)?);
         let n = a.numel();
         let out = self.scratch(n)?;
         let words = [n as u32, op];
-        let binds = [
-            (1, a.single().expect("f32")),
-            (2, b.single().expect("f32")),
-            (3, &out.buffer),
-        ];
+        let binds = [(1, a.buffer()?), (2, b.buffer()?), (3, &out.buffer)];
         self.elementwise(Kernel::Elementwise, &words, &binds, n)?;
         Ok(self.tensor(out, a.shape.clone()))
     }
@@ -1183,7 +1147,6 @@ impl WgpuBackend {
         if d > 256 {
             return Err(shape_err(format!("attention heads of {d} (at most 256)")));
         }
-        let q = self.as_f32(q)?;
         let out = self.scratch(rows * heads * d)?;
         let scale = (1.0 / (d as f64).sqrt()) as f32;
         let words = [
@@ -1197,7 +1160,7 @@ impl WgpuBackend {
             scale.to_bits(),
         ];
         let binds = [
-            (1, q.single().expect("f32")),
+            (1, q.buffer()?),
             (2, k),
             (3, v),
             (4, meta),

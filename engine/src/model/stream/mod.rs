@@ -20,7 +20,7 @@ mod tests;
 
 pub use shard::MAX_HEADER_BYTES;
 
-use super::weights::{check_shape, host_f32, raw_dtype, spellings, Loaded, Stored, TensorSource, Weight};
+use super::weights::{check_shape, raw_dtype, spellings, Converted, Loaded, Stored, TensorSource};
 use super::{check_supported, ModelError, QwenVl};
 use crate::arch::config::ModelConfig;
 use crate::arch::spec::{tensor_specs, TensorSpec};
@@ -163,17 +163,15 @@ impl<B: Backend, P: FnMut(usize, u64)> Sink for Convert<'_, B, P> {
     }
 
     fn tensor(&mut self, name: &str, dtype: Dtype, shape: &[usize], data: &[u8]) -> Result<(), ModelError> {
-        let host = self.wanted.get(name).is_some_and(|spec| spec.host);
+        let Some(spec) = self.wanted.get(name) else {
+            return Ok(());
+        };
         let raw = RawTensor {
             dtype: raw_dtype(name, dtype)?,
             shape: shape.to_vec(),
             data,
         };
-        let value = if host {
-            Weight::Host(host_f32(&raw))
-        } else {
-            Weight::Backend(self.backend.load_weight(raw)?)
-        };
+        let value = Converted::of(self.backend, spec, raw)?;
         let bytes = data.len() as u64;
         let loaded = Loaded {
             shape: shape.to_vec(),

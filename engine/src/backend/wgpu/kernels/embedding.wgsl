@@ -1,5 +1,5 @@
 // Rows of a weight table (one part of a table split by rows): `gather` picks the rows of token ids
-// that fall in this part; `widen` copies the whole part to f32.
+// that fall in this part, widened to f32.
 struct Params {
     rows: u32,
     cols: u32,
@@ -23,13 +23,4 @@ fn gather(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups
         return;
     }
     out[i] = wload((id - p.row0) * p.cols + i % p.cols);
-}
-
-@compute @workgroup_size(256)
-fn widen(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>) {
-    let i = flat_index(gid, nwg);
-    if (i >= p.part_rows * p.cols) {
-        return;
-    }
-    out[p.row0 * p.cols + i] = wload(i);
 }
