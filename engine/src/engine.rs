@@ -12,7 +12,7 @@
 //! [`Engine::step_async`] awaits the read between the two (the browser); [`Engine::step`] blocks on
 //! it (native callers). The engine spawns no threads: its caller drives the steps.
 
-use crate::backend::{block_on, BResult, BackendError, DeviceSamplingSupport};
+use crate::backend::{block_on, BResult, BackendError, DeviceSamplingSupport, TableShape};
 use crate::cache::{
     CacheError, EncoderCacheManager, EncoderCacheSnapshot, KvCacheManager, KvSummary, MmHash, MmSpan, RequestId,
 };
@@ -200,6 +200,8 @@ struct SeqData {
     positions: Vec<[i64; 3]>,
     /// Offset of the positions after the prompt.
     delta: i64,
+    /// Blocks of its KV block table the runner has (0 after a preemption).
+    blocks_sent: usize,
 }
 
 impl SeqData {
@@ -217,6 +219,9 @@ pub struct Engine {
     counters: EngineCounters,
     faults: Faults,
     next_seed: u64,
+    /// Requests that left the running set since the last batch, whose block-table rows the runner
+    /// frees.
+    released: Vec<RequestId>,
 }
 
 /// A step recorded on the device whose read has not completed: [`Engine::complete`] takes it with
@@ -252,7 +257,11 @@ impl Engine {
     /// An engine over a model runner (a [`crate::runner::ModelRunner`] on some backend); allocates
     /// the runner's KV cache for `cfg`.
     pub fn new(mut runner: Box<dyn StepRunner>, cfg: EngineConfig) -> Result<Self, EngineError> {
-        runner.allocate_kv(cfg.num_blocks, cfg.block_size)?;
+        let tables = TableShape {
+            rows: cfg.max_num_seqs,
+            max_blocks: cfg.max_model_len.div_ceil(cfg.block_size.max(1)),
+        };
+        runner.allocate_kv(cfg.num_blocks, cfg.block_size, tables)?;
         let kv = KvCacheManager::new(
             cfg.num_blocks,
             cfg.block_size,
@@ -274,6 +283,7 @@ impl Engine {
             counters: EngineCounters::default(),
             faults: Faults::default(),
             next_seed: 0,
+            released: Vec::new(),
         })
     }
 
@@ -384,6 +394,7 @@ impl Engine {
             params: req.params,
             positions,
             delta,
+            blocks_sent: 0,
         };
         Ok(self.sched.add(req.id, req.prompt, spans, max_tokens, data)?)
     }
@@ -391,7 +402,11 @@ impl Engine {
     /// Drops a request wherever it is, returning its KV blocks and encoder references at once.
     /// Safe while a step is in flight: [`Self::complete`] skips requests no longer running.
     pub fn abort(&mut self, id: &RequestId) -> Result<bool, EngineError> {
-        Ok(self.sched.abort(id)?.is_some())
+        let found = self.sched.abort(id)?.is_some();
+        if found {
+            self.released.push(id.clone());
+        }
+        Ok(found)
     }
 
     /// Drops every encoder output not in use; returns the bytes released.
@@ -441,6 +456,12 @@ impl Engine {
             self.runner.forget(h);
         }
         self.counters.num_preemptions += out.preempted.len() as u64;
+        for id in &out.preempted {
+            if let Some(seq) = self.sched.get_mut(id) {
+                seq.data.blocks_sent = 0;
+            }
+            self.released.push(id.clone());
+        }
         if out.scheduled.is_empty() {
             return Ok(None);
         }
@@ -515,6 +536,7 @@ impl Engine {
             });
         }
         self.sched.finish(&finished)?;
+        self.released.extend(finished);
         Ok(events)
     }
 
@@ -594,14 +616,18 @@ impl Engine {
         Ok(())
     }
 
-    /// The step's work by request id: tokens, positions, block tables, image rows and which
-    /// requests sample (those whose scheduled tokens reach their end).
-    fn batch(&self, plan: &[ScheduledSeq]) -> StepBatch {
+    /// The step's work by request id: tokens, positions, the blocks each block table gained since
+    /// the runner last saw it, image rows and which requests sample (those whose scheduled tokens
+    /// reach their end); with the requests that left since the last batch.
+    fn batch(&mut self, plan: &[ScheduledSeq]) -> StepBatch {
         let kv = self.sched.kv();
-        let seqs = plan
+        let seqs: Vec<BatchSeq> = plan
             .iter()
             .map(|s| {
                 let seq = self.sched.get(&s.id).expect("scheduled requests are running");
+                let table = kv.block_table(seq.id());
+                // A table shorter than what was sent was rebuilt: send all of it.
+                let table_start = Some(seq.data.blocks_sent).filter(|&n| n <= table.len()).unwrap_or(0);
                 let images = seq
                     .images_in(s.start, s.end())
                     .map(|i| {
@@ -620,14 +646,22 @@ impl Engine {
                     tokens: (s.start..s.end()).map(|i| seq.token_at(i)).collect(),
                     positions: (s.start..s.end()).map(|i| seq.data.position(i)).collect(),
                     context_len: s.end(),
-                    block_table: kv.block_table(seq.id()).to_vec(),
+                    new_blocks: table[table_start..].to_vec(),
+                    table_start,
                     images,
                     logit_rows: usize::from(s.end() == seq.len()),
                     sampling: None,
                 }
             })
             .collect();
-        StepBatch { seqs }
+        for s in &seqs {
+            let seq = self.sched.get_mut(&s.id).expect("scheduled requests are running");
+            seq.data.blocks_sent = s.table_start + s.new_blocks.len();
+        }
+        StepBatch {
+            seqs,
+            released: std::mem::take(&mut self.released),
+        }
     }
 
     /// `batch` with every sampling request's [`BatchSeq::sampling`] set, each drawing its uniform

@@ -90,14 +90,20 @@ impl<B: Backend> ModelRunner<B> {
                 tokens: vec![0; n],
                 positions: (0..n as i64).map(|p| [p; 3]).collect(),
                 context_len: n,
-                block_table: (0..blocks).collect(),
+                new_blocks: (0..blocks).collect(),
+                table_start: 0,
                 images: images.into_iter().filter(|i| !i.rows.is_empty()).collect(),
                 logit_rows: spec.num_sampled.clamp(1, n),
                 // Logits read back, the larger staging of the two ways a step can end.
                 sampling: None,
             }],
+            released: Vec::new(),
         };
-        let measured = self.allocate_kv(blocks, spec.block_size).and_then(|_| {
+        let tables = crate::backend::TableShape {
+            rows: 1,
+            max_blocks: blocks,
+        };
+        let measured = self.allocate_kv(blocks, spec.block_size, tables).and_then(|_| {
             // The read is queued, as in a real step, and dropped: its staging counts, its result
             // is not needed.
             drop(self.execute(batch)?);

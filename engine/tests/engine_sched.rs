@@ -271,6 +271,7 @@ fn transfers_per_step(layers: usize) -> Vec<Transfers> {
             index_lists: after.index_lists - before.index_lists,
             reads: after.reads - before.reads,
             read_floats: after.read_floats - before.read_floats,
+            table_ids: after.table_ids - before.table_ids,
         });
     }
     per_step
@@ -294,8 +295,45 @@ fn uploads_per_step_do_not_grow_with_the_layers() {
             index_lists: 2,
             reads: 1,
             read_floats: 2,
+            table_ids: last.table_ids,
         }
     );
+}
+
+/// Block ids written into the runner's block tables by requests of `prompt` tokens generating
+/// `max_tokens`, `n` at once, and the decode steps they took.
+fn table_ids_written(n: usize, prompt: usize, max_tokens: usize) -> (u64, u64) {
+    let be = Instrumented::new(CpuBackend::new(MemoryLedger::new()));
+    let model = tiny_model(&be);
+    let counter = be.clone();
+    let blocks_each = (prompt + max_tokens).div_ceil(4);
+    let mut e = engine_over(be, model, n * blocks_each + 1, n, 0);
+    let cfg = tiny_config();
+    for i in 0..n {
+        // Distinct prompts: no block is shared through the prefix cache.
+        let mut r = request(&cfg, &format!("q{i}"), prompt, None, max_tokens);
+        r.prompt[0] = 1000 + i as u32;
+        e.add_request(r).unwrap();
+    }
+    drain(&mut e);
+    assert_eq!(e.counters().num_preemptions, 0);
+    (counter.transfers().table_ids, e.counters().steps)
+}
+
+/// As vLLM's model runner does, the runner keeps each request's block table in a row on the device
+/// and a step sends only the blocks a table gained: every block id crosses once per request, the
+/// same per request whether 8 or 256 run at once (a step that sent whole tables would send each
+/// id again on every step after its block was allocated: 4 ids a request per decode step here).
+#[test]
+fn block_table_ids_cross_once_whatever_the_batch() {
+    let _serial = serial();
+    let (prompt, max_tokens): (usize, usize) = (8, 12);
+    // The last token is sampled, not computed: 19 positions in the cache, 5 blocks of 4.
+    let blocks_each = (prompt + max_tokens - 1).div_ceil(4) as u64;
+    for n in [8, 256] {
+        let (ids, steps) = table_ids_written(n, prompt, max_tokens);
+        assert_eq!(ids, n as u64 * blocks_each, "{n} requests over {steps} steps");
+    }
 }
 
 /// An image whose first placeholders the prefix cache holds (the hit ends inside it) and whose

@@ -10,7 +10,9 @@ mod packed;
 mod segment_attention;
 mod vector_math;
 
-use super::{ready, Activation, BResult, Backend, BackendError, KvLayout, PagedBatch, RawDType, RawTensor, Readback};
+use super::{
+    ready, Activation, BResult, Backend, BackendError, KvLayout, PagedBatch, RawDType, RawTensor, Readback, TableWrite,
+};
 use crate::arch::weight_format::WeightFormat;
 use crate::memory::ledger::{Category, Held, MemoryLedger};
 use crate::sample::DeviceSampling;
@@ -65,6 +67,22 @@ pub struct CpuKvCache {
     keys: Vec<Vec<f32>>,
     values: Vec<Vec<f32>>,
     _held: Held,
+}
+
+/// The block tables in host memory, shared with the steps recorded over them (a write while one
+/// still holds them copies them first).
+#[derive(Debug)]
+pub struct CpuBlockTables {
+    layout: KvLayout,
+    ids: Arc<Vec<u32>>,
+    _held: Held,
+}
+
+/// A step's checked metadata and the block tables as they were when it was uploaded.
+#[derive(Debug)]
+pub struct CpuPaged {
+    batch: PagedBatch,
+    tables: Arc<Vec<u32>>,
 }
 
 /// The CPU backend.
@@ -242,7 +260,8 @@ impl Backend for CpuBackend {
     type Tensor = CpuTensor;
     type Weight = CpuWeight;
     type KvCache = CpuKvCache;
-    type Paged = PagedBatch;
+    type BlockTables = CpuBlockTables;
+    type Paged = CpuPaged;
     type Segments = Vec<(usize, usize)>;
 
     const CAPABILITIES: super::Capabilities = super::Capabilities {
@@ -307,9 +326,33 @@ impl Backend for CpuBackend {
         ready(Self::host(t))
     }
 
-    fn upload_paged(&self, batch: PagedBatch) -> BResult<PagedBatch> {
+    fn alloc_block_tables(&self, layout: KvLayout) -> BResult<CpuBlockTables> {
+        let len = layout.tables.rows * layout.tables.max_blocks;
+        Ok(CpuBlockTables {
+            layout,
+            ids: Arc::new(vec![0; len]),
+            _held: self.ledger.hold(Category::Activations, 4 * len as u64),
+        })
+    }
+
+    fn write_block_tables(&self, tables: &mut CpuBlockTables, writes: &[TableWrite]) -> BResult<()> {
+        let writes = super::paged::check_writes(&tables.layout, writes)?;
+        let ids = Arc::make_mut(&mut tables.ids);
+        for (at, blocks) in writes {
+            ids[at..at + blocks.len()].copy_from_slice(&blocks);
+        }
+        Ok(())
+    }
+
+    fn upload_paged(&self, batch: PagedBatch, tables: &CpuBlockTables) -> BResult<CpuPaged> {
+        if batch.layout != tables.layout {
+            return Err(BackendError::Shape("a step's batch for other block tables".into()));
+        }
         batch.check()?;
-        Ok(batch)
+        Ok(CpuPaged {
+            batch,
+            tables: tables.ids.clone(),
+        })
     }
 
     fn upload_segments(&self, segments: &[(usize, usize)]) -> BResult<Vec<(usize, usize)>> {
@@ -538,9 +581,9 @@ impl Backend for CpuBackend {
         layer: usize,
         k: &CpuTensor,
         v: &CpuTensor,
-        batch: &PagedBatch,
+        batch: &CpuPaged,
     ) -> BResult<()> {
-        let slots = &batch.slots;
+        let slots = &batch.batch.slots;
         let width = cache.layout.kv_heads * cache.layout.head_dim;
         let capacity = cache.layout.num_blocks * cache.layout.block_size;
         let (kd, vd) = (Self::host(k)?, Self::host(v)?);
@@ -567,9 +610,8 @@ impl Backend for CpuBackend {
         layer: usize,
         q: &CpuTensor,
         heads: usize,
-        batch: &PagedBatch,
+        batch: &CpuPaged,
     ) -> BResult<CpuTensor> {
-        let seqs = &batch.seqs;
         let KvLayout {
             block_size,
             kv_heads,
@@ -582,31 +624,18 @@ impl Backend for CpuBackend {
                 "paged_attention: q {rows}×{cols}, {heads} heads of {d}"
             )));
         }
-        let mut next = 0;
-        for s in seqs.iter() {
-            if s.query_start != next {
-                return Err(BackendError::Shape(
-                    "paged_attention: sequences must cover the query rows in order".into(),
-                ));
-            }
-            next += s.query_len;
-        }
-        if next != rows {
+        // The batch was checked against its layout when it was uploaded.
+        if batch.batch.layout != cache.layout || batch.batch.slots.len() != rows {
             return Err(BackendError::Shape(format!(
-                "paged_attention: sequences cover {next} of {rows} query rows"
+                "paged_attention: a batch of {} rows for another cache, or not {rows} rows",
+                batch.batch.slots.len()
             )));
         }
-        let mut outs = Vec::with_capacity(seqs.len());
-        for s in seqs.iter() {
-            if s.query_start + s.query_len > rows
-                || s.query_len > s.context_len
-                || s.context_len.div_ceil(block_size) > s.block_table.len()
-            {
-                return Err(BackendError::Shape(
-                    "paged_attention: sequence outside its block table".into(),
-                ));
-            }
-            let slot_of = |pos: usize| s.block_table[pos / block_size] * block_size + pos % block_size;
+        let max_blocks = cache.layout.tables.max_blocks;
+        let mut outs = Vec::with_capacity(batch.batch.seqs.len());
+        for s in &batch.batch.seqs {
+            let table = &batch.tables[s.table_row * max_blocks..][..s.table_len];
+            let slot_of = |pos: usize| table[pos / block_size] as usize * block_size + pos % block_size;
             let seq = SeqAttention {
                 q: q.t.narrow(0, s.query_start, s.query_len).map_err(lib)?,
                 keys: &cache.keys[layer],

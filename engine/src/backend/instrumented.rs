@@ -2,7 +2,7 @@
 //! every read back until the test releases it, the way a GPU read completes only when the browser's
 //! event loop runs. Every operation is the wrapped backend's.
 
-use super::{Activation, BResult, Backend, KvLayout, PagedBatch, RawTensor, Readback};
+use super::{Activation, BResult, Backend, KvLayout, PagedBatch, RawTensor, Readback, TableWrite};
 use crate::memory::ledger::{Category, MemoryLedger};
 use crate::sample::DeviceSampling;
 use std::future::Future;
@@ -22,6 +22,8 @@ pub struct Transfers {
     pub reads: u64,
     /// Floats those reads bring back.
     pub read_floats: u64,
+    /// Block ids written into the block tables ([`Backend::write_block_tables`]).
+    pub table_ids: u64,
 }
 
 #[derive(Debug, Default)]
@@ -113,6 +115,7 @@ impl<B: Backend> Backend for Instrumented<B> {
     type Tensor = B::Tensor;
     type Weight = B::Weight;
     type KvCache = B::KvCache;
+    type BlockTables = B::BlockTables;
     type Paged = B::Paged;
     type Segments = B::Segments;
 
@@ -159,9 +162,17 @@ impl<B: Backend> Backend for Instrumented<B> {
             inner,
         })
     }
-    fn upload_paged(&self, batch: PagedBatch) -> BResult<Self::Paged> {
+    fn alloc_block_tables(&self, layout: KvLayout) -> BResult<Self::BlockTables> {
+        self.inner.alloc_block_tables(layout)
+    }
+    fn write_block_tables(&self, tables: &mut Self::BlockTables, writes: &[TableWrite]) -> BResult<()> {
+        let ids: usize = writes.iter().map(|w| w.blocks.len()).sum();
+        self.state().transfers.table_ids += ids as u64;
+        self.inner.write_block_tables(tables, writes)
+    }
+    fn upload_paged(&self, batch: PagedBatch, tables: &Self::BlockTables) -> BResult<Self::Paged> {
         self.upload_counted();
-        self.inner.upload_paged(batch)
+        self.inner.upload_paged(batch, tables)
     }
     fn upload_segments(&self, segments: &[(usize, usize)]) -> BResult<Self::Segments> {
         self.upload_counted();
@@ -280,7 +291,8 @@ mod tests {
                 uploads: 1,
                 index_lists: 0,
                 reads: 1,
-                read_floats: 2
+                read_floats: 2,
+                table_ids: 0,
             }
         );
     }

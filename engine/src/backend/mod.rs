@@ -6,7 +6,7 @@ pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod instrumented;
-mod paged;
+pub mod paged;
 #[cfg(test)]
 pub(crate) mod plan_check;
 mod readback;
@@ -111,8 +111,10 @@ pub struct PagedSeq {
     pub query_len: usize,
     /// Tokens in the KV cache for this sequence after this step's writes (context length).
     pub context_len: usize,
-    /// The sequence's block table.
-    pub block_table: Vec<usize>,
+    /// Its row of the block tables ([`Backend::write_block_tables`]).
+    pub table_row: usize,
+    /// Blocks written into that row.
+    pub table_len: usize,
 }
 
 /// A decoder step's attention metadata on the host: built once per step and handed to the backend
@@ -141,6 +143,29 @@ pub struct KvLayout {
     pub kv_heads: usize,
     /// Per-head width.
     pub head_dim: usize,
+    /// The block tables beside the cache.
+    pub tables: TableShape,
+}
+
+/// The block tables a runner keeps on the device between steps, as vLLM's model runner does: one
+/// row of block ids per request that can run at once, written only where a request's table grows.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct TableShape {
+    /// Rows: requests that can run at once (`--max-num-seqs`).
+    pub rows: usize,
+    /// Block ids a row holds: the blocks of the longest sequence (`--max-model-len`).
+    pub max_blocks: usize,
+}
+
+/// Block ids written into row `row` of the block tables from column `col` on.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TableWrite {
+    /// The row.
+    pub row: usize,
+    /// The first column written.
+    pub col: usize,
+    /// The block ids.
+    pub blocks: Vec<usize>,
 }
 
 impl KvLayout {
@@ -288,6 +313,8 @@ pub trait Backend: std::fmt::Debug + 'static {
     /// The paged KV cache on this backend.
     type KvCache: std::fmt::Debug;
 
+    /// The block tables ([`TableShape`]) on this backend.
+    type BlockTables: std::fmt::Debug;
     /// A step's [`PagedBatch`] as the backend's kernels read it.
     type Paged: std::fmt::Debug;
     /// The vision tower's attention segments as the backend's kernels read them.
@@ -332,9 +359,14 @@ pub trait Backend: std::fmt::Debug + 'static {
     /// device: the copy completes when the returned future does (at once on the CPU; in the
     /// browser only after control returns to the event loop).
     fn read(&self, t: &Self::Tensor) -> Readback;
+    /// Allocates the zeroed block tables of `layout.tables`, for a cache of `layout`.
+    fn alloc_block_tables(&self, layout: KvLayout) -> BResult<Self::BlockTables>;
+    /// Writes block ids into the tables, each checked inside its row and the cache
+    /// ([`paged::check_writes`]). Steps already recorded read the tables as they were.
+    fn write_block_tables(&self, tables: &mut Self::BlockTables, writes: &[TableWrite]) -> BResult<()>;
     /// Checks a step's attention metadata ([`PagedBatch::flatten`]) and hands it to the device,
-    /// once per step.
-    fn upload_paged(&self, batch: PagedBatch) -> BResult<Self::Paged>;
+    /// once per step, with the block tables its sequences' rows are in.
+    fn upload_paged(&self, batch: PagedBatch, tables: &Self::BlockTables) -> BResult<Self::Paged>;
     /// Hands the vision tower's attention segments `(start, len)` in rows to the device.
     fn upload_segments(&self, segments: &[(usize, usize)]) -> BResult<Self::Segments>;
     /// The tensor's shape.

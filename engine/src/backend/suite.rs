@@ -2,7 +2,7 @@
 //! whole suite with one line in its test module: `crate::backend_suite!(MyBackend::new());`.
 //! Tolerances are those of f32 accumulation.
 
-use super::{block_on, Activation, Backend, KvLayout, PagedBatch, PagedSeq};
+use super::{block_on, Activation, Backend, KvLayout, PagedBatch, PagedSeq, TableShape, TableWrite};
 use crate::memory::ledger::Category;
 use crate::sample::{DeviceSampling, Rng};
 
@@ -60,6 +60,22 @@ pub fn weight<B: Backend>(b: &B, data: &[f32], rows: usize, cols: usize) -> B::W
     .unwrap()
 }
 
+/// Block tables holding `rows` (row `i` of the tables is `rows[i]`), for a cache of `layout`.
+pub fn block_tables<B: Backend>(b: &B, layout: KvLayout, rows: &[Vec<usize>]) -> B::BlockTables {
+    let mut tables = b.alloc_block_tables(layout).unwrap();
+    let writes: Vec<TableWrite> = rows
+        .iter()
+        .enumerate()
+        .map(|(row, blocks)| TableWrite {
+            row,
+            col: 0,
+            blocks: blocks.clone(),
+        })
+        .collect();
+    b.write_block_tables(&mut tables, &writes).unwrap();
+    tables
+}
+
 /// The tensor's values on the host.
 pub fn host<B: Backend>(b: &B, t: &B::Tensor) -> Vec<f32> {
     block_on(b.read(t)).unwrap()
@@ -110,8 +126,9 @@ pub fn linear_norms_and_activations<B: Backend>(b: &B) {
     close(&q, &[1.0 / (1.0 + (-1.702f32).exp())], 1e-6);
 }
 
-/// Two heads sharing one KV head, 5 tokens spread over blocks 3 and 1 of size 4, against a dense
-/// causal softmax; a context past the block table is refused.
+/// Two heads sharing one KV head, 5 tokens spread over blocks 3 and 1 of size 4 (row 1 of the
+/// block tables, written in two steps), against a dense causal softmax; a step recorded before a
+/// write to its row reads the row as it was; a context past the blocks written is refused.
 pub fn paged_attention_matches_dense_causal_attention<B: Backend>(b: &B) {
     let layout = KvLayout {
         layers: 1,
@@ -119,14 +136,28 @@ pub fn paged_attention_matches_dense_causal_attention<B: Backend>(b: &B) {
         block_size: 4,
         kv_heads: 1,
         head_dim: 2,
+        tables: TableShape { rows: 2, max_blocks: 3 },
     };
     let mut cache = b.alloc_kv(layout).unwrap();
+    let mut tables = b.alloc_block_tables(layout).unwrap();
+    let write = |row, col, blocks: &[usize]| TableWrite {
+        row,
+        col,
+        blocks: blocks.to_vec(),
+    };
+    b.write_block_tables(&mut tables, &[write(1, 0, &[3]), write(0, 0, &[2, 2])])
+        .unwrap();
+    b.write_block_tables(&mut tables, &[write(1, 1, &[1])]).unwrap();
+    assert!(
+        b.write_block_tables(&mut tables, &[write(1, 2, &[5])]).is_err(),
+        "no block 5"
+    );
     assert_eq!(b.ledger().bytes(Category::KvCache), layout.bytes(b.elem_bytes()));
     let n = 5;
     let kv: Vec<f32> = (0..n * 2).map(|i| (i as f32 * 0.37).sin()).collect();
     let vv: Vec<f32> = (0..n * 2).map(|i| (i as f32 * 0.11).cos()).collect();
     let q: Vec<f32> = (0..n * 4).map(|i| (i as f32 * 0.23).sin()).collect();
-    let table = vec![3usize, 1];
+    let table = [3usize, 1];
     let batch = |context_len| PagedBatch {
         layout,
         slots: (0..n).map(|p| table[p / 4] * 4 + p % 4).collect(),
@@ -134,13 +165,17 @@ pub fn paged_attention_matches_dense_causal_attention<B: Backend>(b: &B) {
             query_start: 0,
             query_len: n,
             context_len,
-            block_table: table.clone(),
+            table_row: 1,
+            table_len: 2,
         }],
     };
-    let meta = b.upload_paged(batch(n)).unwrap();
+    let meta = b.upload_paged(batch(n), &tables).unwrap();
     b.write_kv(&mut cache, 0, &t(b, &kv, n, 2), &t(b, &vv, n, 2), &meta)
         .unwrap();
-    let paged = host(b, &b.paged_attention(&cache, 0, &t(b, &q, n, 4), 2, &meta).unwrap());
+    let paged = b.paged_attention(&cache, 0, &t(b, &q, n, 4), 2, &meta).unwrap();
+    // Written after the step was recorded: the step reads block 1, not 4.
+    b.write_block_tables(&mut tables, &[write(1, 1, &[4])]).unwrap();
+    let paged = host(b, &paged);
     for i in 0..n {
         for h in 0..2 {
             let qh = &q[i * 4 + h * 2..i * 4 + h * 2 + 2];
@@ -157,8 +192,8 @@ pub fn paged_attention_matches_dense_causal_attention<B: Backend>(b: &B) {
         }
     }
     assert!(
-        b.upload_paged(batch(9)).is_err(),
-        "a context past the block table is refused"
+        b.upload_paged(batch(9), &tables).is_err(),
+        "a context past the blocks written is refused"
     );
 }
 

@@ -15,7 +15,7 @@ mod tests;
 
 use super::{
     ready, Activation, BResult, Backend, BackendError, DeviceMemory, KvLayout, PagedBatch, RawDType, RawTensor,
-    Readback,
+    Readback, TableWrite,
 };
 use crate::fault::ledger_summary;
 use crate::memory::ledger::{Category, Held, MemoryLedger};
@@ -105,12 +105,21 @@ pub struct CudaKvCache {
     _held: Held,
 }
 
+/// The block tables on the device: `rows × max_blocks` u32 block ids, shared with the steps
+/// recorded over them.
+#[derive(Debug)]
+pub struct CudaBlockTables {
+    layout: KvLayout,
+    ids: Arc<CudaSlice<u32>>,
+    _held: Held,
+}
+
 /// A step's paged-attention metadata on the device, checked against the KV cache's layout.
 #[derive(Debug)]
 pub struct CudaPaged {
     slots: CudaSlice<u32>,
     meta: CudaSlice<u32>,
-    tables: CudaSlice<u32>,
+    tables: Arc<CudaSlice<u32>>,
     rows: usize,
     layout: KvLayout,
     _held: Held,
@@ -390,6 +399,7 @@ impl CudaBackend {
 impl Backend for CudaBackend {
     type Tensor = CudaTensor;
     type Weight = CudaWeight;
+    type BlockTables = CudaBlockTables;
     type KvCache = CudaKvCache;
     type Paged = CudaPaged;
     type Segments = CudaSegments;
@@ -497,14 +507,45 @@ impl Backend for CudaBackend {
         }))
     }
 
-    fn upload_paged(&self, batch: PagedBatch) -> BResult<CudaPaged> {
+    fn alloc_block_tables(&self, layout: KvLayout) -> BResult<CudaBlockTables> {
+        let len = (layout.tables.rows * layout.tables.max_blocks).max(1);
+        let ids = self
+            .stream
+            .alloc_zeros::<u32>(len)
+            .map_err(self.alloc_err(4 * len as u64))?;
+        Ok(CudaBlockTables {
+            layout,
+            ids: Arc::new(ids),
+            _held: self.ledger.hold(Category::Activations, 4 * len as u64),
+        })
+    }
+
+    fn write_block_tables(&self, tables: &mut CudaBlockTables, writes: &[TableWrite]) -> BResult<()> {
+        let writes = super::paged::check_writes(&tables.layout, writes)?;
+        if Arc::get_mut(&mut tables.ids).is_none() {
+            // A step recorded before still holds them: it keeps them as they were.
+            tables.ids = Arc::new(tables.ids.try_clone().map_err(lib)?);
+        }
+        let ids = Arc::get_mut(&mut tables.ids).expect("unshared above");
+        for (at, blocks) in writes.iter().filter(|(_, b)| !b.is_empty()) {
+            self.stream
+                .memcpy_htod(blocks, &mut ids.slice_mut(*at..*at + blocks.len()))
+                .map_err(lib)?;
+        }
+        Ok(())
+    }
+
+    fn upload_paged(&self, batch: PagedBatch, tables: &CudaBlockTables) -> BResult<CudaPaged> {
+        if batch.layout != tables.layout {
+            return Err(BackendError::Shape("a step's batch for other block tables".into()));
+        }
         let layout = batch.layout;
         let rows = batch.flatten()?;
-        let bytes = 4 * (rows.slots.len() + rows.meta.len() + rows.tables.len()) as u64;
+        let bytes = 4 * (rows.slots.len() + rows.meta.len()) as u64;
         Ok(CudaPaged {
             slots: self.upload_u32(&rows.slots)?,
             meta: self.upload_u32(&rows.meta)?,
-            tables: self.upload_u32(&rows.tables)?,
+            tables: tables.ids.clone(),
             rows: rows.rows,
             layout,
             _held: self.ledger.hold(Category::Activations, bytes),
@@ -845,7 +886,7 @@ impl Backend for CudaBackend {
         let mut out = self.alloc_f32(rows * cols)?;
         if rows > 0 {
             let (kc, vc) = (&cache.keys[layer], &cache.values[layer]);
-            launch!(self, "paged_attention", g; qs, kc, vc, &batch.meta, &batch.tables, &mut out, &h, &kvh, &d32, &bs, &scale)?;
+            launch!(self, "paged_attention", g; qs, kc, vc, &batch.meta, &*batch.tables, &mut out, &h, &kvh, &d32, &bs, &scale)?;
         }
         Ok(self.activation(out, vec![rows, cols]))
     }

@@ -5,8 +5,8 @@
 
 use super::{CudaBackend, CudaOptions};
 use crate::backend::cpu::CpuBackend;
-use crate::backend::suite::{host, max_err, noise};
-use crate::backend::{block_on, Backend, KvLayout, PagedBatch, PagedSeq, RawDType, RawTensor};
+use crate::backend::suite::{block_tables, host, max_err, noise};
+use crate::backend::{block_on, Backend, KvLayout, PagedBatch, PagedSeq, RawDType, RawTensor, TableShape};
 use crate::memory::ledger::{Category, MemoryLedger};
 
 fn backend_with(bf16_weights: bool) -> CudaBackend {
@@ -145,6 +145,10 @@ fn long_attention_matches_the_cpu() {
         block_size: 16,
         kv_heads: 2,
         head_dim: 128,
+        tables: TableShape {
+            rows: 1,
+            max_blocks: 19,
+        },
     };
     let table: Vec<usize> = (1..=19).rev().collect();
     let tokens = 300;
@@ -156,22 +160,24 @@ fn long_attention_matches_the_cpu() {
             query_start: 0,
             query_len: tokens,
             context_len: tokens,
-            block_table: table.clone(),
+            table_row: 0,
+            table_len: table.len(),
         }],
     };
     let [kq, kk, kv] = [4, 5, 6].map(|s| noise(tokens * 4 * 128, s));
-    fn prefill<B: Backend>(b: &B, layout: KvLayout, batch: &PagedBatch, q: &[f32], k: &[f32], v: &[f32]) -> Vec<f32> {
-        let rows = batch.slots.len();
+    fn prefill_on<B: Backend>(b: &B, table: &[usize], batch: &PagedBatch, q: &[f32], k: &[f32], v: &[f32]) -> Vec<f32> {
+        let (rows, layout) = (batch.slots.len(), batch.layout);
         let mut cache = b.alloc_kv(layout).unwrap();
-        let p = b.upload_paged(batch.clone()).unwrap();
+        let tables = block_tables(b, layout, &[table.to_vec()]);
+        let p = b.upload_paged(batch.clone(), &tables).unwrap();
         let kt = b.upload(k[..rows * 256].to_vec(), &[rows, 256]).unwrap();
         let vt = b.upload(v[..rows * 256].to_vec(), &[rows, 256]).unwrap();
         b.write_kv(&mut cache, 0, &kt, &vt, &p).unwrap();
         let qt = b.upload(q.to_vec(), &[rows, 512]).unwrap();
         block_on(b.read(&b.paged_attention(&cache, 0, &qt, 4, &p).unwrap())).unwrap()
     }
-    let want = prefill(&cpu, layout, &batch, &kq, &kk, &kv);
-    let got = prefill(&gpu, layout, &batch, &kq, &kk, &kv);
+    let want = prefill_on(&cpu, &table, &batch, &kq, &kk, &kv);
+    let got = prefill_on(&gpu, &table, &batch, &kq, &kk, &kv);
     assert!(max_err(&got, &want) < 1e-4, "paged: {}", max_err(&got, &want));
 }
 
@@ -185,8 +191,10 @@ fn a_metadata_slot_outside_the_cache_is_refused_before_any_kernel() {
         block_size: 4,
         kv_heads: 1,
         head_dim: 8,
+        tables: TableShape { rows: 1, max_blocks: 1 },
     };
     let _cache = gpu.alloc_kv(layout).unwrap();
+    let tables = block_tables(&gpu, layout, &[vec![1]]);
     let batch = PagedBatch {
         layout,
         slots: vec![9],
@@ -194,8 +202,9 @@ fn a_metadata_slot_outside_the_cache_is_refused_before_any_kernel() {
             query_start: 0,
             query_len: 1,
             context_len: 1,
-            block_table: vec![1],
+            table_row: 0,
+            table_len: 1,
         }],
     };
-    assert!(gpu.upload_paged(batch).is_err());
+    assert!(gpu.upload_paged(batch, &tables).is_err());
 }

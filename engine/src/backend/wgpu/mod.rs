@@ -20,7 +20,9 @@ mod storage;
 
 pub use device::WgpuOptions;
 
-use super::{Activation, BResult, Backend, BackendError, KvLayout, PagedBatch, RawDType, RawTensor, Readback};
+use super::{
+    Activation, BResult, Backend, BackendError, KvLayout, PagedBatch, RawDType, RawTensor, Readback, TableWrite,
+};
 use crate::arch::blocks::BlockKind;
 use crate::arch::weight_format::WeightFormat;
 use crate::fault::ledger_summary;
@@ -95,14 +97,21 @@ pub struct WgpuKvCache {
     values: Vec<Buf>,
 }
 
+/// The block tables on the device: `rows × max_blocks` u32 block ids.
+#[derive(Debug)]
+pub struct WgpuBlockTables {
+    layout: KvLayout,
+    buf: Arc<Buf>,
+}
+
 /// A step's paged-attention metadata on the device, with the host copy its checks read.
 #[derive(Debug)]
 pub struct WgpuPaged {
     host: PagedBatch,
     slots: Buf,
-    /// Per query row: offset of its block table in `tables`, and its key count (causal).
+    /// Per query row: offset of its row in `tables`, and its key count (causal).
     rows: Buf,
-    tables: Buf,
+    tables: Arc<Buf>,
 }
 
 /// The vision tower's segments on the device: per row, its segment's first row and length.
@@ -534,6 +543,7 @@ impl Backend for WgpuBackend {
     type Tensor = WgpuTensor;
     type Weight = WgpuWeight;
     type KvCache = WgpuKvCache;
+    type BlockTables = WgpuBlockTables;
     type Paged = WgpuPaged;
     type Segments = WgpuSegments;
 
@@ -655,12 +665,55 @@ impl Backend for WgpuBackend {
         }
     }
 
-    fn upload_paged(&self, batch: PagedBatch) -> BResult<WgpuPaged> {
+    fn alloc_block_tables(&self, layout: KvLayout) -> BResult<WgpuBlockTables> {
+        let bytes = (4 * layout.tables.rows * layout.tables.max_blocks).max(4) as u64;
+        if bytes > self.inner.gpu.max_binding {
+            return Err(shape_err(format!(
+                "block tables of {bytes} bytes exceed the device's storage-binding limit of {} bytes: \
+                 lower --max-num-seqs or --max-model-len",
+                self.inner.gpu.max_binding
+            )));
+        }
+        let zeros = vec![0u8; bytes as usize];
+        let buf = self.owned(bytes, Category::Activations, Some(&zeros))?;
+        Ok(WgpuBlockTables {
+            layout,
+            buf: Arc::new(buf),
+        })
+    }
+
+    fn write_block_tables(&self, tables: &mut WgpuBlockTables, writes: &[TableWrite]) -> BResult<()> {
+        let writes = super::paged::check_writes(&tables.layout, writes)?;
+        if writes.is_empty() {
+            return Ok(());
+        }
+        // Copied inside the command stream, so that the steps recorded before it read the tables
+        // as they were.
+        let ids: Vec<u8> = writes
+            .iter()
+            .flat_map(|(_, b)| b.iter().flat_map(|id| id.to_le_bytes()))
+            .collect();
+        let staging = self.owned(ids.len() as u64, Category::Staging, Some(&ids))?;
+        self.with_encoder(|enc| {
+            let mut from = 0;
+            for (at, blocks) in &writes {
+                let len = 4 * blocks.len() as u64;
+                enc.copy_buffer_to_buffer(&staging.buffer, from, &tables.buf.buffer, 4 * *at as u64, len);
+                from += len;
+            }
+        });
+        Ok(())
+    }
+
+    fn upload_paged(&self, batch: PagedBatch, tables: &WgpuBlockTables) -> BResult<WgpuPaged> {
+        if batch.layout != tables.layout {
+            return Err(shape_err("a step's batch for other block tables".into()));
+        }
         let flat = batch.flatten()?;
         Ok(WgpuPaged {
             slots: self.upload_u32(flat.slots.iter().map(|&s| s as usize))?,
             rows: self.upload_u32(flat.meta.iter().map(|&m| m as usize))?,
-            tables: self.upload_u32(flat.tables.iter().map(|&t| t as usize))?,
+            tables: tables.buf.clone(),
             host: batch,
         })
     }

@@ -4,8 +4,8 @@
 
 use super::{WgpuBackend, WgpuOptions};
 use crate::backend::cpu::CpuBackend;
-use crate::backend::suite::{host, max_err, noise};
-use crate::backend::{block_on, Activation, Backend, KvLayout, PagedBatch, PagedSeq, RawDType, RawTensor};
+use crate::backend::suite::{block_tables, host, max_err, noise};
+use crate::backend::{block_on, Activation, Backend, KvLayout, PagedBatch, PagedSeq, RawDType, RawTensor, TableShape};
 use crate::memory::ledger::MemoryLedger;
 
 /// A backend on this machine's adapter (`KVLENS_WGPU_ADAPTER` picks one, as in the server);
@@ -355,6 +355,7 @@ fn paged_attention_on(g: WgpuBackend) {
             block_size: 4,
             kv_heads,
             head_dim: d,
+            tables: TableShape { rows: 2, max_blocks: 3 },
         };
         let width = kv_heads * d;
         // Sequence A: 11 tokens in blocks [7, 2, 9]; sequence B shares block 7 (its first 4 tokens)
@@ -373,13 +374,15 @@ fn paged_attention_on(g: WgpuBackend) {
                     query_start: 0,
                     query_len: 11,
                     context_len: 11,
-                    block_table: tables[0].clone(),
+                    table_row: 0,
+                    table_len: 3,
                 },
                 PagedSeq {
                     query_start: 11,
                     query_len: 2,
                     context_len: 6,
-                    block_table: tables[1].clone(),
+                    table_row: 1,
+                    table_len: 2,
                 },
             ],
         };
@@ -397,13 +400,15 @@ fn paged_attention_on(g: WgpuBackend) {
                     query_start: 0,
                     query_len: 7,
                     context_len: 11,
-                    block_table: tables[0].clone(),
+                    table_row: 0,
+                    table_len: 3,
                 },
                 PagedSeq {
                     query_start: 7,
                     query_len: 1,
                     context_len: 6,
-                    block_table: tables[1].clone(),
+                    table_row: 1,
+                    table_len: 2,
                 },
             ],
         };
@@ -411,13 +416,14 @@ fn paged_attention_on(g: WgpuBackend) {
         let run = |be: &dyn Fn() -> Vec<f32>| be();
         let want = run(&|| {
             let mut c = cpu.alloc_kv(layout).unwrap();
-            let meta = cpu.upload_paged(fill.clone()).unwrap();
+            let t = block_tables(&cpu, layout, &tables);
+            let meta = cpu.upload_paged(fill.clone(), &t).unwrap();
             let (k, v) = (
                 cpu.upload(kv_k.clone(), &[slots.len(), width]).unwrap(),
                 cpu.upload(kv_v.clone(), &[slots.len(), width]).unwrap(),
             );
             cpu.write_kv(&mut c, 1, &k, &v, &meta).unwrap();
-            let meta = cpu.upload_paged(step.clone()).unwrap();
+            let meta = cpu.upload_paged(step.clone(), &t).unwrap();
             host(
                 &cpu,
                 &cpu.paged_attention(&c, 1, &cpu.upload(q.clone(), &[8, heads * d]).unwrap(), heads, &meta)
@@ -426,13 +432,14 @@ fn paged_attention_on(g: WgpuBackend) {
         });
         let got = run(&|| {
             let mut c = g.alloc_kv(layout).unwrap();
-            let meta = g.upload_paged(fill.clone()).unwrap();
+            let t = block_tables(&g, layout, &tables);
+            let meta = g.upload_paged(fill.clone(), &t).unwrap();
             let (k, v) = (
                 g.upload(kv_k.clone(), &[slots.len(), width]).unwrap(),
                 g.upload(kv_v.clone(), &[slots.len(), width]).unwrap(),
             );
             g.write_kv(&mut c, 1, &k, &v, &meta).unwrap();
-            let meta = g.upload_paged(step.clone()).unwrap();
+            let meta = g.upload_paged(step.clone(), &t).unwrap();
             host(
                 &g,
                 &g.paged_attention(&c, 1, &g.upload(q.clone(), &[8, heads * d]).unwrap(), heads, &meta)

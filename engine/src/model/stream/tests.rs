@@ -3,8 +3,8 @@
 //! errors for truncated or corrupt files.
 
 use super::*;
-use crate::backend::block_on;
 use crate::backend::cpu::CpuBackend;
+use crate::backend::{block_on, TableShape};
 use crate::memory::ledger::MemoryLedger;
 use crate::model::random_weights::{safetensors_header, RandomInit};
 use crate::model::weights::SafetensorsFiles;
@@ -70,7 +70,7 @@ fn stream<B: Backend>(
 fn logits<B: Backend>(be: B, model: QwenVl<B>) -> Vec<f32> {
     let patch_dim = model.cfg.vision.patch_dim();
     let mut runner = ModelRunner::new(be, model);
-    runner.allocate_kv(2, 4).unwrap();
+    runner.allocate_kv(2, 4, TableShape { rows: 1, max_blocks: 2 }).unwrap();
     let pixels: Vec<f32> = (0..16 * patch_dim)
         .map(|i| ((i * 37) % 101) as f32 / 101.0 - 0.5)
         .collect();
@@ -82,7 +82,8 @@ fn logits<B: Backend>(be: B, model: QwenVl<B>) -> Vec<f32> {
                 tokens: vec![5, 900, 1, 1, 1, 1, 33, 2047],
                 positions: (0..8).map(|i| [i, i + 1, i + 2]).collect(),
                 context_len: 8,
-                block_table: vec![0, 1],
+                new_blocks: vec![0, 1],
+                table_start: 0,
                 images: vec![ImageRows {
                     mm_hash: "image".into(),
                     rows: 0..4,
@@ -91,6 +92,7 @@ fn logits<B: Backend>(be: B, model: QwenVl<B>) -> Vec<f32> {
                 logit_rows: 8,
                 sampling: None,
             }],
+            released: Vec::new(),
         })
         .unwrap();
     block_on(step.read.unwrap()).unwrap()

@@ -1,11 +1,15 @@
-//! The model runner: it owns the loaded model, the paged KV cache tensors and the kept encoder
-//! outputs, and executes one step batch whose sequences are named by request id (vLLM's
-//! `GPUModelRunner`). The engine decides what a step computes; the runner records it on the backend
+//! The model runner: it owns the loaded model, the paged KV cache tensors with their block tables
+//! ([`block_tables`]) and the kept encoder outputs, and executes one step batch whose sequences are
+//! named by request id (vLLM's `GPUModelRunner`). The engine decides what a step computes; the runner records it on the backend
 //! and queues the one read the step needs. The start-up profile is a dummy batch through the same
 //! path ([`crate::profile`]).
 
 use crate::arch::config::ModelConfig;
-use crate::backend::{Backend, BackendError, Capabilities, DeviceMemory, KvLayout, PagedBatch, PagedSeq, Readback};
+mod block_tables;
+
+use crate::backend::{
+    Backend, BackendError, Capabilities, DeviceMemory, KvLayout, PagedBatch, PagedSeq, Readback, TableShape,
+};
 use crate::cache::{MmHash, RequestId};
 use crate::memory::ledger::{Category, MemoryLedger};
 use crate::model::rope::mrope_tables;
@@ -39,8 +43,11 @@ pub struct BatchSeq {
     pub positions: Vec<[i64; 3]>,
     /// Tokens in the KV cache after this step (this step's included).
     pub context_len: usize,
-    /// The request's KV block table.
-    pub block_table: Vec<usize>,
+    /// Blocks the request's KV block table gained since the step before (all of them when
+    /// `table_start` is 0).
+    pub new_blocks: Vec<usize>,
+    /// Index in the request's table of the first of `new_blocks` (0: the table starts afresh).
+    pub table_start: usize,
     /// Image features that replace placeholder embeddings.
     pub images: Vec<ImageRows>,
     /// How many of its last rows the step returns logits for (1 where the request samples).
@@ -56,6 +63,9 @@ pub struct BatchSeq {
 pub struct StepBatch {
     /// The scheduled requests.
     pub seqs: Vec<BatchSeq>,
+    /// Requests that finished, were aborted or were preempted since the step before: their
+    /// block-table rows are free (before this step's requests take rows).
+    pub released: Vec<RequestId>,
 }
 
 /// What a step's read brings back per logits row.
@@ -95,8 +105,17 @@ impl std::fmt::Debug for StepRead {
 pub struct ModelRunner<B: Backend> {
     be: B,
     model: QwenVl<B>,
-    kv: Option<(KvLayout, B::KvCache)>,
+    kv: Option<KvState<B>>,
     encoder_outputs: HashMap<MmHash, VisionOutput<B>>,
+}
+
+/// The KV cache, the block tables beside it on the device and their rows on the host.
+#[derive(Debug)]
+pub(crate) struct KvState<B: Backend> {
+    layout: KvLayout,
+    cache: B::KvCache,
+    tables: B::BlockTables,
+    rows: block_tables::BlockTables,
 }
 
 impl<B: Backend> ModelRunner<B> {
@@ -120,8 +139,9 @@ impl<B: Backend> ModelRunner<B> {
         &self.model
     }
 
-    /// The KV cache's geometry for `num_blocks` blocks of `block_size` tokens.
-    pub fn kv_layout(&self, num_blocks: usize, block_size: usize) -> KvLayout {
+    /// The KV cache's geometry for `num_blocks` blocks of `block_size` tokens, with block tables
+    /// of `tables`.
+    pub fn kv_layout(&self, num_blocks: usize, block_size: usize, tables: TableShape) -> KvLayout {
         let t = &self.model.cfg.text;
         KvLayout {
             layers: t.num_hidden_layers,
@@ -129,16 +149,17 @@ impl<B: Backend> ModelRunner<B> {
             block_size,
             kv_heads: t.num_key_value_heads,
             head_dim: t.head_dim,
+            tables,
         }
     }
 
     /// Hands the KV cache to the caller (the profile swaps in a scratch one).
-    pub(crate) fn take_kv(&mut self) -> Option<(KvLayout, B::KvCache)> {
+    pub(crate) fn take_kv(&mut self) -> Option<KvState<B>> {
         self.kv.take()
     }
 
     /// Puts back a KV cache taken with [`Self::take_kv`].
-    pub(crate) fn restore_kv(&mut self, kv: Option<(KvLayout, B::KvCache)>) {
+    pub(crate) fn restore_kv(&mut self, kv: Option<KvState<B>>) {
         self.kv = kv;
     }
 }
@@ -164,8 +185,10 @@ pub trait StepRunner: std::fmt::Debug {
     fn elem_bytes(&self) -> u64;
     /// The model's config.
     fn model_config(&self) -> &ModelConfig;
-    /// Replaces the KV cache with a zeroed one of `num_blocks` blocks (the old one is freed first).
-    fn allocate_kv(&mut self, num_blocks: usize, block_size: usize) -> Result<KvLayout, ModelError>;
+    /// Replaces the KV cache with a zeroed one of `num_blocks` blocks and its block tables with
+    /// empty ones of `tables` (the old ones are freed first).
+    fn allocate_kv(&mut self, num_blocks: usize, block_size: usize, tables: TableShape)
+        -> Result<KvLayout, ModelError>;
     /// Bytes per encoder-output token as kept (main features and deepstack levels).
     fn encoder_bytes_per_token(&self) -> u64;
     /// Runs the vision tower on one image and keeps its output under `mm_hash`, recorded as
@@ -216,10 +239,20 @@ impl<B: Backend> StepRunner for ModelRunner<B> {
         &self.model.cfg
     }
 
-    fn allocate_kv(&mut self, num_blocks: usize, block_size: usize) -> Result<KvLayout, ModelError> {
+    fn allocate_kv(
+        &mut self,
+        num_blocks: usize,
+        block_size: usize,
+        tables: TableShape,
+    ) -> Result<KvLayout, ModelError> {
         self.kv = None;
-        let layout = self.kv_layout(num_blocks, block_size);
-        self.kv = Some((layout, self.be.alloc_kv(layout)?));
+        let layout = self.kv_layout(num_blocks, block_size, tables);
+        self.kv = Some(KvState {
+            layout,
+            cache: self.be.alloc_kv(layout)?,
+            tables: self.be.alloc_block_tables(layout)?,
+            rows: block_tables::BlockTables::new(tables),
+        });
         Ok(layout)
     }
 
@@ -251,14 +284,18 @@ impl<B: Backend> StepRunner for ModelRunner<B> {
 
     fn execute(&mut self, batch: StepBatch) -> Result<StepRead, ModelError> {
         let be = &self.be;
-        let (layout, cache) = self
+        let kv = self
             .kv
             .as_mut()
             .ok_or_else(|| ModelError::Input("the runner has no KV cache".into()))?;
-        let bs = layout.block_size;
+        let (layout, bs) = (kv.layout, kv.layout.block_size);
+        for id in &batch.released {
+            kv.rows.release(id);
+        }
+        let mut writes = Vec::new();
         let deep_levels = self.model.cfg.vision.deepstack_visual_indexes.len();
         let mut paged = PagedBatch {
-            layout: *layout,
+            layout,
             ..PagedBatch::default()
         };
         let (mut ids, mut positions) = (Vec::new(), Vec::new());
@@ -274,8 +311,11 @@ impl<B: Backend> StepRunner for ModelRunner<B> {
             };
             ids.extend_from_slice(&s.tokens);
             positions.extend_from_slice(&s.positions);
+            let (write, row) = kv.rows.extend(&s.id, s.table_start, &s.new_blocks)?;
+            writes.push(write);
+            let table = kv.rows.row(row);
             for p in start..s.context_len {
-                let block = s.block_table.get(p / bs).ok_or_else(|| {
+                let block = table.get(p / bs).ok_or_else(|| {
                     ModelError::Input(format!("request {}: position {p} outside its block table", s.id))
                 })?;
                 paged.slots.push(block * bs + p % bs);
@@ -300,7 +340,8 @@ impl<B: Backend> StepRunner for ModelRunner<B> {
                 query_start: row0,
                 query_len: n,
                 context_len: s.context_len,
-                block_table: s.block_table,
+                table_row: row,
+                table_len: table.len(),
             });
         }
         let mut embeds = self.model.text.embed(be, &ids)?;
@@ -317,10 +358,12 @@ impl<B: Backend> StepRunner for ModelRunner<B> {
         let (cos, sin) = mrope_tables(t, &positions);
         let cos = be.upload(cos, &[ids.len(), t.head_dim])?;
         let sin = be.upload(sin, &[ids.len(), t.head_dim])?;
-        let paged = be.upload_paged(paged)?;
+        writes.retain(|w| !w.blocks.is_empty());
+        be.write_block_tables(&mut kv.tables, &writes)?;
+        let paged = be.upload_paged(paged, &kv.tables)?;
         let hidden = self.model.text.forward(
             be,
-            cache,
+            &mut kv.cache,
             DecoderInput {
                 embeds,
                 cos,
