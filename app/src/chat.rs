@@ -2,15 +2,11 @@
 //! paste), streamed tokens, sampling settings, stop, a new conversation, and per-message prefill
 //! and decode speeds.
 
-use crate::local_engine::Local;
+use crate::engine_worker::EngineWorker;
+use crate::protocol::{FromWorker, Turn};
 use base64::engine::general_purpose::STANDARD;
 use base64::Engine as _;
 use js_sys::Uint8Array;
-use kvlens_engine::cache::RequestId;
-use kvlens_engine::engine::TokenEvent;
-use kvlens_engine::input::chat::{ChatMessage, Content, ContentPart, ImageUrl};
-use kvlens_engine::input::processor::InlineImages;
-use kvlens_engine::output::Output;
 use kvlens_engine::sample::SamplingParams;
 use leptos::prelude::*;
 use std::collections::HashMap;
@@ -42,23 +38,14 @@ struct Sampling {
     max_tokens: usize,
 }
 
-/// The engine-side conversation: every earlier turn, then the new user message.
-fn chat_messages(history: &[Message]) -> Vec<ChatMessage> {
+/// The conversation as the engine's worker takes it.
+fn turns(history: &[Message]) -> Vec<Turn> {
     history
         .iter()
-        .map(|m| {
-            let mut parts: Vec<ContentPart> = m
-                .images
-                .iter()
-                .map(|url| ContentPart::ImageUrl {
-                    image_url: ImageUrl { url: url.clone() },
-                })
-                .collect();
-            parts.push(ContentPart::Text { text: m.text.clone() });
-            ChatMessage {
-                role: m.role.to_string(),
-                content: Content::Parts(parts),
-            }
+        .map(|m| Turn {
+            role: m.role.to_string(),
+            text: m.text.clone(),
+            images: m.images.clone(),
         })
         .collect()
 }
@@ -81,11 +68,11 @@ fn now_ms() -> f64 {
     js_sys::Date::now()
 }
 
-/// The chat panel for the loaded engine (`local` is set once a model is ready).
+/// The chat panel for the engine in the worker (`ready` once a model is loaded).
 #[component]
 pub fn Chat(
-    /// The loaded model, once there is one.
-    local: StoredValue<Option<Rc<Local>>, LocalStorage>,
+    /// The engine's worker.
+    engine: StoredValue<Option<Rc<EngineWorker>>, LocalStorage>,
     /// Whether a model is loaded.
     ready: Signal<bool>,
     /// Thumbnails by mm hash, filled as images are sent (for the memory view).
@@ -95,7 +82,7 @@ pub fn Chat(
     let pending = RwSignal::new(Vec::<String>::new());
     let text = RwSignal::new(String::from("Describe this image."));
     let error = RwSignal::new(None::<String>);
-    let running = RwSignal::new(None::<RequestId>);
+    let running = RwSignal::new(None::<String>);
     let sampling = RwSignal::new(Sampling {
         temperature: 0.0,
         top_p: 1.0,
@@ -117,7 +104,7 @@ pub fn Chat(
     };
 
     let send = move || {
-        let Some(local) = local.get_value() else { return };
+        let Some(engine) = engine.get_value() else { return };
         if running.get_untracked().is_some() {
             return;
         }
@@ -142,30 +129,15 @@ pub fn Chat(
         let n = next_id.get_value();
         next_id.set_value(n + 1);
         let id = format!("chat-{n}");
-        let request = match local
-            .input
-            .request(&id, &chat_messages(&history), params, false, &mut InlineImages)
-        {
-            Ok(r) => r,
-            Err(e) => {
-                error.set(Some(e.to_string()));
-                return;
-            }
-        };
+        let conversation = turns(&history);
         // The prompt's images in order are the messages' images in order.
         let urls: Vec<String> = history.iter().flat_map(|m| m.images.iter().cloned()).collect();
-        thumbnails.update(|t| {
-            for (img, url) in request.images.iter().zip(urls) {
-                t.entry(img.mm_hash.as_str().to_string()).or_insert(url);
-            }
-        });
-        let prompt_len = request.prompt.len();
         history.push(Message {
             role: "assistant",
             text: String::new(),
             images: Vec::new(),
             token_ids: Vec::new(),
-            stats: format!("{prompt_len} prompt tokens…"),
+            stats: "tokenizing…".into(),
             live: true,
         });
         messages.set(history);
@@ -173,53 +145,72 @@ pub fn Chat(
         text.set(String::new());
         let started = now_ms();
         let mut first = None::<f64>;
-        let decoder = Rc::clone(&local);
-        // Each token is decoded once, as the server does (re-decoding the whole reply per token
-        // is quadratic in its length).
-        let mut output = Output::new(Vec::new(), false);
-        let sink = Box::new(move |e: &TokenEvent| {
-            let delta = output.push(&decoder.input.tokenizer, e.clone());
-            let now = now_ms();
-            let first_at = *first.get_or_insert(now);
-            messages.update(|m| {
-                let Some(last) = m.last_mut() else { return };
-                last.token_ids.push(e.token);
-                match &delta {
-                    Ok(delta) => last.text.push_str(&delta.text),
-                    Err(err) => last.text.push_str(&format!(" (cannot decode: {err})")),
-                }
-                let n = last.token_ids.len();
-                let prefill = prompt_len as f64 / ((first_at - started).max(1.0) / 1e3);
-                last.stats = if n > 1 {
-                    let decode = (n - 1) as f64 / ((now - first_at).max(1.0) / 1e3);
-                    format!(
-                        "prefill {prompt_len} tokens at {prefill:.0} tok/s · decode {n} tokens at {decode:.1} tok/s"
-                    )
-                } else {
-                    format!("prefill {prompt_len} tokens at {prefill:.0} tok/s")
-                };
-                if let Some(f) = e.finish {
-                    last.live = false;
-                    last.stats.push_str(&format!(" · finished: {}", f.as_str()));
-                }
-            });
-            if e.finish.is_some() {
-                running.set(None);
+        let mut prompt_len = 0;
+        let listener = Box::new(move |msg: &FromWorker| match msg {
+            FromWorker::Accepted {
+                prompt_len: n,
+                mm_hashes,
+                ..
+            } => {
+                prompt_len = *n;
+                thumbnails.update(|t| {
+                    for (hash, url) in mm_hashes.iter().zip(urls.iter()) {
+                        t.entry(hash.clone()).or_insert(url.clone());
+                    }
+                });
+                messages.update(|m| {
+                    if let Some(last) = m.last_mut() {
+                        last.stats = format!("{n} prompt tokens…");
+                    }
+                });
             }
+            FromWorker::Refused { error: e, .. } => {
+                running.set(None);
+                messages.update(|m| {
+                    m.pop();
+                });
+                error.set(Some(e.clone()));
+            }
+            FromWorker::Token {
+                token,
+                text: delta,
+                finish,
+                ..
+            } => {
+                let now = now_ms();
+                let first_at = *first.get_or_insert(now);
+                messages.update(|m| {
+                    let Some(last) = m.last_mut() else { return };
+                    last.token_ids.push(*token);
+                    last.text.push_str(delta);
+                    let n = last.token_ids.len();
+                    let prefill = prompt_len as f64 / ((first_at - started).max(1.0) / 1e3);
+                    last.stats = if n > 1 {
+                        let decode = (n - 1) as f64 / ((now - first_at).max(1.0) / 1e3);
+                        format!(
+                            "prefill {prompt_len} tokens at {prefill:.0} tok/s · decode {n} tokens at {decode:.1} tok/s"
+                        )
+                    } else {
+                        format!("prefill {prompt_len} tokens at {prefill:.0} tok/s")
+                    };
+                    if let Some(f) = finish {
+                        last.live = false;
+                        last.stats.push_str(&format!(" · finished: {f}"));
+                    }
+                });
+                if finish.is_some() {
+                    running.set(None);
+                }
+            }
+            _ => {}
         });
-        running.set(Some(RequestId::from(id.as_str())));
-        if let Err(e) = local.submit(request, sink) {
-            running.set(None);
-            messages.update(|m| {
-                m.pop();
-            });
-            error.set(Some(e));
-        }
+        running.set(Some(id.clone()));
+        engine.chat(&id, conversation, params, listener);
     };
 
     let stop = move |_| {
-        if let (Some(local), Some(id)) = (local.get_value(), running.get_untracked()) {
-            local.abort(&id);
+        if let (Some(engine), Some(id)) = (engine.get_value(), running.get_untracked()) {
+            engine.abort(&id);
             running.set(None);
             messages.update(|m| {
                 if let Some(last) = m.last_mut() {

@@ -55,8 +55,11 @@ fn js_error(what: &str, e: JsValue) -> String {
 /// The response for `url`, from Cache Storage when it holds it, else fetched (and stored there
 /// while it is read; a cache that refuses, e.g. over quota, only costs the next reload).
 async fn fetch_cached(url: &str) -> Result<Option<Response>, String> {
-    let window = web_sys::window().ok_or("no window")?;
-    let cache: Option<Cache> = match window.caches() {
+    // Loading runs in the engine's worker.
+    let scope: web_sys::WorkerGlobalScope = js_sys::global()
+        .dyn_into()
+        .map_err(|_| "checkpoints are fetched in the engine's worker")?;
+    let cache: Option<Cache> = match scope.caches() {
         Ok(storage) => JsFuture::from(storage.open(CACHE_NAME))
             .await
             .ok()
@@ -70,7 +73,7 @@ async fn fetch_cached(url: &str) -> Result<Option<Response>, String> {
             }
         }
     }
-    let response: Response = JsFuture::from(window.fetch_with_str(url))
+    let response: Response = JsFuture::from(scope.fetch_with_str(url))
         .await
         .map_err(|e| js_error(&format!("fetching {url}"), e))?
         .unchecked_into();

@@ -1,6 +1,7 @@
-//! The engine running in this tab: the checkpoint streamed onto the wgpu backend over the page's
-//! WebGPU (or, without WebGPU, the CPU backend in wasm), sized by the same start-up code as
-//! `kvlens serve`, and stepped by one task that awaits each step's read so the page stays live.
+//! The engine running in this tab's Web Worker ([`crate::worker`]): the checkpoint streamed onto
+//! the wgpu backend over the worker's WebGPU (or, without WebGPU, the CPU backend in wasm), sized
+//! by the same start-up code as `kvlens serve`, and stepped by one task that awaits each step's
+//! read and yields between steps, so that aborts and new requests land in between.
 
 use crate::checkpoint::{CheckpointInfo, Source};
 use crate::memory_view::{size, Budget, ResetKind};
@@ -23,7 +24,7 @@ use std::collections::HashMap;
 use std::rc::Rc;
 
 /// The tiny model's settings: a small KV cache so its blocks can be watched one by one.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Settings {
     /// KV blocks to allocate (vLLM's `--kv-cache-memory` is set to this many pages).
     pub kv_blocks: u64,
@@ -59,7 +60,7 @@ pub enum Device {
 }
 
 impl Device {
-    /// The WebGPU backend when the browser has an adapter, else the CPU one with the reason.
+    /// The WebGPU backend when the worker has an adapter, else the CPU one with the reason.
     pub async fn open() -> Device {
         match WgpuBackend::new(MemoryLedger::new(), WgpuOptions::default()).await {
             Ok(b) => Device::WebGpu(b),
@@ -135,7 +136,7 @@ pub fn verdict(info: &CheckpointInfo, device: &Device, s: Settings) -> Result<Pl
 }
 
 /// Loading progress: tensors and bytes converted so far.
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Progress {
     /// Tensors on the device.
     pub tensors: usize,
@@ -421,12 +422,12 @@ impl Local {
     }
 }
 
-/// Gives the event loop a turn (a resolved promise is a microtask: a zero timeout is not).
+/// Gives the worker's event loop a turn, for the page's messages (a resolved promise is a
+/// microtask: a zero timeout is not).
 async fn yield_to_browser() {
     let promise = js_sys::Promise::new(&mut |resolve, _| {
-        if let Some(w) = web_sys::window() {
-            let _ = w.set_timeout_with_callback_and_timeout_and_arguments_0(&resolve, 0);
-        }
+        let scope: web_sys::WorkerGlobalScope = wasm_bindgen::JsCast::unchecked_into(js_sys::global());
+        let _ = scope.set_timeout_with_callback_and_timeout_and_arguments_0(&resolve, 0);
     });
     let _ = wasm_bindgen_futures::JsFuture::from(promise).await;
 }

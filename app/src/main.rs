@@ -1,19 +1,27 @@
 //! The kvlens playground: a Qwen-VL model running in the browser while its KV blocks, encoder
 //! cache and memory ledger fill and empty (`/`), and the start-up memory planner (`/planner`).
-//! Both pages run the engine crate's own code in wasm.
+//! Both pages run the engine crate's own code in wasm. The same module started in a Web Worker
+//! (no window there) runs the in-browser engine instead of the page ([`worker`]).
 
 mod chat;
 mod checkpoint;
+mod engine_worker;
 mod local_engine;
 mod memory_view;
 mod planner;
 mod playground;
+mod protocol;
 mod server_mode;
+mod worker;
 
 use leptos::prelude::*;
 
 fn main() {
     console_error_panic_hook::set_once();
+    if web_sys::window().is_none() {
+        worker::run();
+        return;
+    }
     leptos::mount::mount_to_body(App);
 }
 

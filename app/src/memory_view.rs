@@ -9,7 +9,7 @@ use leptos::prelude::*;
 use std::collections::{BTreeMap, HashMap};
 
 /// Which cache a reset button empties.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum ResetKind {
     /// The prefix cache (vLLM `/reset_prefix_cache`).
     Prefix,
@@ -20,7 +20,7 @@ pub enum ResetKind {
 }
 
 /// The budget the bar is drawn against: what start-up planned for this engine.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Budget {
     /// The device's memory.
     pub total_bytes: u64,

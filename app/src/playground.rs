@@ -1,11 +1,14 @@
 //! The playground page: load a checkpoint into the in-browser engine (the bundled demo model, a
 //! URL or files from disk), see the planner's verdict first, chat with images, and watch the
-//! engine's memory live. Or watch a running server instead (server mode).
+//! engine's memory live. Or watch a running server instead (server mode). The engine runs in a Web
+//! Worker ([`crate::engine_worker`]); this page only draws what it reports.
 
 use crate::chat::Chat;
 use crate::checkpoint::Source;
-use crate::local_engine::{verdict, Device, Local, Progress, Settings};
+use crate::engine_worker::EngineWorker;
+use crate::local_engine::{Progress, Settings};
 use crate::memory_view::{size, Budget, MemoryView, ResetKind};
+use crate::protocol::FromWorker;
 use crate::server_mode::ServerMode;
 use kvlens_engine::arch::weight_format::WeightFormat;
 use kvlens_engine::occupancy::Occupancy;
@@ -25,9 +28,11 @@ fn demo_url() -> String {
 /// The playground page.
 #[component]
 pub fn Playground() -> impl IntoView {
-    let local = StoredValue::new_local(None::<Rc<Local>>);
-    let device = StoredValue::new_local(None::<Rc<Device>>);
-    let device_text = RwSignal::new(String::from("looking for a WebGPU adapter…"));
+    let engine = StoredValue::new_local(None::<Rc<EngineWorker>>);
+    let device_text = RwSignal::new(String::from(
+        "starting the engine's worker, looking for a WebGPU adapter…",
+    ));
+    let has_device = RwSignal::new(false);
     let status = RwSignal::new(String::from("no model loaded"));
     let ready = RwSignal::new(false);
     let busy = RwSignal::new(false);
@@ -43,78 +48,57 @@ pub fn Playground() -> impl IntoView {
     // Watching a server instead of the engine in this tab (which stays loaded meanwhile).
     let watching = RwSignal::new(false);
 
-    wasm_bindgen_futures::spawn_local(async move {
-        let d = Device::open().await;
-        device_text.set(d.describe());
-        device.set_value(Some(Rc::new(d)));
-    });
+    let on_event = move |msg: FromWorker| match msg {
+        FromWorker::Device(text) => {
+            device_text.set(text);
+            has_device.set(true);
+        }
+        FromWorker::Status(text) => status.set(text),
+        FromWorker::Verdict(text) => verdict_text.set(Some(text)),
+        FromWorker::Progress(p) => progress.set(Some(p)),
+        FromWorker::Loaded { device, budget: b } => {
+            budget.set(Some(b));
+            status.set(format!("ready · {device}"));
+            ready.set(true);
+            busy.set(false);
+        }
+        FromWorker::Failed(e) => {
+            if verdict_text.get_untracked().is_none() {
+                verdict_text.set(Some(format!("refused: {e}")));
+            }
+            status.set(format!("not loaded: {e}"));
+            busy.set(false);
+        }
+        FromWorker::Occupancy(o) => occupancy.set(Some(*o)),
+        FromWorker::StepFailed(e) => status.set(format!("ready, after a failed step: {e}")),
+        FromWorker::Reset(text) => reset_result.set(Some(text)),
+        // Messages about a request go to its listener.
+        FromWorker::Accepted { .. } | FromWorker::Refused { .. } | FromWorker::Token { .. } => {}
+    };
+    match EngineWorker::spawn(on_event) {
+        Ok(w) => engine.set_value(Some(w)),
+        Err(e) => device_text.set(format!("no engine: {e}")),
+    }
 
     let load = move |source: Source| {
-        let Some(dev) = device.get_value() else {
+        let Some(worker) = engine.get_value() else { return };
+        if !has_device.get_untracked() {
             status.set("still looking for a device; try again in a moment".into());
             return;
-        };
+        }
         if busy.get_untracked() {
             return;
         }
         busy.set(true);
         ready.set(false);
-        local.set_value(None);
         occupancy.set(None);
-        let s = settings.get_untracked();
-        wasm_bindgen_futures::spawn_local(async move {
-            let result = async {
-                status.set("reading the checkpoint's small files…".into());
-                let info = source.info().await?;
-                let plan = verdict(&info, &dev, s)?;
-                let weights = match s.quantization {
-                    WeightFormat::Unquantized => "f32".to_string(),
-                    q => format!("{q}, other tensors f32"),
-                };
-                verdict_text.set(Some(format!(
-                    "fits on {}: weights {} ({weights}), KV cache {} = {} blocks × {} tokens, the longest context {} tokens",
-                    plan.device,
-                    size(plan.weights_bytes),
-                    size(plan.available_kv_bytes.max(0) as u64),
-                    plan.num_gpu_blocks,
-                    plan.block_size,
-                    plan.max_model_len
-                )));
-                status.set("loading the weights…".into());
-                let on_progress = move |p: Progress| progress.set(Some(p));
-                Local::load(
-                    &source,
-                    &info,
-                    &dev,
-                    s,
-                    &on_progress,
-                    Box::new(move |o| occupancy.set(Some(o))),
-                    Box::new(move |e| status.set(format!("ready, after a failed step: {e}"))),
-                )
-                .await
-            }
-            .await;
-            match result {
-                Ok(l) => {
-                    budget.set(Some(l.budget()));
-                    status.set(format!("ready · {}", l.device));
-                    local.set_value(Some(l));
-                    ready.set(true);
-                }
-                Err(e) => {
-                    if verdict_text.get_untracked().is_none() {
-                        verdict_text.set(Some(format!("refused: {e}")));
-                    }
-                    status.set(format!("not loaded: {e}"));
-                }
-            }
-            busy.set(false);
-        });
+        verdict_text.set(None);
+        worker.load(&source, settings.get_untracked());
     };
 
     let on_reset = Callback::new(move |kind: ResetKind| {
-        if let Some(l) = local.get_value() {
-            reset_result.set(Some(l.reset(kind)));
+        if let Some(w) = engine.get_value() {
+            w.reset(kind);
         }
     });
 
@@ -200,7 +184,7 @@ pub fn Playground() -> impl IntoView {
                 <p data-testid="model-status">{move || status.get()}</p>
             </section>
             <div class="columns">
-                <Chat local=local ready=ready.into() thumbnails=thumbnails />
+                <Chat engine=engine ready=ready.into() thumbnails=thumbnails />
                 <MemoryView occupancy=occupancy.into() budget=budget.into() on_reset=on_reset
                     reset_result=reset_result.into() thumbnails=thumbnails.into() />
             </div>

@@ -339,18 +339,28 @@ async function playgroundOnCpu(base) {
     const device = await byTest(page, 'device').textContent();
     assert(device.startsWith('CPU backend'), `WebGPU was off, yet: ${device}`);
     await loadDemo(page);
-    // The page's longest main-thread task while the CPU fallback generates (the engine runs on
-    // the page's thread: each step is one task). Reported, not asserted: a Web Worker is to bring
-    // it under 100 ms.
-    await page.evaluate(() => {
+    // The engine runs in a Web Worker started from the page's own module (a blob: URL).
+    const workers = page.workers().map((w) => w.url());
+    assert(workers.length === 1 && workers[0].startsWith('blob:'), `the engine's worker: ${JSON.stringify(workers)}`);
+    // The page's longest main-thread task while the CPU fallback generates: the steps run in the
+    // worker, the page only draws tokens and occupancy (reported, not asserted: a timing). The
+    // first reply's text also makes Chromium look up fallback fonts for its scripts (the random
+    // demo model writes Cyrillic and CJK), a one-off layout task; the same reply again, in a new
+    // conversation, measures the page alone.
+    const observe = () => page.evaluate(() => {
       window.__longestTask = 0;
       new PerformanceObserver((list) => {
         for (const e of list.getEntries()) window.__longestTask = Math.max(window.__longestTask, e.duration);
       }).observe({ type: 'longtask' });
     });
+    await observe();
     sameTokens(await ask(page, 0), 'CPU fallback');
-    const longest = await page.evaluate(() => window.__longestTask);
-    console.log(`    longest main-thread task while the CPU fallback generated: ${longest.toFixed(0)} ms`);
+    const cold = await page.evaluate(() => window.__longestTask);
+    await byTest(page, 'new-conversation').click();
+    await observe();
+    sameTokens(await ask(page, 0), 'CPU fallback, again');
+    const warm = await page.evaluate(() => window.__longestTask);
+    console.log(`    longest main-thread task while the CPU fallback generated: ${warm.toFixed(0)} ms (${cold.toFixed(0)} ms for the first reply, fonts looked up)`);
   } finally {
     await b.close();
   }

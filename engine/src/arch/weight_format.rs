@@ -12,7 +12,7 @@
 use super::blocks::{BlockKind, BlockRows, BLOCK};
 
 /// The storage of the weight matrices, as `--quantization` names it (`None`: unquantized).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum WeightFormat {
     /// The compute dtype (f32 on the CPU), or half precision where the backend keeps it.

@@ -148,8 +148,18 @@ pub struct KvSummary {
     pub tables: BTreeMap<RequestId, Vec<BlockId>>,
     /// The first 16 hex digits of each hashed block's hash, by block id; empty for caches of
     /// more than [`KvSummary::MAX_HASHED_BLOCKS`] blocks, which a UI draws grouped.
-    #[serde(default)]
+    #[serde(default, deserialize_with = "block_keyed")]
     pub hashes: BTreeMap<BlockId, String>,
+}
+
+/// A map by block id read from a JSON object, whose keys are strings: also where serde buffers
+/// them before they reach the map (under a `#[serde(flatten)]` parent such as
+/// [`crate::occupancy::Occupancy`], which would refuse a string where it wants a number).
+fn block_keyed<'de, D: serde::Deserializer<'de>>(d: D) -> Result<BTreeMap<BlockId, String>, D::Error> {
+    BTreeMap::<String, String>::deserialize(d)?
+        .into_iter()
+        .map(|(k, v)| k.parse().map(|k| (k, v)).map_err(serde::de::Error::custom))
+        .collect()
 }
 
 impl KvSummary {
@@ -526,6 +536,31 @@ mod tests {
         admit(&mut big, "a", &prompt, &[]);
         assert!(big.summary().hashes.is_empty());
         assert_eq!(big.summary().num_in_use, 3);
+    }
+
+    /// The playground's worker sends the summary inside a flattened snapshot: its block ids, JSON
+    /// object keys, come back as numbers there too.
+    #[test]
+    fn a_summary_with_hashes_reads_back_from_json_under_a_flattened_parent() {
+        #[derive(Serialize, Deserialize)]
+        struct Parent {
+            #[serde(flatten)]
+            child: Child,
+        }
+        #[derive(Serialize, Deserialize)]
+        struct Child {
+            kv: KvSummary,
+        }
+        let mut m = KvCacheManager::new(16, 16, 1024, true).unwrap();
+        admit(&mut m, "a", &toks(40, 1), &[]);
+        let kv = m.summary();
+        assert_eq!(kv.hashes.len(), 2);
+        let json = serde_json::to_string(&Parent {
+            child: Child { kv: kv.clone() },
+        })
+        .unwrap();
+        let back: Parent = serde_json::from_str(&json).unwrap();
+        assert_eq!(back.child.kv, kv);
     }
 
     #[test]
