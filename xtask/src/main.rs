@@ -38,7 +38,7 @@ fn main() -> Result<()> {
         "fuzz" => fuzz(env::args().nth(2).as_deref()),
         "gpu-check" => gpu_check(),
         _ => {
-            eprintln!("usage: cargo xtask <task>\n\n  test   fmt check, clippy (warnings denied), all tests, the engine's wasm32 build, the engine and the playground in headless Chromium\n  browser-test  the engine in headless Chromium against native `kvlens generate`\n  e2e    the playground (trunk's release build) in headless Chromium, driven by Playwright\n  demo   build the playground and serve it on http://127.0.0.1:8000/ (extra args go to `kvlens serve`)\n  golden regenerate engine/tests/fixtures/golden/ with Hugging Face transformers (extra args go to golden.py)\n  bench  kvlens generate vs transformers on a full-size random Qwen3-VL-2B (extra args go to the script)\n  bench kernels  the wgpu matmul kernels (decode GEMV, prefill GEMM) against the CPU backend (extra args go to `kvlens bench kernels`, e.g. --quick)\n  soak   kvlens serve on the demo model under 256 streaming clients for 10 minutes, then the leak checks (extra args go to `kvlens bench soak`)\n  fuzz [ITERATIONS]  every fuzz target in fuzz/ for ITERATIONS inputs each (default {DEFAULT_FUZZ_RUNS})\n  gpu-check  gpu-check/: the release kvlens with --features cuda, the engine's CUDA tests, the golden fixtures and tools/gpu_check/ (at most 64 MiB), to run on a GPU machine with gpu-check/run.sh OUT");
+            eprintln!("usage: cargo xtask <task>\n\n  test   fmt check, clippy (warnings denied), all tests, the engine's wasm32 build, the engine and the playground in headless Chromium\n  browser-test  the engine in headless Chromium against native `kvlens generate`\n  e2e    the playground (trunk's build in cargo's release profile, without wasm-opt) in headless Chromium, driven by Playwright\n  demo   build the playground and serve it on http://127.0.0.1:8000/ (extra args go to `kvlens serve`)\n  golden regenerate engine/tests/fixtures/golden/ with Hugging Face transformers (extra args go to golden.py)\n  bench  kvlens generate vs transformers on a full-size random Qwen3-VL-2B (extra args go to the script)\n  bench kernels  the wgpu matmul kernels (decode GEMV, prefill GEMM) against the CPU backend (extra args go to `kvlens bench kernels`, e.g. --quick)\n  soak   kvlens serve on the demo model under 256 streaming clients for 10 minutes, then the leak checks (extra args go to `kvlens bench soak`)\n  fuzz [ITERATIONS]  every fuzz target in fuzz/ for ITERATIONS inputs each (default {DEFAULT_FUZZ_RUNS})\n  gpu-check  gpu-check/: the release kvlens with --features cuda, the engine's CUDA tests, the golden fixtures and tools/gpu_check/ (at most 64 MiB), to run on a GPU machine with gpu-check/run.sh OUT");
             std::process::exit(2);
         }
     }
@@ -191,13 +191,14 @@ fn test() -> Result<()> {
         "warnings",
     ]))?;
     let (passed, failed) = cargo_test(&["--workspace"])?;
-    run(cargo().args(["build", "--target", "wasm32-unknown-unknown", "-p", "kvlens-engine"]))?;
     // `cargo test --workspace` has just built target/debug/kvlens (the server's tests run it).
     let (browser_passed, browser_failed) = browser_test(false)?;
+    // The playground's build (cargo's release profile) in it is also the engine's wasm32 build without its test
+    // helpers (the browser test's build has them).
     let (e2e_passed, e2e_failed) = e2e(false)?;
-    // Last, so the steps above ran the default build of target/debug/kvlens: the CUDA backend
-    // builds and links without a CUDA toolkit, and its GPU-free tests run (the rest are ignored).
-    run(cargo().args(["build", "-p", "kvlens", "--features", "cuda"]))?;
+    // The CUDA backend (checked by clippy above with the server's `cuda` feature) links without a
+    // CUDA toolkit and its GPU-free tests run (the rest are ignored); the release kvlens with
+    // `cuda` is built by `cargo xtask gpu-check`.
     let nvrtc = ensure_nvrtc()?;
     let (cuda_passed, cuda_failed) = cargo_test_in(
         cargo().env("LD_LIBRARY_PATH", nvrtc),
@@ -544,7 +545,7 @@ fn browser_test(build_kvlens: bool) -> Result<(u64, u64)> {
 fn demo(serve_args: &[String]) -> Result<()> {
     run(cargo().args(["build", "--release", "-p", "kvlens"]))?;
     let kvlens = target_dir().join("release").join("kvlens");
-    let dist = build_playground(&kvlens)?;
+    let dist = build_playground(&kvlens, true)?;
     run(Command::new(&kvlens)
         .arg("serve")
         .arg("--playground-dir")
@@ -552,16 +553,24 @@ fn demo(serve_args: &[String]) -> Result<()> {
         .args(serve_args))
 }
 
-/// The playground's files in dist/: trunk's release build of app/ (Trunk.toml: offline, with the
-/// tools [`ensure_web_tools`] installs) and the demo checkpoint in dist/demo-model/, written by
-/// `kvlens` (the model `kvlens serve` runs without --model).
-fn build_playground(kvlens: &Path) -> Result<PathBuf> {
+/// The playground's files in dist/: trunk's build of app/ in cargo's release profile (Trunk.toml:
+/// offline, with the tools [`ensure_web_tools`] installs) and the demo checkpoint in
+/// dist/demo-model/, written by `kvlens` (the model `kvlens serve` runs without --model).
+/// `shrink`: trunk's release mode, which also runs `wasm-opt -Oz` (6.8 MB instead of 9.0, three
+/// minutes on 2 cores); the tests take the module as wasm-bindgen leaves it.
+fn build_playground(kvlens: &Path, shrink: bool) -> Result<PathBuf> {
     ensure_wasm_target()?;
     let tokenizer = ensure_tokenizer()?;
     ensure_web_tools()?;
     let wb = locked_wasm_bindgen_version()?;
+    let mode: &[&str] = if shrink {
+        &["--release"]
+    } else {
+        &["--cargo-profile", "release"]
+    };
     run(Command::new("trunk")
-        .args(["build", "--release"])
+        .arg("build")
+        .args(mode)
         .current_dir(workspace_root())
         .env("TRUNK_TOOLS_WASM_BINDGEN", &wb))?;
     let dist = workspace_root().join("dist");
@@ -594,7 +603,7 @@ fn e2e(build_kvlens: bool) -> Result<(u64, u64)> {
     if !kvlens.is_file() {
         bail!("{} is missing: run `cargo build -p kvlens`", kvlens.display());
     }
-    let dist = build_playground(&kvlens)?;
+    let dist = build_playground(&kvlens, false)?;
     let work = cache_dir().join("e2e");
     let artifacts = work.join("artifacts");
     std::fs::create_dir_all(&artifacts)?;
