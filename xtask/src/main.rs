@@ -193,8 +193,8 @@ fn test() -> Result<()> {
     let (passed, failed) = cargo_test(&["--workspace"])?;
     // `cargo test --workspace` has just built target/debug/kvlens (the server's tests run it).
     let (browser_passed, browser_failed) = browser_test(false)?;
-    // The playground's build (cargo's release profile) in it is also the engine's wasm32 build without its test
-    // helpers (the browser test's build has them).
+    // The playground's build (cargo's release profile) in it is also the engine's wasm32 build
+    // without its test helpers (the browser test's build has them).
     let (e2e_passed, e2e_failed) = e2e(false)?;
     // The CUDA backend (checked by clippy above with the server's `cuda` feature) links without a
     // CUDA toolkit and its GPU-free tests run (the rest are ignored); the release kvlens with
