@@ -6,6 +6,7 @@
 use std::sync::OnceLock;
 
 use crate::arch::config::{bundled_config, Family, ImageLimits, ModelConfig, ProcessorKwargs};
+use crate::arch::gguf::Gguf;
 use crate::backend::cpu::CpuBackend;
 use crate::backend::Backend;
 use crate::input::chat::{default_template, image_sources, ChatMessage, ChatTemplate, RenderOptions};
@@ -28,6 +29,7 @@ pub const TARGETS: &[(&str, Harness)] = &[
     ("chat", chat),
     ("vllm_log", vllm_log),
     ("mm_flags", mm_flags),
+    ("gguf", gguf),
 ];
 
 /// The image harness's pixel limit: 1 megapixel, so that no decoder may allocate more than the
@@ -203,5 +205,21 @@ pub fn mm_flags(data: &[u8]) {
         if let Ok(p) = plan(&req) {
             let _ = p.vllm_log_lines();
         }
+    }
+}
+
+/// Values a tensor of the GGUF harness may have to be dequantized (larger ones are only parsed).
+const GGUF_MAX_DEQUANTIZED: u64 = 1 << 16;
+
+/// A GGUF file: its header parsed and checked against the input's length, then every tensor
+/// small enough dequantized from the bytes the header says it has.
+pub fn gguf(data: &[u8]) {
+    let Ok(file) = Gguf::parse(data, data.len() as u64) else {
+        return;
+    };
+    for t in file.tensors.iter().filter(|t| t.numel() <= GGUF_MAX_DEQUANTIZED) {
+        let bytes = &data[t.start as usize..(t.start + t.bytes) as usize];
+        let mut out = vec![0f32; t.numel() as usize];
+        t.ggml_type.dequantize(bytes, &mut out);
     }
 }

@@ -871,6 +871,7 @@ fn fuzz_dictionary(target: &str) -> Option<&'static str> {
     match target {
         "image" => None,
         "safetensors" => Some("fuzz/dicts/safetensors.dict"),
+        "gguf" => Some("fuzz/dicts/gguf.dict"),
         _ => Some("fuzz/dicts/text.dict"),
     }
 }

@@ -6,6 +6,11 @@ use super::{block_on, Activation, Backend, KvLayout, PagedBatch, PagedSeq, Table
 use crate::memory::ledger::Category;
 use crate::sample::{DeviceSampling, Rng};
 
+/// The backend the others are checked against and the model's tests load onto: the CPU backend
+/// (no device, candle's f32 products and ours). Tests elsewhere name it through here, so that only
+/// the suite and the CPU backend itself depend on which backend that is.
+pub type Reference = crate::backend::cpu::CpuBackend;
+
 /// Declares one `#[test]` per suite function for the backend `$make` builds; with
 /// `ignored "why";` first, each test is `#[ignore]`d with that reason (a backend that needs
 /// hardware the test machine may lack, run with `--ignored` where it is present).

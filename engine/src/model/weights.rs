@@ -311,7 +311,7 @@ mod tests {
     /// A checkpoint written from the specs, with one tensor dropped or reshaped.
     fn load_error(edit: impl Fn(&mut Vec<TensorSpec>)) -> String {
         use crate::arch::spec::tensor_specs;
-        use crate::backend::cpu::CpuBackend;
+        use crate::backend::suite::Reference as CpuBackend;
         use crate::memory::ledger::MemoryLedger;
         use crate::model::{random_weights::RandomInit, QwenVl};
         let cfg = crate::arch::config::ModelConfig::from_json(include_str!(

@@ -3,8 +3,7 @@
 //! fail, never skip, when there is none.
 
 use super::{WgpuBackend, WgpuOptions};
-use crate::backend::cpu::CpuBackend;
-use crate::backend::suite::{block_tables, host, max_err, noise};
+use crate::backend::suite::{block_tables, host, max_err, noise, Reference as CpuBackend};
 use crate::backend::{block_on, Activation, Backend, KvLayout, PagedBatch, PagedSeq, RawDType, RawTensor, TableShape};
 use crate::memory::ledger::MemoryLedger;
 

@@ -3,7 +3,7 @@
 //! errors for truncated or corrupt files.
 
 use super::*;
-use crate::backend::cpu::CpuBackend;
+use crate::backend::suite::Reference as CpuBackend;
 use crate::backend::{block_on, TableShape};
 use crate::memory::ledger::MemoryLedger;
 use crate::model::random_weights::{safetensors_header, RandomInit};
