@@ -177,13 +177,7 @@ impl BlockRows {
                         *o = d * (q as f32 - offset);
                     }
                 }
-                BlockKind::Q4_0 => {
-                    let (lo, hi) = out.split_at_mut(BLOCK / 2);
-                    for ((l, h), &q) in lo.iter_mut().zip(hi).zip(q) {
-                        *l = d * ((q & 0x0F) as f32 - offset);
-                        *h = d * ((q >> 4) as f32 - offset);
-                    }
-                }
+                BlockKind::Q4_0 => super::ggml::nibbles(q, out, |v| d * (v as f32 - offset)),
             }
         }
     }

@@ -189,8 +189,9 @@ fn half_at(block: &[u8], at: usize) -> f32 {
     f16::from_le_bytes([block[at], block[at + 1]]).to_f32()
 }
 
-/// 32 values from 16 bytes of nibbles: value `j` in the low half of byte `j`, `j + 16` in the high.
-fn nibbles(qs: &[u8], out: &mut [f32], value: impl Fn(u8) -> f32) {
+/// 32 values from 16 bytes of nibbles: value `j` in the low half of byte `j`, `j + 16` in the high
+/// (`q4_0` and `q4_1` here, and [`super::blocks::BlockRows`]' `q4_0` quants).
+pub(crate) fn nibbles(qs: &[u8], out: &mut [f32], value: impl Fn(u8) -> f32) {
     let (lo, hi) = out.split_at_mut(16);
     for ((l, h), &q) in lo.iter_mut().zip(hi).zip(qs) {
         *l = value(q & 0x0F);

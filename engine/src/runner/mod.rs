@@ -1,12 +1,12 @@
 //! The model runner: it owns the loaded model, the paged KV cache tensors with their block tables
 //! ([`block_tables`]) and the kept encoder outputs, and executes one step batch whose sequences are
-//! named by request id (vLLM's `GPUModelRunner`). The engine decides what a step computes; the runner records it on the backend
-//! and queues the one read the step needs. The start-up profile is a dummy batch through the same
-//! path ([`crate::profile`]).
+//! named by request id (vLLM's `GPUModelRunner`). The engine decides what a step computes; the
+//! runner records it on the backend and queues the one read the step needs. The start-up profile
+//! is a dummy batch through the same path ([`crate::profile`]).
 
-use crate::arch::config::ModelConfig;
 mod block_tables;
 
+use crate::arch::config::ModelConfig;
 use crate::backend::{
     Backend, BackendError, Capabilities, DeviceMemory, KvLayout, PagedBatch, PagedSeq, Readback, TableShape,
 };
