@@ -1731,17 +1731,29 @@ fn a_huge_prompt_is_refused_after_a_few_pieces_within_the_budget() {
     assert_eq!(ledger(&m, "requests"), 0, "{}", m["ledger"]);
     assert!(peak > 4_200_000 && peak < 256 << 20, "{}", m["ledger"]);
     assert!(growth < 768 << 20, "peak resident growth {} MiB", growth >> 20);
-    // A text of about 350,000 tokens, counted 11,000 tokens a piece; its client leaves at once.
-    // (Without `Connection: close`: hyper watches a kept-alive connection for the client's hang-up.)
+    // A text of about 350,000 tokens, counted 11,000 tokens a piece; its client leaves once the
+    // server counts pieces: the ledger's `requests` then holds a piece's 20 MiB beside the body.
+    // (Leaving at once raced: a busy server could read the body's end and the hang-up in one go
+    // and drop the handler before it tokenized. Without `Connection: close`: hyper watches a
+    // kept-alive connection for the client's hang-up.)
     let words = json!({"model": "tiny", "prompt": "hello ".repeat(350_000), "max_tokens": 1}).to_string();
-    drop(raw_open(
+    let client = raw_open(
         server.port(),
         &format!(
             "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n\
              Content-Length: {}\r\n\r\n{words}",
             words.len()
         ),
-    ));
+    );
+    let deadline = Instant::now() + Duration::from_secs(300);
+    while ledger(&memory(&server), "requests") < 2 * words.len() as u64 {
+        assert!(
+            Instant::now() < deadline,
+            "tokenizing never started: {}",
+            memory(&server)["ledger"]
+        );
+    }
+    drop(client);
     let deadline = Instant::now() + Duration::from_secs(300);
     while !server
         .log()
