@@ -1,9 +1,13 @@
-//! A Hugging Face checkpoint directory on disk: config, memory-mapped safetensors shards, tokenizer,
-//! chat template, preprocessor and generation settings. The engine gets bytes; files stay here.
+//! A checkpoint on disk: a Hugging Face directory (config, memory-mapped safetensors shards,
+//! tokenizer, chat template, preprocessor and generation settings) or a llama.cpp GGUF pair (a text
+//! model and its `mmproj-*.gguf`, memory-mapped, everything else read from their metadata). The
+//! engine gets bytes; files stay here.
 
 use crate::usage;
 use anyhow::{Context, Result};
 use kvlens_engine::arch::config::ModelConfig;
+use kvlens_engine::arch::gguf::Gguf;
+use kvlens_engine::arch::gguf_model::GgufModel;
 use kvlens_engine::model::checkpoint_files;
 use memmap2::Mmap;
 use std::fs::File;
@@ -16,8 +20,8 @@ pub struct Checkpoint {
     pub dir: PathBuf,
     /// Parsed config.json.
     pub config: ModelConfig,
-    /// `(file name, mapping)` of every safetensors shard.
-    pub shards: Vec<(String, Mmap)>,
+    /// The weights' files.
+    pub weights: WeightFiles,
     /// tokenizer.json text.
     pub tokenizer_json: Vec<u8>,
     /// chat_template.jinja, chat_template.json or tokenizer_config.json text, whichever exists.
@@ -26,6 +30,31 @@ pub struct Checkpoint {
     pub preprocessor_json: Option<String>,
     /// End-of-sequence ids from generation_config.json (falls back to the config's).
     pub eos_token_ids: Vec<u32>,
+}
+
+/// Where the weights are.
+#[derive(Debug)]
+pub enum WeightFiles {
+    /// `(file name, mapping)` of every safetensors shard.
+    Safetensors(Vec<(String, Mmap)>),
+    /// A GGUF text model and its projector.
+    Gguf(GgufPair),
+}
+
+/// A GGUF text model and its projector, mapped, with their headers.
+#[derive(Debug)]
+pub struct GgufPair {
+    /// The text model's mapping and header.
+    pub text: (Mmap, Gguf),
+    /// The projector's mapping and header.
+    pub mmproj: (Mmap, Gguf),
+}
+
+impl GgufPair {
+    /// The pair read as a checkpoint (checked when it was opened).
+    pub fn model(&self) -> Result<GgufModel<'_>> {
+        GgufModel::new(&self.text.1, &self.mmproj.1).map_err(|e| usage(e.to_string()))
+    }
 }
 
 /// The files a chat template may come from.
@@ -74,21 +103,46 @@ fn shard_names(dir: &Path) -> Result<Vec<String>> {
 }
 
 impl Checkpoint {
-    /// Opens a checkpoint directory.
-    pub fn open(dir: &Path) -> Result<Self> {
-        if !dir.is_dir() {
-            return Err(usage(format!("{} is not a directory", dir.display())));
+    /// Opens a checkpoint: a Hugging Face directory; a GGUF text model with its projector
+    /// (`mmproj`, as llama.cpp's `--mmproj`); or a directory holding one text GGUF and one
+    /// `mmproj-*.gguf`, as the Hub's GGUF repositories do.
+    pub fn open(model: &Path, mmproj: Option<&Path>) -> Result<Self> {
+        if model.is_file() {
+            let mmproj = mmproj.ok_or_else(|| {
+                usage(format!(
+                    "{} is a file: give its projector with --mmproj FILE (mmproj-*.gguf), or --model a directory",
+                    model.display()
+                ))
+            })?;
+            return Self::open_gguf(model, mmproj);
         }
+        if !model.is_dir() {
+            return Err(usage(format!("{} is neither a directory nor a file", model.display())));
+        }
+        if !model.join("config.json").is_file() {
+            if let Some((text, found)) = gguf_files(model)? {
+                return Self::open_gguf(&text, mmproj.unwrap_or(&found));
+            }
+        }
+        if let Some(m) = mmproj {
+            return Err(usage(format!(
+                "--mmproj {} goes with a GGUF model; {} is a Hugging Face checkpoint",
+                m.display(),
+                model.display()
+            )));
+        }
+        Self::open_dir(model)
+    }
+
+    /// Opens a Hugging Face checkpoint directory.
+    fn open_dir(dir: &Path) -> Result<Self> {
         let cfg_path = dir.join("config.json");
         let text = read_opt(&cfg_path)?.ok_or_else(|| usage(format!("{} has no config.json", dir.display())))?;
         let config = ModelConfig::from_json(&text).map_err(|e| usage(format!("{}: {e}", cfg_path.display())))?;
         let mut shards = Vec::new();
         for name in shard_names(dir)? {
             let path = dir.join(&name);
-            let file = File::open(&path).map_err(|e| usage(format!("cannot open {}: {e}", path.display())))?;
-            // Safety is not an issue here: the mapping is read-only and the file is not modified while we run.
-            let map = map_file(&file).with_context(|| format!("cannot map {}", path.display()))?;
-            shards.push((name, map));
+            shards.push((name, map_path(&path)?));
         }
         let tok_path = dir.join("tokenizer.json");
         let tokenizer_json =
@@ -100,7 +154,7 @@ impl Checkpoint {
         Ok(Checkpoint {
             dir: dir.to_path_buf(),
             config,
-            shards,
+            weights: WeightFiles::Safetensors(shards),
             tokenizer_json,
             template_files,
             preprocessor_json: read_opt(&dir.join("preprocessor_config.json"))?,
@@ -108,10 +162,82 @@ impl Checkpoint {
         })
     }
 
+    /// Opens a GGUF text model and its projector.
+    fn open_gguf(text: &Path, mmproj: &Path) -> Result<Self> {
+        let header = |path: &Path| -> Result<(Mmap, Gguf)> {
+            let map = map_path(path)?;
+            let gguf = Gguf::parse(&map, map.len() as u64).map_err(|e| usage(format!("{}: {e}", path.display())))?;
+            Ok((map, gguf))
+        };
+        let pair = GgufPair {
+            text: header(text)?,
+            mmproj: header(mmproj)?,
+        };
+        let named = |e: &dyn std::fmt::Display| usage(format!("{} with {}: {e}", text.display(), mmproj.display()));
+        let model = GgufModel::new(&pair.text.1, &pair.mmproj.1).map_err(|e| named(&e))?;
+        let config_json = model.config_json().map_err(|e| named(&e))?;
+        let config = ModelConfig::from_value(&config_json).map_err(|e| named(&e))?;
+        let tokenizer_json = model.tokenizer_json().map_err(|e| named(&e))?.into_bytes();
+        let template_files = TemplateFiles {
+            jinja: model.chat_template().map(str::to_string),
+            ..TemplateFiles::default()
+        };
+        let eos_token_ids = model
+            .eos_token_ids()
+            .map_err(|e| named(&e))?
+            .into_iter()
+            .map(|id| id as u32)
+            .collect();
+        let preprocessor_json = Some(model.preprocessor_json().map_err(|e| named(&e))?);
+        Ok(Checkpoint {
+            dir: text.parent().unwrap_or(Path::new(".")).to_path_buf(),
+            config,
+            weights: WeightFiles::Gguf(pair),
+            tokenizer_json,
+            template_files,
+            preprocessor_json,
+            eos_token_ids,
+        })
+    }
+
     /// Total bytes of the weight files.
     pub fn weight_bytes(&self) -> u64 {
-        self.shards.iter().map(|(_, m)| m.len() as u64).sum()
+        match &self.weights {
+            WeightFiles::Safetensors(shards) => shards.iter().map(|(_, m)| m.len() as u64).sum(),
+            WeightFiles::Gguf(p) => (p.text.0.len() + p.mmproj.0.len()) as u64,
+        }
     }
+}
+
+/// The text GGUF and the projector (`mmproj*.gguf`) of a directory, if it holds any GGUF: exactly
+/// one of each, or an error naming what is there.
+fn gguf_files(dir: &Path) -> Result<Option<(PathBuf, PathBuf)>> {
+    let listing = std::fs::read_dir(dir).map_err(|e| usage(format!("cannot list {}: {e}", dir.display())))?;
+    let mut names: Vec<String> = listing
+        .filter_map(|e| e.ok()?.file_name().into_string().ok())
+        .filter(|n| n.to_ascii_lowercase().ends_with(".gguf"))
+        .collect();
+    if names.is_empty() {
+        return Ok(None);
+    }
+    names.sort();
+    let (projectors, texts): (Vec<String>, Vec<String>) = names
+        .iter()
+        .cloned()
+        .partition(|n| n.to_ascii_lowercase().starts_with("mmproj"));
+    match (&texts[..], &projectors[..]) {
+        ([text], [mmproj]) => Ok(Some((dir.join(text), dir.join(mmproj)))),
+        _ => Err(usage(format!(
+            "{} holds {names:?}: kvlens reads one text GGUF and one mmproj-*.gguf from a directory;              name the files with --model FILE.gguf --mmproj FILE.gguf",
+            dir.display()
+        ))),
+    }
+}
+
+/// A file mapped read-only.
+fn map_path(path: &Path) -> Result<Mmap> {
+    let file = File::open(path).map_err(|e| usage(format!("cannot open {}: {e}", path.display())))?;
+    map_file(&file).with_context(|| format!("cannot map {}", path.display()))
 }
 
 #[allow(unsafe_code)]

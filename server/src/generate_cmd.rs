@@ -4,7 +4,7 @@ use crate::runtime::{device_of, load, Cancel, Frontend};
 use crate::UsageError;
 use anyhow::Result;
 use kvlens_engine::arch::config::DType;
-use kvlens_engine::arch::config::ImageLimits;
+use kvlens_engine::arch::config::{ImageLimits, ProcessorKwargs};
 use kvlens_engine::arch::weight_format::WeightFormat;
 use kvlens_engine::backend::BackendKind;
 use kvlens_engine::builder::{build_engine, BackendChoice, EngineOptions};
@@ -23,9 +23,13 @@ use std::time::Instant;
 #[derive(Debug, clap::Args)]
 #[command(allow_negative_numbers = true)]
 pub struct GenerateArgs {
-    /// Checkpoint directory (Hugging Face layout).
+    /// Checkpoint: a Hugging Face directory, a GGUF text model (with --mmproj), or a directory
+    /// holding one text GGUF and one mmproj-*.gguf.
     #[arg(long)]
     pub model: PathBuf,
+    /// The projector (mmproj-*.gguf) of a GGUF --model file, as llama.cpp's --mmproj.
+    #[arg(long)]
+    pub mmproj: Option<PathBuf>,
     /// The user message.
     #[arg(long, conflicts_with = "messages", required_unless_present = "messages")]
     pub prompt: Option<String>,
@@ -71,6 +75,10 @@ pub struct GenerateArgs {
     /// Turn off prefix caching (as vLLM's flag), so repeats show encoder-cache hits alone.
     #[arg(long)]
     pub no_enable_prefix_caching: bool,
+    /// Image processor overrides as JSON, as `kvlens serve` and vLLM take them, e.g.
+    /// '{"min_pixels": 3136, "max_pixels": 1003520}'.
+    #[arg(long)]
+    pub mm_processor_kwargs: Option<String>,
 }
 
 /// What one run produced.
@@ -111,7 +119,13 @@ fn messages(a: &GenerateArgs) -> Result<Vec<ChatMessage>> {
 pub fn run(a: &GenerateArgs) -> Result<()> {
     let msgs = messages(a)?;
     let choice = BackendChoice::new(a.backend, DType::parse(&a.dtype), a.quantization).map_err(UsageError)?;
-    let (runner, front) = load(&a.model, choice.clone())?;
+    let (runner, mut front) = load(&a.model, a.mmproj.as_deref(), choice.clone())?;
+    if let Some(json) = &a.mm_processor_kwargs {
+        let kwargs = ProcessorKwargs::parse(json).map_err(|e| UsageError(e.to_string()))?;
+        front.settings.limits = kwargs
+            .apply(front.settings.limits)
+            .map_err(|e| UsageError(e.to_string()))?;
+    }
     let params = SamplingParams {
         temperature: a.temperature,
         top_p: a.top_p,

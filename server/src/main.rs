@@ -11,6 +11,7 @@ mod random_checkpoint_cmd;
 mod runtime;
 mod serve;
 mod startup;
+mod to_gguf_cmd;
 
 use clap::{Parser, Subcommand};
 
@@ -41,6 +42,8 @@ enum Command {
     RandomCheckpoint(random_checkpoint_cmd::RandomCheckpointArgs),
     /// Serve the OpenAI-compatible API and the playground.
     Serve(Box<serve::ServeArgs>),
+    /// Write a Hugging Face checkpoint as the GGUF pair llama.cpp's converter writes (text + mmproj).
+    ToGguf(to_gguf_cmd::ToGgufArgs),
 }
 
 /// A user mistake: printed on one line, exit code 2 (as clap does for bad flags).
@@ -70,6 +73,7 @@ fn main() -> ExitCode {
         Command::Plan(args) => plan_cmd::run(&args),
         Command::RandomCheckpoint(args) => random_checkpoint_cmd::run(&args),
         Command::Serve(args) => serve::run(&args),
+        Command::ToGguf(args) => to_gguf_cmd::run(&args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -1,7 +1,7 @@
 //! A model ready to run: the checkpoint loaded onto a backend, its tokenizer, chat template and
 //! image processor, and the step from OpenAI messages to an engine request.
 
-use crate::checkpoint::Checkpoint;
+use crate::checkpoint::{Checkpoint, WeightFiles};
 use crate::preprocess::{Busy, PreprocessBudget};
 use crate::usage;
 use anyhow::Result;
@@ -16,6 +16,7 @@ use kvlens_engine::input::processor::{InputHost, InputProcessor, Prompt};
 use kvlens_engine::input::InputError;
 use kvlens_engine::memory::device::{device_preset, gib_to_bytes, DeviceProfile};
 use kvlens_engine::memory::ledger::{Category, MemoryLedger};
+use kvlens_engine::model::gguf_tensors::GgufTensors;
 use kvlens_engine::model::weights::SafetensorsFiles;
 use kvlens_engine::model::QwenVl;
 use kvlens_engine::runner::{ModelRunner, StepRunner};
@@ -181,16 +182,24 @@ impl ModelSource for ShardFiles<'_> {
     async fn load_onto<B: Backend + 'static>(self, backend: B) -> std::result::Result<Box<dyn StepRunner>, String> {
         let (ckpt, started) = (self.ckpt, Instant::now());
         tracing::info!("{}", backend.describe());
-        let shards: Vec<(String, &[u8])> = ckpt.shards.iter().map(|(n, m)| (n.clone(), &m[..])).collect();
-        let source = SafetensorsFiles::parse(&shards).map_err(|e| e.to_string())?;
         let bar = indicatif::ProgressBar::new(ckpt.weight_bytes());
         bar.set_style(
             indicatif::ProgressStyle::with_template("loading weights {bar:30} {bytes}/{total_bytes}, {msg}")
                 .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
         );
-        let model = QwenVl::load(ckpt.config.clone(), &source, &backend, |_, bytes| {
-            bar.set_position(bytes)
-        })
+        let progress = |_, bytes| bar.set_position(bytes);
+        let model = match &ckpt.weights {
+            WeightFiles::Safetensors(shards) => {
+                let shards: Vec<(String, &[u8])> = shards.iter().map(|(n, m)| (n.clone(), &m[..])).collect();
+                let source = SafetensorsFiles::parse(&shards).map_err(|e| e.to_string())?;
+                QwenVl::load(ckpt.config.clone(), &source, &backend, progress)
+            }
+            WeightFiles::Gguf(pair) => {
+                let model = pair.model().map_err(|e| e.to_string())?;
+                let source = GgufTensors::new(&model, &pair.text.0, &pair.mmproj.0).map_err(|e| e.to_string())?;
+                QwenVl::load(ckpt.config.clone(), &source, &backend, progress)
+            }
+        }
         .map_err(|e| e.to_string())?;
         bar.finish_and_clear();
         let weights = backend.ledger().bytes(Category::Weights);
@@ -204,8 +213,9 @@ impl ModelSource for ShardFiles<'_> {
 }
 
 /// Opens the backend, loads the weights onto it and builds the frontend.
-pub fn load(dir: &Path, mut choice: BackendChoice) -> Result<(Box<dyn StepRunner>, Frontend)> {
-    let ckpt = Checkpoint::open(dir)?;
+/// `mmproj` is a GGUF model's projector (see [`Checkpoint::open`]).
+pub fn load(model: &Path, mmproj: Option<&Path>, mut choice: BackendChoice) -> Result<(Box<dyn StepRunner>, Frontend)> {
+    let ckpt = Checkpoint::open(model, mmproj)?;
     let ledger = MemoryLedger::new();
     choice.adapter = std::env::var("KVLENS_WGPU_ADAPTER").ok().filter(|s| !s.is_empty());
     let opened = block_on(open(&choice, ledger.clone(), ShardFiles { ckpt: &ckpt }));

@@ -25,10 +25,14 @@ const MAX_PREPROCESS_GIB: f64 = 1024.0;
 /// The engine flags of `kvlens serve`, spelled as `vllm serve` spells them.
 #[derive(Debug, Clone, clap::Args, serde::Serialize)]
 pub struct EngineArgs {
-    /// Checkpoint directory (Hugging Face layout) [default: the bundled tiny demo checkpoint,
+    /// Checkpoint: a Hugging Face directory, a GGUF text model (with --mmproj), or a directory
+    /// holding one text GGUF and one mmproj-*.gguf [default: the bundled tiny demo checkpoint,
     /// generated under ~/.cache/kvlens on first use].
     #[arg(long)]
     pub model: Option<PathBuf>,
+    /// The projector (mmproj-*.gguf) of a GGUF --model file, as llama.cpp's --mmproj.
+    #[arg(long)]
+    pub mmproj: Option<PathBuf>,
     /// Model name(s) the API answers to [default: the --model argument].
     #[arg(long, num_args = 1..)]
     pub served_model_name: Vec<String>,
@@ -178,7 +182,7 @@ pub fn start(a: &EngineArgs) -> Result<Started> {
             std::thread::sleep(std::time::Duration::from_millis(20));
         }
     }
-    let (runner, mut frontend) = load(&model_dir, choice)?;
+    let (runner, mut frontend) = load(&model_dir, a.mmproj.as_deref(), choice)?;
     let (device, non_torch) = device_of(&*runner, a.cpu_memory_gib)?;
     let total = device.total_bytes;
     if let Some(path) = &a.chat_template {

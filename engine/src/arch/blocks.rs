@@ -59,7 +59,7 @@ pub(crate) fn quantize_q8(values: &[f32], out: &mut [i8], round: impl Fn(f32) ->
 }
 
 /// Quantizes one block of 32 values into `out` (`kind`'s stored quants); returns its scale.
-fn quantize_block(kind: BlockKind, block: &[f32], out: &mut [u8]) -> f32 {
+pub(crate) fn quantize_block(kind: BlockKind, block: &[f32], out: &mut [u8]) -> f32 {
     match kind {
         BlockKind::Q8_0 => {
             let mut q8 = [0i8; BLOCK];
@@ -122,6 +122,35 @@ impl BlockRows {
             scales,
             quants,
         }
+    }
+
+    /// The blocks of a GGUF tensor of `kind` as GGML stores them (each block its f16 scale then its
+    /// quants), `cols` (a multiple of 32) values per row, split into this layout without changing
+    /// a value; None when `data` is not whole blocks.
+    pub fn from_ggml(kind: BlockKind, data: &[u8], cols: usize) -> Option<Self> {
+        let (bb, qb) = (kind.block_bytes(), kind.quant_bytes());
+        if !cols.is_multiple_of(BLOCK)
+            || !data.len().is_multiple_of(bb)
+            || !(data.len() / bb * BLOCK).is_multiple_of(cols)
+        {
+            return None;
+        }
+        let blocks = data.len() / bb;
+        let mut scales = Vec::with_capacity(blocks);
+        let mut quants = Vec::with_capacity(blocks * qb);
+        for block in data.chunks_exact(bb) {
+            scales.push(u16::from_le_bytes([block[0], block[1]]));
+            match kind {
+                BlockKind::Q8_0 => quants.extend(block[2..].iter().map(|&q| (q as i8 as i16 + 128) as u8)),
+                BlockKind::Q4_0 => quants.extend_from_slice(&block[2..]),
+            }
+        }
+        Some(BlockRows {
+            kind,
+            cols,
+            scales,
+            quants,
+        })
     }
 
     /// The format.
@@ -221,6 +250,39 @@ pub(crate) mod tests {
                 rows.dequantize_row(r, out);
             }
             assert_eq!(got, want, "{kind:?}");
+        }
+    }
+
+    /// GGML's own block bytes split into this layout hold the same values as GGML dequantizes.
+    #[test]
+    fn ggml_blocks_split_without_changing_a_value() {
+        let cols = 64;
+        let w = values(3 * cols, 5);
+        for (kind, ggml) in [
+            (BlockKind::Q8_0, crate::arch::ggml::GgmlType::Q8_0),
+            (BlockKind::Q4_0, crate::arch::ggml::GgmlType::Q4_0),
+        ] {
+            let ours = BlockRows::quantize(kind, &w, cols);
+            // GGML's interleaved bytes of the same blocks.
+            let mut bytes = Vec::new();
+            for (b, &scale) in ours.scales().iter().enumerate() {
+                bytes.extend(scale.to_le_bytes());
+                let q = &ours.quants()[b * kind.quant_bytes()..][..kind.quant_bytes()];
+                match kind {
+                    BlockKind::Q8_0 => bytes.extend(q.iter().map(|&q| (q as i16 - 128) as i8 as u8)),
+                    BlockKind::Q4_0 => bytes.extend_from_slice(q),
+                }
+            }
+            let mut want = vec![0f32; w.len()];
+            ggml.dequantize(&bytes, &mut want);
+            let split = BlockRows::from_ggml(kind, &bytes, cols).unwrap();
+            let mut got = vec![0f32; w.len()];
+            for (r, out) in got.chunks_exact_mut(cols).enumerate() {
+                split.dequantize_row(r, out);
+            }
+            assert_eq!(got, want, "{kind:?}");
+            assert_eq!(split.bytes(), bytes.len());
+            assert!(BlockRows::from_ggml(kind, &bytes[1..], cols).is_none());
         }
     }
 }

@@ -139,6 +139,41 @@ impl GgmlType {
             .then(|| (n / values as u64).checked_mul(bytes as u64))?
     }
 
+    /// `values` (whole blocks) stored as this type, as llama.cpp's converter (gguf-py) and
+    /// `ggml-quants.c`'s reference functions store them: f16 and bf16 rounded to nearest even,
+    /// `q8_0` rounded half away from zero. None for the types kvlens does not write (the
+    /// K-quants and the `_1`/`q5` types, which `llama-quantize` makes).
+    pub fn quantize(self, values: &[f32]) -> Option<Vec<u8>> {
+        let (block, bytes) = self.block();
+        if !values.len().is_multiple_of(block) {
+            return None;
+        }
+        let mut out = Vec::with_capacity(values.len() / block * bytes);
+        match self {
+            GgmlType::F32 => values.iter().for_each(|v| out.extend(v.to_le_bytes())),
+            GgmlType::F16 => values.iter().for_each(|&v| out.extend(f16::from_f32(v).to_le_bytes())),
+            GgmlType::Bf16 => values.iter().for_each(|&v| out.extend(bf16::from_f32(v).to_le_bytes())),
+            GgmlType::Q8_0 => {
+                let mut q = [0i8; 32];
+                for chunk in values.chunks_exact(32) {
+                    let d = super::blocks::quantize_q8(chunk, &mut q, f32::round);
+                    out.extend(f16::from_f32(d).to_le_bytes());
+                    out.extend(q.iter().map(|&q| q as u8));
+                }
+            }
+            GgmlType::Q4_0 => {
+                let mut q = [0u8; 16];
+                for chunk in values.chunks_exact(32) {
+                    let d = super::blocks::quantize_block(super::blocks::BlockKind::Q4_0, chunk, &mut q);
+                    out.extend(f16::from_f32(d).to_le_bytes());
+                    out.extend(q);
+                }
+            }
+            _ => return None,
+        }
+        Some(out)
+    }
+
     /// Dequantizes whole blocks: `data` holds `out.len()` values' blocks.
     pub fn dequantize(self, data: &[u8], out: &mut [f32]) {
         let (values, bytes) = self.block();

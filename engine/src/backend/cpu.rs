@@ -143,8 +143,12 @@ impl CpuBackend {
             RawDType::F32 => DType::F32,
             RawDType::F16 => DType::F16,
             RawDType::Bf16 => DType::BF16,
+            RawDType::Blocks(_) => {
+                let values = crate::model::weights::host_f32(raw);
+                return Tensor::from_vec(values, raw.shape.as_slice(), &Device::Cpu).map_err(lib);
+            }
         };
-        let t = Tensor::from_raw_buffer(raw.data, dtype, &raw.shape, &Device::Cpu).map_err(lib)?;
+        let t = Tensor::from_raw_buffer(&raw.data, dtype, &raw.shape, &Device::Cpu).map_err(lib)?;
         t.to_dtype(DType::F32).map_err(lib)
     }
 
@@ -283,6 +287,15 @@ impl Backend for CpuBackend {
         let Some((rows, cols)) = raw.matrix_dims() else {
             return Err(BackendError::Shape(format!("a weight matrix of shape {:?}", raw.shape)));
         };
+        if let RawDType::Blocks(t) = raw.dtype {
+            // As stored: q8_0 and q4_0 are the packed formats' own blocks.
+            let m = PackedMatrix::ggml_blocks(t, &raw.data, rows, cols).ok_or(BackendError::Unsupported {
+                backend: "cpu",
+                dtype: t.name(),
+                what: "q8_0 and q4_0 are read as stored",
+            })?;
+            return Ok(self.weight(Matrix::Packed(Arc::new(m))));
+        }
         if raw.shape.len() == 2 {
             if self.weights.quantizes(&raw.shape) {
                 let values = crate::model::weights::host_f32(&raw);

@@ -16,6 +16,7 @@ pub mod suite;
 #[cfg(feature = "wgpu")]
 pub mod wgpu;
 
+use crate::arch::ggml::GgmlType;
 use crate::memory::ledger::MemoryLedger;
 use crate::sample::DeviceSampling;
 pub use paged::PagedRows;
@@ -30,6 +31,16 @@ pub enum BackendError {
     /// A failure inside the backend's library, with the error it came from.
     #[error("backend error: {0}")]
     Library(#[source] Box<dyn std::error::Error + Send + Sync>),
+    /// A stored type this backend does not read.
+    #[error("{backend} cannot read {dtype} tensors yet ({what})")]
+    Unsupported {
+        /// The backend's name.
+        backend: &'static str,
+        /// The type as GGML spells it.
+        dtype: &'static str,
+        /// What reads it instead.
+        what: &'static str,
+    },
     /// A failure planted by [`crate::fault`].
     #[error("injected fault: {0}")]
     Injected(String),
@@ -55,27 +66,53 @@ pub enum RawDType {
     F16,
     /// bfloat16.
     Bf16,
+    /// One of GGML's block types as a GGUF file stores it (never F32, F16 or BF16, which are the
+    /// variants above).
+    Blocks(GgmlType),
 }
 
 impl RawDType {
-    /// Bytes per element.
-    pub fn size(self) -> usize {
-        match self {
-            RawDType::F32 => 4,
-            RawDType::F16 | RawDType::Bf16 => 2,
+    /// The stored type of GGML type `t`.
+    pub fn of_ggml(t: GgmlType) -> Self {
+        match t {
+            GgmlType::F32 => RawDType::F32,
+            GgmlType::F16 => RawDType::F16,
+            GgmlType::Bf16 => RawDType::Bf16,
+            blocks => RawDType::Blocks(blocks),
         }
+    }
+
+    /// The GGML type that stores values as this type does.
+    pub fn ggml(self) -> GgmlType {
+        match self {
+            RawDType::F32 => GgmlType::F32,
+            RawDType::F16 => GgmlType::F16,
+            RawDType::Bf16 => GgmlType::Bf16,
+            RawDType::Blocks(t) => t,
+        }
+    }
+
+    /// Bytes of `n` values, or None when `n` does not split into this type's blocks.
+    pub fn bytes_of(self, n: usize) -> Option<usize> {
+        self.ggml().bytes_of(n as u64).and_then(|b| usize::try_from(b).ok())
+    }
+
+    /// The type's name as GGML spells it (`F32`, `Q4_K`).
+    pub fn name(self) -> &'static str {
+        self.ggml().name()
     }
 }
 
-/// A checkpoint tensor as stored: dtype, shape and little-endian bytes (usually memory-mapped).
+/// A checkpoint tensor as stored: dtype, shape and little-endian bytes (usually memory-mapped;
+/// owned where the file splits what the model reads as one tensor, as GGUF's projector does).
 #[derive(Debug, Clone)]
 pub struct RawTensor<'a> {
     /// Element type.
     pub dtype: RawDType,
     /// Shape.
     pub shape: Vec<usize>,
-    /// Bytes, `numel × dtype size`.
-    pub data: &'a [u8],
+    /// Bytes: `numel` values of `dtype`.
+    pub data: std::borrow::Cow<'a, [u8]>,
 }
 
 impl RawTensor<'_> {

@@ -60,7 +60,7 @@ pub fn weight<B: Backend>(b: &B, data: &[f32], rows: usize, cols: usize) -> B::W
     b.load_weight(crate::backend::RawTensor {
         dtype: crate::backend::RawDType::F32,
         shape: vec![rows, cols],
-        data: &bytes,
+        data: bytes.into(),
     })
     .unwrap()
 }

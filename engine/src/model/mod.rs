@@ -1,6 +1,7 @@
 //! The Qwen-VL forward pass, written once against [`Backend`](crate::backend::Backend).
 
 pub mod checkpoint_files;
+pub mod gguf_tensors;
 pub mod random_weights;
 pub mod rope;
 pub mod stream;

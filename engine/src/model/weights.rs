@@ -108,7 +108,7 @@ impl<'a> SafetensorsFiles<'a> {
         Ok(Some(RawTensor {
             dtype: raw_dtype(name, view.dtype())?,
             shape: view.shape().to_vec(),
-            data: view.data(),
+            data: view.data().into(),
         }))
     }
 }
@@ -167,25 +167,21 @@ pub(super) fn check_shape(name: &str, found: &[usize], want: &[usize]) -> Result
     )))
 }
 
-/// Converts checkpoint bytes to host floats (f16 and bf16 widen exactly).
+/// Converts checkpoint bytes to host floats (f16 and bf16 widen exactly, GGML blocks dequantize
+/// to GGML's values).
 pub(crate) fn host_f32(raw: &RawTensor<'_>) -> Vec<f32> {
-    match raw.dtype {
-        RawDType::F32 => raw
-            .data
-            .chunks_exact(4)
-            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-            .collect(),
-        RawDType::F16 => raw
-            .data
-            .chunks_exact(2)
-            .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
-            .collect(),
-        RawDType::Bf16 => raw
-            .data
-            .chunks_exact(2)
-            .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
-            .collect(),
-    }
+    host_f32_range(raw, 0..raw.shape.iter().product())
+}
+
+/// [`host_f32`] of values `range` (whole blocks of the tensor's type).
+pub(crate) fn host_f32_range(raw: &RawTensor<'_>, range: std::ops::Range<usize>) -> Vec<f32> {
+    let dtype = raw.dtype;
+    let at = |n: usize| dtype.bytes_of(n).unwrap_or(raw.data.len());
+    let mut out = vec![0f32; range.len()];
+    dtype
+        .ggml()
+        .dequantize(&raw.data[at(range.start)..at(range.end)], &mut out);
+    out
 }
 
 /// Loads the tensors of a [`TensorSpec`] list onto a backend, checking their shapes.
@@ -259,10 +255,11 @@ impl<'s, 'b, S: TensorSource<B>, B: Backend> Loader<'s, 'b, S, B> {
             let bytes = match &stored {
                 Stored::Raw(raw) => {
                     check_shape(&n, &raw.shape, shape)?;
-                    if raw.data.len() != shape.iter().product::<usize>() * raw.dtype.size() {
+                    if Some(raw.data.len()) != raw.dtype.bytes_of(shape.iter().product()) {
                         return Err(ModelError::Checkpoint(format!(
-                            "tensor {n} has {} bytes for shape {shape:?}",
-                            raw.data.len()
+                            "tensor {n} has {} bytes for shape {shape:?} in {}",
+                            raw.data.len(),
+                            raw.dtype.name()
                         )));
                     }
                     raw.data.len() as u64

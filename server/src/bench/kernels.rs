@@ -360,7 +360,7 @@ pub fn run(a: &KernelsArgs) -> Result<()> {
         let raw = RawTensor {
             dtype: RawDType::F16,
             shape: vec![case.out, case.k],
-            data: &raw_bytes,
+            data: raw_bytes.as_slice().into(),
         };
         let mut rng = Lcg(100 + i as u64);
         let x: Vec<f32> = (0..case.n * case.k).map(|_| rng.unit()).collect();

@@ -11,7 +11,8 @@
 use super::bf16_gemm::round_bf16;
 use super::block_dot::{dot_row, Activations};
 use super::isa::fastest;
-use crate::arch::blocks::BlockRows;
+use crate::arch::blocks::{BlockKind, BlockRows, BLOCK};
+use crate::arch::ggml::GgmlType;
 use crate::arch::weight_format::WeightFormat;
 use crate::parallel::for_each_piece;
 use std::borrow::Cow;
@@ -184,6 +185,22 @@ impl PackedMatrix {
         let kind = format.block_kind()?;
         let packing = Packing::Blocks(BlockRows::quantize(kind, values, cols));
         Some(PackedMatrix { rows, cols, packing })
+    }
+
+    /// A matrix of GGML `q8_0` or `q4_0` blocks as a GGUF file stores them (see
+    /// [`BlockRows::from_ggml`]), or None for another type or bytes that are not `rows` rows.
+    pub fn ggml_blocks(ggml: GgmlType, data: &[u8], rows: usize, cols: usize) -> Option<Self> {
+        let kind = match ggml {
+            GgmlType::Q8_0 => BlockKind::Q8_0,
+            GgmlType::Q4_0 => BlockKind::Q4_0,
+            _ => return None,
+        };
+        let blocks = BlockRows::from_ggml(kind, data, cols)?;
+        (blocks.scales().len() * BLOCK == rows * cols).then_some(PackedMatrix {
+            rows,
+            cols,
+            packing: Packing::Blocks(blocks),
+        })
     }
 
     /// A bfloat16 matrix from its bit patterns (row-major), or None when the count is not

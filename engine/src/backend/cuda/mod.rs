@@ -297,8 +297,9 @@ impl CudaBackend {
 
     /// A checkpoint tensor's values in f32 on the device, checked against its shape.
     fn floats(&self, raw: &RawTensor<'_>) -> BResult<CudaSlice<f32>> {
+        refuse_blocks(raw)?;
         let n: usize = raw.shape.iter().product();
-        let expected = n * raw.dtype.size();
+        let expected = raw.dtype.bytes_of(n).unwrap_or(usize::MAX);
         if raw.data.len() != expected {
             return Err(BackendError::Shape(format!(
                 "weight of shape {:?} has {} bytes, expected {expected}",
@@ -433,8 +434,9 @@ impl Backend for CudaBackend {
         };
         // Matrices in bf16 when asked: a bf16 checkpoint's bits as stored, others rounded to
         // nearest even.
+        refuse_blocks(&raw)?;
         let data = if self.options.bf16_weights && raw.shape.len() == 2 {
-            if raw.data.len() != rows * cols * raw.dtype.size() {
+            if raw.dtype.bytes_of(rows * cols) != Some(raw.data.len()) {
                 return Err(BackendError::Shape(format!(
                     "weight of shape {:?} has {} bytes",
                     raw.shape,
@@ -911,5 +913,17 @@ impl Backend for CudaBackend {
         let mut out = self.alloc_f32(2 * n)?;
         launch!(self, "greedy", launch::per_row(n)?; ls, &dev, &mut out, &w)?;
         Ok(self.activation(out, vec![n, 2]))
+    }
+}
+
+/// GGML's block types have no CUDA kernels yet: a one-line refusal naming the type.
+fn refuse_blocks(raw: &RawTensor<'_>) -> BResult<()> {
+    match raw.dtype {
+        RawDType::Blocks(t) => Err(BackendError::Unsupported {
+            backend: "cuda",
+            dtype: t.name(),
+            what: "use --backend cpu or wgpu for GGUF files with quantized tensors",
+        }),
+        _ => Ok(()),
     }
 }

@@ -495,44 +495,31 @@ impl WgpuBackend {
     /// few rows at a time (an even count, so that the pieces line up) to bound the f32 copy.
     fn quantize(raw: &RawTensor<'_>, kind: BlockKind, rows: std::ops::Range<usize>, cols: usize) -> Vec<u8> {
         const ROWS_AT_ONCE: usize = 256;
-        let size = raw.data.len() / raw.shape.iter().product::<usize>().max(1);
         let mut out = Vec::new();
         for r in rows.clone().step_by(ROWS_AT_ONCE) {
             let n = ROWS_AT_ONCE.min(rows.end - r);
-            let piece = RawTensor {
-                dtype: raw.dtype,
-                shape: vec![n, cols],
-                data: &raw.data[r * cols * size..(r + n) * cols * size],
-            };
-            let values = crate::model::weights::host_f32(&piece);
+            let values = crate::model::weights::host_f32_range(raw, r * cols..(r + n) * cols);
             out.extend(quantized::device_blocks(kind, &values, cols));
         }
         out
     }
 
-    /// Converts a stored tensor's values `[from, to)` to f32 bytes, or f16 when `to_f16`.
+    /// Converts a stored tensor's values `[from, to)` (whole blocks of its type) to f32 bytes, or
+    /// f16 when `to_f16`.
     fn convert(raw: &RawTensor<'_>, to_f16: bool, from: usize, to: usize) -> Vec<u8> {
-        let size = match raw.dtype {
-            RawDType::F32 => 4,
-            RawDType::F16 | RawDType::Bf16 => 2,
-        };
-        let bytes = &raw.data[from * size..to * size];
-        let value = |c: &[u8]| -> f32 {
-            match raw.dtype {
-                RawDType::F32 => f32::from_le_bytes([c[0], c[1], c[2], c[3]]),
-                RawDType::F16 => half::f16::from_le_bytes([c[0], c[1]]).to_f32(),
-                RawDType::Bf16 => half::bf16::from_le_bytes([c[0], c[1]]).to_f32(),
+        let mut out: Vec<u8> = match (raw.dtype, to_f16) {
+            (RawDType::F16, true) => raw.data[from * 2..to * 2].to_vec(),
+            (RawDType::F32, false) => raw.data[from * 4..to * 4].to_vec(),
+            (_, to_f16) => {
+                let values = crate::model::weights::host_f32_range(raw, from..to);
+                match to_f16 {
+                    false => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+                    true => values
+                        .iter()
+                        .flat_map(|&v| half::f16::from_f32(v).to_le_bytes())
+                        .collect(),
+                }
             }
-        };
-        let mut out: Vec<u8> = match to_f16 {
-            false => bytes.chunks_exact(size).flat_map(|c| value(c).to_le_bytes()).collect(),
-            true => bytes
-                .chunks_exact(size)
-                .flat_map(|c| match raw.dtype {
-                    RawDType::F16 => [c[0], c[1]],
-                    _ => half::f16::from_f32(value(c)).to_le_bytes(),
-                })
-                .collect(),
         };
         out.resize(out.len().div_ceil(4).max(1) * 4, 0);
         out

@@ -64,7 +64,7 @@ fn weight<B: Backend>(b: &B, bytes: &(Vec<u8>, Vec<usize>)) -> B::Weight {
     b.load_weight(RawTensor {
         dtype: RawDType::F32,
         shape: bytes.1.clone(),
-        data: &bytes.0,
+        data: bytes.0.as_slice().into(),
     })
     .unwrap()
 }

@@ -169,7 +169,7 @@ impl<B: Backend, P: FnMut(usize, u64)> Sink for Convert<'_, B, P> {
         let raw = RawTensor {
             dtype: raw_dtype(name, dtype)?,
             shape: shape.to_vec(),
-            data,
+            data: data.into(),
         };
         let value = Converted::of(self.backend, spec, raw)?;
         let bytes = data.len() as u64;
