@@ -335,3 +335,66 @@ fn vocabulary(w: &mut GgufWriter, ckpt: &CheckpointText<'_>, vocab_size: usize) 
     w.meta("tokenizer.ggml.add_eos_token", MetaValue::Bool(false));
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::arch::gguf::Gguf;
+    use crate::input::tokenizer::Tokenizer;
+
+    /// The Qwen tokenizer where `cargo xtask test` puts it (`KVLENS_TOKENIZER` overrides).
+    fn qwen_tokenizer_json() -> String {
+        let path = std::env::var("KVLENS_TOKENIZER").unwrap_or_else(|_| {
+            let home = std::env::var("HOME").unwrap_or_default();
+            format!("{home}/.cache/kvlens/tokenizer/package/models/tokenizer.json")
+        });
+        std::fs::read_to_string(&path)
+            .unwrap_or_else(|e| panic!("the Qwen tokenizer at {path} ({e}): run `cargo xtask test` once"))
+    }
+
+    /// tokenizer.json → the converter's `tokenizer.ggml.*` → tokenizer.json again: the same ids on
+    /// text with special tokens, CJK, emoji, code and long runs of whitespace and newlines.
+    #[test]
+    fn the_tokenizer_from_gguf_metadata_gives_tokenizer_json_s_ids() {
+        let json = qwen_tokenizer_json();
+        let config = serde_json::json!({ "eos_token_id": 151645, "bos_token_id": 151643 });
+        let ckpt = CheckpointText {
+            config: &config,
+            tokenizer_json: &json,
+            chat_template: "",
+            mean_std: ([0.5; 3], [0.5; 3]),
+            name: "t",
+        };
+        let mut w = GgufWriter::default();
+        vocabulary(&mut w, &ckpt, 151_936).unwrap();
+        let mut bytes = Vec::new();
+        w.write(&mut bytes).unwrap();
+        let gguf = Gguf::parse(&bytes, bytes.len() as u64).unwrap();
+        let from_gguf =
+            Tokenizer::from_bytes(super::super::gguf_model::tokenizer_json(&gguf).unwrap().as_bytes()).unwrap();
+        let original = Tokenizer::from_bytes(json.as_bytes()).unwrap();
+        let corpus = [
+            "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>What is this?<|im_end|>",
+            "KV 缓存不够用了：显存 80 GiB，图片 29/60 时 OOM。日本語のテキスト、한국어 텍스트。",
+            "emoji 🧠🔥👩‍💻 and flags 🇯🇵 — “quotes” « guillemets »",
+            "fn main() {\n\n\n\tlet x = 1;            // spaces\n    \r\n}\n",
+            "                                                                            end",
+            "\n\n\n\n\n\n\n\n\n\n\n\n  \t \t ",
+            "<think>\n</think>\n<tool_call>{\"name\": \"x\"}</tool_call><|endoftext|>",
+            "numbers 3.14159 1234567890 and 'll 've 're 'S CAPS",
+        ];
+        for text in corpus {
+            assert_eq!(
+                from_gguf.encode(text).unwrap(),
+                original.encode(text).unwrap(),
+                "{text:?}"
+            );
+            let ids = original.encode(text).unwrap();
+            assert_eq!(
+                from_gguf.decode(&ids, false).unwrap(),
+                original.decode(&ids, false).unwrap()
+            );
+        }
+        assert_eq!(from_gguf.vocab_size(), original.vocab_size());
+    }
+}

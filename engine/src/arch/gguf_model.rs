@@ -600,7 +600,7 @@ const UNUSED: u64 = 5;
 const QWEN2_SPLIT: &str =
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
-fn tokenizer_json(g: &Gguf) -> Result<String> {
+pub(crate) fn tokenizer_json(g: &Gguf) -> Result<String> {
     let model = str_of(g, "tokenizer.ggml.model")?;
     let pre = str_of(g, "tokenizer.ggml.pre")?;
     if model != "gpt2" || pre != "qwen2" {

@@ -137,7 +137,11 @@ mod tests {
         assert_eq!((q.shape(), q.ggml_type, q.start % 32), (vec![2, 32], GgmlType::Q8_0, 0));
         let mut back = vec![0f32; 64];
         GgmlType::Q8_0.dequantize(&bytes[q.start as usize..][..q.bytes as usize], &mut back);
-        assert!(back.iter().zip(&values).all(|(a, b)| (a - b).abs() < 0.02), "{back:?}");
+        // q8_0 rounds each value to within half a step: max |v| / 127 / 2 per block (6 / 254).
+        assert!(
+            back.iter().zip(&values).all(|(a, b)| (a - b).abs() <= 6.0 / 254.0),
+            "{back:?}"
+        );
         let f = g.tensor("f").unwrap();
         assert_eq!(
             &bytes[f.start as usize..][..12],

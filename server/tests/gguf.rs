@@ -1,0 +1,259 @@
+//! GGUF files: `kvlens to-gguf` writes what llama.cpp's converter writes (held against the
+//! converter's summaries in engine/tests/fixtures/gguf/, made by tools/gguf/converter_summaries.py),
+//! and files that are wrong are one-line errors naming what is wrong.
+
+mod common;
+
+use common::{kvlens, root, scratch};
+use kvlens_engine::arch::gguf::{Gguf, MetaValue};
+use serde_json::{json, Value};
+use sha2::Digest;
+use std::path::{Path, PathBuf};
+
+fn sha256_hex(bytes: &[u8]) -> String {
+    sha2::Sha256::digest(bytes).iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// GGUF's name of a value's type, as gguf-py spells it (`ARRAY/STRING` for an array).
+fn type_name(v: &MetaValue) -> String {
+    let name = match v {
+        MetaValue::U8(_) => "UINT8",
+        MetaValue::I8(_) => "INT8",
+        MetaValue::U16(_) => "UINT16",
+        MetaValue::I16(_) => "INT16",
+        MetaValue::U32(_) => "UINT32",
+        MetaValue::I32(_) => "INT32",
+        MetaValue::U64(_) => "UINT64",
+        MetaValue::I64(_) => "INT64",
+        MetaValue::F32(_) => "FLOAT32",
+        MetaValue::F64(_) => "FLOAT64",
+        MetaValue::Bool(_) => "BOOL",
+        MetaValue::String(_) => "STRING",
+        MetaValue::Array(items) => return format!("ARRAY/{}", items.first().map_or("UINT8".into(), type_name)),
+    };
+    name.to_string()
+}
+
+fn value(v: &MetaValue) -> Value {
+    match v {
+        MetaValue::U8(x) => json!(x),
+        MetaValue::I8(x) => json!(x),
+        MetaValue::U16(x) => json!(x),
+        MetaValue::I16(x) => json!(x),
+        MetaValue::U32(x) => json!(x),
+        MetaValue::I32(x) => json!(x),
+        MetaValue::U64(x) => json!(x),
+        MetaValue::I64(x) => json!(x),
+        MetaValue::F32(x) => json!(*x as f64),
+        MetaValue::F64(x) => json!(x),
+        MetaValue::Bool(x) => json!(x),
+        MetaValue::String(s) => json!(s),
+        MetaValue::Array(items) if items.len() > 16 => {
+            let mut h = sha2::Sha256::new();
+            for item in items {
+                match item {
+                    MetaValue::String(s) => {
+                        h.update(s.as_bytes());
+                        h.update([0]);
+                    }
+                    MetaValue::I32(x) => h.update(x.to_le_bytes()),
+                    MetaValue::U32(x) => h.update(x.to_le_bytes()),
+                    MetaValue::F32(x) => h.update(x.to_le_bytes()),
+                    MetaValue::Bool(x) => h.update([*x as u8]),
+                    other => panic!("no hash rule for {other:?}"),
+                }
+            }
+            let digest: String = h.finalize().iter().map(|b| format!("{b:02x}")).collect();
+            json!({"len": items.len(), "sha256": digest})
+        }
+        MetaValue::Array(items) => Value::Array(items.iter().map(value).collect()),
+    }
+}
+
+/// The summary tools/gguf/converter_summaries.py writes for a file.
+fn summarize(path: &Path) -> Value {
+    let bytes = std::fs::read(path).unwrap();
+    let g = Gguf::parse(&bytes, bytes.len() as u64).unwrap();
+    let metadata: serde_json::Map<String, Value> = g
+        .metadata
+        .iter()
+        .filter(|(k, _)| !["general.name", "general.size_label", "general.alignment"].contains(&k.as_str()))
+        .map(|(k, v)| (k.clone(), json!({"type": type_name(v), "value": value(v)})))
+        .collect();
+    let tensors: serde_json::Map<String, Value> = g
+        .tensors
+        .iter()
+        .map(|t| {
+            let data = &bytes[t.start as usize..(t.start + t.bytes) as usize];
+            (
+                t.name.clone(),
+                json!({"type": t.ggml_type.name(), "ne": t.ne, "sha256": sha256_hex(data)}),
+            )
+        })
+        .collect();
+    json!({"metadata": metadata, "tensors": tensors})
+}
+
+/// Whether two summary values agree: numbers to 1e-12 relative (serde_json reads a float written
+/// by Python to the nearest double or one next to it), the rest exactly.
+fn same(a: &Value, b: &Value) -> bool {
+    match (a, b) {
+        (Value::Number(x), Value::Number(y)) => {
+            let (x, y) = (x.as_f64().unwrap_or(f64::NAN), y.as_f64().unwrap_or(f64::NAN));
+            (x - y).abs() <= 1e-12 * x.abs().max(y.abs())
+        }
+        (Value::Array(x), Value::Array(y)) => x.len() == y.len() && x.iter().zip(y).all(|(a, b)| same(a, b)),
+        (Value::Object(x), Value::Object(y)) => {
+            x.len() == y.len() && x.iter().all(|(k, v)| y.get(k).is_some_and(|w| same(v, w)))
+        }
+        _ => a == b,
+    }
+}
+
+/// The named differences between two summaries (at most a few).
+fn differences(want: &Value, got: &Value) -> Vec<String> {
+    let mut out = Vec::new();
+    for part in ["metadata", "tensors"] {
+        let (w, g) = (want[part].as_object().unwrap(), got[part].as_object().unwrap());
+        for key in w.keys().chain(g.keys()) {
+            let agree = matches!((w.get(key), g.get(key)), (Some(a), Some(b)) if same(a, b));
+            if !agree {
+                out.push(format!(
+                    "{part} {key}: converter {:?}, kvlens {:?}",
+                    w.get(key),
+                    g.get(key)
+                ));
+            }
+        }
+    }
+    out.dedup();
+    out.truncate(6);
+    out
+}
+
+/// Writes the summary's checkpoint (the command it records) into the scratch directory.
+fn checkpoint_of(summary: &Value, name: &str) -> PathBuf {
+    let dir = scratch(name);
+    let cmd = summary["checkpoint"].as_str().unwrap();
+    let mut args: Vec<&str> = cmd.split_whitespace().skip(1).collect();
+    args.extend(["--out", dir.to_str().unwrap(), "--force"]);
+    let out = common::kvlens_command()
+        .args(&args)
+        .current_dir(root())
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    dir
+}
+
+/// `kvlens to-gguf --outtype T` of a checkpoint: the (text, projector) paths.
+fn to_gguf(ckpt: &Path, outtype: &str, out: &Path) -> (PathBuf, PathBuf) {
+    let o = kvlens(&[
+        "to-gguf",
+        "--model",
+        ckpt.to_str().unwrap(),
+        "--outtype",
+        outtype,
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let paths: Vec<PathBuf> = String::from_utf8_lossy(&o.stdout).lines().map(PathBuf::from).collect();
+    (paths[0].clone(), paths[1].clone())
+}
+
+/// For each family and each type llama.cpp's converter writes (f32, f16, bf16, q8_0): every
+/// metadata entry and every tensor's type, dimensions and bytes of `kvlens to-gguf`'s pair equal
+/// the converter's for the same checkpoint.
+#[test]
+fn to_gguf_writes_what_llama_cpp_s_converter_writes() {
+    for family in ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"] {
+        let path = root().join(format!("engine/tests/fixtures/gguf/{family}.converter.json"));
+        let summary: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+        let ckpt = checkpoint_of(&summary, &format!("gguf-{family}"));
+        for (outtype, want) in summary["files"].as_object().unwrap() {
+            let (text, mmproj) = to_gguf(&ckpt, outtype, &scratch(&format!("gguf-{family}-{outtype}")));
+            for (part, file) in [("text", &text), ("mmproj", &mmproj)] {
+                let diff = differences(&want[part], &summarize(file));
+                assert!(diff.is_empty(), "{family} {outtype} {part}:\n{}", diff.join("\n"));
+            }
+        }
+    }
+}
+
+/// `kvlens generate` on the pair in `dir` (or `--model`/`--mmproj` as given): its stderr and
+/// exit code.
+fn generate(args: &[&str]) -> (String, Option<i32>) {
+    let mut all = vec!["generate", "--prompt", "hi", "--max-tokens", "2"];
+    all.extend_from_slice(args);
+    let o = kvlens(&all);
+    (String::from_utf8_lossy(&o.stderr).into_owned(), o.status.code())
+}
+
+/// A wrong file is a one-line error (exit code 2) naming the file and what is wrong with it.
+#[test]
+fn wrong_gguf_files_are_one_line_errors() {
+    let base = root().join("tools/golden/configs");
+    let make = |config: &str, name: &str| {
+        let dir = scratch(name);
+        let o = kvlens(&[
+            "random-checkpoint",
+            "--config",
+            base.join(config).to_str().unwrap(),
+            "--dtype",
+            "f32",
+            "--out",
+            dir.to_str().unwrap(),
+            "--force",
+        ]);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        to_gguf(&dir, "q8_0", &scratch(&format!("{name}-gguf")))
+    };
+    let (text25, mmproj25) = make("qwen2_5_vl_tiny.json", "gguf-bad-25");
+    let (_, mmproj3) = make("qwen3_vl_tiny.json", "gguf-bad-3");
+    let s = |p: &Path| p.to_str().unwrap().to_string();
+    let one_line = |(err, code): (String, Option<i32>), wants: &[&str]| {
+        assert_eq!(code, Some(2), "{err}");
+        assert_eq!(err.trim_end().lines().count(), 1, "{err}");
+        for w in wants {
+            assert!(err.contains(w), "{w:?} not in: {err}");
+        }
+    };
+    // The pair works (the errors below are the files', not the command's).
+    let (err, code) = generate(&["--model", &s(&text25), "--mmproj", &s(&mmproj25)]);
+    assert_eq!(code, Some(0), "{err}");
+    // A Qwen3-VL projector with a Qwen2.5-VL text model.
+    one_line(
+        generate(&["--model", &s(&text25), "--mmproj", &s(&mmproj3)]),
+        &["belongs to a qwen3vl text model, the text model is qwen2vl"],
+    );
+    // The projector given as the model.
+    one_line(
+        generate(&["--model", &s(&mmproj25), "--mmproj", &s(&mmproj25)]),
+        &["it is a projector (mmproj)"],
+    );
+    // A file without its projector.
+    one_line(generate(&["--model", &s(&text25)]), &["--mmproj"]);
+    // A truncated text model: the header says where its tensors end.
+    let truncated = scratch("gguf-truncated.gguf");
+    let bytes = std::fs::read(&text25).unwrap();
+    std::fs::write(&truncated, &bytes[..bytes.len() - 1000]).unwrap();
+    one_line(
+        generate(&["--model", &s(&truncated), "--mmproj", &s(&mmproj25)]),
+        &["gguf-truncated.gguf", "ends past the file's", "truncated"],
+    );
+    // A directory with two text models.
+    let two = scratch("gguf-two-texts");
+    std::fs::create_dir_all(&two).unwrap();
+    for (from, to) in [(&text25, "a.gguf"), (&text25, "b.gguf"), (&mmproj25, "mmproj-a.gguf")] {
+        std::fs::copy(from, two.join(to)).unwrap();
+    }
+    one_line(
+        generate(&["--model", &s(&two)]),
+        &["one text GGUF and one mmproj-*.gguf"],
+    );
+    // A directory holding only the pair works: tokenizer, template and config from the files.
+    std::fs::remove_file(two.join("b.gguf")).unwrap();
+    let (err, code) = generate(&["--model", &s(&two)]);
+    assert_eq!(code, Some(0), "{err}");
+}
