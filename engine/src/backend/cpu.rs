@@ -288,12 +288,15 @@ impl Backend for CpuBackend {
             return Err(BackendError::Shape(format!("a weight matrix of shape {:?}", raw.shape)));
         };
         if let RawDType::Blocks(t) = raw.dtype {
-            // As stored: q8_0 and q4_0 are the packed formats' own blocks.
-            let m = PackedMatrix::ggml_blocks(t, &raw.data, rows, cols).ok_or(BackendError::Unsupported {
-                backend: "cpu",
-                dtype: t.name(),
-                what: "q8_0 and q4_0 are read as stored",
-            })?;
+            // As stored: q8_0 and q4_0 are the packed formats' own blocks; candle multiplies
+            // the K-quants and the other block types.
+            let m = PackedMatrix::ggml_blocks(t, &raw.data, rows, cols)
+                .or_else(|| PackedMatrix::ggml(t, &raw.data, rows, cols))
+                .ok_or(BackendError::Shape(format!(
+                    "{} bytes of {} are not a [{rows}, {cols}] matrix",
+                    raw.data.len(),
+                    t.name()
+                )))?;
             return Ok(self.weight(Matrix::Packed(Arc::new(m))));
         }
         if raw.shape.len() == 2 {

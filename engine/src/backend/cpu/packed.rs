@@ -15,7 +15,9 @@ use crate::arch::blocks::{BlockKind, BlockRows, BLOCK};
 use crate::arch::ggml::GgmlType;
 use crate::arch::weight_format::WeightFormat;
 use crate::parallel::for_each_piece;
+use candle_core::quantized::{GgmlDType, QTensor};
 use std::borrow::Cow;
+use std::sync::Arc;
 
 /// The values of one matrix.
 #[derive(Debug)]
@@ -23,6 +25,10 @@ enum Packing {
     /// bfloat16 bit patterns, row-major.
     Bf16(Vec<u16>),
     Blocks(BlockRows),
+    /// Any other GGML block type as a GGUF file stores it (the K-quants, `q4_1`, `q5_0`,
+    /// `q5_1`), multiplied by candle's `k_quants` (the activations quantized to `q8_K` or
+    /// `q8_0`/`q8_1` per block, as llama.cpp's CPU code does).
+    Ggml(GgmlType, Arc<QTensor>),
 }
 
 /// A matrix `[rows, cols]` in bfloat16 or quantized row by row.
@@ -203,6 +209,47 @@ impl PackedMatrix {
         })
     }
 
+    /// A matrix of any other GGML block type candle multiplies (the K-quants, `q4_1`, `q5_0`,
+    /// `q5_1`) from a GGUF tensor's bytes, or None for another type or bytes that are not `rows`
+    /// rows.
+    pub fn ggml(ggml: GgmlType, data: &[u8], rows: usize, cols: usize) -> Option<Self> {
+        let dtype = match ggml {
+            GgmlType::Q4_1 => GgmlDType::Q4_1,
+            GgmlType::Q5_0 => GgmlDType::Q5_0,
+            GgmlType::Q5_1 => GgmlDType::Q5_1,
+            GgmlType::Q4K => GgmlDType::Q4K,
+            GgmlType::Q5K => GgmlDType::Q5K,
+            GgmlType::Q6K => GgmlDType::Q6K,
+            _ => return None,
+        };
+        if ggml.bytes_of((rows * cols) as u64) != Some(data.len() as u64) || !cols.is_multiple_of(ggml.block().0) {
+            return None;
+        }
+        // candle reads the blocks in place, so they must be aligned as its block structs are:
+        // a GGUF tensor in a mapping is (32-byte offsets), a reassembled or fixture copy may not be.
+        let aligned: Vec<u64>;
+        let data = if (data.as_ptr() as usize).is_multiple_of(8) {
+            data
+        } else {
+            let mut words = vec![0u64; data.len().div_ceil(8)];
+            bytemuck::cast_slice_mut::<u64, u8>(&mut words)[..data.len()].copy_from_slice(data);
+            aligned = words;
+            &bytemuck::cast_slice::<u64, u8>(&aligned)[..data.len()]
+        };
+        let q = candle_core::quantized::ggml_file::qtensor_from_ggml(
+            dtype,
+            data,
+            vec![rows, cols],
+            &candle_core::Device::Cpu,
+        )
+        .ok()?;
+        Some(PackedMatrix {
+            rows,
+            cols,
+            packing: Packing::Ggml(ggml, Arc::new(q)),
+        })
+    }
+
     /// A bfloat16 matrix from its bit patterns (row-major), or None when the count is not
     /// `rows · cols`.
     pub fn bf16(bits: Vec<u16>, rows: usize, cols: usize) -> Option<Self> {
@@ -223,6 +270,7 @@ impl PackedMatrix {
         (match &self.packing {
             Packing::Bf16(v) => std::mem::size_of_val(v.as_slice()),
             Packing::Blocks(b) => b.bytes(),
+            Packing::Ggml(_, q) => q.storage_size_in_bytes(),
         }) as u64
     }
 
@@ -236,6 +284,19 @@ impl PackedMatrix {
     pub fn matmul_many(mats: &[&PackedMatrix], x: &[f32], m: usize) -> candle_core::Result<Vec<Vec<f32>>> {
         if let Some(w) = mats.iter().find(|w| x.len() != m * w.cols) {
             candle_core::bail!("{} values are not {m} rows of {}", x.len(), w.cols);
+        }
+        if mats.iter().any(|w| matches!(w.packing, Packing::Ggml(..))) {
+            // candle's products run on their own; the others share a pass over the thread pool.
+            return mats
+                .iter()
+                .map(|w| match &w.packing {
+                    Packing::Ggml(_, q) => {
+                        let xt = candle_core::Tensor::from_slice(x, (m, w.cols), &candle_core::Device::Cpu)?;
+                        xt.apply_op1_no_bwd(q.as_ref())?.flatten_all()?.to_vec1::<f32>()
+                    }
+                    _ => Ok(Self::matmul_many(&[w], x, m)?.pop().unwrap_or_default()),
+                })
+                .collect();
         }
         let mut acts: Vec<Activations> = Vec::new();
         for w in mats {
@@ -259,6 +320,7 @@ impl PackedMatrix {
                     };
                     Box::new(move |row, cold, out| dot_row(b, row, a, cold, out))
                 }
+                Packing::Ggml(..) => candle_core::bail!("GGML block matrices are multiplied on their own"),
             });
         }
         let parts: Vec<(usize, &RowDot<'_>)> = mats.iter().zip(&dots).map(|(w, d)| (w.rows, d.as_ref())).collect();
@@ -281,9 +343,24 @@ impl PackedMatrix {
                         b.dequantize_row(first + r, row);
                     }
                 }
+                Packing::Ggml(..) => {
+                    for (r, row) in part.chunks_exact_mut(cols).enumerate() {
+                        self.ggml_row(first + r, row);
+                    }
+                }
             }
         });
         out
+    }
+
+    /// Row `row` of a [`Packing::Ggml`] matrix in f32, by GGML's dequantization.
+    fn ggml_row(&self, row: usize, out: &mut [f32]) {
+        if let Packing::Ggml(t, q) = &self.packing {
+            let bytes = t.bytes_of(self.cols as u64).unwrap_or(0) as usize;
+            if let Ok(data) = q.data() {
+                t.dequantize(&data[row * bytes..(row + 1) * bytes], out);
+            }
+        }
     }
 
     /// Bytes [`PackedMatrix::bf16_rows`] allocates for `count` rows: none for bfloat16 weights,
@@ -291,7 +368,7 @@ impl PackedMatrix {
     pub fn bf16_rows_scratch_bytes(&self, count: usize) -> usize {
         match &self.packing {
             Packing::Bf16(_) => 0,
-            Packing::Blocks(_) => count * self.cols * 2 + self.cols * 4,
+            Packing::Blocks(_) | Packing::Ggml(..) => count * self.cols * 2 + self.cols * 4,
         }
     }
 
@@ -301,11 +378,11 @@ impl PackedMatrix {
         let cols = self.cols;
         match &self.packing {
             Packing::Bf16(v) => Cow::Borrowed(&v[first * cols..(first + count) * cols]),
-            Packing::Blocks(b) => {
+            Packing::Blocks(_) | Packing::Ggml(..) => {
                 let mut wide = vec![0f32; cols];
                 let mut out = vec![0u16; count * cols];
                 for (r, row) in out.chunks_exact_mut(cols).enumerate() {
-                    b.dequantize_row(first + r, &mut wide);
+                    self.row_f32(first + r, &mut wide);
                     row.iter_mut().zip(&wide).for_each(|(o, &v)| *o = round_bf16(v));
                 }
                 Cow::Owned(out)
@@ -321,13 +398,25 @@ impl PackedMatrix {
                 .iter()
                 .flat_map(|&id| v[id * self.cols..(id + 1) * self.cols].iter().map(|&b| widen(b)))
                 .collect(),
-            Packing::Blocks(b) => {
+            Packing::Blocks(_) | Packing::Ggml(..) => {
                 let mut out = vec![0f32; ids.len() * self.cols];
                 for (&id, row) in ids.iter().zip(out.chunks_exact_mut(self.cols)) {
-                    b.dequantize_row(id, row);
+                    self.row_f32(id, row);
                 }
                 out
             }
+        }
+    }
+
+    /// Row `row` of a block matrix in f32.
+    fn row_f32(&self, row: usize, out: &mut [f32]) {
+        match &self.packing {
+            Packing::Blocks(b) => b.dequantize_row(row, out),
+            Packing::Ggml(..) => self.ggml_row(row, out),
+            Packing::Bf16(v) => out
+                .iter_mut()
+                .zip(&v[row * self.cols..(row + 1) * self.cols])
+                .for_each(|(o, &b)| *o = widen(b)),
         }
     }
 }
@@ -412,6 +501,68 @@ mod tests {
             .unwrap()
             .matmul(&[0.0; 5], 1)
             .is_err());
+    }
+
+    /// Every GGML block type of the gguf-py fixture (2 × 512; the K-quants' blocks random) loads as
+    /// stored, gathers rows and dequantizes to gguf-py's values exactly, and multiplies within the
+    /// activations' own quantization (`q8_K` or `q8_0`/`q8_1` blocks, 1/127 of each block's
+    /// largest magnitude) of the f32 product of those values.
+    #[test]
+    fn ggml_block_types_multiply_as_stored() {
+        use crate::arch::gguf::Gguf;
+        const TYPES: &[u8] = include_bytes!("../../../tests/fixtures/gguf/types.gguf");
+        const VALUES: &[u8] = include_bytes!("../../../tests/fixtures/gguf/types.f32");
+        let g = Gguf::parse(TYPES, TYPES.len() as u64).unwrap();
+        let (rows, cols) = (2, 512);
+        let x = matrix(3, cols);
+        let mut checked = 0;
+        for (k, t) in g.tensors.iter().enumerate() {
+            let want: Vec<f32> = VALUES[k * rows * cols * 4..(k + 1) * rows * cols * 4]
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect();
+            let data = &TYPES[t.start as usize..(t.start + t.bytes) as usize];
+            let Some(q) = PackedMatrix::ggml_blocks(t.ggml_type, data, rows, cols)
+                .or_else(|| PackedMatrix::ggml(t.ggml_type, data, rows, cols))
+            else {
+                assert!(
+                    matches!(t.ggml_type, GgmlType::F32 | GgmlType::F16 | GgmlType::Bf16),
+                    "{}",
+                    t.ggml_type
+                );
+                continue;
+            };
+            assert_eq!(q.bytes(), data.len() as u64, "{}", t.ggml_type);
+            assert_eq!(q.dequantize(), want, "{}", t.ggml_type);
+            assert_eq!(
+                q.gather(&[1, 0]),
+                [&want[cols..], &want[..cols]].concat(),
+                "{}",
+                t.ggml_type
+            );
+            let got = q.matmul(&x, 3).unwrap();
+            let xmax = x.iter().map(|v| v.abs()).fold(0.0, f32::max);
+            for i in 0..3 {
+                for j in 0..rows {
+                    let w = &want[j * cols..(j + 1) * cols];
+                    let exact: f32 = x[i * cols..(i + 1) * cols].iter().zip(w).map(|(a, b)| a * b).sum();
+                    let bound: f32 = w.iter().map(|v| v.abs()).sum::<f32>() * xmax / 127.0;
+                    let err = (got[i * rows + j] - exact).abs();
+                    assert!(
+                        err <= bound,
+                        "{} [{i},{j}]: {} vs {exact} (bound {bound})",
+                        t.ggml_type,
+                        got[i * rows + j]
+                    );
+                }
+            }
+            checked += 1;
+        }
+        assert_eq!(checked, 8, "q8_0, q4_0, q4_1, q5_0, q5_1, q4_K, q5_K, q6_K");
+        assert!(
+            PackedMatrix::ggml(GgmlType::Q4K, &[0; 144], 1, 512).is_none(),
+            "too few bytes"
+        );
     }
 
     /// Several matrices of different formats and heights in one pass give each matrix's own
