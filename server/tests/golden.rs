@@ -184,6 +184,13 @@ const GGUF_Q8_0: Run = Run {
     ..CPU_Q8_0
 };
 
+/// wgpu on the q8_0 pair: the file's blocks in the kernels' layout, held to `q8_0`'s bounds.
+const GGUF_Q8_0_WGPU: Run = Run {
+    args: &["--backend", "wgpu"],
+    gguf: Some("q8_0"),
+    ..CPU_Q8_0
+};
+
 /// The wgpu backend with `q8_0` weight matrices: the kernels multiply f32 activations by the
 /// dequantized weights (the CPU quantizes the activations too), held to the CPU's `q8_0` bounds.
 const WGPU_Q8_0: Run = Run {
@@ -430,4 +437,10 @@ fn gguf_f16_bf16_and_q8_0_pairs_stay_within_their_formats_bounds() {
             run_family(family, run);
         }
     }
+}
+
+/// One family on wgpu (lavapipe in CI is slow): the q8_0 pair's blocks in the kernels' layout.
+#[test]
+fn a_gguf_q8_0_pair_runs_on_wgpu() {
+    run_family("qwen2_5_vl", &GGUF_Q8_0_WGPU);
 }
