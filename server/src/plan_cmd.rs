@@ -1,5 +1,6 @@
 //! `kvlens plan`: the start-up budget as a table, vLLM-style log lines, or JSON.
 
+use crate::checkpoint::{Checkpoint, WeightFiles};
 use crate::usage;
 use anyhow::Result;
 use kvlens_engine::arch::config::{ImageLimits, ModelConfig};
@@ -24,6 +25,10 @@ pub struct PlanArgs {
     /// Print one JSON object instead of the table.
     #[arg(long)]
     pub json: bool,
+    /// The projector (mmproj-*.gguf) of a GGUF --model file: the weights are then the two files'
+    /// tensors as stored.
+    #[arg(long)]
+    pub mmproj: Option<PathBuf>,
 }
 
 /// Loads a bundled config by name or a checkpoint directory's config.json (+ preprocessor limits).
@@ -31,6 +36,9 @@ fn load_model(model: &str) -> Result<PlanModel, PlanError> {
     let dir = Path::new(model);
     if !dir.is_dir() {
         return bundled_model(model);
+    }
+    if !dir.join("config.json").is_file() {
+        return Ok(open_gguf(dir, None)?.0);
     }
     let bad = PlanError::Invalid;
     let path = dir.join("config.json");
@@ -48,6 +56,25 @@ fn load_model(model: &str) -> Result<PlanModel, PlanError> {
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_else(|| model.to_string());
     Ok((name, cfg, limits))
+}
+
+/// A GGUF model (a file with its projector, or a directory holding the pair): its config, the
+/// family's shipped image limits (the files carry none) and the bytes of its tensors as stored.
+fn open_gguf(model: &Path, mmproj: Option<&Path>) -> Result<(PlanModel, u64), PlanError> {
+    let ckpt = Checkpoint::open(model, mmproj).map_err(|e| PlanError::Invalid(format!("{e:#}")))?;
+    let WeightFiles::Gguf(pair) = &ckpt.weights else {
+        return Err(PlanError::Invalid(format!("{} is not a GGUF model", model.display())));
+    };
+    let stored = pair
+        .model()
+        .map_err(|e| PlanError::Invalid(format!("{e:#}")))?
+        .stored_bytes();
+    let name = model
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let limits = ImageLimits::shipped(ckpt.config.family);
+    Ok(((name, ckpt.config, limits), stored))
 }
 
 /// Renders the plan as an aligned table followed by vLLM's log lines.
@@ -73,10 +100,25 @@ pub fn run(a: &PlanArgs) -> Result<()> {
         let text = std::fs::read(path).map_err(|e| usage(format!("cannot read {}: {e}", path.display())))?;
         return run_from_log(a, &parse_vllm_log(&String::from_utf8_lossy(&text)));
     }
-    let req = a
+    // A GGUF model's weights are its tensors' bytes as stored, not a count from its config.
+    let stored = std::cell::Cell::new(None);
+    let load = |model: &str| -> Result<PlanModel, PlanError> {
+        let path = Path::new(model);
+        let gguf = a.mmproj.is_some() || (path.is_dir() && !path.join("config.json").is_file());
+        if !gguf {
+            return load_model(model);
+        }
+        let (m, bytes) = open_gguf(path, a.mmproj.as_deref())?;
+        stored.set(Some(bytes));
+        Ok(m)
+    };
+    let mut req = a
         .inputs
-        .request(&HeaderSettings::default(), load_model)
+        .request(&HeaderSettings::default(), load)
         .map_err(|e| usage(e.to_string()))?;
+    if req.weights_bytes.is_none() {
+        req.weights_bytes = stored.get();
+    }
     let p = plan(&req).map_err(|e| usage(e.to_string()))?;
     if a.json {
         println!("{}", serde_json::to_string_pretty(&p)?);

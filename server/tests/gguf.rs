@@ -257,3 +257,49 @@ fn wrong_gguf_files_are_one_line_errors() {
     let (err, code) = generate(&["--model", &s(&two)]);
     assert_eq!(code, Some(0), "{err}");
 }
+
+/// `kvlens plan` counts a GGUF pair's tensors as stored, and the CPU's ledger after loading holds
+/// exactly that, plus the f16 matrices again (the float32 path widens them; the converter writes
+/// f16 where a q8_0 matrix's rows do not split into blocks), less Qwen3-VL's position table (read
+/// into host memory, not the device's).
+#[test]
+fn the_plan_counts_a_gguf_pair_as_stored_and_the_ledger_agrees() {
+    let dir = common::tiny_checkpoint("gguf-plan");
+    let (text, mmproj) = to_gguf(&dir, "q8_0", &scratch("gguf-plan-q8_0"));
+    let (mut stored, mut halves, mut host) = (0u64, 0u64, 0u64);
+    for file in [&text, &mmproj] {
+        let bytes = std::fs::read(file).unwrap();
+        let g = Gguf::parse(&bytes, bytes.len() as u64).unwrap();
+        for t in &g.tensors {
+            stored += t.bytes;
+            if t.ggml_type.name() == "F16" && t.ne.len() >= 2 {
+                halves += t.bytes;
+            }
+            if t.name == "v.position_embd.weight" {
+                host += t.bytes;
+            }
+        }
+    }
+    assert!(halves > 0, "the tiny model's 37-wide rows are written in f16");
+    let (s, m) = (text.to_str().unwrap(), mmproj.to_str().unwrap());
+    let plan = kvlens(&["plan", "--model", s, "--mmproj", m, "--device", "cpu", "--json"]);
+    assert!(plan.status.success(), "{}", String::from_utf8_lossy(&plan.stderr));
+    let plan: Value = serde_json::from_slice(&plan.stdout).unwrap();
+    assert_eq!(plan["weights_bytes"].as_u64(), Some(stored), "{plan}");
+    let gen = kvlens(&[
+        "generate",
+        "--model",
+        s,
+        "--mmproj",
+        m,
+        "--prompt",
+        "hi",
+        "--max-tokens",
+        "1",
+        "--json",
+    ]);
+    assert!(gen.status.success(), "{}", String::from_utf8_lossy(&gen.stderr));
+    let gen: Value = serde_json::from_slice(&gen.stdout).unwrap();
+    assert!(host > 0, "Qwen3-VL has a position table");
+    assert_eq!(gen["weights"]["bytes"].as_u64(), Some(stored + halves - host), "{gen}");
+}

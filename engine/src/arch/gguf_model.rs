@@ -392,6 +392,30 @@ impl<'a> GgufModel<'a> {
         Ok(out)
     }
 
+    /// Bytes of every tensor of both files as stored: what a backend that keeps each tensor in
+    /// its file's type holds.
+    pub fn stored_bytes(&self) -> u64 {
+        self.text
+            .tensors
+            .iter()
+            .chain(&self.mmproj.tensors)
+            .map(|t| t.bytes)
+            .sum()
+    }
+
+    /// Bytes of the f16 and bf16 tensors of rank 2 or more (matrices, the patch kernel): what a
+    /// backend holding them in f32 (the CPU's float32 path) holds twice over.
+    pub fn half_matrix_bytes(&self) -> u64 {
+        use super::ggml::GgmlType::{Bf16, F16};
+        self.text
+            .tensors
+            .iter()
+            .chain(&self.mmproj.tensors)
+            .filter(|t| matches!(t.ggml_type, F16 | Bf16) && t.ne.len() >= 2)
+            .map(|t| t.bytes)
+            .sum()
+    }
+
     /// The file a piece is in.
     pub fn file(&self, part: Part) -> &'a Gguf {
         match part {
