@@ -58,62 +58,62 @@ impl<'a> GgufTensors<'a> {
 
     /// `name` made from its pieces.
     fn assemble(&self, name: &str, how: &Assembly) -> Result<RawTensor<'a>, ModelError> {
-        let bad = |why: String| ModelError::Checkpoint(format!("{name}: {why}"));
         match how {
             Assembly::One(p) => Ok(self.one(*p)),
-            Assembly::Rows(pieces) => {
-                let parts: Vec<RawTensor<'a>> = pieces.iter().map(|p| self.one(*p)).collect();
-                let first = &parts[0];
-                if let Some(other) = parts
-                    .iter()
-                    .find(|p| p.dtype != first.dtype || p.shape[1..] != first.shape[1..])
-                {
-                    return Err(bad(format!(
-                        "its q, k and v differ: {} {:?} and {} {:?}",
-                        first.dtype.name(),
-                        first.shape,
-                        other.dtype.name(),
-                        other.shape
-                    )));
-                }
-                let mut shape = first.shape.clone();
-                shape[0] = parts.iter().map(|p| p.shape[0]).sum();
-                Ok(RawTensor {
-                    dtype: first.dtype,
-                    shape,
-                    data: Cow::Owned(parts.iter().flat_map(|p| p.data.iter().copied()).collect()),
-                })
-            }
-            Assembly::Temporal([a, b]) => {
-                let (a, b) = (self.one(*a), self.one(*b));
-                let [out, inp, h, w] = a.shape[..] else {
-                    return Err(bad(format!("a patch embedding of shape {:?}, not 4-D", a.shape)));
-                };
-                if a.shape != b.shape || a.dtype != b.dtype {
-                    return Err(bad("its two time steps differ in shape or type".into()));
-                }
-                let kernel = a.dtype.bytes_of(h * w).ok_or_else(|| {
-                    bad(format!(
-                        "{}×{} kernels do not split into {} blocks",
-                        h,
-                        w,
-                        a.dtype.name()
-                    ))
-                })?;
-                let data = a
-                    .data
-                    .chunks_exact(kernel)
-                    .zip(b.data.chunks_exact(kernel))
-                    .flat_map(|(x, y)| x.iter().chain(y).copied())
-                    .collect();
-                Ok(RawTensor {
-                    dtype: a.dtype,
-                    shape: vec![out, inp, 2, h, w],
-                    data: Cow::Owned(data),
-                })
-            }
+            Assembly::Rows(pieces) => join_rows(name, pieces.iter().map(|p| self.one(*p)).collect()),
+            Assembly::Temporal([a, b]) => join_time_steps(name, self.one(*a), self.one(*b)),
         }
     }
+}
+
+/// `q`, `k` and `v` (or any tensors of one type and row width) as one tensor, rows in order.
+pub(crate) fn join_rows<'a>(name: &str, parts: Vec<RawTensor<'_>>) -> Result<RawTensor<'a>, ModelError> {
+    let first = &parts[0];
+    if let Some(other) = parts
+        .iter()
+        .find(|p| p.dtype != first.dtype || p.shape[1..] != first.shape[1..])
+    {
+        return Err(ModelError::Checkpoint(format!(
+            "{name}: its q, k and v differ: {} {:?} and {} {:?}",
+            first.dtype.name(),
+            first.shape,
+            other.dtype.name(),
+            other.shape
+        )));
+    }
+    let mut shape = first.shape.clone();
+    shape[0] = parts.iter().map(|p| p.shape[0]).sum();
+    Ok(RawTensor {
+        dtype: first.dtype,
+        shape,
+        data: Cow::Owned(parts.iter().flat_map(|p| p.data.iter().copied()).collect()),
+    })
+}
+
+/// A Conv3D kernel `[out, in, 2, p, p]` from its two time steps `[out, in, p, p]`.
+pub(crate) fn join_time_steps<'a>(name: &str, a: RawTensor<'_>, b: RawTensor<'_>) -> Result<RawTensor<'a>, ModelError> {
+    let bad = |why: String| ModelError::Checkpoint(format!("{name}: {why}"));
+    let [out, inp, h, w] = a.shape[..] else {
+        return Err(bad(format!("a patch embedding of shape {:?}, not 4-D", a.shape)));
+    };
+    if a.shape != b.shape || a.dtype != b.dtype {
+        return Err(bad("its two time steps differ in shape or type".into()));
+    }
+    let kernel = a
+        .dtype
+        .bytes_of(h * w)
+        .ok_or_else(|| bad(format!("{h}×{w} kernels do not split into {} blocks", a.dtype.name())))?;
+    let data = a
+        .data
+        .chunks_exact(kernel)
+        .zip(b.data.chunks_exact(kernel))
+        .flat_map(|(x, y)| x.iter().chain(y).copied())
+        .collect();
+    Ok(RawTensor {
+        dtype: a.dtype,
+        shape: vec![out, inp, 2, h, w],
+        data: Cow::Owned(data),
+    })
 }
 
 impl<B: Backend> TensorSource<B> for GgufTensors<'_> {

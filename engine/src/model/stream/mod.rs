@@ -14,21 +14,26 @@
 //! tensor the model reads must have the shape its config implies before any of its bytes are
 //! gathered, so a corrupt file cannot make it allocate more.
 
+mod gguf;
 mod shard;
 #[cfg(test)]
 mod tests;
 
 pub use shard::MAX_HEADER_BYTES;
 
+use super::gguf_tensors::{join_rows, join_time_steps};
 use super::weights::{check_shape, raw_dtype, spellings, Converted, Loaded, Stored, TensorSource};
 use super::{check_supported, ModelError, QwenVl};
 use crate::arch::config::ModelConfig;
+use crate::arch::gguf::Gguf;
+use crate::arch::gguf_model::{Assembly, Part};
 use crate::arch::spec::{tensor_specs, TensorSpec};
 use crate::backend::{Backend, RawTensor};
+use gguf::{GgufReader, Target, Want};
 use safetensors::Dtype;
 use shard::{ShardReader, Sink};
 use std::cell::RefCell;
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 
 /// Loads a model from safetensors shards pushed chunk by chunk.
 ///
@@ -42,8 +47,11 @@ use std::collections::HashMap;
 pub struct StreamLoader<'b, B: Backend, P> {
     cfg: ModelConfig,
     convert: Convert<'b, B, P>,
-    /// The shard being fed.
-    shard: Option<ShardReader>,
+    /// The file being fed.
+    shard: Option<File>,
+    /// The pieces of GGUF tensors put together from several (q, k, v; the patch kernel's time
+    /// steps), by transformers name: how, and the pieces arrived so far.
+    pieces: HashMap<String, (Assembly, Vec<Option<RawTensor<'static>>>)>,
     /// The most bytes held at once by the shards already ended.
     peak: usize,
     failed: bool,
@@ -82,6 +90,7 @@ impl<'b, B: Backend, P: FnMut(usize, u64)> StreamLoader<'b, B, P> {
                 done: (0, 0),
             },
             shard: None,
+            pieces: HashMap::new(),
             peak: 0,
             failed: false,
         })
@@ -91,7 +100,62 @@ impl<'b, B: Backend, P: FnMut(usize, u64)> StreamLoader<'b, B, P> {
     pub fn begin_shard(&mut self, name: impl Into<String>) -> Result<(), ModelError> {
         self.guard(|s| {
             s.end_shard()?;
-            s.shard = Some(ShardReader::new(name.into()));
+            s.shard = Some(File::Safetensors(ShardReader::new(name.into())));
+            Ok(())
+        })
+    }
+
+    /// Starts `part` of a GGUF pair, `label` naming it in errors: `file` is its header (read
+    /// first, from the file's first bytes), `tensors` the pair's [`GgufModel::tensors`]. Its
+    /// bytes are then pushed from the file's start.
+    ///
+    /// [`GgufModel::tensors`]: crate::arch::gguf_model::GgufModel::tensors
+    pub fn begin_gguf(
+        &mut self,
+        label: impl Into<String>,
+        file: &Gguf,
+        part: Part,
+        tensors: &BTreeMap<String, Assembly>,
+    ) -> Result<(), ModelError> {
+        self.guard(|s| {
+            s.end_shard()?;
+            let mut wants = Vec::new();
+            for (name, how) in tensors {
+                let Some(spec) = s.convert.wanted.get(name) else {
+                    continue;
+                };
+                let pieces = match how {
+                    Assembly::One(p) => vec![*p],
+                    Assembly::Rows(ps) => ps.clone(),
+                    Assembly::Temporal(ps) => ps.to_vec(),
+                };
+                for (slot, p) in pieces.iter().enumerate().filter(|(_, p)| p.part == part) {
+                    let t = &file.tensors[p.index];
+                    let target = match how {
+                        Assembly::One(_) => {
+                            check_shape(name, &t.shape(), &spec.shape)?;
+                            Target::Whole(name.clone())
+                        }
+                        _ => {
+                            s.pieces
+                                .entry(name.clone())
+                                .or_insert_with(|| (how.clone(), vec![None; pieces.len()]));
+                            Target::Piece {
+                                name: name.clone(),
+                                slot,
+                            }
+                        }
+                    };
+                    wants.push(Want {
+                        start: t.start,
+                        bytes: t.bytes,
+                        dtype: crate::backend::RawDType::of_ggml(t.ggml_type),
+                        shape: t.shape(),
+                        target,
+                    });
+                }
+            }
+            s.shard = Some(File::Gguf(GgufReader::new(label.into(), wants)));
             Ok(())
         })
     }
@@ -99,7 +163,40 @@ impl<'b, B: Backend, P: FnMut(usize, u64)> StreamLoader<'b, B, P> {
     /// The next bytes of the current shard, in file order, of any length.
     pub fn push(&mut self, chunk: &[u8]) -> Result<(), ModelError> {
         self.guard(|s| match &mut s.shard {
-            Some(shard) => shard.push(chunk, &mut s.convert),
+            Some(File::Safetensors(shard)) => shard.push(chunk, &mut s.convert),
+            Some(File::Gguf(file)) => {
+                let (convert, pieces) = (&mut s.convert, &mut s.pieces);
+                file.push(chunk, &mut |target, raw| match target {
+                    Target::Whole(name) => convert.convert(name, raw),
+                    Target::Piece { name, slot } => {
+                        let Some((how, got)) = pieces.get_mut(name) else {
+                            return Ok(());
+                        };
+                        got[*slot] = Some(RawTensor {
+                            data: std::borrow::Cow::Owned(raw.data.into_owned()),
+                            ..raw
+                        });
+                        if got.iter().any(Option::is_none) {
+                            return Ok(());
+                        }
+                        let parts: Vec<RawTensor<'static>> = got.drain(..).flatten().collect();
+                        let whole = match how {
+                            Assembly::Temporal(_) => {
+                                let mut it = parts.into_iter();
+                                let (a, b) = (it.next(), it.next());
+                                match (a, b) {
+                                    (Some(a), Some(b)) => join_time_steps(name, a, b)?,
+                                    _ => return Err(ModelError::Checkpoint(format!("{name}: a time step is missing"))),
+                                }
+                            }
+                            _ => join_rows(name, parts)?,
+                        };
+                        let name = name.clone();
+                        pieces.remove(&name);
+                        convert.convert(&name, whole)
+                    }
+                })
+            }
             None => Err(ModelError::Checkpoint(
                 "checkpoint bytes pushed before begin_shard named their file".into(),
             )),
@@ -109,20 +206,28 @@ impl<'b, B: Backend, P: FnMut(usize, u64)> StreamLoader<'b, B, P> {
     /// Checks that the last shard is complete and builds the model from the converted tensors.
     pub fn finish(mut self) -> Result<QwenVl<B>, ModelError> {
         self.guard(Self::end_shard)?;
+        if let Some(name) = self.pieces.keys().next() {
+            return Err(ModelError::Checkpoint(format!(
+                "{name}: some of its pieces never arrived"
+            )));
+        }
         let source = Streamed(RefCell::new(self.convert.loaded));
         QwenVl::load(self.cfg, &source, self.convert.backend, |_, _| {})
     }
 
     /// The most checkpoint bytes the loader has held at once, besides the chunk being pushed.
     pub fn peak_held(&self) -> usize {
-        self.shard.as_ref().map_or(0, ShardReader::peak_held).max(self.peak)
+        self.shard.as_ref().map_or(0, File::peak_held).max(self.peak)
     }
 
     /// Ends the current shard, if any, checking it is complete.
     fn end_shard(&mut self) -> Result<(), ModelError> {
         if let Some(shard) = self.shard.take() {
             self.peak = self.peak.max(shard.peak_held());
-            shard.end()?;
+            match &shard {
+                File::Safetensors(f) => f.end()?,
+                File::Gguf(f) => f.end()?,
+            }
         }
         Ok(())
     }
@@ -137,6 +242,22 @@ impl<'b, B: Backend, P: FnMut(usize, u64)> StreamLoader<'b, B, P> {
         let result = f(self);
         self.failed = result.is_err();
         result
+    }
+}
+
+/// The file being fed.
+#[derive(Debug)]
+enum File {
+    Safetensors(ShardReader),
+    Gguf(GgufReader),
+}
+
+impl File {
+    fn peak_held(&self) -> usize {
+        match self {
+            File::Safetensors(f) => f.peak_held(),
+            File::Gguf(f) => f.peak_held(),
+        }
     }
 }
 
@@ -163,21 +284,25 @@ impl<B: Backend, P: FnMut(usize, u64)> Sink for Convert<'_, B, P> {
     }
 
     fn tensor(&mut self, name: &str, dtype: Dtype, shape: &[usize], data: &[u8]) -> Result<(), ModelError> {
-        let Some(spec) = self.wanted.get(name) else {
-            return Ok(());
-        };
         let raw = RawTensor {
             dtype: raw_dtype(name, dtype)?,
             shape: shape.to_vec(),
             data: data.into(),
         };
-        let value = Converted::of(self.backend, spec, raw)?;
-        let bytes = data.len() as u64;
-        let loaded = Loaded {
-            shape: shape.to_vec(),
-            bytes,
-            value,
+        self.convert(name, raw)
+    }
+}
+
+impl<B: Backend, P: FnMut(usize, u64)> Convert<'_, B, P> {
+    /// Converts tensor `name` (checked against the model's shape), if the model reads it.
+    fn convert(&mut self, name: &str, raw: RawTensor<'_>) -> Result<(), ModelError> {
+        let Some(spec) = self.wanted.get(name) else {
+            return Ok(());
         };
+        check_shape(name, &raw.shape, &spec.shape)?;
+        let (shape, bytes) = (raw.shape.clone(), raw.data.len() as u64);
+        let value = Converted::of(self.backend, spec, raw)?;
+        let loaded = Loaded { shape, bytes, value };
         self.loaded.insert(name.to_string(), loaded);
         self.done = (self.done.0 + 1, self.done.1 + bytes);
         (self.progress)(self.done.0, self.done.1);

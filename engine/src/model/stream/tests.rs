@@ -345,3 +345,131 @@ mod proptests {
         }
     }
 }
+
+/// A GGUF pair (q8_0, as llama.cpp's converter writes it) of the random checkpoint of `json`
+/// (vocabulary 2,048) and the safetensors file it was made from.
+fn gguf_pair(json: &str) -> (ModelConfig, Vec<u8>, Vec<u8>, Vec<u8>) {
+    use crate::arch::gguf_export::{export, CheckpointText};
+    let cfg = config(json);
+    let mut raw: serde_json::Value = serde_json::from_str(json).unwrap();
+    if raw.get("text_config").is_some() {
+        raw["text_config"]["vocab_size"] = 2048.into();
+    } else {
+        raw["vocab_size"] = 2048.into();
+    }
+    // A vocabulary of the ids the config names and filler, as tokenizer.json writes it.
+    let mut vocab = serde_json::Map::new();
+    for id in 0..2040 {
+        vocab.insert(format!("t{id}"), id.into());
+    }
+    let special = [
+        "<|image_pad|>",
+        "<|video_pad|>",
+        "<|vision_start|>",
+        "<|vision_end|>",
+        "<|endoftext|>",
+    ];
+    let added: Vec<serde_json::Value> = special
+        .iter()
+        .enumerate()
+        .map(|(i, t)| serde_json::json!({"id": 2040 + i, "content": t, "special": true}))
+        .collect();
+    let tokenizer = serde_json::json!({"model": {"vocab": vocab, "merges": []}, "added_tokens": added}).to_string();
+    let safetensors = file(&tensor_specs(&cfg));
+    let shards = [("model.safetensors".to_string(), safetensors.as_slice())];
+    let mut values = SafetensorsFiles::parse(&shards).unwrap();
+    let ckpt = CheckpointText {
+        config: &raw,
+        tokenizer_json: &tokenizer,
+        chat_template: "",
+        mean_std: ([0.5; 3], [0.5; 3]),
+        name: "t",
+    };
+    let (t, m) = export(&ckpt, &mut values, crate::arch::ggml::GgmlType::Q8_0).unwrap();
+    let (mut text_bytes, mut mmproj_bytes) = (Vec::new(), Vec::new());
+    t.write(&mut text_bytes).unwrap();
+    m.write(&mut mmproj_bytes).unwrap();
+    (cfg, safetensors, text_bytes, mmproj_bytes)
+}
+
+/// The pair loaded from its whole files, as the server loads it.
+fn gguf_file_logits(cfg: &ModelConfig, text: &[u8], mmproj: &[u8]) -> Vec<f32> {
+    use crate::arch::gguf::Gguf;
+    use crate::arch::gguf_model::GgufModel;
+    use crate::model::gguf_tensors::GgufTensors;
+    let (t, m) = (
+        Gguf::parse(text, text.len() as u64).unwrap(),
+        Gguf::parse(mmproj, mmproj.len() as u64).unwrap(),
+    );
+    let pair = GgufModel::new(&t, &m).unwrap();
+    let source = GgufTensors::new(&pair, text, mmproj).unwrap();
+    let be = cpu();
+    let model = QwenVl::load(cfg.clone(), &source, &be, |_, _| {}).unwrap();
+    logits(be, model)
+}
+
+/// Streams the pair in chunks of `chunk` bytes, the headers parsed first from the files' starts,
+/// the projector's last `cut` bytes left out.
+fn gguf_stream(
+    cfg: &ModelConfig,
+    text: &[u8],
+    mmproj: &[u8],
+    chunk: usize,
+    cut: usize,
+) -> Result<(Vec<f32>, usize), ModelError> {
+    use crate::arch::gguf::Gguf;
+    use crate::arch::gguf_model::{GgufModel, Part};
+    let (t, m) = (
+        Gguf::parse(text, text.len() as u64).unwrap(),
+        Gguf::parse(mmproj, mmproj.len() as u64).unwrap(),
+    );
+    let tensors = GgufModel::new(&t, &m).unwrap().tensors().unwrap();
+    let be = cpu();
+    let mut loader = StreamLoader::new(cfg.clone(), &be, |_, _| {})?;
+    let pushed = &mmproj[..mmproj.len() - cut];
+    for (label, header, bytes, part) in [
+        ("text.gguf", &t, text, Part::Text),
+        ("mmproj.gguf", &m, pushed, Part::Mmproj),
+    ] {
+        loader.begin_gguf(label, header, part, &tensors)?;
+        for c in bytes.chunks(chunk) {
+            loader.push(c)?;
+        }
+    }
+    let peak = loader.peak_held();
+    let model = loader.finish()?;
+    Ok((logits(be, model), peak))
+}
+
+/// A GGUF pair streamed in any chunks gives the logits of the pair loaded whole (which for a
+/// q8_0 pair are the safetensors file's with `q8_0` weights, not compared here), holding at most
+/// its largest tensor; a truncated projector says how far it got.
+#[test]
+fn a_gguf_pair_streams_like_its_whole_files() {
+    for json in [
+        include_str!("../../../../tools/golden/configs/qwen2_5_vl_tiny.json"),
+        include_str!("../../../../tools/golden/configs/qwen3_vl_tiny.json"),
+    ] {
+        let (cfg, _, text, mmproj) = gguf_pair(json);
+        let want = gguf_file_logits(&cfg, &text, &mmproj);
+        let largest = [&text, &mmproj]
+            .iter()
+            .flat_map(|f| crate::arch::gguf::Gguf::parse(f, f.len() as u64).unwrap().tensors)
+            .map(|t| t.bytes as usize)
+            .max()
+            .unwrap();
+        for chunk in [1, 1000, 64 << 10, text.len()] {
+            let (got, peak) = gguf_stream(&cfg, &text, &mmproj, chunk, 0).unwrap();
+            assert_eq!(got, want, "{:?}, chunks of {chunk}", cfg.family);
+            assert!(peak <= largest, "{chunk}: held {peak} > {largest}");
+            if chunk == 1 {
+                assert_eq!(peak, largest, "1-byte chunks gather every tensor");
+            }
+        }
+        let err = gguf_stream(&cfg, &text, &mmproj, 4096, 100).unwrap_err().to_string();
+        assert!(
+            err.contains("mmproj.gguf ended after") && err.contains("truncated"),
+            "{err}"
+        );
+    }
+}
