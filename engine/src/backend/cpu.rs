@@ -289,15 +289,13 @@ impl Backend for CpuBackend {
         };
         if let RawDType::Blocks(t) = raw.dtype {
             // As stored: q8_0 and q4_0 are the packed formats' own blocks; candle multiplies
-            // the K-quants and the other block types.
+            // the K-quants and the other block types. Rows candle cannot multiply (q4_1/q5_*
+            // rows of one block, in tiny models only) are widened to f32 below.
             let m = PackedMatrix::ggml_blocks(t, &raw.data, rows, cols)
-                .or_else(|| PackedMatrix::ggml(t, &raw.data, rows, cols))
-                .ok_or(BackendError::Shape(format!(
-                    "{} bytes of {} are not a [{rows}, {cols}] matrix",
-                    raw.data.len(),
-                    t.name()
-                )))?;
-            return Ok(self.weight(Matrix::Packed(Arc::new(m))));
+                .or_else(|| PackedMatrix::ggml(t, &raw.data, rows, cols));
+            if let Some(m) = m {
+                return Ok(self.weight(Matrix::Packed(Arc::new(m))));
+            }
         }
         if raw.shape.len() == 2 {
             if self.weights.quantizes(&raw.shape) {

@@ -210,8 +210,8 @@ impl PackedMatrix {
     }
 
     /// A matrix of any other GGML block type candle multiplies (the K-quants, `q4_1`, `q5_0`,
-    /// `q5_1`) from a GGUF tensor's bytes, or None for another type or bytes that are not `rows`
-    /// rows.
+    /// `q5_1`) from a GGUF tensor's bytes, or None for another type, bytes that are not `rows`
+    /// rows, or `q4_1`/`q5_*` rows of an odd number of blocks (which candle cannot multiply).
     pub fn ggml(ggml: GgmlType, data: &[u8], rows: usize, cols: usize) -> Option<Self> {
         let dtype = match ggml {
             GgmlType::Q4_1 => GgmlDType::Q4_1,
@@ -222,7 +222,10 @@ impl PackedMatrix {
             GgmlType::Q6K => GgmlDType::Q6K,
             _ => return None,
         };
-        if ggml.bytes_of((rows * cols) as u64) != Some(data.len() as u64) || !cols.is_multiple_of(ggml.block().0) {
+        // candle's q4_1/q5_0/q5_1 products take rows of an even number of blocks.
+        let pairs = matches!(ggml, GgmlType::Q4_1 | GgmlType::Q5_0 | GgmlType::Q5_1);
+        let row_values = if pairs { 2 * ggml.block().0 } else { ggml.block().0 };
+        if ggml.bytes_of((rows * cols) as u64) != Some(data.len() as u64) || !cols.is_multiple_of(row_values) {
             return None;
         }
         // candle reads the blocks in place, so they must be aligned as its block structs are:
