@@ -212,14 +212,28 @@ pub fn mm_flags(data: &[u8]) {
 const GGUF_MAX_DEQUANTIZED: u64 = 1 << 16;
 
 /// A GGUF file: its header parsed and checked against the input's length, then every tensor
-/// small enough dequantized from the bytes the header says it has.
+/// small enough dequantized from the bytes the header says it has. Then the input split in two
+/// where its first two bytes say, read as a text model and its projector: the config, the
+/// tokenizer and the tensor map made from whatever metadata the two hold.
 pub fn gguf(data: &[u8]) {
-    let Ok(file) = Gguf::parse(data, data.len() as u64) else {
+    if let Ok(file) = Gguf::parse(data, data.len() as u64) {
+        for t in file.tensors.iter().filter(|t| t.numel() <= GGUF_MAX_DEQUANTIZED) {
+            let bytes = &data[t.start as usize..(t.start + t.bytes) as usize];
+            let mut out = vec![0f32; t.numel() as usize];
+            t.ggml_type.dequantize(bytes, &mut out);
+        }
+    }
+    let [a, b, rest @ ..] = data else { return };
+    let (text, mmproj) = rest.split_at(usize::from(u16::from_le_bytes([*a, *b])).min(rest.len()));
+    let (Ok(text), Ok(mmproj)) = (Gguf::parse(text, text.len() as u64), Gguf::parse(mmproj, mmproj.len() as u64)) else {
         return;
     };
-    for t in file.tensors.iter().filter(|t| t.numel() <= GGUF_MAX_DEQUANTIZED) {
-        let bytes = &data[t.start as usize..(t.start + t.bytes) as usize];
-        let mut out = vec![0f32; t.numel() as usize];
-        t.ggml_type.dequantize(bytes, &mut out);
+    let Ok(pair) = crate::arch::gguf_model::GgufModel::new(&text, &mmproj) else { return };
+    if let Ok(json) = pair.config_json() {
+        let _ = ModelConfig::from_value(&json);
     }
+    if let Ok(tokenizer) = pair.tokenizer_json() {
+        let _ = crate::input::tokenizer::Tokenizer::from_bytes(tokenizer.as_bytes());
+    }
+    let _ = (pair.tensors(), pair.preprocessor_json(), pair.eos_token_ids());
 }
