@@ -225,10 +225,15 @@ pub fn gguf(data: &[u8]) {
     }
     let [a, b, rest @ ..] = data else { return };
     let (text, mmproj) = rest.split_at(usize::from(u16::from_le_bytes([*a, *b])).min(rest.len()));
-    let (Ok(text), Ok(mmproj)) = (Gguf::parse(text, text.len() as u64), Gguf::parse(mmproj, mmproj.len() as u64)) else {
+    let (Ok(text), Ok(mmproj)) = (
+        Gguf::parse(text, text.len() as u64),
+        Gguf::parse(mmproj, mmproj.len() as u64),
+    ) else {
         return;
     };
-    let Ok(pair) = crate::arch::gguf_model::GgufModel::new(&text, &mmproj) else { return };
+    let Ok(pair) = crate::arch::gguf_model::GgufModel::new(&text, &mmproj) else {
+        return;
+    };
     if let Ok(json) = pair.config_json() {
         let _ = ModelConfig::from_value(&json);
     }

@@ -297,6 +297,17 @@ impl Backend for CpuBackend {
                 return Ok(self.weight(Matrix::Packed(Arc::new(m))));
             }
         }
+        if raw.dtype == RawDType::F16 && !self.weights.quantizes(&raw.shape) {
+            // Half precision kept as stored, widened row by row inside the products.
+            let values = raw
+                .data
+                .chunks_exact(2)
+                .map(|b| half::f16::from_le_bytes([b[0], b[1]]))
+                .collect();
+            if let Some(m) = PackedMatrix::f16(values, rows, cols) {
+                return Ok(self.weight(Matrix::Packed(Arc::new(m))));
+            }
+        }
         if raw.shape.len() == 2 {
             if self.weights.quantizes(&raw.shape) {
                 let values = crate::model::weights::host_f32(&raw);
@@ -383,9 +394,10 @@ impl Backend for CpuBackend {
             Matrix::Packed(q) => {
                 let (m, _) = dims2(&x.t)?;
                 let (rows, cols) = q.dims();
-                if m >= DEQUANTIZE_FROM_ROWS && bf16_gemm::available() {
+                if m >= DEQUANTIZE_FROM_ROWS && bf16_gemm::available() && !q.is_f16() {
                     // Many rows on a CPU with AVX-512 BF16: computed in bfloat16, bfloat16
-                    // weights read as stored, quantized ones dequantized to bfloat16.
+                    // weights read as stored, quantized ones dequantized to bfloat16 (f16
+                    // weights, which bfloat16 would round, take the f32 GEMM below).
                     let xs = x.t.contiguous().map_err(lib)?;
                     let (storage, layout) = xs.storage_and_layout();
                     let values = contiguous_values(&storage, layout)?;

@@ -16,6 +16,8 @@ use crate::arch::ggml::GgmlType;
 use crate::arch::weight_format::WeightFormat;
 use crate::parallel::for_each_piece;
 use candle_core::quantized::{GgmlDType, QTensor};
+use half::f16;
+use half::slice::HalfFloatSliceExt;
 use std::borrow::Cow;
 use std::sync::Arc;
 
@@ -24,6 +26,9 @@ use std::sync::Arc;
 enum Packing {
     /// bfloat16 bit patterns, row-major.
     Bf16(Vec<u16>),
+    /// IEEE half precision as a GGUF or safetensors file stores it, row-major; each row widened
+    /// to f32 for the product.
+    F16(Vec<f16>),
     Blocks(BlockRows),
     /// Any other GGML block type as a GGUF file stores it (the K-quants, `q4_1`, `q5_0`,
     /// `q5_1`), multiplied by candle's `k_quants` (the activations quantized to `q8_K` or
@@ -50,10 +55,31 @@ fn widen(bits: u16) -> f32 {
 /// the memory, bounded a bfloat16 decode), so the compiler vectorises.
 const LANES: usize = 64;
 
-/// `out[i] = x_i · w` for the `out.len()` rows `x_i` of `xs`, `w` one bfloat16 row. `FMA` picks
+/// A stored weight widened to the f32 it stands for (exact).
+trait Widen: Copy {
+    fn widen(self) -> f32;
+}
+
+/// bfloat16 bit patterns.
+impl Widen for u16 {
+    #[inline(always)]
+    fn widen(self) -> f32 {
+        widen(self)
+    }
+}
+
+/// Rows already widened (an f16 row converted for the product).
+impl Widen for f32 {
+    #[inline(always)]
+    fn widen(self) -> f32 {
+        self
+    }
+}
+
+/// `out[i] = x_i · w` for the `out.len()` rows `x_i` of `xs`, `w` one row of weights. `FMA` picks
 /// fused multiply-adds, which only a function compiled with the `fma` feature may ask for.
 #[inline(always)]
-fn dot_rows<const FMA: bool>(w: &[u16], xs: &[f32], out: &mut [f32]) {
+fn dot_rows<const FMA: bool, T: Widen>(w: &[T], xs: &[f32], out: &mut [f32]) {
     let cols = w.len();
     for (x, o) in xs.chunks_exact(cols).zip(out.iter_mut()) {
         let mut acc = [0f32; LANES];
@@ -62,35 +88,35 @@ fn dot_rows<const FMA: bool>(w: &[u16], xs: &[f32], out: &mut [f32]) {
         for (w, x) in wc.zip(xc) {
             for l in 0..LANES {
                 acc[l] = if FMA {
-                    x[l].mul_add(widen(w[l]), acc[l])
+                    x[l].mul_add(w[l].widen(), acc[l])
                 } else {
-                    acc[l] + x[l] * widen(w[l])
+                    acc[l] + x[l] * w[l].widen()
                 };
             }
         }
-        let tail: f32 = w_tail.iter().zip(x_tail).map(|(&w, x)| x * widen(w)).sum();
+        let tail: f32 = w_tail.iter().zip(x_tail).map(|(&w, x)| x * w.widen()).sum();
         *o = acc.iter().sum::<f32>() + tail;
     }
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-fn dot_rows_avx2(w: &[u16], xs: &[f32], out: &mut [f32]) {
-    dot_rows::<true>(w, xs, out)
+fn dot_rows_avx2<T: Widen>(w: &[T], xs: &[f32], out: &mut [f32]) {
+    dot_rows::<true, T>(w, xs, out)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,fma")]
-fn dot_rows_avx512(w: &[u16], xs: &[f32], out: &mut [f32]) {
-    dot_rows::<true>(w, xs, out)
+fn dot_rows_avx512<T: Widen>(w: &[T], xs: &[f32], out: &mut [f32]) {
+    dot_rows::<true, T>(w, xs, out)
 }
 
 /// [`dot_rows`] with the widest instructions this CPU has.
-fn dot_rows_fastest(w: &[u16], xs: &[f32], out: &mut [f32]) {
+fn dot_rows_fastest<T: Widen>(w: &[T], xs: &[f32], out: &mut [f32]) {
     fastest!(
         avx512_fma => dot_rows_avx512(w, xs, out),
         avx2_fma => dot_rows_avx2(w, xs, out),
-        _ => dot_rows::<false>(w, xs, out),
+        _ => dot_rows::<false, T>(w, xs, out),
     )
 }
 
@@ -130,6 +156,11 @@ const ROWS_PER_TASK: usize = 64;
 /// One matrix's row products: `dot(row, cold, out)` writes weight row `row`'s products with the
 /// `m` activation rows into `out`; `cold` marks the first row of a run (nothing prefetched yet).
 type RowDot<'a> = dyn Fn(usize, bool, &mut [f32]) + Sync + 'a;
+
+thread_local! {
+    /// A half-precision row widened for its product, one per pool thread.
+    static WIDE_ROW: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
 
 /// The products `[m, rows]` of `m` activation rows with each of several matrices, given as
 /// `(rows, dot)`. Their rows are shared out as one sequence, one contiguous run per thread of
@@ -253,6 +284,21 @@ impl PackedMatrix {
         })
     }
 
+    /// A half-precision matrix from its values (row-major), or None when the count is not
+    /// `rows · cols`.
+    pub fn f16(values: Vec<f16>, rows: usize, cols: usize) -> Option<Self> {
+        (values.len() == rows * cols).then_some(PackedMatrix {
+            rows,
+            cols,
+            packing: Packing::F16(values),
+        })
+    }
+
+    /// Whether the values are IEEE half precision (computed in f32, never rounded to bfloat16).
+    pub fn is_f16(&self) -> bool {
+        matches!(self.packing, Packing::F16(_))
+    }
+
     /// A bfloat16 matrix from its bit patterns (row-major), or None when the count is not
     /// `rows · cols`.
     pub fn bf16(bits: Vec<u16>, rows: usize, cols: usize) -> Option<Self> {
@@ -272,6 +318,7 @@ impl PackedMatrix {
     pub fn bytes(&self) -> u64 {
         (match &self.packing {
             Packing::Bf16(v) => std::mem::size_of_val(v.as_slice()),
+            Packing::F16(v) => std::mem::size_of_val(v.as_slice()),
             Packing::Blocks(b) => b.bytes(),
             Packing::Ggml(_, q) => q.storage_size_in_bytes(),
         }) as u64
@@ -317,6 +364,14 @@ impl PackedMatrix {
                     prefetch_ahead(bits, row * cols..(row + 1) * cols, cold);
                     dot_rows_fastest(&bits[row * cols..(row + 1) * cols], x, out)
                 }),
+                Packing::F16(values) => Box::new(move |row, cold, out| {
+                    prefetch_ahead(values, row * cols..(row + 1) * cols, cold);
+                    WIDE_ROW.with_borrow_mut(|wide| {
+                        wide.resize(cols, 0.0);
+                        values[row * cols..(row + 1) * cols].convert_to_f32_slice(wide);
+                        dot_rows_fastest(wide.as_slice(), x, out)
+                    })
+                }),
                 Packing::Blocks(b) => {
                     let Some(a) = acts.iter().find(|a| a.kind() == b.kind()) else {
                         candle_core::bail!("no {:?} activations", b.kind());
@@ -341,6 +396,7 @@ impl PackedMatrix {
                     let v = &v[first * cols..][..part.len()];
                     part.iter_mut().zip(v).for_each(|(o, &b)| *o = widen(b))
                 }
+                Packing::F16(v) => v[first * cols..][..part.len()].convert_to_f32_slice(part),
                 Packing::Blocks(b) => {
                     for (r, row) in part.chunks_exact_mut(cols).enumerate() {
                         b.dequantize_row(first + r, row);
@@ -371,7 +427,7 @@ impl PackedMatrix {
     pub fn bf16_rows_scratch_bytes(&self, count: usize) -> usize {
         match &self.packing {
             Packing::Bf16(_) => 0,
-            Packing::Blocks(_) | Packing::Ggml(..) => count * self.cols * 2 + self.cols * 4,
+            Packing::Blocks(_) | Packing::Ggml(..) | Packing::F16(_) => count * self.cols * 2 + self.cols * 4,
         }
     }
 
@@ -381,7 +437,7 @@ impl PackedMatrix {
         let cols = self.cols;
         match &self.packing {
             Packing::Bf16(v) => Cow::Borrowed(&v[first * cols..(first + count) * cols]),
-            Packing::Blocks(_) | Packing::Ggml(..) => {
+            Packing::Blocks(_) | Packing::Ggml(..) | Packing::F16(_) => {
                 let mut wide = vec![0f32; cols];
                 let mut out = vec![0u16; count * cols];
                 for (r, row) in out.chunks_exact_mut(cols).enumerate() {
@@ -401,7 +457,7 @@ impl PackedMatrix {
                 .iter()
                 .flat_map(|&id| v[id * self.cols..(id + 1) * self.cols].iter().map(|&b| widen(b)))
                 .collect(),
-            Packing::Blocks(_) | Packing::Ggml(..) => {
+            Packing::Blocks(_) | Packing::Ggml(..) | Packing::F16(_) => {
                 let mut out = vec![0f32; ids.len() * self.cols];
                 for (&id, row) in ids.iter().zip(out.chunks_exact_mut(self.cols)) {
                     self.row_f32(id, row);
@@ -420,6 +476,7 @@ impl PackedMatrix {
                 .iter_mut()
                 .zip(&v[row * self.cols..(row + 1) * self.cols])
                 .for_each(|(o, &b)| *o = widen(b)),
+            Packing::F16(v) => v[row * self.cols..(row + 1) * self.cols].convert_to_f32_slice(out),
         }
     }
 }
@@ -504,6 +561,33 @@ mod tests {
             .unwrap()
             .matmul(&[0.0; 5], 1)
             .is_err());
+    }
+
+    /// Half-precision weights keep 2 bytes a value, gather and dequantize to their exact values,
+    /// and multiply as the f32 product of those values (up to summation order).
+    #[test]
+    fn f16_weights_multiply_as_their_widened_values() {
+        let (rows, cols) = (7, 200);
+        let w: Vec<f16> = matrix(rows, cols).iter().map(|&v| f16::from_f32(v)).collect();
+        let wide: Vec<f32> = w.iter().map(|v| v.to_f32()).collect();
+        let q = PackedMatrix::f16(w, rows, cols).unwrap();
+        assert_eq!(q.bytes(), (rows * cols * 2) as u64);
+        assert_eq!(q.dequantize(), wide);
+        assert_eq!(q.gather(&[6, 1]), [&wide[6 * cols..], &wide[cols..2 * cols]].concat());
+        for m in [1, 3] {
+            let x = matrix(m, cols);
+            let got = q.matmul(&x, m).unwrap();
+            for i in 0..m {
+                for j in 0..rows {
+                    let want: f32 = (0..cols).map(|c| x[i * cols + c] * wide[j * cols + c]).sum();
+                    assert!(
+                        (got[i * rows + j] - want).abs() <= 1e-5,
+                        "[{i},{j}] {} vs {want}",
+                        got[i * rows + j]
+                    );
+                }
+            }
+        }
     }
 
     /// Every GGML block type of the gguf-py fixture (2 × 512; the K-quants' blocks random) loads as
@@ -620,9 +704,9 @@ mod tests {
             for fma in [false, true] {
                 let mut out = [0f32; 3];
                 if fma {
-                    dot_rows::<true>(&w[..cols], &x, &mut out);
+                    dot_rows::<true, u16>(&w[..cols], &x, &mut out);
                 } else {
-                    dot_rows::<false>(&w[..cols], &x, &mut out);
+                    dot_rows::<false, u16>(&w[..cols], &x, &mut out);
                 }
                 for (i, &o) in out.iter().enumerate() {
                     assert!((o as f64 - want(&x, i, 0)).abs() <= 1e-5, "fma {fma}, row {i}");
