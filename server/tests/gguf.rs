@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::{kvlens, root, scratch};
+use common::{kvlens, root, scratch, to_gguf};
 use kvlens_engine::arch::gguf::{Gguf, MetaValue};
 use serde_json::{json, Value};
 use sha2::Digest;
@@ -144,22 +144,6 @@ fn checkpoint_of(summary: &Value, name: &str) -> PathBuf {
         .unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     dir
-}
-
-/// `kvlens to-gguf --outtype T` of a checkpoint: the (text, projector) paths.
-fn to_gguf(ckpt: &Path, outtype: &str, out: &Path) -> (PathBuf, PathBuf) {
-    let o = kvlens(&[
-        "to-gguf",
-        "--model",
-        ckpt.to_str().unwrap(),
-        "--outtype",
-        outtype,
-        "--out",
-        out.to_str().unwrap(),
-    ]);
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let paths: Vec<PathBuf> = String::from_utf8_lossy(&o.stdout).lines().map(PathBuf::from).collect();
-    (paths[0].clone(), paths[1].clone())
 }
 
 /// For each family and each type llama.cpp's converter writes (f32, f16, bf16, q8_0): every

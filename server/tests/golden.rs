@@ -3,6 +3,8 @@
 //! (`cargo xtask golden`); here the checkpoint is regenerated with `kvlens random-checkpoint` from
 //! the recorded command (same seed → same bytes) and every case is replayed without Python.
 
+mod common;
+
 use kvlens_engine::golden::{self, Fixture, Generated, Tolerance, NO_MARGIN_CHECK};
 use serde_json::Value;
 use std::path::{Path, PathBuf};
@@ -215,19 +217,7 @@ fn run_family(name: &str, run: &Run) {
     let mut limits = Vec::new();
     if let Some(outtype) = run.gguf {
         let gguf = tmp.join("gguf");
-        let out = kvlens()
-            .args([
-                "to-gguf",
-                "--model",
-                ckpt.to_str().unwrap(),
-                "--outtype",
-                outtype,
-                "--out",
-            ])
-            .arg(&gguf)
-            .output()
-            .unwrap();
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        common::to_gguf(&ckpt, outtype, &gguf);
         std::fs::remove_dir_all(&ckpt).unwrap();
         ckpt = gguf;
         // GGUF files do not carry the image limits; the checkpoint's are given as vLLM takes them.

@@ -296,3 +296,19 @@ impl Drop for Server {
         let _ = child.wait();
     }
 }
+
+/// `kvlens to-gguf --outtype T` of a checkpoint: the (text, projector) paths.
+pub fn to_gguf(ckpt: &Path, outtype: &str, out: &Path) -> (PathBuf, PathBuf) {
+    let o = kvlens(&[
+        "to-gguf",
+        "--model",
+        ckpt.to_str().unwrap(),
+        "--outtype",
+        outtype,
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let paths: Vec<PathBuf> = String::from_utf8_lossy(&o.stdout).lines().map(PathBuf::from).collect();
+    (paths[0].clone(), paths[1].clone())
+}
