@@ -9,7 +9,7 @@
 use super::config::{Family, ModelConfig};
 use super::ggml::GgmlType;
 use super::gguf::{GgufError, MetaValue};
-use super::gguf_model::{text_gguf_name, vision_gguf_name, QKV_PARTS};
+use super::gguf_model::{text_gguf_name, vision_gguf_names};
 use super::gguf_write::GgufWriter;
 use serde_json::Value;
 
@@ -87,10 +87,10 @@ pub fn export(
             add(&mut text, &g, &shape, &values, outtype, false);
             continue;
         }
-        let g = vision_gguf_name(cfg.family, &name, &deepstack)
+        let names = vision_gguf_names(cfg.family, &name, &deepstack)
             .ok_or_else(|| GgufError(format!("{name} has no GGUF name")))?;
         let values = tensors.values(&name)?;
-        if g == "v.patch_embd.weight" {
+        if names[0] == "v.patch_embd.weight" {
             // [out, in, 2, p, p] → two [out, in, p, p], one per time step.
             let [o, i, 2, h, w] = shape[..] else {
                 return err(format!(
@@ -104,31 +104,21 @@ pub fn export(
                     .collect();
                 add(
                     &mut mmproj,
-                    &format!("{g}{suffix}"),
+                    &format!("{}{suffix}", names[0]),
                     &[o, i, h, w],
                     &step,
                     outtype,
                     true,
                 );
             }
-        } else if let Some(stem) = g.strip_suffix(".{qkv}.weight").or(g.strip_suffix(".{qkv}.bias")) {
-            let kind = g.rsplit_once('.').map_or("", |(_, k)| k);
-            let third = shape[0] / 3;
-            let row = values.len() / shape[0];
-            for (part, values) in QKV_PARTS.iter().zip(values.chunks_exact(third * row)) {
-                let mut part_shape = shape.clone();
-                part_shape[0] = third;
-                add(
-                    &mut mmproj,
-                    &format!("{stem}.{part}.{kind}"),
-                    &part_shape,
-                    values,
-                    outtype,
-                    true,
-                );
-            }
-        } else {
-            add(&mut mmproj, &g, &shape, &values, outtype, true);
+            continue;
+        }
+        // One tensor, or Qwen2/2.5-VL's qkv as its q, k and v: equal runs of rows.
+        let mut part_shape = shape.clone();
+        part_shape[0] = shape[0] / names.len();
+        let part = values.len() / names.len();
+        for (g, values) in names.iter().zip(values.chunks_exact(part.max(1))) {
+            add(&mut mmproj, g, &part_shape, values, outtype, true);
         }
     }
     text.meta("general.quantization_version", MetaValue::U32(2));

@@ -591,27 +591,29 @@ fn vision_name(family: Family, gguf: &str, deepstack: &[u64]) -> Option<VisionNa
     Some(VisionName::Whole(format!("visual.blocks.{layer}.{hf}.{kind}")))
 }
 
-/// The GGUF name of a projector tensor from its transformers name (either layout); a Qwen2/2.5-VL
-/// `qkv` gives the stem `v.blk.N.` and the kind, to which [`QKV_PARTS`] are added.
-pub(crate) fn vision_gguf_name(family: Family, hf: &str, deepstack: &[u64]) -> Option<String> {
+/// The GGUF names holding a projector tensor, from its transformers name (either layout): one,
+/// or Qwen2/2.5-VL's `attn.qkv` as its `q`, `k` and `v` ([`QKV_PARTS`], rows in that order).
+pub(crate) fn vision_gguf_names(family: Family, hf: &str, deepstack: &[u64]) -> Option<Vec<String>> {
     let hf = hf.strip_prefix("model.").unwrap_or(hf);
     let (tensor, kind) = hf.rsplit_once('.')?;
     if let Some(g) = lookup(&vision_global(family), tensor, false) {
-        return Some(format!("{g}.{kind}"));
+        return Some(vec![format!("{g}.{kind}")]);
     }
     if let Some((k, what, kind)) = layered(hf, "visual.deepstack_merger_list.") {
         let layer = deepstack.get(k as usize)?;
-        return Some(format!(
+        return Some(vec![format!(
             "v.deepstack.{layer}.{}.{kind}",
             lookup(&DEEPSTACK, what, false)?
-        ));
+        )]);
     }
     let (layer, what, kind) = layered(hf, "visual.blocks.")?;
-    let g = match (what, family.is_qwen3()) {
-        ("attn.qkv", false) => "{qkv}",
-        _ => lookup(&vision_layer(family), what, false)?,
-    };
-    Some(format!("v.blk.{layer}.{g}.{kind}"))
+    if what == "attn.qkv" && !family.is_qwen3() {
+        return Some(QKV_PARTS.iter().map(|p| format!("v.blk.{layer}.{p}.{kind}")).collect());
+    }
+    Some(vec![format!(
+        "v.blk.{layer}.{}.{kind}",
+        lookup(&vision_layer(family), what, false)?
+    )])
 }
 
 /// GGUF's token types (llama.cpp's `llama_token_type`).

@@ -77,7 +77,7 @@ fn bf16_linear_matches_the_cpu_on_the_same_rounded_inputs() {
         let raw = || RawTensor {
             dtype: RawDType::Bf16,
             shape: vec![m, k],
-            data: &bytes,
+            data: bytes.as_slice().into(),
         };
         // The GPU rounds x to bf16 before the GEMM; give the CPU the same rounded x.
         let x: Vec<f32> = noise(n * k, 2)

@@ -130,7 +130,9 @@ impl<'b, B: Backend, P: FnMut(usize, u64)> StreamLoader<'b, B, P> {
                     Assembly::Temporal(ps) => ps.to_vec(),
                 };
                 for (slot, p) in pieces.iter().enumerate().filter(|(_, p)| p.part == part) {
-                    let t = &file.tensors[p.index];
+                    let t = file.tensors.get(p.index).ok_or_else(|| {
+                        ModelError::Checkpoint(format!("{name}: the tensor map is not of this file's header"))
+                    })?;
                     let target = match how {
                         Assembly::One(_) => {
                             check_shape(name, &t.shape(), &spec.shape)?;
