@@ -147,11 +147,6 @@ impl<'a> GgufModel<'a> {
         Ok(model)
     }
 
-    /// The model family the projector type names.
-    pub fn family(&self) -> Family {
-        self.family
-    }
-
     /// The text file's `general.architecture`.
     fn arch(&self) -> &str {
         if self.family.is_qwen3() {
