@@ -94,6 +94,10 @@ pub struct RandomCheckpointArgs {
     /// them with the f32 path. Needs `--dtype f32`.
     #[arg(long, value_name = "FORMAT", value_parser = parse_format, default_value = "none")]
     pub exact_in: WeightFormat,
+    /// Also write the checkpoint as the GGUF pair llama.cpp's converter writes (`kvlens to-gguf`),
+    /// with weight matrices of this type (f32, f16, bf16, q8_0, q4_0), into DIR/gguf/.
+    #[arg(long, value_name = "TYPE", value_parser = crate::to_gguf_cmd::parse_type)]
+    pub gguf: Option<kvlens_engine::arch::ggml::GgmlType>,
     /// Overwrite a directory that already holds a checkpoint (config.json).
     #[arg(long)]
     pub force: bool,
@@ -139,6 +143,7 @@ pub fn write_demo(dir: &Path) -> Result<()> {
         image_limits: None,
         shard_size: SHARD_BYTES,
         exact_in: Default::default(),
+        gguf: None,
         force: true,
         dry_run: false,
     })
@@ -219,6 +224,10 @@ pub fn run(args: &RandomCheckpointArgs) -> Result<()> {
         if files.len() == 1 { "" } else { "s" },
         args.seed
     );
+    if let Some(outtype) = args.gguf {
+        let (text, mmproj) = crate::to_gguf_cmd::write_pair(out, outtype, &out.join("gguf"))?;
+        println!("wrote {} and {}", text.display(), mmproj.display());
+    }
     Ok(())
 }
 

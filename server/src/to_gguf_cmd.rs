@@ -26,7 +26,8 @@ pub struct ToGgufArgs {
     pub out: PathBuf,
 }
 
-fn parse_type(s: &str) -> Result<GgmlType, String> {
+/// A type `--outtype` names (case-insensitive).
+pub fn parse_type(s: &str) -> Result<GgmlType, String> {
     OUT_TYPES
         .into_iter()
         .find(|t| t.name().eq_ignore_ascii_case(s))

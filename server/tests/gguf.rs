@@ -178,6 +178,7 @@ fn generate(args: &[&str]) -> (String, Option<i32>) {
 #[test]
 fn wrong_gguf_files_are_one_line_errors() {
     let base = root().join("tools/golden/configs");
+    // `random-checkpoint --gguf TYPE` writes the pair beside the checkpoint, as to-gguf does.
     let make = |config: &str, name: &str| {
         let dir = scratch(name);
         let o = kvlens(&[
@@ -188,10 +189,16 @@ fn wrong_gguf_files_are_one_line_errors() {
             "f32",
             "--out",
             dir.to_str().unwrap(),
+            "--gguf",
+            "q8_0",
             "--force",
         ]);
         assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-        to_gguf(&dir, "q8_0", &scratch(&format!("{name}-gguf")))
+        let gguf = dir.join("gguf");
+        (
+            gguf.join(format!("{name}-Q8_0.gguf")),
+            gguf.join(format!("mmproj-{name}-Q8_0.gguf")),
+        )
     };
     let (text25, mmproj25) = make("qwen2_5_vl_tiny.json", "gguf-bad-25");
     let (_, mmproj3) = make("qwen3_vl_tiny.json", "gguf-bad-3");
