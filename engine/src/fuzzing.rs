@@ -214,7 +214,7 @@ const GGUF_MAX_DEQUANTIZED: u64 = 1 << 16;
 /// A GGUF file: its header parsed and checked against the input's length, then every tensor
 /// small enough dequantized from the bytes the header says it has. Then the input split in two
 /// where its first two bytes say, read as a text model and its projector: the config, the
-/// tokenizer and the tensor map made from whatever metadata the two hold.
+/// tokenizer, the tensor map and every tensor it names made from whatever the two hold.
 pub fn gguf(data: &[u8]) {
     if let Ok(file) = Gguf::parse(data, data.len() as u64) {
         for t in file.tensors.iter().filter(|t| t.numel() <= GGUF_MAX_DEQUANTIZED) {
@@ -224,10 +224,10 @@ pub fn gguf(data: &[u8]) {
         }
     }
     let [a, b, rest @ ..] = data else { return };
-    let (text, mmproj) = rest.split_at(usize::from(u16::from_le_bytes([*a, *b])).min(rest.len()));
+    let (text_bytes, mmproj_bytes) = rest.split_at(usize::from(u16::from_le_bytes([*a, *b])).min(rest.len()));
     let (Ok(text), Ok(mmproj)) = (
-        Gguf::parse(text, text.len() as u64),
-        Gguf::parse(mmproj, mmproj.len() as u64),
+        Gguf::parse(text_bytes, text_bytes.len() as u64),
+        Gguf::parse(mmproj_bytes, mmproj_bytes.len() as u64),
     ) else {
         return;
     };
@@ -240,5 +240,16 @@ pub fn gguf(data: &[u8]) {
     if let Ok(tokenizer) = pair.tokenizer_json() {
         let _ = crate::input::tokenizer::Tokenizer::from_bytes(tokenizer.as_bytes());
     }
-    let _ = (pair.tensors(), pair.preprocessor_json(), pair.eos_token_ids());
+    let _ = (pair.preprocessor_json(), pair.eos_token_ids());
+    // Every tensor the map names, put together from the files' bytes (q/k/v, the patch kernel).
+    use crate::model::weights::TensorSource;
+    let (Ok(names), Ok(source)) = (
+        pair.tensors(),
+        crate::model::gguf_tensors::GgufTensors::new(&pair, text_bytes, mmproj_bytes),
+    ) else {
+        return;
+    };
+    for name in names.keys() {
+        let _ = TensorSource::<crate::backend::cpu::CpuBackend>::fetch(&source, name);
+    }
 }

@@ -186,8 +186,8 @@ impl Checkpoint {
             .eos_token_ids()
             .map_err(|e| named(&e))?
             .into_iter()
-            .map(|id| id as u32)
-            .collect();
+            .map(|id| u32::try_from(id).map_err(|_| named(&format!("end-of-sequence id {id} is not a token id"))))
+            .collect::<Result<_>>()?;
         let preprocessor_json = Some(model.preprocessor_json().map_err(|e| named(&e))?);
         Ok(Checkpoint {
             dir: text.parent().unwrap_or(Path::new(".")).to_path_buf(),
@@ -228,7 +228,8 @@ fn gguf_files(dir: &Path) -> Result<Option<(PathBuf, PathBuf)>> {
     match (&texts[..], &projectors[..]) {
         ([text], [mmproj]) => Ok(Some((dir.join(text), dir.join(mmproj)))),
         _ => Err(usage(format!(
-            "{} holds {names:?}: kvlens reads one text GGUF and one mmproj-*.gguf from a directory;              name the files with --model FILE.gguf --mmproj FILE.gguf",
+            "{} holds {names:?}: kvlens reads one text GGUF and one mmproj-*.gguf from a directory; \
+             name the files with --model FILE.gguf --mmproj FILE.gguf",
             dir.display()
         ))),
     }

@@ -36,6 +36,12 @@ pub fn parse_type(s: &str) -> Result<GgmlType, String> {
 
 /// Writes the pair; returns the two paths.
 pub fn write_pair(model: &Path, outtype: GgmlType, out: &Path) -> Result<(PathBuf, PathBuf)> {
+    if !model.is_dir() {
+        return Err(usage(format!(
+            "--model {}: to-gguf reads a Hugging Face checkpoint directory",
+            model.display()
+        )));
+    }
     let ckpt = Checkpoint::open(model, None)?;
     let WeightFiles::Safetensors(shards) = &ckpt.weights else {
         return Err(usage(format!("{} is a GGUF model already", model.display())));

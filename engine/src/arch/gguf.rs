@@ -111,7 +111,12 @@ pub struct GgufTensor {
 impl GgufTensor {
     /// Its shape outermost first, as safetensors and transformers write it.
     pub fn shape(&self) -> Vec<usize> {
-        self.ne.iter().rev().map(|&d| d as usize).collect()
+        // A dimension past wasm32's usize saturates: no model's shape matches it.
+        self.ne
+            .iter()
+            .rev()
+            .map(|&d| usize::try_from(d).unwrap_or(usize::MAX))
+            .collect()
     }
 
     /// Number of values.
@@ -268,6 +273,9 @@ impl Gguf {
                 return err(format!("tensor {name} has {n_dims} dimensions (1 to {MAX_DIMS})"));
             }
             let ne = (0..n_dims).map(|_| c.u64(&name)).collect::<Result<Vec<u64>>>()?;
+            if ne.contains(&0) {
+                return err(format!("tensor {name} has a dimension of 0 ({ne:?})"));
+            }
             let ggml_type = GgmlType::from_id(c.u32(&name)?).map_err(|e| GgufError(format!("tensor {name}: {e}")))?;
             let offset = c.u64(&name)?;
             let numel = ne.iter().try_fold(1u64, |n, &d| n.checked_mul(d));

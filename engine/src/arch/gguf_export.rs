@@ -114,6 +114,12 @@ pub fn export(
             continue;
         }
         // One tensor, or Qwen2/2.5-VL's qkv as its q, k and v: equal runs of rows.
+        if values.is_empty() || shape.first().is_none_or(|rows| rows % names.len() != 0) {
+            return err(format!(
+                "{name} of shape {shape:?} does not split into {} equal parts",
+                names.len()
+            ));
+        }
         let mut part_shape = shape.clone();
         part_shape[0] = shape[0] / names.len();
         let part = values.len() / names.len();

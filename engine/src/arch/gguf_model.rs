@@ -193,6 +193,13 @@ impl<'a> GgufModel<'a> {
     pub fn config_json(&self) -> Result<Value> {
         let m = self.mmproj;
         let layers = self.text_u64("block_count")?;
+        check_blocks(
+            self.text,
+            "qwen2vl/qwen3vl block_count",
+            layers,
+            "blk.",
+            "attn_norm.weight",
+        )?;
         let hidden = self.text_u64("embedding_length")?;
         let heads = self.text_u64("attention.head_count")?;
         let sections: Vec<u64> = array_of(self.text, &format!("{}.rope.dimension_sections", self.arch()))?
@@ -221,6 +228,7 @@ impl<'a> GgufModel<'a> {
             "bos_token_id": u64_of(self.text, "tokenizer.ggml.bos_token_id").ok(),
         });
         let depth = u64_of(m, "clip.vision.block_count")?;
+        check_blocks(m, "clip.vision.block_count", depth, "v.blk.", "ln1.weight")?;
         let width = u64_of(m, "clip.vision.embedding_length")?;
         let vision_heads = u64_of(m, "clip.vision.attention.head_count")?;
         let patch = u64_of(m, "clip.vision.patch_size")?;
@@ -398,25 +406,23 @@ impl<'a> GgufModel<'a> {
             .sum()
     }
 
-    /// Bytes of the f16 and bf16 tensors of rank 2 or more (matrices, the patch kernel): what a
-    /// backend holding them in f32 (the CPU's float32 path) holds twice over.
-    pub fn half_matrix_bytes(&self) -> u64 {
-        use super::ggml::GgmlType::{Bf16, F16};
-        self.text
-            .tensors
-            .iter()
-            .chain(&self.mmproj.tensors)
-            .filter(|t| matches!(t.ggml_type, F16 | Bf16) && t.ne.len() >= 2)
-            .map(|t| t.bytes)
-            .sum()
-    }
-
     /// The file a piece is in.
     pub fn file(&self, part: Part) -> &'a Gguf {
         match part {
             Part::Text => self.text,
             Part::Mmproj => self.mmproj,
         }
+    }
+}
+
+/// Checks a block count against the file's tensors: block `n − 1` exists (`{stem}{n-1}.{tensor}`),
+/// so a count a file lies about cannot size anything before the tensors are read.
+fn check_blocks(g: &Gguf, key: &str, n: u64, stem: &str, tensor: &str) -> Result<()> {
+    let last = n.checked_sub(1).map(|l| format!("{stem}{l}.{tensor}"));
+    match last {
+        Some(name) if g.tensor(&name).is_some() => Ok(()),
+        Some(name) => err(format!("{key} is {n}, but the file has no {name}")),
+        None => err(format!("{key} is 0")),
     }
 }
 
@@ -510,8 +516,8 @@ pub const QKV_PARTS: [&str; 3] = ["attn_q", "attn_k", "attn_v"];
 /// `L` the vision layer / `visual.deepstack_merger_list.K.` with `K` its place in the list).
 const DEEPSTACK: [(&str, &str); 3] = [("norm", "norm"), ("fc1", "linear_fc1"), ("fc2", "linear_fc2")];
 
-/// A tensor name as `(stem, layer, rest, kind)`: `blk.3.attn_q.weight` under stem `blk.` is
-/// `(3, "attn_q", "weight")`.
+/// A tensor name under `stem` as `(layer, tensor, kind)`: `blk.3.attn_q.weight` under stem
+/// `blk.` is `(3, "attn_q", "weight")`.
 fn layered<'n>(name: &'n str, stem: &str) -> Option<(u64, &'n str, &'n str)> {
     let rest = name.strip_prefix(stem)?;
     let (layer, rest) = rest.split_once('.')?;
@@ -689,4 +695,90 @@ pub(crate) fn tokenizer_json(g: &Gguf) -> Result<String> {
         },
     });
     Ok(tokenizer.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::arch::ggml::GgmlType;
+    use crate::arch::gguf_write::GgufWriter;
+
+    fn parsed(w: &GgufWriter) -> Gguf {
+        let mut bytes = Vec::new();
+        w.write(&mut bytes).unwrap();
+        Gguf::parse(&bytes, bytes.len() as u64).unwrap()
+    }
+
+    /// A Qwen2.5-VL pair of headers whose block counts are `text_blocks` and `vision_blocks`,
+    /// holding only the first block's tensors.
+    fn pair(text_blocks: u64, vision_blocks: u64) -> (Gguf, Gguf) {
+        let mut t = GgufWriter::default();
+        t.meta("general.architecture", MetaValue::String("qwen2vl".into()));
+        for (k, v) in [
+            ("embedding_length", 32),
+            ("feed_forward_length", 64),
+            ("context_length", 64),
+        ] {
+            t.meta(&format!("qwen2vl.{k}"), MetaValue::U32(v));
+        }
+        t.meta("qwen2vl.block_count", MetaValue::U64(text_blocks));
+        t.meta("qwen2vl.attention.head_count", MetaValue::U32(2));
+        t.meta("qwen2vl.attention.head_count_kv", MetaValue::U32(1));
+        t.meta(
+            "qwen2vl.rope.dimension_sections",
+            MetaValue::Array([4, 2, 2, 0].map(MetaValue::I32).to_vec()),
+        );
+        t.meta("qwen2vl.rope.freq_base", MetaValue::F32(1e4));
+        t.meta("qwen2vl.attention.layer_norm_rms_epsilon", MetaValue::F32(1e-6));
+        let tokens = [
+            "a",
+            "<|image_pad|>",
+            "<|video_pad|>",
+            "<|vision_start|>",
+            "<|vision_end|>",
+        ];
+        t.meta(
+            "tokenizer.ggml.tokens",
+            MetaValue::Array(tokens.map(|s| MetaValue::String(s.into())).to_vec()),
+        );
+        t.meta("tokenizer.ggml.eos_token_id", MetaValue::U32(0));
+        let norm = GgmlType::F32.quantize(&[1.0; 32]).unwrap();
+        t.tensor("blk.0.attn_norm.weight", &[32], GgmlType::F32, norm.clone());
+        let mut m = GgufWriter::default();
+        m.meta("general.architecture", MetaValue::String("clip".into()));
+        m.meta("clip.projector_type", MetaValue::String("qwen2.5vl_merger".into()));
+        for (k, v) in [
+            ("projection_dim", 32),
+            ("embedding_length", 32),
+            ("attention.head_count", 2),
+            ("patch_size", 14),
+            ("n_wa_pattern", 1),
+        ] {
+            m.meta(&format!("clip.vision.{k}"), MetaValue::U32(v));
+        }
+        m.meta("clip.vision.block_count", MetaValue::U64(vision_blocks));
+        m.tensor("v.blk.0.ln1.weight", &[32], GgmlType::F32, norm);
+        let up = GgmlType::F32.quantize(&[0.0; 64 * 32]).unwrap();
+        m.tensor("v.blk.0.ffn_up.weight", &[64, 32], GgmlType::F32, up);
+        (parsed(&t), parsed(&m))
+    }
+
+    /// Block counts a file lies about are refused before anything is sized by them (a count of
+    /// 2^40 once built a list of 2^40 full-attention layers).
+    #[test]
+    fn block_counts_must_match_the_files_tensors() {
+        let (t, m) = pair(1, 1);
+        let model = GgufModel::new(&t, &m).unwrap();
+        let cfg = model.config_json().unwrap();
+        assert_eq!(cfg["vision_config"]["fullatt_block_indexes"], serde_json::json!([0]));
+        for (text, vision, key) in [
+            (1 << 40, 1, "qwen2vl/qwen3vl block_count is 1099511627776"),
+            (1, 1 << 40, "clip.vision.block_count is 1099511627776"),
+            (0, 1, "block_count is 0"),
+        ] {
+            let (t, m) = pair(text, vision);
+            let err = GgufModel::new(&t, &m).unwrap().config_json().unwrap_err().to_string();
+            assert!(err.contains(key), "{err}");
+        }
+    }
 }

@@ -148,4 +148,15 @@ mod tests {
             &GgmlType::F32.quantize(&values[..3]).unwrap()[..]
         );
     }
+
+    /// A tensor with a dimension of 0 is refused: nothing downstream sizes anything by it.
+    #[test]
+    fn a_tensor_with_a_zero_dimension_is_refused() {
+        let mut w = GgufWriter::default();
+        w.tensor("empty", &[0, 32], GgmlType::F32, Vec::new());
+        let mut bytes = Vec::new();
+        w.write(&mut bytes).unwrap();
+        let err = Gguf::parse(&bytes, bytes.len() as u64).unwrap_err().to_string();
+        assert!(err.contains("tensor empty has a dimension of 0"), "{err}");
+    }
 }

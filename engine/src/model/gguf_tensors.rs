@@ -34,41 +34,45 @@ impl<'a> GgufTensors<'a> {
         })
     }
 
-    /// The GGUF tensor of a piece and its bytes.
-    fn piece(&self, p: Piece) -> (&'a GgufTensor, &'a [u8]) {
+    /// The raw tensor of one piece: its bytes as the header places them in the file's bytes.
+    fn one(&self, p: Piece) -> Result<RawTensor<'a>, ModelError> {
         let file: &'a Gguf = self.model.file(p.part);
-        let t = &file.tensors[p.index];
         let bytes = match p.part {
             Part::Text => self.text,
             Part::Mmproj => self.mmproj,
         };
-        // Gguf::parse checked every tensor against the file's length.
-        (t, &bytes[t.start as usize..(t.start + t.bytes) as usize])
-    }
-
-    /// The raw tensor of one piece.
-    fn one(&self, p: Piece) -> RawTensor<'a> {
-        let (t, data) = self.piece(p);
-        RawTensor {
-            dtype: RawDType::of_ggml(t.ggml_type),
-            shape: t.shape(),
-            data: Cow::Borrowed(data),
+        let t: Option<&'a GgufTensor> = file.tensors.get(p.index);
+        let range = |t: &GgufTensor| Some(usize::try_from(t.start).ok()?..usize::try_from(t.start + t.bytes).ok()?);
+        match t.and_then(|t| Some((t, bytes.get(range(t)?)?))) {
+            Some((t, data)) => Ok(RawTensor {
+                dtype: RawDType::of_ggml(t.ggml_type),
+                shape: t.shape(),
+                data: Cow::Borrowed(data),
+            }),
+            None => Err(ModelError::Checkpoint(
+                "a GGUF tensor lies outside the bytes given for its file".into(),
+            )),
         }
     }
 
     /// `name` made from its pieces.
     fn assemble(&self, name: &str, how: &Assembly) -> Result<RawTensor<'a>, ModelError> {
         match how {
-            Assembly::One(p) => Ok(self.one(*p)),
-            Assembly::Rows(pieces) => join_rows(name, pieces.iter().map(|p| self.one(*p)).collect()),
-            Assembly::Temporal([a, b]) => join_time_steps(name, self.one(*a), self.one(*b)),
+            Assembly::One(p) => self.one(*p),
+            Assembly::Rows(pieces) => {
+                let parts = pieces.iter().map(|p| self.one(*p)).collect::<Result<_, _>>()?;
+                join_rows(name, parts)
+            }
+            Assembly::Temporal([a, b]) => join_time_steps(name, self.one(*a)?, self.one(*b)?),
         }
     }
 }
 
 /// `q`, `k` and `v` (or any tensors of one type and row width) as one tensor, rows in order.
 pub(crate) fn join_rows<'a>(name: &str, parts: Vec<RawTensor<'_>>) -> Result<RawTensor<'a>, ModelError> {
-    let first = &parts[0];
+    let Some(first) = parts.first() else {
+        return Err(ModelError::Checkpoint(format!("{name}: no pieces")));
+    };
     if let Some(other) = parts
         .iter()
         .find(|p| p.dtype != first.dtype || p.shape[1..] != first.shape[1..])
@@ -102,6 +106,7 @@ pub(crate) fn join_time_steps<'a>(name: &str, a: RawTensor<'_>, b: RawTensor<'_>
     let kernel = a
         .dtype
         .bytes_of(h * w)
+        .filter(|&k| k > 0)
         .ok_or_else(|| bad(format!("{h}×{w} kernels do not split into {} blocks", a.dtype.name())))?;
     let data = a
         .data

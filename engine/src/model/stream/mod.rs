@@ -8,8 +8,9 @@
 //! tensors are checked as there.
 //!
 //! Memory: besides the chunk being pushed, the loader holds at most max(header, largest tensor the
-//! model reads) bytes of the checkpoint ([`StreamLoader::peak_held`]). A header or tensor that lies
-//! whole in a chunk is converted straight from it; one that straddles chunks is gathered in a buffer
+//! model reads) bytes of the checkpoint ([`StreamLoader::peak_held`]); a GGUF pair's split tensors
+//! (q/k/v, the patch kernel's time steps; a few MiB) are also held until all their pieces are in.
+//! A header or tensor that lies whole in a chunk is converted straight from it; one that straddles chunks is gathered in a buffer
 //! of exactly its size, freed once converted. Headers are capped at [`MAX_HEADER_BYTES`] and a
 //! tensor the model reads must have the shape its config implies before any of its bytes are
 //! gathered, so a corrupt file cannot make it allocate more.
@@ -139,6 +140,7 @@ impl<'b, B: Backend, P: FnMut(usize, u64)> StreamLoader<'b, B, P> {
                             Target::Whole(name.clone())
                         }
                         _ => {
+                            check_shape(&t.name, &t.shape(), &piece_shape(how, &spec.shape, pieces.len()))?;
                             s.pieces
                                 .entry(name.clone())
                                 .or_insert_with(|| (how.clone(), vec![None; pieces.len()]));
@@ -244,6 +246,16 @@ impl<'b, B: Backend, P: FnMut(usize, u64)> StreamLoader<'b, B, P> {
         let result = f(self);
         self.failed = result.is_err();
         result
+    }
+}
+
+/// The shape each of `n` pieces of a tensor of `shape` has: equal runs of rows, or a Conv3D
+/// kernel's time step (`[out, in, 2, p, p]` → `[out, in, p, p]`).
+fn piece_shape(how: &Assembly, shape: &[usize], n: usize) -> Vec<usize> {
+    match (how, shape) {
+        (Assembly::Temporal(_), &[o, i, _, h, w]) => vec![o, i, h, w],
+        (_, [rows, rest @ ..]) => [&[rows / n.max(1)], rest].concat(),
+        _ => Vec::new(),
     }
 }
 
