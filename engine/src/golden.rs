@@ -159,6 +159,16 @@ pub fn compare(fixture: &Fixture, generated: &[Generated], tol: &Tolerance, labe
     );
 }
 
+/// The real Qwen tokenizer.json, where `cargo xtask test` puts it (`KVLENS_TOKENIZER` overrides).
+#[cfg(not(target_arch = "wasm32"))]
+pub fn qwen_tokenizer_json() -> Vec<u8> {
+    let path = std::env::var("KVLENS_TOKENIZER").unwrap_or_else(|_| {
+        let home = std::env::var("HOME").unwrap_or_default();
+        format!("{home}/.cache/kvlens/tokenizer/package/models/tokenizer.json")
+    });
+    std::fs::read(&path).unwrap_or_else(|e| panic!("the Qwen tokenizer at {path} ({e}): run `cargo xtask test` once"))
+}
+
 /// Runs the golden fixture `name` inside the engine on backend `be` (f32 weights): the checkpoint
 /// is made in memory with the fixture's seed (its bytes checked against the fixture's hash), each
 /// case goes through the input processor with the real Qwen tokenizer (`KVLENS_TOKENIZER`, else
@@ -209,12 +219,7 @@ pub fn run_family<B: crate::backend::Backend + 'static>(name: &str, be: B) {
         "{name}: checkpoint bytes"
     );
 
-    let tokenizer_path = std::env::var("KVLENS_TOKENIZER").unwrap_or_else(|_| {
-        let home = std::env::var("HOME").unwrap_or_default();
-        format!("{home}/.cache/kvlens/tokenizer/package/models/tokenizer.json")
-    });
-    let tokenizer = std::fs::read(&tokenizer_path)
-        .unwrap_or_else(|e| panic!("the Qwen tokenizer at {tokenizer_path} ({e}): run `cargo xtask test` once"));
+    let tokenizer = qwen_tokenizer_json();
     let mut input = InputProcessor::new(&tokenizer, default_template(cfg.family), &cfg, None, Vec::new()).unwrap();
     let limits = ids(&ck["image_limits"]);
     input.settings.limits = ImageLimits {

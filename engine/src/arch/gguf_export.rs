@@ -338,21 +338,11 @@ mod tests {
     use crate::arch::gguf::Gguf;
     use crate::input::tokenizer::Tokenizer;
 
-    /// The Qwen tokenizer where `cargo xtask test` puts it (`KVLENS_TOKENIZER` overrides).
-    fn qwen_tokenizer_json() -> String {
-        let path = std::env::var("KVLENS_TOKENIZER").unwrap_or_else(|_| {
-            let home = std::env::var("HOME").unwrap_or_default();
-            format!("{home}/.cache/kvlens/tokenizer/package/models/tokenizer.json")
-        });
-        std::fs::read_to_string(&path)
-            .unwrap_or_else(|e| panic!("the Qwen tokenizer at {path} ({e}): run `cargo xtask test` once"))
-    }
-
     /// tokenizer.json → the converter's `tokenizer.ggml.*` → tokenizer.json again: the same ids on
     /// text with special tokens, CJK, emoji, code and long runs of whitespace and newlines.
     #[test]
     fn the_tokenizer_from_gguf_metadata_gives_tokenizer_json_s_ids() {
-        let json = qwen_tokenizer_json();
+        let json = String::from_utf8(crate::golden::qwen_tokenizer_json()).unwrap();
         let config = serde_json::json!({ "eos_token_id": 151645, "bos_token_id": 151643 });
         let ckpt = CheckpointText {
             config: &config,
