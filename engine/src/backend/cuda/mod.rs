@@ -922,7 +922,7 @@ fn refuse_blocks(raw: &RawTensor<'_>) -> BResult<()> {
         RawDType::Blocks(t) => Err(BackendError::Unsupported {
             backend: "cuda",
             dtype: t.name(),
-            what: "use --backend cpu (or wgpu for q8_0 and q4_0 files)",
+            what: "use --backend cpu or wgpu",
         }),
         _ => Ok(()),
     }

@@ -1,7 +1,8 @@
 //! The WGSL kernels (one file per family under `kernels/`), their pipelines compiled once and
 //! cached ([`check_all`] compiles every one of them up front).
 
-use crate::arch::blocks::{BlockKind, BLOCK};
+use crate::arch::blocks::BlockKind;
+use crate::arch::ggml::GgmlType;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
@@ -30,25 +31,52 @@ pub(super) enum WeightElem {
     Q8_0,
     /// GGML's `q4_0` in pairs of blocks.
     Q4_0,
+    /// A GGML block type in a GGUF file's bytes, unchanged ([`WeightElem::stored`]; read by
+    /// `kernels/weights_ggml.wgsl` and the type's file).
+    Ggml(GgmlType),
 }
 
 impl WeightElem {
-    /// The block format, for the quantized ones.
+    /// GGML block type `t` read as a GGUF file stores it; None for the types the kernels do not
+    /// read so (`q8_0` and `q4_0` are laid out in pairs of blocks instead).
+    pub fn stored(t: GgmlType) -> Option<Self> {
+        Self::ggml_reader(t).map(|_| WeightElem::Ggml(t))
+    }
+
+    /// The file defining `eight` for a type kept as stored (read after `weights_ggml.wgsl`).
+    fn ggml_reader(t: GgmlType) -> Option<&'static str> {
+        Some(match t {
+            GgmlType::Q4_1 => include_str!("kernels/weights_q4_1.wgsl"),
+            GgmlType::Q5_0 => include_str!("kernels/weights_q5_0.wgsl"),
+            GgmlType::Q5_1 => include_str!("kernels/weights_q5_1.wgsl"),
+            GgmlType::Q4K => include_str!("kernels/weights_q4_k.wgsl"),
+            GgmlType::Q5K => include_str!("kernels/weights_q5_k.wgsl"),
+            GgmlType::Q6K => include_str!("kernels/weights_q6_k.wgsl"),
+            GgmlType::F32 | GgmlType::F16 | GgmlType::Bf16 | GgmlType::Q8_0 | GgmlType::Q4_0 => return None,
+        })
+    }
+
+    /// The block format, for `q8_0` and `q4_0` (quantized or laid out on load).
     pub fn block_kind(self) -> Option<BlockKind> {
         match self {
-            WeightElem::F32 | WeightElem::F16 => None,
+            WeightElem::F32 | WeightElem::F16 | WeightElem::Ggml(_) => None,
             WeightElem::Q8_0 => Some(BlockKind::Q8_0),
             WeightElem::Q4_0 => Some(BlockKind::Q4_0),
         }
     }
 
-    /// Bytes of one row of `cols` values (for the block formats, `cols` a multiple of 32).
+    /// Bytes of one row of `cols` values in the format's blocks (`cols` a multiple of the
+    /// block): what a part holds per row, before its padding to whole words.
     pub fn row_bytes(self, cols: usize) -> u64 {
-        match self.block_kind() {
-            None if self == WeightElem::F32 => cols as u64 * 4,
-            None => cols as u64 * 2,
-            Some(kind) => (cols / BLOCK * (2 + kind.quant_bytes())) as u64,
-        }
+        let t = match self {
+            WeightElem::F32 => GgmlType::F32,
+            WeightElem::F16 => GgmlType::F16,
+            WeightElem::Q8_0 => GgmlType::Q8_0,
+            WeightElem::Q4_0 => GgmlType::Q4_0,
+            WeightElem::Ggml(t) => t,
+        };
+        let (values, bytes) = t.block();
+        (cols / values * bytes) as u64
     }
 }
 
@@ -82,13 +110,19 @@ impl Kernel {
 
     /// The module's full text: the shared helpers, the weight reader if any, the kernel.
     pub fn module_source(self, weights: Option<WeightElem>) -> String {
-        let blocks = include_str!("kernels/weights_blocks.wgsl");
+        let half = include_str!("kernels/half.wgsl");
+        let blocks = format!("{half}\n{}", include_str!("kernels/weights_blocks.wgsl"));
         let reader = match weights {
             None => String::new(),
             Some(WeightElem::F32) => include_str!("kernels/weights_f32.wgsl").into(),
             Some(WeightElem::F16) => include_str!("kernels/weights_f16.wgsl").into(),
             Some(WeightElem::Q8_0) => format!("{blocks}\n{}", include_str!("kernels/weights_q8_0.wgsl")),
             Some(WeightElem::Q4_0) => format!("{blocks}\n{}", include_str!("kernels/weights_q4_0.wgsl")),
+            Some(WeightElem::Ggml(t)) => format!(
+                "{half}\n{}\n{}",
+                include_str!("kernels/weights_ggml.wgsl"),
+                WeightElem::ggml_reader(t).unwrap_or_default()
+            ),
         };
         format!("{}\n{reader}\n{}", include_str!("kernels/common.wgsl"), self.source())
     }
@@ -102,6 +136,12 @@ impl Kernel {
                 Some(WeightElem::F16),
                 Some(WeightElem::Q8_0),
                 Some(WeightElem::Q4_0),
+                Some(WeightElem::Ggml(GgmlType::Q4_1)),
+                Some(WeightElem::Ggml(GgmlType::Q5_0)),
+                Some(WeightElem::Ggml(GgmlType::Q5_1)),
+                Some(WeightElem::Ggml(GgmlType::Q4K)),
+                Some(WeightElem::Ggml(GgmlType::Q5K)),
+                Some(WeightElem::Ggml(GgmlType::Q6K)),
             ]
         } else {
             &[None]
@@ -253,7 +293,12 @@ mod tests {
     fn entry_points_and_weight_formats_come_from_the_sources() {
         assert_eq!(Kernel::Embedding.entry_points(), ["gather"]);
         assert!(Kernel::Matmul.entry_points().contains(&"gemv"));
-        assert_eq!(Kernel::Matmul.weight_formats().len(), 4);
+        assert_eq!(Kernel::Matmul.weight_formats().len(), 10);
+        // Every type with a reader is compiled for.
+        for t in GgmlType::ALL {
+            let listed = Kernel::Embedding.weight_formats().contains(&Some(WeightElem::Ggml(t)));
+            assert_eq!(WeightElem::stored(t).is_some(), listed, "{t}");
+        }
         assert_eq!(Kernel::Norm.weight_formats(), [None]);
         for k in Kernel::ALL {
             assert!(!k.entry_points().is_empty(), "{k:?}");

@@ -3,10 +3,12 @@
 //! only [`Backend::read`] submits it and waits, as a future, for the copy to come back.
 //!
 //! Activations and the KV cache are f32; 2-D weights are f32, f16 packed two per `u32`
-//! ([`WgpuOptions::f16_weights`]) or GGML's `q8_0` / `q4_0` ([`WgpuOptions::quantization`], laid
-//! out by [`quantized`]), which the kernels dequantize as they read; 1-D weights (norms, biases)
-//! stay f32. A weight larger than the device's storage-binding limit is split by rows across
-//! buffers, and the kernels that read weights (matmul, embedding) run once per part.
+//! ([`WgpuOptions::f16_weights`]), GGML's `q8_0` / `q4_0` ([`WgpuOptions::quantization`] or a GGUF
+//! file's, laid out by [`quantized`]) or a GGUF file's `q4_1`, `q5_0`, `q5_1`, `q4_K`, `q5_K` and
+//! `q6_K` blocks in the file's bytes (`kernels/weights_ggml.wgsl`), which the kernels dequantize as
+//! they read; 1-D weights (norms, biases) stay f32. A weight larger than the device's
+//! storage-binding limit is split by rows across buffers (each padded to whole words), and the
+//! kernels that read weights (matmul, embedding) run once per part.
 
 // On the web wgpu's handles are neither Send nor Sync (the page has one thread); the Arcs that
 // share them serve native threads.
@@ -563,24 +565,31 @@ impl Backend for WgpuBackend {
             return Err(shape_err(format!("a weight matrix of shape {:?}", raw.shape)));
         };
         let elem = match (raw.dtype, self.inner.quantization) {
-            // A GGUF file's q8_0 and q4_0 blocks keep their values in the kernels' layout.
+            // A GGUF file's q8_0 and q4_0 blocks keep their values in the kernels' layout, the
+            // other block types their bytes.
             (RawDType::Blocks(GgmlType::Q8_0), _) => WeightElem::Q8_0,
             (RawDType::Blocks(GgmlType::Q4_0), _) => WeightElem::Q4_0,
-            (RawDType::Blocks(t), _) => {
-                return Err(BackendError::Unsupported {
-                    backend: "wgpu",
-                    dtype: t.name(),
-                    what: "its WGSL readers are not written yet; q8_0 and q4_0 files run, and the cpu backend reads every GGUF type",
-                })
-            }
+            (RawDType::Blocks(t), _) => WeightElem::stored(t).ok_or(BackendError::Unsupported {
+                backend: "wgpu",
+                dtype: t.name(),
+                what: "no WGSL reader; the cpu backend reads every GGUF type",
+            })?,
             (_, WeightFormat::Q8_0) if WeightFormat::Q8_0.quantizes(&raw.shape) => WeightElem::Q8_0,
             (_, WeightFormat::Q4_0) if WeightFormat::Q4_0.quantizes(&raw.shape) => WeightElem::Q4_0,
             _ if self.inner.f16_weights && raw.shape.len() == 2 => WeightElem::F16,
             _ => WeightElem::F32,
         };
+        if let RawDType::Blocks(t) = raw.dtype {
+            if !cols.is_multiple_of(t.block().0) || t.bytes_of((rows * cols) as u64) != Some(raw.data.len() as u64) {
+                return Err(shape_err(format!(
+                    "{} bytes of {t} as a {rows}×{cols} matrix (whole blocks a row)",
+                    raw.data.len()
+                )));
+            }
+        }
         let row_bytes = elem.row_bytes(cols).max(1);
-        // Less a word: what an odd count of f16 values or of blocks adds to a part; and the
-        // kernels index a part's elements with u32.
+        // Less a word: what padding adds to a part (an odd count of f16 values or of q8_0/q4_0
+        // blocks, stored bytes to a whole word); and the kernels index a part's elements with u32.
         let per_part =
             ((self.inner.gpu.max_binding.saturating_sub(4) / row_bytes) as usize).min(u32::MAX as usize / cols.max(1));
         if per_part == 0 {
@@ -589,9 +598,15 @@ impl Backend for WgpuBackend {
         let mut parts = Vec::new();
         for row0 in (0..rows.max(1)).step_by(per_part) {
             let n = per_part.min(rows.max(1) - row0);
-            let bytes = match elem.block_kind() {
-                None => Self::convert(&raw, elem == WeightElem::F16, row0 * cols, (row0 + n) * cols),
-                Some(kind) => Self::quantize(&raw, kind, row0..row0 + n, cols),
+            let bytes = match (elem, elem.block_kind()) {
+                (WeightElem::Ggml(_), _) => {
+                    let row = row_bytes as usize;
+                    let mut bytes = raw.data[row0 * row..(row0 + n) * row].to_vec();
+                    bytes.resize(bytes.len().div_ceil(4).max(1) * 4, 0);
+                    bytes
+                }
+                (_, None) => Self::convert(&raw, elem == WeightElem::F16, row0 * cols, (row0 + n) * cols),
+                (_, Some(kind)) => Self::quantize(&raw, kind, row0..row0 + n, cols),
             };
             let buf = self.owned(bytes.len() as u64, Category::Weights, Some(&bytes))?;
             parts.push(Part { buf, row0, rows: n });

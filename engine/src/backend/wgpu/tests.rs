@@ -223,6 +223,135 @@ fn quantized_weights_hold_the_cpu_values_in_every_kernel() {
     }
 }
 
+/// `blocks` blocks of GGML type `t`, values within about ±0.25: q8_0 and q4_0 quantized from noise
+/// (the backend quantizes
+/// their values again, which gives a quantizer's blocks back); the other types (which kvlens does
+/// not write) random bytes, every quant and scale bit pattern, with small f16 scales and minimums
+/// and the first block's d a subnormal.
+fn gguf_blocks(t: crate::arch::ggml::GgmlType, blocks: usize, seed: u64) -> Vec<u8> {
+    use crate::arch::ggml::GgmlType;
+    let (values, bytes) = t.block();
+    let small: Vec<f32> = noise(blocks * values, seed).iter().map(|v| v / 4.0).collect();
+    if let Some(data) = t.quantize(&small) {
+        return data;
+    }
+    let mut data: Vec<u8> = noise(blocks * bytes, seed)
+        .iter()
+        .map(|v| ((v + 1.0) * 128.0) as u8)
+        .collect();
+    // (byte, largest magnitude) of each f16 field.
+    let halves: &[(usize, f32)] = match t {
+        GgmlType::Q4_1 => &[(0, 0.01), (2, 0.1)],
+        GgmlType::Q5_0 => &[(0, 0.01)],
+        GgmlType::Q5_1 => &[(0, 0.005), (2, 0.1)],
+        GgmlType::Q4K => &[(0, 2e-4), (2, 2e-3)],
+        GgmlType::Q5K => &[(0, 1e-4), (2, 2e-3)],
+        GgmlType::Q6K => &[(208, 5e-5)],
+        other => panic!("{other} is quantized above"),
+    };
+    let scales = noise(blocks * halves.len(), seed + 1);
+    for (b, block) in data.chunks_exact_mut(bytes).enumerate() {
+        for (f, &(at, max)) in halves.iter().enumerate() {
+            let h = half::f16::from_f32(scales[b * halves.len() + f] * max);
+            block[at..at + 2].copy_from_slice(&h.to_le_bytes());
+        }
+    }
+    let (at, _) = halves[0];
+    data[at..at + 2].copy_from_slice(&0x01ffu16.to_le_bytes());
+    data
+}
+
+/// GGUF block types: q4_1, q5_0, q5_1 and the K-quants kept as the file stores them (q8_0 and q4_0
+/// in the kernels' layout) gather to the CPU's dequantization of the same bytes, and every matmul
+/// kernel multiplies by exactly those values (the f32 product with the dequantized matrix); split
+/// by a binding cap into parts of an odd count of rows, whose ends fall inside a word for q5_0 and
+/// q6_K; the ledger counts each part's stored bytes padded to a whole word.
+#[test]
+fn gguf_block_types_hold_the_cpu_values_in_every_kernel() {
+    use crate::arch::ggml::GgmlType;
+    use crate::memory::ledger::Category;
+    let f32_cpu = CpuBackend::default();
+    let out = 37;
+    for (seed, t) in [
+        GgmlType::Q8_0,
+        GgmlType::Q4_0,
+        GgmlType::Q4_1,
+        GgmlType::Q5_0,
+        GgmlType::Q5_1,
+        GgmlType::Q4K,
+        GgmlType::Q5K,
+        GgmlType::Q6K,
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let (block, block_bytes) = t.block();
+        // An odd count of blocks a row: 25 of 32 values, 3 super-blocks of 256.
+        let k = if block == 32 { 800 } else { 768 };
+        let data = gguf_blocks(t, out * k / block, 10 * seed as u64);
+        let mut values = vec![0f32; out * k];
+        t.dequantize(&data, &mut values);
+        let stored = RawTensor {
+            dtype: RawDType::Blocks(t),
+            shape: vec![out, k],
+            data: data.as_slice().into(),
+        };
+        let dequantized = weight(&f32_cpu, &raw(&values, &[out, k]));
+        // Parts of the smallest odd count of rows that fills 4 KiB (one row of activations and
+        // twenty rows of output fit under the cap).
+        let row_bytes = k / block * block_bytes;
+        let per_part = 4096usize.div_ceil(row_bytes) | 1;
+        if matches!(t, GgmlType::Q5_0 | GgmlType::Q6K) {
+            assert_ne!(per_part * row_bytes % 4, 0, "{t}: a part ends inside a word");
+        }
+        let cap = (per_part * row_bytes + 4) as u64;
+        for (barrier_free, cap) in [(false, None), (true, None), (false, Some(cap)), (true, Some(cap))] {
+            let what = format!("{t}, barrier-free {barrier_free}, cap {cap:?}");
+            let g = backend_with(WgpuOptions {
+                barrier_free: Some(barrier_free),
+                max_binding_bytes: cap,
+                ..Default::default()
+            });
+            let before = g.ledger().bytes(Category::Weights);
+            let wg = g.load_weight(stored.clone()).unwrap();
+            let rows = if cap.is_some() { per_part } else { out };
+            assert_eq!(wg.parts.len(), out.div_ceil(rows), "{what}");
+            let held: u64 = wg
+                .parts
+                .iter()
+                .map(|p| match wg.elem.block_kind() {
+                    Some(kind) => super::quantized::device_bytes(kind, p.rows * k / block),
+                    None => (p.rows * row_bytes).next_multiple_of(4) as u64,
+                })
+                .sum();
+            assert_eq!(g.ledger().bytes(Category::Weights) - before, held, "{what}: ledger");
+            // Every row (one at a time under the cap, where a row of activations is what fits).
+            let ids: Vec<u32> = (0..out as u32).collect();
+            let gathered: Vec<f32> = match cap {
+                None => host(&g, &g.embedding(&wg, &ids).unwrap()),
+                Some(_) => ids
+                    .iter()
+                    .flat_map(|&id| host(&g, &g.embedding(&wg, &[id]).unwrap()))
+                    .collect(),
+            };
+            assert_eq!(gathered, values, "{what}: every row");
+            // One row and a few (GEMV paths), twenty (GEMM); columns8 for the barrier-free set.
+            for n in [1, 5, 20] {
+                let x = noise(n * k, 8);
+                let want = host(
+                    &f32_cpu,
+                    &f32_cpu
+                        .linear(&f32_cpu.upload(x.clone(), &[n, k]).unwrap(), &dequantized, None)
+                        .unwrap(),
+                );
+                let got = host(&g, &g.linear(&g.upload(x, &[n, k]).unwrap(), &wg, None).unwrap());
+                let err = max_err(&got, &want);
+                assert!(err < 1e-5, "{what}, {n} rows: {err}");
+            }
+        }
+    }
+}
+
 /// The tiny checkpoints on this backend hold, per format, the weight bytes the planner counts,
 /// plus the two bytes that round a quantized matrix with an odd count of blocks to whole words
 /// (the tiny MLPs' 37 rows of one block; every published Qwen-VL matrix has an even count).

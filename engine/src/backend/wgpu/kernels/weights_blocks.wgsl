@@ -1,26 +1,11 @@
 // GGML's block formats (q8_0, q4_0; 32 values and one f16 scale d per block), laid out for
 // aligned 32-bit reads: pairs of blocks in PAIR_WORDS words, first a word with the two scales (the
 // first block's in the low half), then the two blocks' quants. A part with an odd count of blocks
-// ends with a half pair. The dequantized values are GGML's. The format's file defines PAIR_WORDS,
-// `q_word(at, i)` (the word holding element i's quant), `q_words8(at, i)` (the words holding
-// elements i..i+3 and i+4..i+7, read once) and `q_at(word, i)` (element i's quant, less its
-// offset).
+// ends with a half pair. The dequantized values are GGML's. Read after half.wgsl; the format's
+// file defines PAIR_WORDS, `q_word(at, i)` (the word holding element i's quant), `q_words8(at, i)`
+// (the words holding elements i..i+3 and i+4..i+7, read once) and `q_at(word, i)` (element i's
+// quant, less its offset).
 @group(0) @binding(9) var<storage, read> w: array<u32>;
-
-// The f16 bit pattern h as f32, subnormals included (unpack2x16float may flush them to zero).
-fn half_bits(h: u32) -> f32 {
-    let sign = (h & 0x8000u) << 16u;
-    let e = (h >> 10u) & 0x1fu;
-    let m = h & 0x3ffu;
-    if (e == 0u) {
-        // m · 2⁻²⁴, exact in f32.
-        return bitcast<f32>(sign | 0x33800000u) * f32(m);
-    }
-    if (e == 31u) {
-        return bitcast<f32>(sign | 0x7f800000u | (m << 13u));
-    }
-    return bitcast<f32>(sign | ((e + 112u) << 23u) | (m << 13u));
-}
 
 // The word where the pair of blocks holding element i starts, and which of the two it is in.
 fn q_block(i: u32) -> vec2<u32> {
