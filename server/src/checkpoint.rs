@@ -173,30 +173,20 @@ impl Checkpoint {
             text: header(text)?,
             mmproj: header(mmproj)?,
         };
-        let named = |e: &dyn std::fmt::Display| usage(format!("{} with {}: {e}", text.display(), mmproj.display()));
-        let model = GgufModel::new(&pair.text.1, &pair.mmproj.1).map_err(|e| named(&e))?;
-        let config_json = model.config_json().map_err(|e| named(&e))?;
-        let config = ModelConfig::from_value(&config_json).map_err(|e| named(&e))?;
-        let tokenizer_json = model.tokenizer_json().map_err(|e| named(&e))?.into_bytes();
-        let template_files = TemplateFiles {
-            jinja: model.chat_template().map(str::to_string),
-            ..TemplateFiles::default()
-        };
-        let eos_token_ids = model
-            .eos_token_ids()
-            .map_err(|e| named(&e))?
-            .into_iter()
-            .map(|id| u32::try_from(id).map_err(|_| named(&format!("end-of-sequence id {id} is not a token id"))))
-            .collect::<Result<_>>()?;
-        let preprocessor_json = Some(model.preprocessor_json().map_err(|e| named(&e))?);
+        let files = GgufModel::new(&pair.text.1, &pair.mmproj.1)
+            .and_then(|m| m.small_files())
+            .map_err(|e| usage(format!("{} with {}: {e}", text.display(), mmproj.display())))?;
         Ok(Checkpoint {
             dir: text.parent().unwrap_or(Path::new(".")).to_path_buf(),
-            config,
+            config: files.config,
             weights: WeightFiles::Gguf(pair),
-            tokenizer_json,
-            template_files,
-            preprocessor_json,
-            eos_token_ids,
+            tokenizer_json: files.tokenizer_json.into_bytes(),
+            template_files: TemplateFiles {
+                jinja: files.chat_template,
+                ..TemplateFiles::default()
+            },
+            preprocessor_json: Some(files.preprocessor_json),
+            eos_token_ids: files.eos_token_ids,
         })
     }
 
@@ -209,27 +199,14 @@ impl Checkpoint {
     }
 }
 
-/// The text GGUF and the projector (`mmproj*.gguf`) of a directory, if it holds any GGUF: exactly
-/// one of each, or an error naming what is there.
+/// The text GGUF and the projector (`mmproj*.gguf`) of a directory, if it holds any GGUF.
 fn gguf_files(dir: &Path) -> Result<Option<(PathBuf, PathBuf)>> {
     let listing = std::fs::read_dir(dir).map_err(|e| usage(format!("cannot list {}: {e}", dir.display())))?;
-    let mut names: Vec<String> = listing
-        .filter_map(|e| e.ok()?.file_name().into_string().ok())
-        .filter(|n| n.to_ascii_lowercase().ends_with(".gguf"))
-        .collect();
-    if names.is_empty() {
-        return Ok(None);
-    }
-    names.sort();
-    let (projectors, texts): (Vec<String>, Vec<String>) = names
-        .iter()
-        .cloned()
-        .partition(|n| n.to_ascii_lowercase().starts_with("mmproj"));
-    match (&texts[..], &projectors[..]) {
-        ([text], [mmproj]) => Ok(Some((dir.join(text), dir.join(mmproj)))),
-        _ => Err(usage(format!(
-            "{} holds {names:?}: kvlens reads one text GGUF and one mmproj-*.gguf from a directory; \
-             name the files with --model FILE.gguf --mmproj FILE.gguf",
+    let names: Vec<String> = listing.filter_map(|e| e.ok()?.file_name().into_string().ok()).collect();
+    match checkpoint_files::gguf_pair(&names) {
+        Ok(pair) => Ok(pair.map(|(text, mmproj)| (dir.join(text), dir.join(mmproj)))),
+        Err(e) => Err(usage(format!(
+            "{}: {e}; name the files with --model FILE.gguf --mmproj FILE.gguf",
             dir.display()
         ))),
     }

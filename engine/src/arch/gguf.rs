@@ -147,6 +147,9 @@ const MAX_DIMS: u32 = 4;
 struct Cursor<'a> {
     bytes: &'a [u8],
     at: usize,
+    /// Set when a read ran past `bytes` (or a count past what they could hold): a prefix of the
+    /// file too short for its header.
+    short: bool,
 }
 
 impl<'a> Cursor<'a> {
@@ -157,11 +160,14 @@ impl<'a> Cursor<'a> {
                 self.at = end;
                 Ok(out)
             }
-            None => err(format!(
-                "the header ends inside {what} (at byte {}, {n} bytes wanted, {} read)",
-                self.at,
-                self.bytes.len()
-            )),
+            None => {
+                self.short = true;
+                err(format!(
+                    "the header ends inside {what} (at byte {}, {n} bytes wanted, {} read)",
+                    self.at,
+                    self.bytes.len()
+                ))
+            }
         }
     }
 
@@ -184,10 +190,13 @@ impl<'a> Cursor<'a> {
         let room = (self.bytes.len() - self.at) / min_bytes.max(1);
         match usize::try_from(n) {
             Ok(n) if n <= room => Ok(n),
-            _ => err(format!(
-                "{what} is {n}, more than the {} bytes left of the header can hold",
-                self.bytes.len() - self.at
-            )),
+            _ => {
+                self.short = true;
+                err(format!(
+                    "{what} is {n}, more than the {} bytes left of the header can hold",
+                    self.bytes.len() - self.at
+                ))
+            }
         }
     }
 
@@ -238,7 +247,31 @@ impl Gguf {
     /// a known type, a whole number of blocks, its bytes inside the file and aligned, no two
     /// tensors overlapping or sharing a name.
     pub fn parse(bytes: &[u8], file_len: u64) -> Result<Self> {
-        let mut c = Cursor { bytes, at: 0 };
+        Self::parse_with(
+            &mut Cursor {
+                bytes,
+                at: 0,
+                short: false,
+            },
+            file_len,
+        )
+    }
+
+    /// As [`Gguf::parse`], for the first bytes of a file read a piece at a time: `None` when
+    /// `bytes` (shorter than the file) ends before the header does, so more must be read.
+    pub fn parse_prefix(bytes: &[u8], file_len: u64) -> Result<Option<Self>> {
+        let mut c = Cursor {
+            bytes,
+            at: 0,
+            short: false,
+        };
+        match Self::parse_with(&mut c, file_len) {
+            Err(_) if c.short && (bytes.len() as u64) < file_len => Ok(None),
+            r => r.map(Some),
+        }
+    }
+
+    fn parse_with(c: &mut Cursor<'_>, file_len: u64) -> Result<Self> {
         if c.take(4, "the magic")? != b"GGUF" {
             return err("not a GGUF file (it does not start with GGUF)");
         }
@@ -428,6 +461,33 @@ mod tests {
         let end = whole.tensors.iter().map(|t| t.start + t.bytes).max().unwrap();
         let e = Gguf::parse(TYPES, end - 1).unwrap_err();
         assert!(e.0.contains("t.q6_k") && e.0.contains("truncated"), "{e}");
+    }
+
+    /// Read a piece at a time (the browser's range requests), every prefix short of the header
+    /// asks for more and the first that holds it gives the whole file's header; a lie is an error
+    /// however much of the file has been read.
+    #[test]
+    fn a_prefix_short_of_the_header_asks_for_more() {
+        let whole = Gguf::parse(TYPES, TYPES.len() as u64).unwrap();
+        let file_len = TYPES.len() as u64;
+        let first = (0..=TYPES.len())
+            .find(|&n| Gguf::parse_prefix(&TYPES[..n], file_len).unwrap().is_some())
+            .unwrap();
+        assert!(first <= whole.data_start as usize, "{first}");
+        for n in first..=TYPES.len() {
+            assert_eq!(
+                Gguf::parse_prefix(&TYPES[..n], file_len).unwrap().as_ref(),
+                Some(&whole)
+            );
+        }
+        for n in [0, 3, first - 1] {
+            assert_eq!(Gguf::parse_prefix(&TYPES[..n], file_len), Ok(None), "{n} bytes");
+        }
+        let mut bad = TYPES.to_vec();
+        bad[0] = b'X';
+        assert!(Gguf::parse_prefix(&bad[..100], file_len).is_err());
+        // The whole file is not a prefix: a header it cuts short is refused.
+        assert!(Gguf::parse_prefix(&TYPES[..first - 1], first as u64 - 1).is_err());
     }
 
     #[test]

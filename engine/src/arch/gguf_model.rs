@@ -10,7 +10,7 @@
 //! splits the vision attention's `qkv` into `q`, `k`, `v` (Qwen2/2.5-VL) and the 3-D patch
 //! embedding into two 2-D ones along time; [`Assembly`] undoes both.
 
-use super::config::Family;
+use super::config::{Family, ModelConfig};
 use super::gguf::{Gguf, GgufError, GgufTensor, MetaValue};
 use serde_json::{json, Value};
 use std::collections::BTreeMap;
@@ -48,6 +48,21 @@ pub enum Assembly {
     Rows(Vec<Piece>),
     /// A Conv3D kernel `[out, in, 2, p, p]` from its two time steps `[out, in, p, p]`.
     Temporal([Piece; 2]),
+}
+
+/// A pair's equivalents of a checkpoint folder's small files ([`GgufModel::small_files`]).
+#[derive(Debug, Clone)]
+pub struct GgufSmallFiles {
+    /// config.json, parsed.
+    pub config: ModelConfig,
+    /// tokenizer.json.
+    pub tokenizer_json: String,
+    /// The chat template, when the file has one.
+    pub chat_template: Option<String>,
+    /// preprocessor_config.json (the image mean and std).
+    pub preprocessor_json: String,
+    /// The ids that end a generation.
+    pub eos_token_ids: Vec<u32>,
 }
 
 /// A text GGUF and its projector, checked to belong together.
@@ -293,14 +308,29 @@ impl<'a> GgufModel<'a> {
 
     /// The ids that end a generation: the file's end-of-sequence token and `<|endoftext|>` (both
     /// are in Qwen's `generation_config.json`; llama.cpp ends on both too).
-    pub fn eos_token_ids(&self) -> Result<Vec<u64>> {
+    pub fn eos_token_ids(&self) -> Result<Vec<u32>> {
         let mut ids = vec![u64_of(self.text, "tokenizer.ggml.eos_token_id")?];
         if let Ok(end) = self.token_id("<|endoftext|>") {
             if !ids.contains(&end) {
                 ids.push(end);
             }
         }
-        Ok(ids)
+        ids.into_iter()
+            .map(|id| u32::try_from(id).map_err(|_| GgufError(format!("end-of-sequence id {id} is not a token id"))))
+            .collect()
+    }
+
+    /// What a checkpoint folder's small files say, read from the pair's metadata: the server and
+    /// the playground open a pair through this.
+    pub fn small_files(&self) -> Result<GgufSmallFiles> {
+        let config = ModelConfig::from_value(&self.config_json()?).map_err(|e| GgufError(e.to_string()))?;
+        Ok(GgufSmallFiles {
+            config,
+            tokenizer_json: self.tokenizer_json()?,
+            chat_template: self.chat_template().map(str::to_string),
+            preprocessor_json: self.preprocessor_json()?,
+            eos_token_ids: self.eos_token_ids()?,
+        })
     }
 
     /// The `preprocessor_config.json` the projector implies: its `image_mean` and `image_std` (the

@@ -28,9 +28,42 @@ pub fn eos_token_ids(config: &ModelConfig, generation_config_json: Option<&str>)
     Ok(if ids.is_empty() { config.tokens.eos.clone() } else { ids })
 }
 
+/// The text GGUF and its projector among a folder's file names, as the Hub's GGUF repositories lay
+/// them out: `None` when no name ends in `.gguf`; exactly one text model and one `mmproj*` file,
+/// else an error naming what is there.
+pub fn gguf_pair(names: &[String]) -> Result<Option<(String, String)>, String> {
+    let mut ggufs: Vec<&String> = names
+        .iter()
+        .filter(|n| n.to_ascii_lowercase().ends_with(".gguf"))
+        .collect();
+    if ggufs.is_empty() {
+        return Ok(None);
+    }
+    ggufs.sort();
+    let (projectors, texts): (Vec<&String>, Vec<&String>) =
+        ggufs.iter().partition(|n| n.to_ascii_lowercase().starts_with("mmproj"));
+    match (&texts[..], &projectors[..]) {
+        ([text], [mmproj]) => Ok(Some(((*text).clone(), (*mmproj).clone()))),
+        _ => Err(format!(
+            "the GGUF files are {ggufs:?}: kvlens reads one text GGUF and one mmproj-*.gguf"
+        )),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_gguf_folder_is_one_text_model_and_one_projector() {
+        let names = |n: &[&str]| n.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        let pair = gguf_pair(&names(&["README.md", "mmproj-M-F16.gguf", "M-Q4_K_M.gguf"])).unwrap();
+        assert_eq!(pair, Some(("M-Q4_K_M.gguf".into(), "mmproj-M-F16.gguf".into())));
+        assert_eq!(gguf_pair(&names(&["config.json", "model.safetensors"])).unwrap(), None);
+        let two = gguf_pair(&names(&["mmproj-a.gguf", "M-Q8_0.gguf", "M-Q4_K_M.gguf"])).unwrap_err();
+        assert!(two.contains("M-Q8_0.gguf") && two.contains("M-Q4_K_M.gguf"), "{two}");
+        assert!(gguf_pair(&names(&["M.gguf"])).unwrap_err().contains("mmproj"));
+    }
 
     #[test]
     fn shards_come_sorted_and_once() {
