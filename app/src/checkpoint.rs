@@ -1,15 +1,20 @@
 //! Where the playground's checkpoint comes from: a base URL (the bundled demo model, a local static
-//! server, a Hugging Face `resolve/main/` URL) or files picked from disk. Small files are read
-//! whole; weight files are handed over chunk by chunk, so a checkpoint is never held whole in wasm
-//! memory. What was fetched is kept in Cache Storage, so a reload does not download it again.
+//! server, a Hugging Face `resolve/main/` URL), a llama.cpp GGUF pair's two URLs, or files picked
+//! from disk (a checkpoint folder's files, or a GGUF pair). Small files are read whole; a GGUF
+//! file's header is read first, by range requests (a growing prefix, until it holds the header),
+//! so the planner's verdict counts its tensors as stored before any weight is fetched. Weight files
+//! are handed over chunk by chunk, so a checkpoint is never held whole in wasm memory. What was
+//! fetched whole is kept in Cache Storage, so a reload does not download it again.
 
 use js_sys::{Reflect, Uint8Array};
 use kvlens_engine::arch::config::ModelConfig;
+use kvlens_engine::arch::gguf::Gguf;
+use kvlens_engine::arch::gguf_model::GgufModel;
 use kvlens_engine::input::chat::select_chat_template;
 use kvlens_engine::model::checkpoint_files;
 use wasm_bindgen::{JsCast, JsValue};
 use wasm_bindgen_futures::JsFuture;
-use web_sys::{Blob, Cache, File, ReadableStreamDefaultReader, Response};
+use web_sys::{Blob, Cache, File, Headers, ReadableStreamDefaultReader, RequestInit, Response};
 
 /// The Cache Storage bucket fetched checkpoint files are kept in.
 const CACHE_NAME: &str = "kvlens-checkpoints";
@@ -17,13 +22,66 @@ const CACHE_NAME: &str = "kvlens-checkpoints";
 /// Bytes read from a picked file at a time.
 const FILE_CHUNK: f64 = 4.0 * 1024.0 * 1024.0;
 
+/// The first bytes read of a GGUF file for its header, four times more each time they fall short
+/// (a Qwen text model's vocabulary and merges make its header about 6 MiB).
+const HEADER_FIRST: u64 = 8 << 20;
+
+/// The most read for a GGUF header: a header that claims more (a lying count) is refused before
+/// the page holds the file.
+const HEADER_MAX: u64 = 128 << 20;
+
 /// Where the files are.
 #[derive(Clone, Debug)]
 pub enum Source {
-    /// A directory URL ending in `/`.
+    /// A checkpoint folder's URL.
     Url(String),
+    /// A llama.cpp GGUF text model's URL and its projector's (`mmproj-*.gguf`).
+    GgufUrls {
+        /// The text model.
+        model: String,
+        /// The projector.
+        mmproj: String,
+    },
     /// Files picked from disk (a folder or several files), found by name.
     Files(Vec<File>),
+}
+
+/// A GGUF file of a pair: its name (a URL, or a picked file's name), length and header.
+#[derive(Debug, Clone)]
+pub struct GgufFile {
+    /// What [`Source::stream`] reads it by.
+    pub name: String,
+    /// Bytes in the file.
+    pub len: u64,
+    /// Its header.
+    pub header: Gguf,
+}
+
+/// The files the weights are in.
+#[derive(Debug, Clone)]
+pub enum Weights {
+    /// Safetensors shards in load order, with their sizes when known before reading (picked
+    /// files).
+    Safetensors(Vec<(String, Option<u64>)>),
+    /// A GGUF text model and its projector.
+    Gguf {
+        /// The text model.
+        text: GgufFile,
+        /// The projector.
+        mmproj: GgufFile,
+    },
+}
+
+impl Weights {
+    /// The bytes of the tensors as stored, when the headers say (GGUF): what the planner counts.
+    pub fn stored_bytes(&self) -> Option<u64> {
+        match self {
+            Weights::Safetensors(_) => None,
+            Weights::Gguf { text, mmproj } => GgufModel::new(&text.header, &mmproj.header)
+                .ok()
+                .map(|m| m.stored_bytes()),
+        }
+    }
 }
 
 /// The small files of a checkpoint, read before any weight.
@@ -39,8 +97,8 @@ pub struct CheckpointInfo {
     pub preprocessor_json: Option<String>,
     /// End-of-sequence ids (generation_config.json's, else the config's).
     pub eos: Vec<u32>,
-    /// Weight files in load order, with their sizes when known before reading (picked files).
-    pub shards: Vec<(String, Option<u64>)>,
+    /// The weight files.
+    pub weights: Weights,
 }
 
 fn js_error(what: &str, e: JsValue) -> String {
@@ -93,26 +151,177 @@ async fn fetch_cached(url: &str) -> Result<Option<Response>, String> {
     Ok(Some(response))
 }
 
+/// A header's value, when the response has it and the page may read it.
+fn header(response: &Response, name: &str) -> Option<String> {
+    response.headers().get(name).ok().flatten()
+}
+
+/// Up to `limit` bytes of `response`'s body from its start (the rest is not read).
+async fn body_prefix(response: &Response, limit: u64, what: &str) -> Result<Vec<u8>, String> {
+    let body = response.body().ok_or_else(|| format!("{what}: empty response"))?;
+    let reader: ReadableStreamDefaultReader = body.get_reader().unchecked_into();
+    let mut out = Vec::new();
+    while (out.len() as u64) < limit {
+        let chunk = JsFuture::from(reader.read()).await.map_err(|e| js_error(what, e))?;
+        if Reflect::get(&chunk, &"done".into()).ok().and_then(|d| d.as_bool()) != Some(false) {
+            break;
+        }
+        let value = Reflect::get(&chunk, &"value".into()).map_err(|e| js_error(what, e))?;
+        let take = (limit - out.len() as u64).min(u64::from(Uint8Array::new(&value).length())) as u32;
+        out.extend(Uint8Array::new(&value).subarray(0, take).to_vec());
+    }
+    let _ = reader.cancel();
+    Ok(out)
+}
+
+/// The first `limit` bytes of the file at `url` and its length: from Cache Storage when it holds
+/// the whole file, else by a range request (a server that ignores the range sends the whole file,
+/// of which only the prefix is read).
+async fn url_prefix(url: &str, limit: u64) -> Result<(Vec<u8>, u64), String> {
+    let scope: web_sys::WorkerGlobalScope = js_sys::global()
+        .dyn_into()
+        .map_err(|_| "checkpoints are fetched in the engine's worker")?;
+    let length = |r: &Response| header(r, "content-length").and_then(|l| l.parse::<u64>().ok());
+    if let Ok(storage) = scope.caches() {
+        if let Ok(cache) = JsFuture::from(storage.open(CACHE_NAME)).await {
+            let cache: Cache = cache.unchecked_into();
+            if let Ok(hit) = JsFuture::from(cache.match_with_str(url)).await {
+                if let Ok(response) = hit.dyn_into::<Response>() {
+                    if let Some(len) = length(&response) {
+                        return Ok((body_prefix(&response, limit, url).await?, len));
+                    }
+                }
+            }
+        }
+    }
+    let headers = Headers::new().map_err(|e| js_error(url, e))?;
+    headers
+        .set("Range", &format!("bytes=0-{}", limit - 1))
+        .map_err(|e| js_error(url, e))?;
+    let init = RequestInit::new();
+    init.set_headers(&headers);
+    let response: Response = JsFuture::from(scope.fetch_with_str_and_init(url, &init))
+        .await
+        .map_err(|e| js_error(&format!("fetching {url}"), e))?
+        .unchecked_into();
+    let len = match response.status() {
+        // "bytes 0-1023/4096"
+        206 => header(&response, "content-range")
+            .and_then(|r| r.rsplit('/').next()?.parse().ok())
+            .ok_or_else(|| format!("{url}: the server's range response gives no readable Content-Range length"))?,
+        200 => length(&response).ok_or_else(|| format!("{url}: the server gives no Content-Length"))?,
+        404 => return Err(format!("{url}: not found (HTTP 404)")),
+        s => return Err(format!("fetching {url}: HTTP {s}")),
+    };
+    Ok((body_prefix(&response, limit, url).await?, len))
+}
+
 impl Source {
     fn url(base: &str, name: &str) -> String {
         format!("{}/{name}", base.trim_end_matches('/'))
     }
 
+    /// Where a file is fetched from: a folder's files by name, a GGUF pair's by their URLs.
+    fn url_of(&self, name: &str) -> Option<String> {
+        match self {
+            Source::Url(base) => Some(Self::url(base, name)),
+            Source::GgufUrls { .. } => Some(name.to_string()),
+            Source::Files(_) => None,
+        }
+    }
+
     fn file(&self, name: &str) -> Option<File> {
         match self {
             Source::Files(files) => files.iter().find(|f| f.name() == name).cloned(),
-            Source::Url(_) => None,
+            Source::Url(_) | Source::GgufUrls { .. } => None,
         }
+    }
+
+    /// The first `limit` bytes of a file and its length.
+    async fn prefix(&self, name: &str, limit: u64) -> Result<(Vec<u8>, u64), String> {
+        if let Some(url) = self.url_of(name) {
+            return url_prefix(&url, limit).await;
+        }
+        let file = self.file(name).ok_or_else(|| format!("{name} was not picked"))?;
+        let len = file.size() as u64;
+        let blob: &Blob = file.as_ref();
+        let part = blob
+            .slice_with_f64_and_f64(0.0, limit.min(len) as f64)
+            .map_err(|e| js_error(name, e))?;
+        let buffer = JsFuture::from(part.array_buffer())
+            .await
+            .map_err(|e| js_error(name, e))?;
+        Ok((Uint8Array::new(&buffer).to_vec(), len))
+    }
+
+    /// A GGUF file's header, read from a prefix that grows until it holds it.
+    async fn gguf_header(&self, name: &str) -> Result<GgufFile, String> {
+        let mut limit = HEADER_FIRST;
+        loop {
+            let (bytes, len) = self.prefix(name, limit).await?;
+            if let Some(header) = Gguf::parse_prefix(&bytes, len).map_err(|e| format!("{name}: {e}"))? {
+                return Ok(GgufFile {
+                    name: name.to_string(),
+                    len,
+                    header,
+                });
+            }
+            if (bytes.len() as u64) < limit.min(len) {
+                return Err(format!(
+                    "{name}: {} bytes came of the first {} asked for",
+                    bytes.len(),
+                    limit.min(len)
+                ));
+            }
+            if limit >= HEADER_MAX {
+                return Err(format!(
+                    "{name}: the header does not end within its first {HEADER_MAX} bytes"
+                ));
+            }
+            limit = (limit * 4).min(HEADER_MAX);
+        }
+    }
+
+    /// The GGUF pair's names, when the source is one: its URLs, or the picked `.gguf` files.
+    fn gguf_names(&self) -> Result<Option<(String, String)>, String> {
+        match self {
+            Source::Url(_) => Ok(None),
+            Source::GgufUrls { model, mmproj } => Ok(Some((model.clone(), mmproj.clone()))),
+            Source::Files(files) => {
+                let names: Vec<String> = files.iter().map(File::name).collect();
+                checkpoint_files::gguf_pair(&names)
+            }
+        }
+    }
+
+    /// Reads a GGUF pair's headers: the config, tokenizer, template and image settings come
+    /// from their metadata.
+    async fn gguf_info(&self, text: &str, mmproj: &str) -> Result<CheckpointInfo, String> {
+        let (text, mmproj) = (self.gguf_header(text).await?, self.gguf_header(mmproj).await?);
+        let files = GgufModel::new(&text.header, &mmproj.header)
+            .and_then(|m| m.small_files())
+            .map_err(|e| format!("{} with {}: {e}", text.name, mmproj.name))?;
+        let chat_template = files
+            .chat_template
+            .ok_or_else(|| format!("{} has no chat template (tokenizer.chat_template)", text.name))?;
+        Ok(CheckpointInfo {
+            config: files.config,
+            tokenizer_json: files.tokenizer_json.into_bytes(),
+            chat_template,
+            preprocessor_json: Some(files.preprocessor_json),
+            eos: files.eos_token_ids,
+            weights: Weights::Gguf { text, mmproj },
+        })
     }
 
     /// A whole small file; None when the checkpoint has no such file.
     pub async fn bytes(&self, name: &str) -> Result<Option<Vec<u8>>, String> {
-        let buffer = match self {
-            Source::Url(base) => match fetch_cached(&Self::url(base, name)).await? {
+        let buffer = match self.url_of(name) {
+            Some(url) => match fetch_cached(&url).await? {
                 Some(r) => r.array_buffer().map_err(|e| js_error(name, e))?,
                 None => return Ok(None),
             },
-            Source::Files(_) => match self.file(name) {
+            None => match self.file(name) {
                 Some(f) => f.array_buffer(),
                 None => return Ok(None),
             },
@@ -136,8 +345,11 @@ impl Source {
         self.file(name).map(|f| f.size() as u64)
     }
 
-    /// Reads the small files and names the weight files.
+    /// Reads the small files (a GGUF pair's headers) and names the weight files.
     pub async fn info(&self) -> Result<CheckpointInfo, String> {
+        if let Some((text, mmproj)) = self.gguf_names()? {
+            return self.gguf_info(&text, &mmproj).await;
+        }
         let config_text = self
             .text("config.json")
             .await?
@@ -181,7 +393,7 @@ impl Source {
             chat_template,
             preprocessor_json: self.text("preprocessor_config.json").await?,
             eos,
-            shards,
+            weights: Weights::Safetensors(shards),
         })
     }
 
@@ -193,8 +405,8 @@ impl Source {
         length: impl FnOnce(Option<u64>),
         mut each: impl FnMut(&[u8]) -> Result<(), String>,
     ) -> Result<(), String> {
-        match self {
-            Source::Files(_) => {
+        match self.url_of(name) {
+            None => {
                 let file = self.file(name).ok_or_else(|| format!("{name} was not picked"))?;
                 let blob: &Blob = file.as_ref();
                 let size = file.size();
@@ -211,10 +423,8 @@ impl Source {
                 }
                 Ok(())
             }
-            Source::Url(base) => {
-                let response = fetch_cached(&Self::url(base, name))
-                    .await?
-                    .ok_or_else(|| format!("{name} is missing"))?;
+            Some(url) => {
+                let response = fetch_cached(&url).await?.ok_or_else(|| format!("{name} is missing"))?;
                 length(
                     response
                         .headers()

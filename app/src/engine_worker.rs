@@ -110,10 +110,20 @@ impl EngineWorker {
         match source {
             Source::Url(url) => self.post(&ToWorker::Load {
                 url: Some(url.clone()),
+                mmproj: None,
+                settings,
+            }),
+            Source::GgufUrls { model, mmproj } => self.post(&ToWorker::Load {
+                url: Some(model.clone()),
+                mmproj: Some(mmproj.clone()),
                 settings,
             }),
             Source::Files(files) => {
-                let text = encode(&ToWorker::Load { url: None, settings });
+                let text = encode(&ToWorker::Load {
+                    url: None,
+                    mmproj: None,
+                    settings,
+                });
                 let files: js_sys::Array = files.iter().collect();
                 let msg = js_sys::Array::of2(&JsValue::from_str(&text), &files);
                 if let Err(e) = self.worker.post_message(&msg) {

@@ -3,15 +3,17 @@
 //! by the same start-up code as `kvlens serve`, and stepped by one task that awaits each step's
 //! read and yields between steps, so that aborts and new requests land in between.
 
-use crate::checkpoint::{CheckpointInfo, Source};
+use crate::checkpoint::{CheckpointInfo, Source, Weights};
 use crate::memory_view::{size, Budget, ResetKind};
-use kvlens_engine::arch::config::DType;
+use kvlens_engine::arch::config::{DType, ImageLimits};
+use kvlens_engine::arch::gguf_model::{GgufModel, Part};
 use kvlens_engine::arch::weight_format::WeightFormat;
 use kvlens_engine::backend::wgpu::{WgpuBackend, WgpuOptions};
 use kvlens_engine::backend::{Backend, BackendKind};
 use kvlens_engine::builder::{build_engine, open, BackendChoice, EngineOptions, ModelSource, StartupReport};
 use kvlens_engine::cache::RequestId;
 use kvlens_engine::engine::{Engine, Request, TokenEvent};
+use kvlens_engine::input::image::ProcessorSettings;
 use kvlens_engine::input::processor::InputProcessor;
 use kvlens_engine::memory::device::{device_preset, DeviceProfile};
 use kvlens_engine::memory::ledger::MemoryLedger;
@@ -28,12 +30,19 @@ use std::rc::Rc;
 pub struct Settings {
     /// KV blocks to allocate (vLLM's `--kv-cache-memory` is set to this many pages).
     pub kv_blocks: u64,
+    /// The longest context (`--max-model-len`); None: the model's.
+    pub max_model_len: Option<usize>,
     /// Sequences at once (`--max-num-seqs`).
     pub max_num_seqs: usize,
     /// Tokens per step (`--max-num-batched-tokens`).
     pub max_num_batched_tokens: usize,
     /// Images per prompt (`--limit-mm-per-prompt image=N`).
     pub images_per_prompt: usize,
+    /// The most tokens an image becomes (`--mm-processor-kwargs max_pixels`, in tokens): the
+    /// checkpoint's limit when smaller. Start-up profiles an image this large, so a tab keeps it
+    /// small; a GGUF pair carries no limit, and its family's (16,384 tokens for Qwen3-VL) would
+    /// take minutes to profile in a tab.
+    pub max_image_tokens: u64,
     /// Weight matrices quantized on load (`--quantization`).
     pub quantization: WeightFormat,
 }
@@ -42,9 +51,11 @@ impl Default for Settings {
     fn default() -> Self {
         Settings {
             kv_blocks: 256,
+            max_model_len: None,
             max_num_seqs: 4,
             max_num_batched_tokens: 2048,
             images_per_prompt: 4,
+            max_image_tokens: 256,
             quantization: WeightFormat::Unquantized,
         }
     }
@@ -90,25 +101,43 @@ impl Device {
     }
 }
 
-/// The start-up request for a checkpoint on a device: f32 weights (or the chosen block format)
-/// and KV (what the backends store), this page's settings, vLLM's defaults for the rest.
-pub fn plan_request(
-    info: &CheckpointInfo,
-    input: Option<&InputProcessor>,
-    device: &Device,
-    s: Settings,
-) -> PlanRequest {
-    let mut req = PlanRequest::new("playground", info.config.clone(), device.profile());
-    if let Some(input) = input {
-        req.image_limits = input.settings.limits;
+/// The format weights are loaded in: the chosen one, or for a GGUF pair its files' own types
+/// (nothing is quantized again).
+pub fn weight_format(info: &CheckpointInfo, s: Settings) -> WeightFormat {
+    match info.weights {
+        Weights::Gguf { .. } => WeightFormat::Unquantized,
+        Weights::Safetensors(_) => s.quantization,
     }
+}
+
+/// The image sizes the tab accepts: the checkpoint's (its preprocessor file's, else its family's),
+/// at most `s.max_image_tokens` tokens an image.
+pub fn image_limits(info: &CheckpointInfo, s: Settings) -> Result<ImageLimits, String> {
+    let settings =
+        ProcessorSettings::new(&info.config, info.preprocessor_json.as_deref()).map_err(|e| e.to_string())?;
+    let token_pixels = (settings.patch_size * settings.merge_size).pow(2) as u64;
+    let max_pixels = settings.limits.max_pixels.min(s.max_image_tokens.max(1) * token_pixels);
+    Ok(ImageLimits {
+        min_pixels: settings.limits.min_pixels.min(max_pixels),
+        max_pixels,
+    })
+}
+
+/// The start-up request for a checkpoint on a device: f32 weights (or the chosen block format,
+/// or a GGUF pair's tensors as stored) and KV (what the backends store), this page's settings,
+/// vLLM's defaults for the rest.
+pub fn plan_request(info: &CheckpointInfo, limits: ImageLimits, device: &Device, s: Settings) -> PlanRequest {
+    let mut req = PlanRequest::new("playground", info.config.clone(), device.profile());
+    req.image_limits = limits;
     req.dtype = Some(DType::F32);
     req.kv_cache_dtype = Some(DType::F32);
-    req.quantization = s.quantization;
+    req.quantization = weight_format(info, s);
+    req.weights_bytes = info.weights.stored_bytes();
     req.limit_mm_per_prompt = MmLimits {
         image: s.images_per_prompt,
         video: 0,
     };
+    req.max_model_len = s.max_model_len;
     req.max_num_seqs = Some(s.max_num_seqs);
     req.max_num_batched_tokens = Some(s.max_num_batched_tokens);
     req.mm_processor_cache_gb = 0.25;
@@ -122,7 +151,7 @@ pub fn plan_request(
 
 /// The planner's verdict before loading: the plan, or why the model cannot run here.
 pub fn verdict(info: &CheckpointInfo, device: &Device, s: Settings) -> Result<Plan, String> {
-    let p = plan(&plan_request(info, None, device, s)).map_err(|e| e.to_string())?;
+    let p = plan(&plan_request(info, image_limits(info, s)?, device, s)).map_err(|e| e.to_string())?;
     if p.fits {
         Ok(p)
     } else {
@@ -199,7 +228,14 @@ struct Streamed<'a> {
 impl ModelSource for Streamed<'_> {
     async fn load_onto<B: Backend + 'static>(self, backend: B) -> Result<Box<dyn StepRunner>, String> {
         let (info, progress) = (self.info, self.progress);
-        let known: Option<u64> = info.shards.iter().map(|(_, s)| *s).sum();
+        let files: Vec<(String, Option<u64>)> = match &info.weights {
+            Weights::Safetensors(shards) => shards.clone(),
+            Weights::Gguf { text, mmproj } => vec![
+                (text.name.clone(), Some(text.len)),
+                (mmproj.name.clone(), Some(mmproj.len)),
+            ],
+        };
+        let known: Option<u64> = files.iter().map(|(_, s)| *s).sum();
         let total = Rc::new(Cell::new(known.unwrap_or(0)));
         // Unknown as soon as one file's size is (a response without Content-Length).
         let total_known = Rc::new(Cell::new(true));
@@ -213,8 +249,23 @@ impl ModelSource for Streamed<'_> {
         };
         let mut stream = StreamLoader::new(info.config.clone(), &backend, |tensors, _| report(tensors))
             .map_err(|e| e.to_string())?;
-        for (name, size) in &info.shards {
-            stream.begin_shard(name.clone()).map_err(|e| e.to_string())?;
+        let gguf = match &info.weights {
+            Weights::Gguf { text, mmproj } => {
+                let model = GgufModel::new(&text.header, &mmproj.header).map_err(|e| e.to_string())?;
+                let tensors = model.tensors().map_err(|e| e.to_string())?;
+                Some((tensors, [(text, Part::Text), (mmproj, Part::Mmproj)]))
+            }
+            Weights::Safetensors(_) => None,
+        };
+        for (i, (name, size)) in files.iter().enumerate() {
+            match &gguf {
+                Some((tensors, parts)) => {
+                    let (file, part) = parts[i];
+                    stream.begin_gguf(name.clone(), &file.header, part, tensors)
+                }
+                None => stream.begin_shard(name.clone()),
+            }
+            .map_err(|e| e.to_string())?;
             let length = |l: Option<u64>| match (size, l) {
                 (Some(_), _) => {}
                 (None, Some(l)) => total.set(total.get() + l),
@@ -260,6 +311,7 @@ impl Local {
             info.eos.clone(),
         )
         .map_err(|e| e.to_string())?;
+        input.settings.limits = image_limits(info, s)?;
         let kind = match device {
             Device::WebGpu(page_device) => {
                 // The model gets a device of its own; the page's gives back the buffers an
@@ -269,7 +321,7 @@ impl Local {
             }
             Device::Cpu(_) => BackendKind::Cpu,
         };
-        let choice = BackendChoice::new(kind, None, s.quantization)?;
+        let choice = BackendChoice::new(kind, None, weight_format(info, s))?;
         let streamed = Streamed { source, info, progress };
         let runner = open(&choice, MemoryLedger::new(), streamed).await?;
         // What the model runs on, for the status line.
@@ -277,7 +329,7 @@ impl Local {
             Device::WebGpu(_) => format!("WebGPU: {}", runner.describe()),
             Device::Cpu(_) => device.describe(),
         };
-        let req = plan_request(info, Some(&input), device, s);
+        let req = plan_request(info, input.settings.limits, device, s);
         let opts = EngineOptions {
             enable_prefix_caching: true,
             long_prefill_token_threshold: 0,
@@ -445,7 +497,7 @@ mod tests {
             tokenizer_json: Vec::new(),
             chat_template: String::new(),
             preprocessor_json: None,
-            shards: Vec::new(),
+            weights: Weights::Safetensors(Vec::new()),
         }
     }
 

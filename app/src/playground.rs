@@ -20,6 +20,13 @@ use std::rc::Rc;
 const DEMO_DIR: &str = "demo-model/";
 
 /// The demo model's URL, relative to the site's root.
+/// Whether a URL names a GGUF file (which comes with a projector URL).
+fn is_gguf(url: &str) -> bool {
+    url.split(['?', '#'])
+        .next()
+        .is_some_and(|path| path.to_ascii_lowercase().ends_with(".gguf"))
+}
+
 fn demo_url() -> String {
     let origin = window().location().origin().unwrap_or_default();
     format!("{origin}/{DEMO_DIR}")
@@ -44,6 +51,7 @@ pub fn Playground() -> impl IntoView {
     let thumbnails = RwSignal::new(HashMap::<String, String>::new());
     let settings = RwSignal::new(Settings::default());
     let url = RwSignal::new(String::new());
+    let mmproj_url = RwSignal::new(String::new());
     let picked = StoredValue::new_local(Vec::<web_sys::File>::new());
     // Watching a server instead of the engine in this tab (which stays loaded meanwhile).
     let watching = RwSignal::new(false);
@@ -148,23 +156,45 @@ pub fn Playground() -> impl IntoView {
                 <div class="controls">
                     <button data-testid="load-demo" disabled=move || busy.get()
                         on:click=move |_| load(Source::Url(demo_url()))>"load the demo model"</button>
-                    <label>"or a checkpoint URL (a directory, e.g. …/resolve/main/)"
+                    <label>"or a checkpoint URL (a directory, e.g. …/resolve/main/, or a llama.cpp text model …/M-Q4_K_M.gguf)"
                         <input type="url" data-testid="checkpoint-url" prop:value=move || url.get()
                             on:input=move |ev| url.set(event_target_value(&ev)) />
                     </label>
-                    <button disabled=move || busy.get() || url.get().is_empty()
-                        on:click=move |_| load(Source::Url(url.get_untracked()))>"load URL"</button>
+                    <label style:display=move || if is_gguf(&url.get()) { "inline" } else { "none" }>
+                        "with its projector's URL (…/mmproj-M-F16.gguf)"
+                        <input type="url" data-testid="checkpoint-mmproj-url" prop:value=move || mmproj_url.get()
+                            on:input=move |ev| mmproj_url.set(event_target_value(&ev)) />
+                    </label>
+                    <button data-testid="load-url"
+                        disabled=move || busy.get() || url.get().is_empty() || (is_gguf(&url.get()) && mmproj_url.get().is_empty())
+                        on:click=move |_| {
+                            let model = url.get_untracked();
+                            load(if is_gguf(&model) {
+                                Source::GgufUrls { model, mmproj: mmproj_url.get_untracked() }
+                            } else {
+                                Source::Url(model)
+                            })
+                        }>"load URL"</button>
                     <label>"or a folder from disk"
                         <input type="file" node_ref=folder data-testid="checkpoint-folder" on:change=pick />
                     </label>
-                    <label>"or its files"
+                    <label>"or its files (or a .gguf and its mmproj-….gguf)"
                         <input type="file" multiple data-testid="checkpoint-files" on:change=pick />
                     </label>
-                    <button disabled=move || busy.get()
+                    <button data-testid="load-files" disabled=move || busy.get()
                         on:click=move |_| load(Source::Files(picked.get_value()))>"load files"</button>
                     <label>"KV blocks (sets --kv-cache-memory)"
                         <input type="number" min="2" prop:value=move || settings.get().kv_blocks.to_string()
                             on:change=move |ev| settings.update(|s| s.kv_blocks = event_target_value(&ev).parse().unwrap_or(256)) />
+                    </label>
+                    <label>"context (sets --max-model-len; empty: the model's)"
+                        <input type="number" min="16" data-testid="max-model-len"
+                            prop:value=move || settings.get().max_model_len.map(|n| n.to_string()).unwrap_or_default()
+                            on:change=move |ev| settings.update(|s| s.max_model_len = event_target_value(&ev).parse().ok()) />
+                    </label>
+                    <label>"largest image, tokens (sets --mm-processor-kwargs max_pixels)"
+                        <input type="number" min="4" prop:value=move || settings.get().max_image_tokens.to_string()
+                            on:change=move |ev| settings.update(|s| s.max_image_tokens = event_target_value(&ev).parse().unwrap_or(256)) />
                     </label>
                     <label>"weights (sets --quantization)"
                         <select data-testid="weights-format"

@@ -23,10 +23,14 @@ pub struct Turn {
 /// What the page asks of the worker.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub enum ToWorker {
-    /// Load a checkpoint from `url` (a directory), or from the files posted beside the message.
+    /// Load a checkpoint from `url` (a directory, or with `mmproj` a GGUF pair), or from the
+    /// files posted beside the message.
     Load {
-        /// The directory URL; None: the picked files.
+        /// The directory URL, or the GGUF text model's; None: the picked files.
         url: Option<String>,
+        /// The GGUF projector's URL, with a GGUF text model's `url`.
+        #[serde(default)]
+        mmproj: Option<String>,
         /// The engine's settings.
         settings: Settings,
     },
@@ -149,10 +153,13 @@ mod tests {
         assert_eq!(params.max_tokens, 7);
         let load: ToWorker = decode(&encode(&ToWorker::Load {
             url: None,
+            mmproj: None,
             settings: Settings::default(),
         }))
         .unwrap();
-        assert!(matches!(load, ToWorker::Load { url: None, settings } if settings == Settings::default()));
+        assert!(
+            matches!(load, ToWorker::Load { url: None, mmproj: None, settings } if settings == Settings::default())
+        );
         let token = FromWorker::Token {
             id: "chat-0".into(),
             token: 42,

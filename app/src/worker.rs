@@ -5,8 +5,8 @@
 //! here), steps the engine and posts tokens, detokenized once each, and the occupancy after every
 //! step ([`crate::protocol`]).
 
-use crate::checkpoint::Source;
-use crate::local_engine::{verdict, Device, Local, Progress, Settings};
+use crate::checkpoint::{Source, Weights};
+use crate::local_engine::{verdict, weight_format, Device, Local, Progress, Settings};
 use crate::memory_view::size;
 use crate::protocol::{decode, encode, FromWorker, ToWorker, Turn};
 use kvlens_engine::arch::weight_format::WeightFormat;
@@ -76,10 +76,11 @@ pub fn run() {
 
 fn handle(state: &Rc<RefCell<State>>, msg: ToWorker, files: Vec<File>) {
     match msg {
-        ToWorker::Load { url, settings } => {
-            let source = match url {
-                Some(url) => Source::Url(url),
-                None => Source::Files(files),
+        ToWorker::Load { url, mmproj, settings } => {
+            let source = match (url, mmproj) {
+                (Some(model), Some(mmproj)) => Source::GgufUrls { model, mmproj },
+                (Some(url), None) => Source::Url(url),
+                (None, _) => Source::Files(files),
             };
             load(Rc::clone(state), source, settings);
         }
@@ -128,9 +129,10 @@ fn load(state: Rc<RefCell<State>>, source: Source, s: Settings) {
             post(&FromWorker::Status("reading the checkpoint's small files…".into()));
             let info = source.info().await?;
             let plan = verdict(&info, &device, s)?;
-            let weights = match s.quantization {
-                WeightFormat::Unquantized => "f32".to_string(),
-                q => format!("{q}, other tensors f32"),
+            let weights = match (&info.weights, weight_format(&info, s)) {
+                (Weights::Gguf { .. }, _) => "as stored in the GGUF files".to_string(),
+                (_, WeightFormat::Unquantized) => "f32".to_string(),
+                (_, q) => format!("{q}, other tensors f32"),
             };
             post(&FromWorker::Verdict(format!(
                 "fits on {}: weights {} ({weights}), KV cache {} = {} blocks × {} tokens, the longest context {} tokens",

@@ -6,11 +6,14 @@
 //   2. dist/ on a plain static file server with WebGPU off: the CPU backend in wasm;
 //   3. server mode (the page from the static server) against a `kvlens serve`: a chat request
 //      sent to the server shows up in the page; 4. server mode against a fake vLLM /metrics.
-// The greedy tokens of runs 1 and 2 must equal native `kvlens generate --backend cpu`'s.
+// The greedy tokens of runs 1 and 2 must equal native `kvlens generate --backend cpu`'s. Runs 1
+// and 2 also load the demo model's f16 GGUF pair (dist/demo-gguf/) by URL, the header first by a
+// range request (kvlens serve answers it; the static server ignores it and the page reads only the
+// start), and from disk; its tokens must equal native generate's on the same pair.
 //
 // Environment (set by the xtask): KVLENS_BIN, KVLENS_DIST, KVLENS_E2E_IMAGE, KVLENS_E2E_PROMPT,
-// KVLENS_E2E_MAX_TOKENS, KVLENS_E2E_EXPECTED (generate's JSON), KVLENS_E2E_ARTIFACTS, CHROMIUM,
-// CHROMIUM_ARGS (JSON list), PYTHON.
+// KVLENS_E2E_MAX_TOKENS, KVLENS_E2E_EXPECTED (generate's JSON), KVLENS_E2E_EXPECTED_GGUF (on the
+// GGUF pair), KVLENS_E2E_ARTIFACTS, CHROMIUM, CHROMIUM_ARGS (JSON list), PYTHON.
 'use strict';
 const { chromium } = require('playwright-core');
 const { spawn } = require('child_process');
@@ -27,6 +30,8 @@ const IMAGE = env('KVLENS_E2E_IMAGE');
 const PROMPT = env('KVLENS_E2E_PROMPT');
 const MAX_TOKENS = env('KVLENS_E2E_MAX_TOKENS');
 const EXPECTED = JSON.parse(fs.readFileSync(env('KVLENS_E2E_EXPECTED'), 'utf8'));
+const EXPECTED_GGUF = JSON.parse(fs.readFileSync(env('KVLENS_E2E_EXPECTED_GGUF'), 'utf8'));
+const GGUF = ['demo-gguf/demo-model-F16.gguf', 'demo-gguf/mmproj-demo-model-F16.gguf'];
 const ARTIFACTS = env('KVLENS_E2E_ARTIFACTS');
 const CHROMIUM = env('CHROMIUM');
 const CHROMIUM_ARGS = JSON.parse(env('CHROMIUM_ARGS'));
@@ -216,8 +221,8 @@ async function ask(page, nth, image = IMAGE) {
   return ids;
 }
 
-function sameTokens(got, what) {
-  const want = EXPECTED.token_ids;
+function sameTokens(got, what, expected = EXPECTED) {
+  const want = expected.token_ids;
   assert(
     JSON.stringify(got) === JSON.stringify(want),
     `${what}: greedy tokens differ from native kvlens generate --backend cpu\n  browser: ${got}\n   native: ${want}`,
@@ -287,6 +292,48 @@ async function weightsPlanned(page, format) {
   await page.waitForFunction((f) => (document.querySelector('[data-testid="verdict"]')?.textContent || '').includes(`(${f}`), format, { timeout: LONG });
   const verdict = await byTest(page, 'verdict').textContent();
   return bytesOf(/weights ([\d.]+ (MiB|KiB))/.exec(verdict)[1]);
+}
+
+// The demo model's GGUF pair loaded from `base` by URL (`fromDisk`: picked files instead), on
+// WebGPU or the CPU backend: the verdict counts the tensors as stored before any weight is fetched
+// and the device then holds that (within 1 %: both also count buffers that do not change); the
+// header is fetched by a range request first (`ranged`: the server answers it with 206); the
+// greedy tokens are native generate's on the same pair.
+async function playgroundGguf(base, webgpu, { fromDisk = false, ranged = false } = {}) {
+  const b = await browser(webgpu);
+  try {
+    const page = await newPage(b, `${webgpu ? 'webgpu' : 'cpu'}-gguf${fromDisk ? '-disk' : ''}`);
+    const fetched = [];
+    // Responses as their headers arrive: the page stops reading a header's response once it has
+    // the header, so such a request never finishes.
+    page.context().on('response', (r) => {
+      if (r.url().endsWith('.gguf')) fetched.push({ url: r.url(), range: r.request().headers().range || null, status: r.status() });
+    });
+    await page.goto(`${base}/`);
+    const device = webgpu ? 'WebGPU' : 'CPU backend';
+    await page.waitForFunction((d) => (document.querySelector('[data-testid="device"]')?.textContent ?? '').startsWith(d), device, { timeout: LONG });
+    if (fromDisk) {
+      await byTest(page, 'checkpoint-files').setInputFiles(GGUF.map((f) => path.join(DIST, f)));
+      await byTest(page, 'load-files').click();
+    } else {
+      await byTest(page, 'checkpoint-url').fill(`${base}/${GGUF[0]}`);
+      await byTest(page, 'checkpoint-mmproj-url').fill(`${base}/${GGUF[1]}`);
+      await byTest(page, 'load-url').click();
+    }
+    const planned = await weightsPlanned(page, 'as stored in the GGUF files');
+    await loadDemo(page, false);
+    const held = bytesOf(await weightsHeld(page, ''));
+    assert(Math.abs(held - planned) <= 0.01 * planned, `the device holds ${held} bytes of weights, the verdict planned ${planned}`);
+    sameTokens(await ask(page, 0), `GGUF pair on ${device}`, EXPECTED_GGUF);
+    if (!fromDisk) {
+      const headers = fetched.filter((f) => f.range);
+      assert(headers.length === 2, `the two headers were not asked for by range: ${JSON.stringify(fetched)}`);
+      if (ranged) assert(headers.every((f) => f.status === 206), `the range requests were not answered with 206: ${JSON.stringify(fetched)}`);
+    }
+    if (webgpu) await screenshot(page, `playground-gguf${fromDisk ? '-disk' : ''}.png`);
+  } finally {
+    await b.close();
+  }
 }
 
 // The demo model loaded in f32, then in q4_0, on WebGPU or (`webgpu` false) on the CPU backend in
@@ -461,10 +508,13 @@ async function serverModeOnVllm(site, vllm) {
     const served = await kvlensServe('kvlens-serve');
     await check('playground on WebGPU, served by kvlens serve', () => playgroundOnWebGpu(served));
     await check('playground on WebGPU with q4_0 weights', () => playgroundQuantized(served, true));
+    await check('playground on WebGPU, a GGUF pair by URL (range requests)', () => playgroundGguf(served, true, { ranged: true }));
+    await check('playground on WebGPU, a GGUF pair from disk', () => playgroundGguf(served, true, { fromDisk: true }));
     await check('planner link shows 164,224', () => plannerLink(served));
     const site = await staticServer('static-server');
     await check('playground on the CPU backend (WebGPU off), static dist/', () => playgroundOnCpu(site));
     await check('playground on the CPU backend with q4_0 weights', () => playgroundQuantized(site, false));
+    await check('playground on the CPU backend, a GGUF pair by URL (a server without ranges)', () => playgroundGguf(site, false));
     await check('server mode: a kvlens serve on another origin', () => serverModeOnKvlens(site, served));
     const vllm = await fakeVllm();
     await check('server mode: a vLLM /metrics endpoint', () => serverModeOnVllm(site, vllm));

@@ -555,7 +555,8 @@ fn demo(serve_args: &[String]) -> Result<()> {
 
 /// The playground's files in dist/: trunk's build of app/ in cargo's release profile (Trunk.toml:
 /// offline, with the tools [`ensure_web_tools`] installs) and the demo checkpoint in
-/// dist/demo-model/, written by `kvlens` (the model `kvlens serve` runs without --model).
+/// dist/demo-model/, written by `kvlens` (the model `kvlens serve` runs without --model), and
+/// dist/demo-gguf/, the same model as an f16 GGUF pair.
 /// `shrink`: trunk's release mode, which also runs `wasm-opt -Oz` (6.8 MB instead of 9.0, three
 /// minutes on 2 cores); the tests take the module as wasm-bindgen leaves it.
 fn build_playground(kvlens: &Path, shrink: bool) -> Result<PathBuf> {
@@ -579,6 +580,13 @@ fn build_playground(kvlens: &Path, shrink: bool) -> Result<PathBuf> {
         .arg(&tokenizer)
         .arg("--out")
         .arg(dist.join("demo-model")))?;
+    // The same model as llama.cpp's converter would write it, in f16: a GGUF pair to point the
+    // playground at (`demo-gguf/demo-model-F16.gguf` with `demo-gguf/mmproj-demo-model-F16.gguf`).
+    run(Command::new(kvlens)
+        .args(["to-gguf", "--outtype", "f16", "--model"])
+        .arg(dist.join("demo-model"))
+        .arg("--out")
+        .arg(dist.join("demo-gguf")))?;
     Ok(dist)
 }
 
@@ -608,19 +616,35 @@ fn e2e(build_kvlens: bool) -> Result<(u64, u64)> {
     let artifacts = work.join("artifacts");
     std::fs::create_dir_all(&artifacts)?;
     let image = workspace_root().join(E2E_IMAGE);
-    let out = Command::new(&kvlens)
-        .args(["generate", "--backend", "cpu", "--model"])
-        .arg(dist.join("demo-model"))
-        .arg("--image")
-        .arg(&image)
-        .args(["--prompt", E2E_PROMPT, "--max-tokens", E2E_MAX_TOKENS, "--json"])
-        .output()
-        .context("cannot run kvlens generate")?;
-    if !out.status.success() {
-        bail!("kvlens generate failed: {}", String::from_utf8_lossy(&out.stderr));
-    }
-    let expected = work.join("generate.json");
-    std::fs::write(&expected, &out.stdout)?;
+    // Native greedy tokens on the demo model, and on its GGUF pair.
+    let generate = |model: &[&Path], name: &str| -> Result<PathBuf> {
+        let mut cmd = Command::new(&kvlens);
+        cmd.args(["generate", "--backend", "cpu", "--model"]).arg(model[0]);
+        if let Some(mmproj) = model.get(1) {
+            cmd.arg("--mmproj").arg(mmproj);
+        }
+        let out = cmd
+            .arg("--image")
+            .arg(&image)
+            .args(["--prompt", E2E_PROMPT, "--max-tokens", E2E_MAX_TOKENS, "--json"])
+            .output()
+            .context("cannot run kvlens generate")?;
+        if !out.status.success() {
+            bail!("kvlens generate failed: {}", String::from_utf8_lossy(&out.stderr));
+        }
+        let path = work.join(name);
+        std::fs::write(&path, &out.stdout)?;
+        Ok(path)
+    };
+    let expected = generate(&[&dist.join("demo-model")], "generate.json")?;
+    let gguf = dist.join("demo-gguf");
+    let expected_gguf = generate(
+        &[
+            &gguf.join("demo-model-F16.gguf"),
+            &gguf.join("mmproj-demo-model-F16.gguf"),
+        ],
+        "generate-gguf.json",
+    )?;
     let python = if have("python3", "--version", "Python 3") {
         "python3"
     } else {
@@ -636,6 +660,7 @@ fn e2e(build_kvlens: bool) -> Result<(u64, u64)> {
         .env("KVLENS_E2E_PROMPT", E2E_PROMPT)
         .env("KVLENS_E2E_MAX_TOKENS", E2E_MAX_TOKENS)
         .env("KVLENS_E2E_EXPECTED", &expected)
+        .env("KVLENS_E2E_EXPECTED_GGUF", &expected_gguf)
         .env("KVLENS_E2E_ARTIFACTS", &artifacts)
         .env("CHROMIUM", CHROMIUM)
         .env("CHROMIUM_ARGS", serde_json::to_string(CHROMIUM_ARGS)?)
