@@ -252,12 +252,13 @@ fn wrong_gguf_files_are_one_line_errors() {
 /// `kvlens plan` counts a GGUF pair's tensors as stored, and the CPU's ledger after loading holds
 /// exactly that (q8_0 blocks and f16 matrices kept as the files store them; the converter writes
 /// f16 where a q8_0 matrix's rows do not split into blocks), less Qwen3-VL's position table (read
-/// into host memory, not the device's).
+/// into host memory, not the device's). wgpu's holds that plus at most a word per matrix (a
+/// buffer rounded to whole words).
 #[test]
 fn the_plan_counts_a_gguf_pair_as_stored_and_the_ledger_agrees() {
     let dir = common::tiny_checkpoint("gguf-plan");
     let (text, mmproj) = to_gguf(&dir, "q8_0", &scratch("gguf-plan-q8_0"));
-    let (mut stored, mut halves, mut host) = (0u64, 0u64, 0u64);
+    let (mut stored, mut halves, mut host, mut matrices) = (0u64, 0u64, 0u64, 0u64);
     for file in [&text, &mmproj] {
         let bytes = std::fs::read(file).unwrap();
         let g = Gguf::parse(&bytes, bytes.len() as u64).unwrap();
@@ -269,6 +270,7 @@ fn the_plan_counts_a_gguf_pair_as_stored_and_the_ledger_agrees() {
             if t.name == "v.position_embd.weight" {
                 host += t.bytes;
             }
+            matrices += u64::from(t.ne.len() >= 2);
         }
     }
     assert!(halves > 0, "the tiny model's 37-wide rows are written in f16");
@@ -278,19 +280,29 @@ fn the_plan_counts_a_gguf_pair_as_stored_and_the_ledger_agrees() {
     assert!(plan.status.success(), "{}", String::from_utf8_lossy(&plan.stderr));
     let plan: Value = serde_json::from_slice(&plan.stdout).unwrap();
     assert_eq!(plan["weights_bytes"].as_u64(), Some(stored), "{plan}");
-    let gen = kvlens(&[
-        "generate",
-        "--model",
-        s,
-        "--mmproj",
-        m,
-        "--prompt",
-        "hi",
-        "--max-tokens",
-        "1",
-        "--json",
-    ]);
-    assert!(gen.status.success(), "{}", String::from_utf8_lossy(&gen.stderr));
-    let gen: Value = serde_json::from_slice(&gen.stdout).unwrap();
-    assert_eq!(gen["weights"]["bytes"].as_u64(), Some(stored - host), "{gen}");
+    let held = |backend: &str| {
+        let gen = kvlens(&[
+            "generate",
+            "--backend",
+            backend,
+            "--model",
+            s,
+            "--mmproj",
+            m,
+            "--prompt",
+            "hi",
+            "--max-tokens",
+            "1",
+            "--json",
+        ]);
+        assert!(gen.status.success(), "{}", String::from_utf8_lossy(&gen.stderr));
+        let gen: Value = serde_json::from_slice(&gen.stdout).unwrap();
+        gen["weights"]["bytes"].as_u64().unwrap()
+    };
+    assert_eq!(held("cpu"), stored - host);
+    let wgpu = held("wgpu");
+    assert!(
+        (stored - host..=stored - host + 4 * matrices).contains(&wgpu),
+        "wgpu holds {wgpu} bytes; the files {stored}, less {host} on the host, {matrices} matrices"
+    );
 }
