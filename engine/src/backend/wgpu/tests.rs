@@ -166,6 +166,31 @@ fn f16_weights_round_like_half_precision() {
     }
 }
 
+/// `wg`'s products with `rows` rows of noise (each count in turn) equal the f32 CPU backend's with
+/// `dequantized`, the values `wg` holds, within 1e-5.
+fn products_match_the_f32_cpu(
+    g: &WgpuBackend,
+    wg: &super::WgpuWeight,
+    dequantized: &<CpuBackend as Backend>::Weight,
+    k: usize,
+    rows: &[usize],
+    what: &str,
+) {
+    let f32_cpu = CpuBackend::default();
+    for &n in rows {
+        let x = noise(n * k, 8);
+        let want = host(
+            &f32_cpu,
+            &f32_cpu
+                .linear(&f32_cpu.upload(x.clone(), &[n, k]).unwrap(), dequantized, None)
+                .unwrap(),
+        );
+        let got = host(g, &g.linear(&g.upload(x, &[n, k]).unwrap(), wg, None).unwrap());
+        let err = max_err(&got, &want);
+        assert!(err < 1e-5, "{what}, {n} rows: {err}");
+    }
+}
+
 /// q8_0 / q4_0 weights hold the CPU backend's dequantized values (every row gathered), and every
 /// matmul kernel multiplies by exactly those: the f32 product with the dequantized matrix.
 #[test]
@@ -204,21 +229,8 @@ fn quantized_weights_hold_the_cpu_values_in_every_kernel() {
             assert_eq!(gathered[2 * k..], values[31 * k..32 * k], "{format}: gathered row");
             // One row and a few (GEMV paths), twenty (GEMM).
             let rows: &[usize] = if cap.is_some() { &[1, 3] } else { &[1, 5, 20] };
-            for &n in rows {
-                let x = noise(n * k, 8);
-                let want = host(
-                    &f32_cpu,
-                    &f32_cpu
-                        .linear(&f32_cpu.upload(x.clone(), &[n, k]).unwrap(), &dequantized, None)
-                        .unwrap(),
-                );
-                let got = host(&g, &g.linear(&g.upload(x, &[n, k]).unwrap(), &wg, None).unwrap());
-                let err = max_err(&got, &want);
-                assert!(
-                    err < 1e-5,
-                    "{format}, {n} rows, barrier-free {barrier_free}, cap {cap:?}: {err}"
-                );
-            }
+            let what = format!("{format}, barrier-free {barrier_free}, cap {cap:?}");
+            products_match_the_f32_cpu(&g, &wg, &dequantized, k, rows, &what);
         }
     }
 }
@@ -272,19 +284,9 @@ fn gguf_block_types_hold_the_cpu_values_in_every_kernel() {
     use crate::memory::ledger::Category;
     let f32_cpu = CpuBackend::default();
     let out = 37;
-    for (seed, t) in [
-        GgmlType::Q8_0,
-        GgmlType::Q4_0,
-        GgmlType::Q4_1,
-        GgmlType::Q5_0,
-        GgmlType::Q5_1,
-        GgmlType::Q4K,
-        GgmlType::Q5K,
-        GgmlType::Q6K,
-    ]
-    .into_iter()
-    .enumerate()
-    {
+    // Every block type (the float types are not blocks).
+    let block_types = GgmlType::ALL.into_iter().filter(|t| t.block().0 > 1);
+    for (seed, t) in block_types.enumerate() {
         let (block, block_bytes) = t.block();
         // An odd count of blocks a row: 25 of 32 values, 3 super-blocks of 256.
         let k = if block == 32 { 800 } else { 768 };
@@ -336,18 +338,7 @@ fn gguf_block_types_hold_the_cpu_values_in_every_kernel() {
             };
             assert_eq!(gathered, values, "{what}: every row");
             // One row and a few (GEMV paths), twenty (GEMM); columns8 for the barrier-free set.
-            for n in [1, 5, 20] {
-                let x = noise(n * k, 8);
-                let want = host(
-                    &f32_cpu,
-                    &f32_cpu
-                        .linear(&f32_cpu.upload(x.clone(), &[n, k]).unwrap(), &dequantized, None)
-                        .unwrap(),
-                );
-                let got = host(&g, &g.linear(&g.upload(x, &[n, k]).unwrap(), &wg, None).unwrap());
-                let err = max_err(&got, &want);
-                assert!(err < 1e-5, "{what}, {n} rows: {err}");
-            }
+            products_match_the_f32_cpu(&g, &wg, &dequantized, k, &[1, 5, 20], &what);
         }
     }
 }
