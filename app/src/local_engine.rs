@@ -79,11 +79,11 @@ impl Device {
         }
     }
 
-    /// The device the planner sizes for: a WebGPU laptop, or the wasm heap (4 GiB at most).
+    /// The device the planner sizes for: a WebGPU laptop, or the wasm heap (wasm32's 4 GiB).
     pub fn profile(&self) -> DeviceProfile {
         let (name, total) = match self {
             Device::WebGpu(_) => ("webgpu-4g", None),
-            Device::Cpu(_) => ("cpu", Some(2u64 << 30)),
+            Device::Cpu(_) => ("cpu", Some(4u64 << 30)),
         };
         let p = device_preset(name).expect("a bundled device preset");
         match total {
@@ -149,10 +149,26 @@ pub fn plan_request(info: &CheckpointInfo, limits: ImageLimits, device: &Device,
     req
 }
 
-/// The planner's verdict before loading: the plan, or why the model cannot run here.
+/// The planner's verdict before loading: the plan, or why the model cannot run here: one request
+/// of the longest context does not fit the KV blocks (vLLM's refusal), or the weights, the
+/// activation peak and the KV blocks together exceed what the device may use (vLLM checks no such
+/// sum when `--kv-cache-memory` is given; a tab would fail while loading instead).
 pub fn verdict(info: &CheckpointInfo, device: &Device, s: Settings) -> Result<Plan, String> {
     let p = plan(&plan_request(info, image_limits(info, s)?, device, s)).map_err(|e| e.to_string())?;
-    if p.fits {
+    let kv = p.available_kv_bytes.max(0) as u64;
+    if p.fits && p.non_kv_bytes + kv > p.requested_bytes {
+        Err(format!(
+            "Does not fit on {}: weights {} + activations {} + KV cache {} = {}, more than the {} it may use ({} of {}). Try fewer KV blocks, a smaller context or a smaller checkpoint.",
+            p.device,
+            size(p.weights_bytes),
+            size(p.activation_peak_bytes + p.non_torch_bytes),
+            size(kv),
+            size(p.non_kv_bytes + kv),
+            size(p.requested_bytes),
+            p.gpu_memory_utilization,
+            size(p.total_bytes)
+        ))
+    } else if p.fits {
         Ok(p)
     } else {
         Err(format!(
@@ -514,6 +530,12 @@ mod tests {
             kv_blocks: 64,
             ..Settings::default()
         };
+        let too_many = Settings {
+            kv_blocks: 1 << 20,
+            ..Settings::default()
+        };
+        let over = verdict(&demo_info(), &device, too_many).unwrap_err();
+        assert!(over.contains("more than the") && over.contains("KV cache"), "{over}");
         let refused = verdict(&demo_info(), &device, small).unwrap_err();
         assert!(
             refused.contains("Does not fit") && refused.contains("1,024"),
