@@ -576,8 +576,8 @@ impl Backend for WgpuBackend {
             })?,
             (_, WeightFormat::Q8_0) if WeightFormat::Q8_0.quantizes(&raw.shape) => WeightElem::Q8_0,
             (_, WeightFormat::Q4_0) if WeightFormat::Q4_0.quantizes(&raw.shape) => WeightElem::Q4_0,
-            // f16 matrices stay as stored (a GGUF file's, an f16 checkpoint's).
-            (RawDType::F16, _) if raw.shape.len() == 2 => WeightElem::F16,
+            // f16 weights stay as stored (a GGUF file's, an f16 checkpoint's; the patch kernel too).
+            (RawDType::F16, _) => WeightElem::F16,
             _ if self.inner.f16_weights && raw.shape.len() == 2 => WeightElem::F16,
             _ => WeightElem::F32,
         };
