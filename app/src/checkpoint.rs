@@ -110,26 +110,34 @@ fn js_error(what: &str, e: JsValue) -> String {
     format!("{what}: {text}")
 }
 
-/// The response for `url`, from Cache Storage when it holds it, else fetched (and stored there
-/// while it is read; a cache that refuses, e.g. over quota, only costs the next reload).
-async fn fetch_cached(url: &str) -> Result<Option<Response>, String> {
-    // Loading runs in the engine's worker.
+/// The engine worker's scope (checkpoints are fetched there) and the Cache Storage bucket, when
+/// the browser offers one.
+async fn worker_cache() -> Result<(web_sys::WorkerGlobalScope, Option<Cache>), String> {
     let scope: web_sys::WorkerGlobalScope = js_sys::global()
         .dyn_into()
         .map_err(|_| "checkpoints are fetched in the engine's worker")?;
-    let cache: Option<Cache> = match scope.caches() {
+    let cache = match scope.caches() {
         Ok(storage) => JsFuture::from(storage.open(CACHE_NAME))
             .await
             .ok()
             .map(|c| c.unchecked_into()),
         Err(_) => None,
     };
-    if let Some(cache) = &cache {
-        if let Ok(hit) = JsFuture::from(cache.match_with_str(url)).await {
-            if let Ok(response) = hit.dyn_into::<Response>() {
-                return Ok(Some(response));
-            }
-        }
+    Ok((scope, cache))
+}
+
+/// The response Cache Storage holds for `url`, if any.
+async fn cached(cache: Option<&Cache>, url: &str) -> Option<Response> {
+    let hit = JsFuture::from(cache?.match_with_str(url)).await.ok()?;
+    hit.dyn_into::<Response>().ok()
+}
+
+/// The response for `url`, from Cache Storage when it holds it, else fetched (and stored there
+/// while it is read; a cache that refuses, e.g. over quota, only costs the next reload).
+async fn fetch_cached(url: &str) -> Result<Option<Response>, String> {
+    let (scope, cache) = worker_cache().await?;
+    if let Some(response) = cached(cache.as_ref(), url).await {
+        return Ok(Some(response));
     }
     let response: Response = JsFuture::from(scope.fetch_with_str(url))
         .await
@@ -178,20 +186,11 @@ async fn body_prefix(response: &Response, limit: u64, what: &str) -> Result<Vec<
 /// the whole file, else by a range request (a server that ignores the range sends the whole file,
 /// of which only the prefix is read).
 async fn url_prefix(url: &str, limit: u64) -> Result<(Vec<u8>, u64), String> {
-    let scope: web_sys::WorkerGlobalScope = js_sys::global()
-        .dyn_into()
-        .map_err(|_| "checkpoints are fetched in the engine's worker")?;
+    let (scope, cache) = worker_cache().await?;
     let length = |r: &Response| header(r, "content-length").and_then(|l| l.parse::<u64>().ok());
-    if let Ok(storage) = scope.caches() {
-        if let Ok(cache) = JsFuture::from(storage.open(CACHE_NAME)).await {
-            let cache: Cache = cache.unchecked_into();
-            if let Ok(hit) = JsFuture::from(cache.match_with_str(url)).await {
-                if let Ok(response) = hit.dyn_into::<Response>() {
-                    if let Some(len) = length(&response) {
-                        return Ok((body_prefix(&response, limit, url).await?, len));
-                    }
-                }
-            }
+    if let Some(response) = cached(cache.as_ref(), url).await {
+        if let Some(len) = length(&response) {
+            return Ok((body_prefix(&response, limit, url).await?, len));
         }
     }
     let headers = Headers::new().map_err(|e| js_error(url, e))?;
