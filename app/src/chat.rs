@@ -89,6 +89,13 @@ pub fn Chat(
         max_tokens: 16,
     });
     let next_id = StoredValue::new(0u64);
+    // A new model starts a new conversation.
+    Effect::new(move |_| {
+        if !ready.get() {
+            messages.set(Vec::new());
+            error.set(None);
+        }
+    });
 
     let add_files = move |files: Option<FileList>| {
         let Some(files) = files else { return };
@@ -165,10 +172,17 @@ pub fn Chat(
                 });
             }
             FromWorker::Refused { error: e, .. } => {
+                // The refused turn leaves the conversation (else every later request would carry
+                // it again); its text goes back into the box.
                 running.set(None);
+                let mut refused = None;
                 messages.update(|m| {
                     m.pop();
+                    refused = m.pop();
                 });
+                if let Some(user) = refused.filter(|_| text.get_untracked().is_empty()) {
+                    text.set(user.text);
+                }
                 error.set(Some(e.clone()));
             }
             FromWorker::Token {
@@ -259,7 +273,7 @@ pub fn Chat(
             <div class="pending">
                 {move || pending.get().into_iter().map(|src| view! { <img class="thumb" src=src alt="image to send" /> }).collect_view()}
             </div>
-            <p class="error">{move || error.get()}</p>
+            <p class="error" data-testid="chat-error">{move || error.get()}</p>
             <div class="compose">
                 <input type="file" accept="image/*" multiple data-testid="image-input"
                     on:change=move |ev| {

@@ -39,8 +39,8 @@ pub enum Source {
     GgufUrls {
         /// The text model.
         model: String,
-        /// The projector.
-        mmproj: String,
+        /// The projector; None for the text model alone (it takes no images).
+        mmproj: Option<String>,
     },
     /// Files picked from disk (a folder or several files), found by name.
     Files(Vec<File>),
@@ -67,8 +67,8 @@ pub enum Weights {
     Gguf {
         /// The text model.
         text: GgufFile,
-        /// The projector.
-        mmproj: GgufFile,
+        /// The projector; None for the text model alone.
+        mmproj: Option<GgufFile>,
     },
 }
 
@@ -77,11 +77,17 @@ impl Weights {
     pub fn stored_bytes(&self) -> Option<u64> {
         match self {
             Weights::Safetensors(_) => None,
-            Weights::Gguf { text, mmproj } => GgufModel::new(&text.header, &mmproj.header)
-                .ok()
-                .map(|m| m.stored_bytes()),
+            Weights::Gguf { text, mmproj } => gguf_model(text, mmproj.as_ref()).ok().map(|m| m.stored_bytes()),
         }
     }
+}
+
+/// A GGUF text model's and its projector's headers read as one model.
+pub fn gguf_model<'a>(text: &'a GgufFile, mmproj: Option<&'a GgufFile>) -> Result<GgufModel<'a>, String> {
+    GgufModel::new(&text.header, mmproj.map(|m| &m.header)).map_err(|e| match mmproj {
+        Some(m) => format!("{} with {}: {e}", text.name, m.name),
+        None => format!("{}: {e}", text.name),
+    })
 }
 
 /// The small files of a checkpoint, read before any weight.
@@ -215,7 +221,23 @@ async fn url_prefix(url: &str, limit: u64) -> Result<(Vec<u8>, u64), String> {
     Ok((body_prefix(&response, limit, url).await?, len))
 }
 
+/// Whether a URL names a `.gguf` file (its path, before any query).
+pub fn is_gguf(url: &str) -> bool {
+    url.split(['?', '#'])
+        .next()
+        .is_some_and(|path| path.to_ascii_lowercase().ends_with(".gguf"))
+}
+
 impl Source {
+    /// A checkpoint folder's URL, or a GGUF text model's with its projector's when given.
+    pub fn from_urls(model: String, mmproj: Option<String>) -> Self {
+        if mmproj.is_some() || is_gguf(&model) {
+            Source::GgufUrls { model, mmproj }
+        } else {
+            Source::Url(model)
+        }
+    }
+
     fn url(base: &str, name: &str) -> String {
         format!("{}/{name}", base.trim_end_matches('/'))
     }
@@ -282,7 +304,7 @@ impl Source {
     }
 
     /// The GGUF pair's names, when the source is one: its URLs, or the picked `.gguf` files.
-    fn gguf_names(&self) -> Result<Option<(String, String)>, String> {
+    fn gguf_names(&self) -> Result<Option<(String, Option<String>)>, String> {
         match self {
             Source::Url(_) => Ok(None),
             Source::GgufUrls { model, mmproj } => Ok(Some((model.clone(), mmproj.clone()))),
@@ -295,11 +317,14 @@ impl Source {
 
     /// Reads a GGUF pair's headers: the config, tokenizer, template and image settings come
     /// from their metadata.
-    async fn gguf_info(&self, text: &str, mmproj: &str) -> Result<CheckpointInfo, String> {
-        let (text, mmproj) = (self.gguf_header(text).await?, self.gguf_header(mmproj).await?);
-        let files = GgufModel::new(&text.header, &mmproj.header)
-            .and_then(|m| m.small_files())
-            .map_err(|e| format!("{} with {}: {e}", text.name, mmproj.name))?;
+    async fn gguf_info(&self, text: &str, mmproj: Option<&str>) -> Result<CheckpointInfo, String> {
+        let text = self.gguf_header(text).await?;
+        let mmproj = match mmproj {
+            Some(name) => Some(self.gguf_header(name).await?),
+            None => None,
+        };
+        let model = gguf_model(&text, mmproj.as_ref())?;
+        let files = model.small_files().map_err(|e| format!("{}: {e}", text.name))?;
         let chat_template = files
             .chat_template
             .ok_or_else(|| format!("{} has no chat template (tokenizer.chat_template)", text.name))?;
@@ -307,7 +332,7 @@ impl Source {
             config: files.config,
             tokenizer_json: files.tokenizer_json.into_bytes(),
             chat_template,
-            preprocessor_json: Some(files.preprocessor_json),
+            preprocessor_json: files.preprocessor_json,
             eos: files.eos_token_ids,
             weights: Weights::Gguf { text, mmproj },
         })
@@ -347,7 +372,7 @@ impl Source {
     /// Reads the small files (a GGUF pair's headers) and names the weight files.
     pub async fn info(&self) -> Result<CheckpointInfo, String> {
         if let Some((text, mmproj)) = self.gguf_names()? {
-            return self.gguf_info(&text, &mmproj).await;
+            return self.gguf_info(&text, mmproj.as_deref()).await;
         }
         let config_text = self
             .text("config.json")

@@ -115,7 +115,7 @@ impl EngineWorker {
             }),
             Source::GgufUrls { model, mmproj } => self.post(&ToWorker::Load {
                 url: Some(model.clone()),
-                mmproj: Some(mmproj.clone()),
+                mmproj: mmproj.clone(),
                 settings,
             }),
             Source::Files(files) => {

@@ -3,10 +3,10 @@
 //! by the same start-up code as `kvlens serve`, and stepped by one task that awaits each step's
 //! read and yields between steps, so that aborts and new requests land in between.
 
-use crate::checkpoint::{CheckpointInfo, Source, Weights};
+use crate::checkpoint::{gguf_model, CheckpointInfo, GgufFile, Source, Weights};
 use crate::memory_view::{size, Budget, ResetKind};
 use kvlens_engine::arch::config::{DType, ImageLimits};
-use kvlens_engine::arch::gguf_model::{GgufModel, Part};
+use kvlens_engine::arch::gguf_model::Part;
 use kvlens_engine::arch::weight_format::WeightFormat;
 use kvlens_engine::backend::wgpu::{WgpuBackend, WgpuOptions};
 use kvlens_engine::backend::{Backend, BackendKind};
@@ -246,10 +246,10 @@ impl ModelSource for Streamed<'_> {
         let (info, progress) = (self.info, self.progress);
         let files: Vec<(String, Option<u64>)> = match &info.weights {
             Weights::Safetensors(shards) => shards.clone(),
-            Weights::Gguf { text, mmproj } => vec![
-                (text.name.clone(), Some(text.len)),
-                (mmproj.name.clone(), Some(mmproj.len)),
-            ],
+            Weights::Gguf { text, mmproj } => std::iter::once(text)
+                .chain(mmproj)
+                .map(|f| (f.name.clone(), Some(f.len)))
+                .collect(),
         };
         let known: Option<u64> = files.iter().map(|(_, s)| *s).sum();
         let total = Rc::new(Cell::new(known.unwrap_or(0)));
@@ -267,9 +267,13 @@ impl ModelSource for Streamed<'_> {
             .map_err(|e| e.to_string())?;
         let gguf = match &info.weights {
             Weights::Gguf { text, mmproj } => {
-                let model = GgufModel::new(&text.header, &mmproj.header).map_err(|e| e.to_string())?;
-                let tensors = model.tensors().map_err(|e| e.to_string())?;
-                Some((tensors, [(text, Part::Text), (mmproj, Part::Mmproj)]))
+                let tensors = gguf_model(text, mmproj.as_ref())?
+                    .tensors()
+                    .map_err(|e| e.to_string())?;
+                let parts: Vec<(&GgufFile, Part)> = std::iter::once((text, Part::Text))
+                    .chain(mmproj.iter().map(|m| (m, Part::Mmproj)))
+                    .collect();
+                Some((tensors, parts))
             }
             Weights::Safetensors(_) => None,
         };

@@ -21,12 +21,6 @@ const DEMO_DIR: &str = "demo-model/";
 
 /// The demo model's URL, relative to the site's root.
 /// Whether a URL names a GGUF file (which comes with a projector URL).
-fn is_gguf(url: &str) -> bool {
-    url.split(['?', '#'])
-        .next()
-        .is_some_and(|path| path.to_ascii_lowercase().ends_with(".gguf"))
-}
-
 fn demo_url() -> String {
     let origin = window().location().origin().unwrap_or_default();
     format!("{origin}/{DEMO_DIR}")
@@ -160,20 +154,16 @@ pub fn Playground() -> impl IntoView {
                         <input type="url" data-testid="checkpoint-url" prop:value=move || url.get()
                             on:input=move |ev| url.set(event_target_value(&ev)) />
                     </label>
-                    <label style:display=move || if is_gguf(&url.get()) { "inline" } else { "none" }>
-                        "with its projector's URL (…/mmproj-M-F16.gguf)"
+                    <label style:display=move || if crate::checkpoint::is_gguf(&url.get()) { "inline" } else { "none" }>
+                        "with its projector's URL (…/mmproj-M-F16.gguf; empty: the language model alone, no images)"
                         <input type="url" data-testid="checkpoint-mmproj-url" prop:value=move || mmproj_url.get()
                             on:input=move |ev| mmproj_url.set(event_target_value(&ev)) />
                     </label>
                     <button data-testid="load-url"
-                        disabled=move || busy.get() || url.get().is_empty() || (is_gguf(&url.get()) && mmproj_url.get().is_empty())
+                        disabled=move || busy.get() || url.get().is_empty()
                         on:click=move |_| {
-                            let model = url.get_untracked();
-                            load(if is_gguf(&model) {
-                                Source::GgufUrls { model, mmproj: mmproj_url.get_untracked() }
-                            } else {
-                                Source::Url(model)
-                            })
+                            let mmproj = Some(mmproj_url.get_untracked()).filter(|m| !m.is_empty());
+                            load(Source::from_urls(url.get_untracked(), mmproj))
                         }>"load URL"</button>
                     <label>"or a folder from disk"
                         <input type="file" node_ref=folder data-testid="checkpoint-folder" on:change=pick />
@@ -192,8 +182,13 @@ pub fn Playground() -> impl IntoView {
                             prop:value=move || settings.get().max_model_len.map(|n| n.to_string()).unwrap_or_default()
                             on:change=move |ev| settings.update(|s| s.max_model_len = event_target_value(&ev).parse().ok()) />
                     </label>
+                    <label>"tokens per step (sets --max-num-batched-tokens; start-up profiles a batch this large)"
+                        <input type="number" min="16" data-testid="max-num-batched-tokens"
+                            prop:value=move || settings.get().max_num_batched_tokens.to_string()
+                            on:change=move |ev| settings.update(|s| s.max_num_batched_tokens = event_target_value(&ev).parse().unwrap_or(2048)) />
+                    </label>
                     <label>"largest image, tokens (sets --mm-processor-kwargs max_pixels)"
-                        <input type="number" min="4" prop:value=move || settings.get().max_image_tokens.to_string()
+                        <input type="number" min="4" data-testid="max-image-tokens" prop:value=move || settings.get().max_image_tokens.to_string()
                             on:change=move |ev| settings.update(|s| s.max_image_tokens = event_target_value(&ev).parse().unwrap_or(256)) />
                     </label>
                     <label>"weights (sets --quantization)"

@@ -77,10 +77,9 @@ pub fn run() {
 fn handle(state: &Rc<RefCell<State>>, msg: ToWorker, files: Vec<File>) {
     match msg {
         ToWorker::Load { url, mmproj, settings } => {
-            let source = match (url, mmproj) {
-                (Some(model), Some(mmproj)) => Source::GgufUrls { model, mmproj },
-                (Some(url), None) => Source::Url(url),
-                (None, _) => Source::Files(files),
+            let source = match url {
+                Some(model) => Source::from_urls(model, mmproj),
+                None => Source::Files(files),
             };
             load(Rc::clone(state), source, settings);
         }

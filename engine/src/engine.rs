@@ -359,7 +359,10 @@ impl Engine {
         req.params.validate().map_err(EngineError::BadRequest)?;
         let cfg = self.runner.model_config();
         let image_token = cfg.tokens.image;
-        let merge = cfg.vision.spatial_merge_size;
+        if !req.images.is_empty() && cfg.vision.is_none() {
+            return Err(EngineError::BadRequest(crate::arch::config::NO_VISION_TOWER.into()));
+        }
+        let merge = cfg.vision.as_ref().map_or(1, |v| v.spatial_merge_size);
         let mut spans = Vec::new();
         let mut placed = Vec::new();
         for img in &req.images {

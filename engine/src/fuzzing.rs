@@ -105,7 +105,9 @@ pub fn config(data: &[u8]) {
     };
     let parsed = ModelConfig::from_json(text).ok();
     if let Some(cfg) = &parsed {
-        let _ = (cfg.encoder_output_dim(), cfg.image_factor(), cfg.vision.patch_dim());
+        if let Some(v) = &cfg.vision {
+            let _ = (v.output_dim(), v.image_factor(), v.patch_dim());
+        }
     }
     for cfg in parsed.iter().chain(shipped()) {
         if let Ok(settings) = ProcessorSettings::new(cfg, Some(text)) {
@@ -213,8 +215,9 @@ const GGUF_MAX_DEQUANTIZED: u64 = 1 << 16;
 
 /// A GGUF file: its header parsed and checked against the input's length, then every tensor
 /// small enough dequantized from the bytes the header says it has. Then the input split in two
-/// where its first two bytes say, read as a text model and its projector: the config, the
-/// tokenizer, the tensor map and every tensor it names made from whatever the two hold.
+/// where its first two bytes say, read as a text model and its projector (a text model alone when
+/// the second part is not a GGUF): the config, the tokenizer, the tensor map and every tensor it
+/// names made from whatever the two hold.
 pub fn gguf(data: &[u8]) {
     if let Ok(file) = Gguf::parse(data, data.len() as u64) {
         for t in file.tensors.iter().filter(|t| t.numel() <= GGUF_MAX_DEQUANTIZED) {
@@ -225,13 +228,11 @@ pub fn gguf(data: &[u8]) {
     }
     let [a, b, rest @ ..] = data else { return };
     let (text_bytes, mmproj_bytes) = rest.split_at(usize::from(u16::from_le_bytes([*a, *b])).min(rest.len()));
-    let (Ok(text), Ok(mmproj)) = (
-        Gguf::parse(text_bytes, text_bytes.len() as u64),
-        Gguf::parse(mmproj_bytes, mmproj_bytes.len() as u64),
-    ) else {
+    let Ok(text) = Gguf::parse(text_bytes, text_bytes.len() as u64) else {
         return;
     };
-    let Ok(pair) = crate::arch::gguf_model::GgufModel::new(&text, &mmproj) else {
+    let mmproj = Gguf::parse(mmproj_bytes, mmproj_bytes.len() as u64).ok();
+    let Ok(pair) = crate::arch::gguf_model::GgufModel::new(&text, mmproj.as_ref()) else {
         return;
     };
     if let Ok(json) = pair.config_json() {

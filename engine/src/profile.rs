@@ -60,10 +60,11 @@ impl<B: Backend> ModelRunner<B> {
         self.backend().ledger().reset_peaks();
         let n = spec.num_tokens;
         let mut images = Vec::new();
-        if let Some(grid) = spec.image_grid {
+        let vision = self.model().cfg.vision.clone();
+        if let Some((grid, v)) = spec.image_grid.zip(vision) {
             let patches: usize = grid.iter().product();
-            let cols = self.model().cfg.vision.patch_dim();
-            let merge = self.model().cfg.vision.spatial_merge_size;
+            let cols = v.patch_dim();
+            let merge = v.spatial_merge_size;
             let tokens = patches / (merge * merge);
             let pixels = vec![0.0; patches * cols];
             for k in 0..spec.image_items {

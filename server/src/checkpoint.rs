@@ -37,7 +37,7 @@ pub struct Checkpoint {
 pub enum WeightFiles {
     /// `(file name, mapping)` of every safetensors shard.
     Safetensors(Vec<(String, Mmap)>),
-    /// A GGUF text model and its projector.
+    /// A GGUF text model and its projector (or the text model alone).
     Gguf(GgufPair),
 }
 
@@ -46,14 +46,19 @@ pub enum WeightFiles {
 pub struct GgufPair {
     /// The text model's mapping and header.
     pub text: (Mmap, Gguf),
-    /// The projector's mapping and header.
-    pub mmproj: (Mmap, Gguf),
+    /// The projector's mapping and header; None for a text model alone.
+    pub mmproj: Option<(Mmap, Gguf)>,
 }
 
 impl GgufPair {
     /// The pair read as a checkpoint (checked when it was opened).
     pub fn model(&self) -> Result<GgufModel<'_>> {
-        GgufModel::new(&self.text.1, &self.mmproj.1).map_err(|e| usage(e.to_string()))
+        GgufModel::new(&self.text.1, self.mmproj.as_ref().map(|m| &m.1)).map_err(|e| usage(e.to_string()))
+    }
+
+    /// The projector's bytes (empty for a text model alone).
+    pub fn mmproj_bytes(&self) -> &[u8] {
+        self.mmproj.as_ref().map_or(&[], |m| &m.0[..])
     }
 }
 
@@ -104,16 +109,11 @@ fn shard_names(dir: &Path) -> Result<Vec<String>> {
 
 impl Checkpoint {
     /// Opens a checkpoint: a Hugging Face directory; a GGUF text model with its projector
-    /// (`mmproj`, as llama.cpp's `--mmproj`); or a directory holding one text GGUF and one
-    /// `mmproj-*.gguf`, as the Hub's GGUF repositories do.
+    /// (`mmproj`, as llama.cpp's `--mmproj`) or without one (a language model alone, which
+    /// refuses images); or a directory holding one text GGUF and at most one `mmproj-*.gguf`, as
+    /// the Hub's GGUF repositories do.
     pub fn open(model: &Path, mmproj: Option<&Path>) -> Result<Self> {
         if model.is_file() {
-            let mmproj = mmproj.ok_or_else(|| {
-                usage(format!(
-                    "{} is a file: give its projector with --mmproj FILE (mmproj-*.gguf), or --model a directory",
-                    model.display()
-                ))
-            })?;
             return Self::open_gguf(model, mmproj);
         }
         if !model.is_dir() {
@@ -121,7 +121,7 @@ impl Checkpoint {
         }
         if !model.join("config.json").is_file() {
             if let Some((text, found)) = gguf_files(model)? {
-                return Self::open_gguf(&text, mmproj.unwrap_or(&found));
+                return Self::open_gguf(&text, mmproj.or(found.as_deref()));
             }
         }
         if let Some(m) = mmproj {
@@ -162,8 +162,8 @@ impl Checkpoint {
         })
     }
 
-    /// Opens a GGUF text model and its projector.
-    fn open_gguf(text: &Path, mmproj: &Path) -> Result<Self> {
+    /// Opens a GGUF text model and its projector, if given.
+    fn open_gguf(text: &Path, mmproj: Option<&Path>) -> Result<Self> {
         let header = |path: &Path| -> Result<(Mmap, Gguf)> {
             let map = map_path(path)?;
             let gguf = Gguf::parse(&map, map.len() as u64).map_err(|e| usage(format!("{}: {e}", path.display())))?;
@@ -171,11 +171,18 @@ impl Checkpoint {
         };
         let pair = GgufPair {
             text: header(text)?,
-            mmproj: header(mmproj)?,
+            mmproj: mmproj.map(header).transpose()?,
         };
-        let files = GgufModel::new(&pair.text.1, &pair.mmproj.1)
-            .and_then(|m| m.small_files())
-            .map_err(|e| usage(format!("{} with {}: {e}", text.display(), mmproj.display())))?;
+        let files = pair.model()?.small_files().map_err(|e| match mmproj {
+            Some(m) => usage(format!("{} with {}: {e}", text.display(), m.display())),
+            None => usage(format!("{}: {e}", text.display())),
+        })?;
+        if files.config.vision.is_none() {
+            tracing::warn!(
+                "{} without a projector (--mmproj mmproj-*.gguf): a language model alone, requests with images are refused",
+                text.display()
+            );
+        }
         Ok(Checkpoint {
             dir: text.parent().unwrap_or(Path::new(".")).to_path_buf(),
             config: files.config,
@@ -185,7 +192,7 @@ impl Checkpoint {
                 jinja: files.chat_template,
                 ..TemplateFiles::default()
             },
-            preprocessor_json: Some(files.preprocessor_json),
+            preprocessor_json: files.preprocessor_json,
             eos_token_ids: files.eos_token_ids,
         })
     }
@@ -194,17 +201,17 @@ impl Checkpoint {
     pub fn weight_bytes(&self) -> u64 {
         match &self.weights {
             WeightFiles::Safetensors(shards) => shards.iter().map(|(_, m)| m.len() as u64).sum(),
-            WeightFiles::Gguf(p) => (p.text.0.len() + p.mmproj.0.len()) as u64,
+            WeightFiles::Gguf(p) => (p.text.0.len() + p.mmproj_bytes().len()) as u64,
         }
     }
 }
 
 /// The text GGUF and the projector (`mmproj*.gguf`) of a directory, if it holds any GGUF.
-fn gguf_files(dir: &Path) -> Result<Option<(PathBuf, PathBuf)>> {
+fn gguf_files(dir: &Path) -> Result<Option<(PathBuf, Option<PathBuf>)>> {
     let listing = std::fs::read_dir(dir).map_err(|e| usage(format!("cannot list {}: {e}", dir.display())))?;
     let names: Vec<String> = listing.filter_map(|e| e.ok()?.file_name().into_string().ok()).collect();
     match checkpoint_files::gguf_pair(&names) {
-        Ok(pair) => Ok(pair.map(|(text, mmproj)| (dir.join(text), dir.join(mmproj)))),
+        Ok(pair) => Ok(pair.map(|(text, mmproj)| (dir.join(text), mmproj.map(|m| dir.join(m))))),
         Err(e) => Err(usage(format!(
             "{}: {e}; name the files with --model FILE.gguf --mmproj FILE.gguf",
             dir.display()

@@ -157,7 +157,7 @@ pub fn run(a: &GenerateArgs) -> Result<()> {
         .sum();
     let (device, non_torch) = device_of(&*runner, None)?;
     let mut plan_req = PlanRequest::new("generate", cfg.clone(), device);
-    let patch = cfg.vision.patch_size as u64;
+    let patch = cfg.vision.as_ref().map_or(1, |v| v.patch_size) as u64;
     let largest = grids.iter().map(|g| u64::from(g[1] * g[2]) * patch * patch).max();
     plan_req.image_limits = ImageLimits {
         min_pixels: front.settings.limits.min_pixels.min(largest.unwrap_or(u64::MAX)),

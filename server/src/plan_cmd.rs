@@ -58,7 +58,7 @@ fn load_model(model: &str) -> Result<PlanModel, PlanError> {
     Ok((name, cfg, limits))
 }
 
-/// A GGUF model (a file with its projector, or a directory holding the pair): its config, the
+/// A GGUF model (a file with or without its projector, or a directory holding them): its config, the
 /// family's shipped image limits (the files carry none) and the bytes of its tensors as stored.
 fn open_gguf(model: &Path, mmproj: Option<&Path>) -> Result<(PlanModel, u64), PlanError> {
     let ckpt = Checkpoint::open(model, mmproj).map_err(|e| PlanError::Invalid(format!("{e:#}")))?;
@@ -104,7 +104,9 @@ pub fn run(a: &PlanArgs) -> Result<()> {
     let stored = std::cell::Cell::new(None);
     let load = |model: &str| -> Result<PlanModel, PlanError> {
         let path = Path::new(model);
-        let gguf = a.mmproj.is_some() || (path.is_dir() && !path.join("config.json").is_file());
+        let gguf = a.mmproj.is_some()
+            || (path.is_dir() && !path.join("config.json").is_file())
+            || (path.is_file() && path.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf")));
         if !gguf {
             return load_model(model);
         }

@@ -8,7 +8,9 @@
 
 use crate::usage;
 use anyhow::{Context, Result};
-use kvlens_engine::arch::config::{bundled_config, DType, Family, ImageLimits, ModelConfig, BUNDLED_CONFIGS};
+use kvlens_engine::arch::config::{
+    bundled_config, DType, Family, ImageLimits, ModelConfig, VisionConfig, BUNDLED_CONFIGS,
+};
 use kvlens_engine::arch::spec::{tensor_specs, TensorSpec};
 use kvlens_engine::arch::weight_format::WeightFormat;
 use kvlens_engine::input::default_template;
@@ -153,6 +155,10 @@ pub fn write_demo(dir: &Path) -> Result<()> {
 pub fn run(args: &RandomCheckpointArgs) -> Result<()> {
     let (name, raw) = load_config_source(&args.config)?;
     let cfg = ModelConfig::from_value(&raw).map_err(|e| usage(format!("{name}: {e}")))?;
+    let vision = cfg
+        .vision
+        .clone()
+        .ok_or_else(|| usage(format!("{name}: the config has no vision_config")))?;
     if cfg.text.moe.is_some() {
         return Err(usage(format!(
             "{name}: qwen3_vl_moe checkpoints are not supported yet (expert tensors); \
@@ -193,9 +199,9 @@ pub fn run(args: &RandomCheckpointArgs) -> Result<()> {
     });
     write_json(
         &out.join("preprocessor_config.json"),
-        &preprocessor_config(&cfg, limits),
+        &preprocessor_config(cfg.family, &vision, limits),
     )?;
-    if let Some(video) = video_preprocessor_config(&cfg) {
+    if let Some(video) = video_preprocessor_config(cfg.family, &vision) {
         write_json(&out.join("video_preprocessor_config.json"), &video)?;
     }
     write_json(
@@ -425,15 +431,14 @@ fn generation_config() -> Value {
     })
 }
 
-fn preprocessor_config(cfg: &ModelConfig, limits: ImageLimits) -> Value {
-    let v = &cfg.vision;
+fn preprocessor_config(family: Family, v: &VisionConfig, limits: ImageLimits) -> Value {
     let mut p = json!({
         "patch_size": v.patch_size,
         "temporal_patch_size": v.temporal_patch_size,
         "merge_size": v.spatial_merge_size,
         "image_processor_type": "Qwen2VLImageProcessor",
     });
-    let (processor, extra) = match cfg.family {
+    let (processor, extra) = match family {
         Family::Qwen3Vl | Family::Qwen3VlMoe => (
             "Qwen3VLProcessor",
             json!({
@@ -443,7 +448,7 @@ fn preprocessor_config(cfg: &ModelConfig, limits: ImageLimits) -> Value {
             }),
         ),
         Family::Qwen2Vl | Family::Qwen25Vl => (
-            if cfg.family == Family::Qwen2Vl {
+            if family == Family::Qwen2Vl {
                 "Qwen2VLProcessor"
             } else {
                 "Qwen2_5_VLProcessor"
@@ -465,9 +470,8 @@ fn preprocessor_config(cfg: &ModelConfig, limits: ImageLimits) -> Value {
 
 /// Qwen3-VL ships its own video processor settings (without them transformers falls back to
 /// preprocessor_config.json and picks the Qwen2-VL video processor); Qwen2/2.5-VL do not.
-fn video_preprocessor_config(cfg: &ModelConfig) -> Option<Value> {
-    let v = &cfg.vision;
-    cfg.family.is_qwen3().then(|| {
+fn video_preprocessor_config(family: Family, v: &VisionConfig) -> Option<Value> {
+    family.is_qwen3().then(|| {
         json!({
             "size": {"shortest_edge": 4096, "longest_edge": 25_165_824},
             "patch_size": v.patch_size,

@@ -196,7 +196,7 @@ impl ModelSource for ShardFiles<'_> {
             }
             WeightFiles::Gguf(pair) => {
                 let model = pair.model().map_err(|e| e.to_string())?;
-                let source = GgufTensors::new(&model, &pair.text.0, &pair.mmproj.0).map_err(|e| e.to_string())?;
+                let source = GgufTensors::new(&model, &pair.text.0, pair.mmproj_bytes()).map_err(|e| e.to_string())?;
                 QwenVl::load(ckpt.config.clone(), &source, &backend, progress)
             }
         }

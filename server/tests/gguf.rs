@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::{kvlens, root, scratch, to_gguf};
+use common::{base64, fixture, kvlens, root, scratch, to_gguf, Server};
 use kvlens_engine::arch::gguf::{Gguf, MetaValue};
 use serde_json::{json, Value};
 use sha2::Digest;
@@ -223,8 +223,6 @@ fn wrong_gguf_files_are_one_line_errors() {
         generate(&["--model", &s(&mmproj25), "--mmproj", &s(&mmproj25)]),
         &["it is a projector (mmproj)"],
     );
-    // A file without its projector.
-    one_line(generate(&["--model", &s(&text25)]), &["--mmproj"]);
     // A truncated text model: the header says where its tensors end.
     let truncated = scratch("gguf-truncated.gguf");
     let bytes = std::fs::read(&text25).unwrap();
@@ -241,7 +239,7 @@ fn wrong_gguf_files_are_one_line_errors() {
     }
     one_line(
         generate(&["--model", &s(&two)]),
-        &["one text GGUF and one mmproj-*.gguf"],
+        &["one text GGUF and at most one mmproj-*.gguf"],
     );
     // A directory holding only the pair works: tokenizer, template and config from the files.
     std::fs::remove_file(two.join("b.gguf")).unwrap();
@@ -305,4 +303,87 @@ fn the_plan_counts_a_gguf_pair_as_stored_and_the_ledger_agrees() {
         (stored - host..=stored - host + 4 * matrices).contains(&wgpu),
         "wgpu holds {wgpu} bytes; the files {stored}, less {host} on the host, {matrices} matrices"
     );
+}
+
+/// A text GGUF alone (no projector, as llama.cpp runs without `--mmproj`) is the language model:
+/// the pair's greedy tokens on a text prompt, alone in a folder too; a plan and a CPU ledger of
+/// the text file's tensors and no encoder cache; images refused with one line that names the
+/// missing projector, by `generate` and by the server, which goes on serving.
+#[test]
+fn a_text_gguf_alone_is_the_language_model() {
+    let dir = common::tiny_checkpoint("gguf-text-alone");
+    let (text, mmproj) = to_gguf(&dir, "f32", &scratch("gguf-text-alone-f32"));
+    let (t, m) = (text.to_str().unwrap(), mmproj.to_str().unwrap());
+    let run = |model: &[&str], extra: &[&str]| -> Value {
+        let mut args = vec![
+            "generate",
+            "--prompt",
+            "Describe a cat.",
+            "--max-tokens",
+            "8",
+            "--ignore-eos",
+            "--json",
+        ];
+        args.extend_from_slice(model);
+        args.extend_from_slice(extra);
+        let o = kvlens(&args);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        serde_json::from_slice(&o.stdout).unwrap()
+    };
+    let pair = run(&["--model", t, "--mmproj", m], &[]);
+    let alone = run(&["--model", t], &[]);
+    assert_eq!(alone["token_ids"], pair["token_ids"]);
+    let folder = scratch("gguf-text-alone-folder");
+    std::fs::create_dir_all(&folder).unwrap();
+    std::fs::copy(&text, folder.join("tiny-F32.gguf")).unwrap();
+    let in_folder = run(&["--model", folder.to_str().unwrap()], &[]);
+    assert_eq!(in_folder["token_ids"], pair["token_ids"]);
+
+    let bytes = std::fs::read(&text).unwrap();
+    let stored: u64 = Gguf::parse(&bytes, bytes.len() as u64)
+        .unwrap()
+        .tensors
+        .iter()
+        .map(|t| t.bytes)
+        .sum();
+    assert_eq!(alone["weights"]["bytes"].as_u64(), Some(stored), "{alone}");
+    let plan = kvlens(&["plan", "--model", t, "--device", "cpu", "--json"]);
+    assert!(plan.status.success(), "{}", String::from_utf8_lossy(&plan.stderr));
+    let plan: Value = serde_json::from_slice(&plan.stdout).unwrap();
+    assert_eq!(plan["weights_bytes"].as_u64(), Some(stored), "{plan}");
+    assert_eq!(plan["encoder_budget_tokens"], 0, "{plan}");
+    assert_eq!(plan["encoder_cache_bytes"], 0, "{plan}");
+
+    let image = fixture("golden/images/c_150x150.png");
+    let (err, code) = generate(&["--model", t, "--image", &image]);
+    assert_eq!(code, Some(2), "{err}");
+    // The log says so at load (a warning), the error at the image.
+    assert!(err.contains("WARNING") && err.contains("without a projector"), "{err}");
+    let last = err.trim_end().lines().last().unwrap_or_default();
+    assert!(
+        last.starts_with("error: ") && last.contains("without its vision tower") && last.contains("--mmproj"),
+        "{err}"
+    );
+
+    let server = Server::start(&text, &[]);
+    server.wait_ready();
+    let png = std::fs::read(&image).unwrap();
+    let chat = |content: Value| {
+        server.post(
+            "/v1/chat/completions",
+            &json!({"model": "tiny", "messages": [{"role": "user", "content": content}], "max_tokens": 4}),
+        )
+    };
+    let refused = chat(json!([
+        {"type": "image_url", "image_url": {"url": format!("data:image/png;base64,{}", base64(&png))}},
+        {"type": "text", "text": "Describe this image."},
+    ]));
+    refused.assert_error(400, "an image for a text model alone");
+    assert!(
+        refused.text().contains("without its vision tower"),
+        "{}",
+        refused.text()
+    );
+    let answered = chat(json!("Describe a cat."));
+    assert_eq!(answered.status, 200, "{}", answered.text());
 }

@@ -8,7 +8,7 @@
 
 mod common;
 
-use common::{fixture, http, scratch, send, tiny_checkpoint, Server};
+use common::{base64, fixture, http, scratch, send, tiny_checkpoint, Server};
 use serde_json::{json, Value};
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
@@ -22,12 +22,6 @@ fn checkpoint() -> &'static Path {
 
 /// `<|image_pad|>` of the Qwen tokenizer.
 const IMAGE_PAD: u64 = 151_655;
-
-/// Standard base64 with padding.
-fn base64(data: &[u8]) -> String {
-    use base64::Engine as _;
-    base64::engine::general_purpose::STANDARD.encode(data)
-}
 
 /// `kvlens serve` on the tiny checkpoint (served as `tiny`) without a playground directory.
 fn serve(extra: &[&str]) -> Server {

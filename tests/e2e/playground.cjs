@@ -31,6 +31,7 @@ const PROMPT = env('KVLENS_E2E_PROMPT');
 const MAX_TOKENS = env('KVLENS_E2E_MAX_TOKENS');
 const EXPECTED = JSON.parse(fs.readFileSync(env('KVLENS_E2E_EXPECTED'), 'utf8'));
 const EXPECTED_GGUF = JSON.parse(fs.readFileSync(env('KVLENS_E2E_EXPECTED_GGUF'), 'utf8'));
+const EXPECTED_GGUF_TEXT = JSON.parse(fs.readFileSync(env('KVLENS_E2E_EXPECTED_GGUF_TEXT'), 'utf8'));
 const GGUF = ['demo-gguf/demo-model-F16.gguf', 'demo-gguf/mmproj-demo-model-F16.gguf'];
 const ARTIFACTS = env('KVLENS_E2E_ARTIFACTS');
 const CHROMIUM = env('CHROMIUM');
@@ -206,8 +207,10 @@ async function loadDemo(page, click = true) {
 async function ask(page, nth, image = IMAGE) {
   await byTest(page, 'max-tokens').fill(MAX_TOKENS);
   await byTest(page, 'max-tokens').dispatchEvent('change');
-  await byTest(page, 'image-input').setInputFiles(image);
-  await page.waitForSelector('.pending img', { timeout: LONG });
+  if (image) {
+    await byTest(page, 'image-input').setInputFiles(image);
+    await page.waitForSelector('.pending img', { timeout: LONG });
+  }
   await byTest(page, 'chat-input').fill(PROMPT);
   await byTest(page, 'send').click();
   const reply = byTest(page, 'assistant-message').nth(nth);
@@ -298,7 +301,8 @@ async function weightsPlanned(page, format) {
 // WebGPU or the CPU backend: the verdict counts the tensors as stored before any weight is fetched
 // and the device then holds that (within 1 %: both also count buffers that do not change); the
 // header is fetched by a range request first (`ranged`: the server answers it with 206); the
-// greedy tokens are native generate's on the same pair.
+// greedy tokens are native generate's on the same pair. From disk, the text model is then loaded
+// alone: fewer bytes planned and held, images refused, the pair's reply to a text prompt.
 async function playgroundGguf(base, webgpu, { fromDisk = false, ranged = false } = {}) {
   const b = await browser(webgpu);
   try {
@@ -325,6 +329,7 @@ async function playgroundGguf(base, webgpu, { fromDisk = false, ranged = false }
     const held = bytesOf(await weightsHeld(page, ''));
     assert(Math.abs(held - planned) <= 0.01 * planned, `the device holds ${held} bytes of weights, the verdict planned ${planned}`);
     sameTokens(await ask(page, 0), `GGUF pair on ${device}`, EXPECTED_GGUF);
+    if (fromDisk) await textModelAlone(page, planned);
     if (!fromDisk) {
       const headers = fetched.filter((f) => f.range);
       assert(headers.length === 2, `the two headers were not asked for by range: ${JSON.stringify(fetched)}`);
@@ -334,6 +339,41 @@ async function playgroundGguf(base, webgpu, { fromDisk = false, ranged = false }
   } finally {
     await b.close();
   }
+}
+
+// The pair's text model picked alone, after the pair: the verdict plans fewer bytes than the
+// pair's `pairPlanned` and the device holds that, an image is refused naming the missing
+// projector, and a text prompt gets native generate's reply on the text model alone (which is
+// the pair's: server/tests/gguf.rs).
+async function textModelAlone(page, pairPlanned) {
+  const before = await byTest(page, 'verdict').textContent();
+  const heldBefore = await weightsHeld(page, '');
+  await byTest(page, 'checkpoint-files').setInputFiles([path.join(DIST, GGUF[0])]);
+  await byTest(page, 'load-files').click();
+  await page.waitForFunction(
+    (b) => {
+      const v = document.querySelector('[data-testid="verdict"]')?.textContent || '';
+      return v !== b && v.includes('(as stored in the GGUF files');
+    },
+    before,
+    { timeout: LONG },
+  );
+  const verdict = await byTest(page, 'verdict').textContent();
+  const planned = bytesOf(/weights ([\d.]+ (MiB|KiB))/.exec(verdict)[1]);
+  assert(planned < pairPlanned, `the text model alone plans ${planned} bytes, the pair ${pairPlanned}`);
+  await loadDemo(page, false);
+  const held = bytesOf(await weightsHeld(page, heldBefore));
+  assert(Math.abs(held - planned) <= 0.01 * planned, `the text model alone holds ${held} bytes, the verdict planned ${planned}`);
+  await byTest(page, 'image-input').setInputFiles(IMAGE);
+  await page.waitForSelector('.pending img', { timeout: LONG });
+  await byTest(page, 'chat-input').fill(PROMPT);
+  await byTest(page, 'send').click();
+  await page.waitForFunction(
+    () => (document.querySelector('[data-testid="chat-error"]')?.textContent || '').includes('without its vision tower'),
+    null,
+    { timeout: LONG },
+  );
+  sameTokens(await ask(page, 0, null), 'GGUF text model alone', EXPECTED_GGUF_TEXT);
 }
 
 // The demo model loaded in f32, then in q4_0, on WebGPU or (`webgpu` false) on the CPU backend in
@@ -509,7 +549,7 @@ async function serverModeOnVllm(site, vllm) {
     await check('playground on WebGPU, served by kvlens serve', () => playgroundOnWebGpu(served));
     await check('playground on WebGPU with q4_0 weights', () => playgroundQuantized(served, true));
     await check('playground on WebGPU, a GGUF pair by URL (range requests)', () => playgroundGguf(served, true, { ranged: true }));
-    await check('playground on WebGPU, a GGUF pair from disk', () => playgroundGguf(served, true, { fromDisk: true }));
+    await check('playground on WebGPU, a GGUF pair from disk, then its text model alone', () => playgroundGguf(served, true, { fromDisk: true }));
     await check('planner link shows 164,224', () => plannerLink(served));
     const site = await staticServer('static-server');
     await check('playground on the CPU backend (WebGPU off), static dist/', () => playgroundOnCpu(site));

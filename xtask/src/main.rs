@@ -616,16 +616,17 @@ fn e2e(build_kvlens: bool) -> Result<(u64, u64)> {
     let artifacts = work.join("artifacts");
     std::fs::create_dir_all(&artifacts)?;
     let image = workspace_root().join(E2E_IMAGE);
-    // Native greedy tokens on the demo model, and on its GGUF pair.
+    // Native greedy tokens on the demo model, on its GGUF pair, and on its GGUF text model alone
+    // (a text prompt).
     let generate = |model: &[&Path], name: &str| -> Result<PathBuf> {
         let mut cmd = Command::new(&kvlens);
         cmd.args(["generate", "--backend", "cpu", "--model"]).arg(model[0]);
-        if let Some(mmproj) = model.get(1) {
-            cmd.arg("--mmproj").arg(mmproj);
-        }
+        match model.get(1) {
+            Some(mmproj) => cmd.arg("--mmproj").arg(mmproj).arg("--image").arg(&image),
+            None if model[0].extension().is_some_and(|e| e == "gguf") => &mut cmd,
+            None => cmd.arg("--image").arg(&image),
+        };
         let out = cmd
-            .arg("--image")
-            .arg(&image)
             .args(["--prompt", E2E_PROMPT, "--max-tokens", E2E_MAX_TOKENS, "--json"])
             .output()
             .context("cannot run kvlens generate")?;
@@ -645,6 +646,7 @@ fn e2e(build_kvlens: bool) -> Result<(u64, u64)> {
         ],
         "generate-gguf.json",
     )?;
+    let expected_gguf_text = generate(&[&gguf.join("demo-model-F16.gguf")], "generate-gguf-text.json")?;
     let python = if have("python3", "--version", "Python 3") {
         "python3"
     } else {
@@ -661,6 +663,7 @@ fn e2e(build_kvlens: bool) -> Result<(u64, u64)> {
         .env("KVLENS_E2E_MAX_TOKENS", E2E_MAX_TOKENS)
         .env("KVLENS_E2E_EXPECTED", &expected)
         .env("KVLENS_E2E_EXPECTED_GGUF", &expected_gguf)
+        .env("KVLENS_E2E_EXPECTED_GGUF_TEXT", &expected_gguf_text)
         .env("KVLENS_E2E_ARTIFACTS", &artifacts)
         .env("CHROMIUM", CHROMIUM)
         .env("CHROMIUM_ARGS", serde_json::to_string(CHROMIUM_ARGS)?)

@@ -214,6 +214,10 @@ pub struct TextConfig {
     pub moe: Option<MoeConfig>,
 }
 
+/// Why a text model alone (no vision tower) refuses a request with images.
+pub const NO_VISION_TOWER: &str =
+    "this model was loaded without its vision tower (a text GGUF without its projector, --mmproj): it takes no images";
+
 /// The vision tower half.
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct VisionConfig {
@@ -279,8 +283,10 @@ pub struct ModelConfig {
     pub layout: CheckpointLayout,
     /// Language model settings.
     pub text: TextConfig,
-    /// Vision tower settings.
-    pub vision: VisionConfig,
+    /// Vision tower settings; None for a text model alone (a text GGUF given without its
+    /// projector, `"vision_config": null`), which refuses images as vLLM does with
+    /// `--limit-mm-per-prompt '{"image": 0}'`.
+    pub vision: Option<VisionConfig>,
     /// `lm_head` shares the embedding matrix.
     pub tie_word_embeddings: bool,
     /// Checkpoint dtype (`torch_dtype` / `dtype`).
@@ -471,6 +477,70 @@ impl VisionConfig {
     pub fn patch_dim(&self) -> usize {
         self.in_channels * self.temporal_patch_size * self.patch_size * self.patch_size
     }
+
+    /// Output width per image token as the encoder cache stores it (Qwen3-VL concatenates the
+    /// main merger with its deepstack mergers).
+    pub fn output_dim(&self) -> usize {
+        self.out_hidden_size * (1 + self.deepstack_visual_indexes.len())
+    }
+
+    /// Pixels per LLM token side: `patch_size × spatial_merge_size` (28 or 32).
+    pub fn image_factor(&self) -> usize {
+        self.patch_size * self.spatial_merge_size
+    }
+
+    fn validate(&self) -> Result<(), ConfigError> {
+        let v = self;
+        must_be_positive(&[
+            ("vision depth", v.depth),
+            ("vision hidden_size", v.hidden_size),
+            ("vision num_heads", v.num_heads),
+            ("patch_size", v.patch_size),
+            ("spatial_merge_size", v.spatial_merge_size),
+            ("temporal_patch_size", v.temporal_patch_size),
+        ])?;
+        if !v.hidden_size.is_multiple_of(v.num_heads) {
+            return Err(ConfigError::Invalid(format!(
+                "vision hidden_size ({}) is not a multiple of num_heads ({})",
+                v.hidden_size, v.num_heads
+            )));
+        }
+        // What the preprocessing and the encoder derive from the vision sizes must be representable:
+        // the pixels per token side squared, the values per patch row and the encoder output width.
+        let derived: [(&str, &[usize]); 3] = [
+            (
+                "(patch_size × spatial_merge_size)²",
+                &[v.patch_size, v.spatial_merge_size, v.patch_size, v.spatial_merge_size],
+            ),
+            (
+                "values per patch",
+                &[v.in_channels.max(3), v.temporal_patch_size, v.patch_size, v.patch_size],
+            ),
+            (
+                "encoder output width",
+                &[v.out_hidden_size, 1 + v.deepstack_visual_indexes.len()],
+            ),
+        ];
+        for (what, factors) in derived {
+            if factors
+                .iter()
+                .try_fold(1usize, |product, &f| product.checked_mul(f))
+                .is_none()
+            {
+                return Err(ConfigError::Invalid(format!(
+                    "vision sizes too large: {what} overflows"
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
+fn must_be_positive(sizes: &[(&str, usize)]) -> Result<(), ConfigError> {
+    match sizes.iter().find(|(_, n)| *n == 0) {
+        Some((name, _)) => Err(ConfigError::Invalid(format!("{name} must be positive"))),
+        None => Ok(()),
+    }
 }
 
 impl ModelConfig {
@@ -502,7 +572,10 @@ impl ModelConfig {
             fallback: &empty,
             prefix: "vision_config.",
         };
-        let vision = parse_vision(family, &v, text.hidden_size)?;
+        let vision = match vision_obj {
+            Value::Null => None,
+            _ => Some(parse_vision(family, &v, text.hidden_size)?),
+        };
         let tie_word_embeddings = match root.get("tie_word_embeddings").and_then(Value::as_bool) {
             Some(b) => b,
             None => t.bool_or("tie_word_embeddings", false)?,
@@ -551,7 +624,6 @@ impl ModelConfig {
 
     fn validate(&self) -> Result<(), ConfigError> {
         let t = &self.text;
-        let v = &self.vision;
         let positive = [
             ("text hidden_size", t.hidden_size),
             ("num_hidden_layers", t.num_hidden_layers),
@@ -560,26 +632,12 @@ impl ModelConfig {
             ("head_dim", t.head_dim),
             ("vocab_size", t.vocab_size),
             ("max_position_embeddings", t.max_position_embeddings),
-            ("vision depth", v.depth),
-            ("vision hidden_size", v.hidden_size),
-            ("vision num_heads", v.num_heads),
-            ("patch_size", v.patch_size),
-            ("spatial_merge_size", v.spatial_merge_size),
-            ("temporal_patch_size", v.temporal_patch_size),
         ];
-        if let Some((name, _)) = positive.iter().find(|(_, n)| *n == 0) {
-            return Err(ConfigError::Invalid(format!("{name} must be positive")));
-        }
+        must_be_positive(&positive)?;
         if !t.num_attention_heads.is_multiple_of(t.num_key_value_heads) {
             return Err(ConfigError::Invalid(format!(
                 "num_attention_heads ({}) is not a multiple of num_key_value_heads ({})",
                 t.num_attention_heads, t.num_key_value_heads
-            )));
-        }
-        if !v.hidden_size.is_multiple_of(v.num_heads) {
-            return Err(ConfigError::Invalid(format!(
-                "vision hidden_size ({}) is not a multiple of num_heads ({})",
-                v.hidden_size, v.num_heads
             )));
         }
         let half = t.head_dim / 2;
@@ -591,45 +649,7 @@ impl ModelConfig {
                 t.mrope_section
             )));
         }
-        // What the preprocessing and the encoder derive from the vision sizes must be representable:
-        // the pixels per token side squared, the values per patch row and the encoder output width.
-        let derived: [(&str, &[usize]); 3] = [
-            (
-                "(patch_size × spatial_merge_size)²",
-                &[v.patch_size, v.spatial_merge_size, v.patch_size, v.spatial_merge_size],
-            ),
-            (
-                "values per patch",
-                &[v.in_channels.max(3), v.temporal_patch_size, v.patch_size, v.patch_size],
-            ),
-            (
-                "encoder output width",
-                &[v.out_hidden_size, 1 + v.deepstack_visual_indexes.len()],
-            ),
-        ];
-        for (what, factors) in derived {
-            if factors
-                .iter()
-                .try_fold(1usize, |product, &f| product.checked_mul(f))
-                .is_none()
-            {
-                return Err(ConfigError::Invalid(format!(
-                    "vision sizes too large: {what} overflows"
-                )));
-            }
-        }
-        Ok(())
-    }
-
-    /// Output width of the vision tower as stored per image token in the encoder cache
-    /// (Qwen3-VL concatenates the main merger with its deepstack mergers).
-    pub fn encoder_output_dim(&self) -> usize {
-        self.vision.out_hidden_size * (1 + self.vision.deepstack_visual_indexes.len())
-    }
-
-    /// Pixels per LLM token side: `patch_size × spatial_merge_size` (28 or 32).
-    pub fn image_factor(&self) -> usize {
-        self.vision.patch_size * self.vision.spatial_merge_size
+        self.vision.as_ref().map_or(Ok(()), VisionConfig::validate)
     }
 }
 
@@ -901,14 +921,16 @@ mod tests {
     #[test]
     fn family_specific_fields() {
         let q2 = bundled_config("Qwen2-VL-2B-Instruct").unwrap();
-        assert_eq!(q2.vision.hidden_size, 1280);
-        assert_eq!(q2.vision.out_hidden_size, 1536);
-        assert_eq!(q2.vision.intermediate_size, 5120);
+        let v2 = q2.vision.as_ref().unwrap();
+        assert_eq!(v2.hidden_size, 1280);
+        assert_eq!(v2.out_hidden_size, 1536);
+        assert_eq!(v2.intermediate_size, 5120);
         assert!(q2.tie_word_embeddings && q2.text.attention_bias);
         let q3 = bundled_config("qwen/qwen3-vl-8b-instruct").unwrap();
         assert_eq!(q3.family, Family::Qwen3Vl);
-        assert_eq!(q3.vision.deepstack_visual_indexes, vec![8, 16, 24]);
-        assert_eq!(q3.encoder_output_dim(), 4096 * 4);
+        let v3 = q3.vision.as_ref().unwrap();
+        assert_eq!(v3.deepstack_visual_indexes, vec![8, 16, 24]);
+        assert_eq!(v3.output_dim(), 4096 * 4);
         assert_eq!(q3.text.rope_theta, 5_000_000.0);
         assert!(q3.text.mrope_interleaved && q3.text.qk_norm && !q3.text.attention_bias);
         let moe = bundled_config("Qwen3-VL-30B-A3B-Instruct").unwrap();
@@ -929,8 +951,9 @@ mod tests {
         assert_eq!(cfg.text.mrope_section, vec![2, 1, 1]);
         assert_eq!(cfg.dtype, DType::F32);
         // Omitted vision fields take the Qwen2.5-VL family defaults.
-        assert_eq!(cfg.vision.fullatt_block_indexes, vec![7, 15, 23, 31]);
-        assert_eq!(cfg.vision.window_size, 112);
+        let v = cfg.vision.as_ref().unwrap();
+        assert_eq!(v.fullatt_block_indexes, vec![7, 15, 23, 31]);
+        assert_eq!(v.window_size, 112);
     }
 
     #[test]

@@ -6,7 +6,7 @@
 //! vision position table in f32; the patch embedding in f16 for an f16 file, else f32; every
 //! other matrix in the file's type, or f16 where its rows do not split into blocks.
 
-use super::config::{Family, ModelConfig};
+use super::config::{Family, ModelConfig, VisionConfig};
 use super::ggml::GgmlType;
 use super::gguf::{GgufError, MetaValue};
 use super::gguf_model::{text_gguf_name, vision_gguf_names};
@@ -74,11 +74,14 @@ pub fn export(
         ));
     }
     let cfg = ModelConfig::from_value(ckpt.config).map_err(|e| GgufError(format!("config.json: {e}")))?;
-    let deepstack: Vec<u64> = cfg.vision.deepstack_visual_indexes.iter().map(|&l| l as u64).collect();
+    let vision = cfg.vision.as_ref().ok_or_else(|| {
+        GgufError("config.json has no vision_config: kvlens writes a text model with its projector".into())
+    })?;
+    let deepstack: Vec<u64> = vision.deepstack_visual_indexes.iter().map(|&l| l as u64).collect();
     let mut text = GgufWriter::default();
     let mut mmproj = GgufWriter::default();
     text_metadata(&mut text, ckpt, &cfg, outtype)?;
-    mmproj_metadata(&mut mmproj, ckpt, &cfg, outtype);
+    mmproj_metadata(&mut mmproj, ckpt, &cfg, vision, outtype);
     for (name, shape) in tensors.names() {
         let is_vision = name.starts_with("visual.") || name.starts_with("model.visual.");
         if !is_vision {
@@ -192,7 +195,7 @@ fn text_metadata(w: &mut GgufWriter, ckpt: &CheckpointText<'_>, cfg: &ModelConfi
         w.meta(&key("attention.value_length"), u32_of(t.head_dim));
         w.meta(
             &key("n_deepstack_layers"),
-            u32_of(cfg.vision.deepstack_visual_indexes.len()),
+            u32_of(cfg.vision.as_ref().map_or(0, |v| v.deepstack_visual_indexes.len())),
         );
     }
     w.meta("general.file_type", MetaValue::U32(file_type(outtype)));
@@ -202,8 +205,13 @@ fn text_metadata(w: &mut GgufWriter, ckpt: &CheckpointText<'_>, cfg: &ModelConfi
 }
 
 /// The projector's metadata, in the converter's order.
-fn mmproj_metadata(w: &mut GgufWriter, ckpt: &CheckpointText<'_>, cfg: &ModelConfig, outtype: GgmlType) {
-    let v = &cfg.vision;
+fn mmproj_metadata(
+    w: &mut GgufWriter,
+    ckpt: &CheckpointText<'_>,
+    cfg: &ModelConfig,
+    v: &VisionConfig,
+    outtype: GgmlType,
+) {
     let floats = |x: [f32; 3]| MetaValue::Array(x.iter().map(|&f| MetaValue::F32(f)).collect());
     w.meta("general.architecture", s("clip"));
     w.meta("general.type", s("mmproj"));

@@ -59,17 +59,18 @@ pub struct GgufSmallFiles {
     pub tokenizer_json: String,
     /// The chat template, when the file has one.
     pub chat_template: Option<String>,
-    /// preprocessor_config.json (the image mean and std).
-    pub preprocessor_json: String,
+    /// preprocessor_config.json (the image mean and std); None for a text model alone.
+    pub preprocessor_json: Option<String>,
     /// The ids that end a generation.
     pub eos_token_ids: Vec<u32>,
 }
 
-/// A text GGUF and its projector, checked to belong together.
+/// A text GGUF and its projector, checked to belong together; or a text GGUF alone, a language
+/// model that takes no images (what llama.cpp runs without `--mmproj`).
 #[derive(Debug)]
 pub struct GgufModel<'a> {
     text: &'a Gguf,
-    mmproj: &'a Gguf,
+    mmproj: Option<&'a Gguf>,
     family: Family,
 }
 
@@ -112,9 +113,11 @@ fn array_of<'g>(g: &'g Gguf, key: &str) -> Result<&'g [MetaValue]> {
 const TEXT_ARCHITECTURES: [&str; 2] = ["qwen2vl", "qwen3vl"];
 
 impl<'a> GgufModel<'a> {
-    /// Checks that `text` is a Qwen-VL text model and `mmproj` its projector: the architectures,
-    /// the projector type and the projector's output width against the text model's width.
-    pub fn new(text: &'a Gguf, mmproj: &'a Gguf) -> Result<Self> {
+    /// Checks that `text` is a Qwen-VL text model and `mmproj`, when given, its projector: the
+    /// architectures, the projector type and the projector's output width against the text
+    /// model's width. A text model alone reads as Qwen2-VL or Qwen3-VL (Qwen2.5-VL's language
+    /// model is Qwen2-VL's; only the projectors differ).
+    pub fn new(text: &'a Gguf, mmproj: Option<&'a Gguf>) -> Result<Self> {
         let arch = str_of(text, "general.architecture")?;
         if !TEXT_ARCHITECTURES.contains(&arch) {
             let hint = if arch == "clip" {
@@ -126,6 +129,18 @@ impl<'a> GgufModel<'a> {
                 "the text model's architecture is {arch:?}, not one of {TEXT_ARCHITECTURES:?} (Qwen2-VL, Qwen2.5-VL, Qwen3-VL){hint}"
             ));
         }
+        let Some(mmproj) = mmproj else {
+            let family = if arch == "qwen3vl" {
+                Family::Qwen3Vl
+            } else {
+                Family::Qwen2Vl
+            };
+            return Ok(GgufModel {
+                text,
+                mmproj: None,
+                family,
+            });
+        };
         let projector_arch = str_of(mmproj, "general.architecture")?;
         if projector_arch != "clip" {
             return err(format!(
@@ -149,7 +164,11 @@ impl<'a> GgufModel<'a> {
                 "the projector ({projector}) belongs to a {want} text model, the text model is {arch}"
             ));
         }
-        let model = GgufModel { text, mmproj, family };
+        let model = GgufModel {
+            text,
+            mmproj: Some(mmproj),
+            family,
+        };
         let (width, projected) = (
             model.text_u64("embedding_length")?,
             u64_of(mmproj, "clip.vision.projection_dim")?,
@@ -175,9 +194,8 @@ impl<'a> GgufModel<'a> {
         u64_of(self.text, &format!("{}.{key}", self.arch()))
     }
 
-    fn vision_shape(&self, name: &str) -> Result<Vec<usize>> {
-        self.mmproj
-            .tensor(name)
+    fn vision_shape(m: &Gguf, name: &str) -> Result<Vec<usize>> {
+        m.tensor(name)
             .map(GgufTensor::shape)
             .ok_or_else(|| GgufError(format!("the projector has no tensor {name}")))
     }
@@ -204,9 +222,9 @@ impl<'a> GgufModel<'a> {
 
     /// The `config.json` the pair was converted from, as far as the engine reads it (what the
     /// files do not hold is what llama.cpp assumes too: a temporal patch of 2, a merge of 2×2,
-    /// Qwen2.5-VL's 112-pixel windows and 2 tokens per second).
+    /// Qwen2.5-VL's 112-pixel windows and 2 tokens per second). A text model alone has
+    /// `"vision_config": null`.
     pub fn config_json(&self) -> Result<Value> {
-        let m = self.mmproj;
         let layers = self.text_u64("block_count")?;
         check_blocks(
             self.text,
@@ -242,6 +260,32 @@ impl<'a> GgufModel<'a> {
             "eos_token_id": eos,
             "bos_token_id": u64_of(self.text, "tokenizer.ggml.bos_token_id").ok(),
         });
+        let vision = match self.mmproj {
+            Some(m) => self.vision_config_json(m)?,
+            None => Value::Null,
+        };
+        let ids = json!({
+            "image_token_id": self.token_id("<|image_pad|>")?,
+            "video_token_id": self.token_id("<|video_pad|>")?,
+            "vision_start_token_id": self.token_id("<|vision_start|>")?,
+            "vision_end_token_id": self.token_id("<|vision_end|>")?,
+        });
+        let mut root = json!({ "model_type": self.family.model_type(), "vision_config": vision });
+        if self.family.is_qwen3() {
+            text["head_dim"] = json!(self.text_u64("attention.key_length")?);
+            text["rope_scaling"] =
+                json!({ "rope_type": "default", "mrope_section": mrope_section, "mrope_interleaved": true });
+            root["text_config"] = text;
+        } else {
+            text["rope_scaling"] = json!({ "type": "mrope", "mrope_section": mrope_section });
+            merge_into(&mut root, text);
+        }
+        merge_into(&mut root, ids);
+        Ok(root)
+    }
+
+    /// The `vision_config` of projector `m`.
+    fn vision_config_json(&self, m: &Gguf) -> Result<Value> {
         let depth = u64_of(m, "clip.vision.block_count")?;
         check_blocks(m, "clip.vision.block_count", depth, "v.blk.", "ln1.weight")?;
         let width = u64_of(m, "clip.vision.embedding_length")?;
@@ -249,8 +293,8 @@ impl<'a> GgufModel<'a> {
         let patch = u64_of(m, "clip.vision.patch_size")?;
         let projected = u64_of(m, "clip.vision.projection_dim")?;
         let merge = u64_of(m, "clip.vision.spatial_merge_size").unwrap_or(2);
-        let ffn = self.vision_shape("v.blk.0.ffn_up.weight")?[0] as u64;
-        let vision = match self.family {
+        let ffn = Self::vision_shape(m, "v.blk.0.ffn_up.weight")?[0] as u64;
+        Ok(match self.family {
             Family::Qwen2Vl => json!({
                 "depth": depth, "embed_dim": width, "mlp_ratio": ffn / width.max(1), "num_heads": vision_heads,
                 "hidden_size": projected, "patch_size": patch, "spatial_merge_size": merge, "temporal_patch_size": 2,
@@ -277,7 +321,7 @@ impl<'a> GgufModel<'a> {
                         .collect(),
                     _ => Vec::new(),
                 };
-                let positions = self.vision_shape("v.position_embd.weight")?[0];
+                let positions = Self::vision_shape(m, "v.position_embd.weight")?[0];
                 json!({
                     "depth": depth, "hidden_size": width, "intermediate_size": ffn, "num_heads": vision_heads,
                     "out_hidden_size": projected, "patch_size": patch, "spatial_merge_size": merge,
@@ -285,25 +329,7 @@ impl<'a> GgufModel<'a> {
                     "num_position_embeddings": positions,
                 })
             }
-        };
-        let ids = json!({
-            "image_token_id": self.token_id("<|image_pad|>")?,
-            "video_token_id": self.token_id("<|video_pad|>")?,
-            "vision_start_token_id": self.token_id("<|vision_start|>")?,
-            "vision_end_token_id": self.token_id("<|vision_end|>")?,
-        });
-        let mut root = json!({ "model_type": self.family.model_type(), "vision_config": vision });
-        if self.family.is_qwen3() {
-            text["head_dim"] = json!(self.text_u64("attention.key_length")?);
-            text["rope_scaling"] =
-                json!({ "rope_type": "default", "mrope_section": mrope_section, "mrope_interleaved": true });
-            root["text_config"] = text;
-        } else {
-            text["rope_scaling"] = json!({ "type": "mrope", "mrope_section": mrope_section });
-            merge_into(&mut root, text);
-        }
-        merge_into(&mut root, ids);
-        Ok(root)
+        })
     }
 
     /// The ids that end a generation: the file's end-of-sequence token and `<|endoftext|>` (both
@@ -334,13 +360,12 @@ impl<'a> GgufModel<'a> {
     }
 
     /// The `preprocessor_config.json` the projector implies: its `image_mean` and `image_std` (the
-    /// image limits are not in the files; the family's shipped ones apply, as in vLLM).
-    pub fn preprocessor_json(&self) -> Result<String> {
+    /// image limits are not in the files; the family's shipped ones apply, as in vLLM). None for a
+    /// text model alone.
+    pub fn preprocessor_json(&self) -> Result<Option<String>> {
+        let Some(m) = self.mmproj else { return Ok(None) };
         let triple = |key: &str| -> Result<Vec<f64>> {
-            let v: Vec<f64> = array_of(self.mmproj, key)?
-                .iter()
-                .filter_map(MetaValue::as_f64)
-                .collect();
+            let v: Vec<f64> = array_of(m, key)?.iter().filter_map(MetaValue::as_f64).collect();
             match v.len() {
                 3 => Ok(v),
                 n => err(format!("{key} has {n} numbers, not 3")),
@@ -350,7 +375,7 @@ impl<'a> GgufModel<'a> {
             "image_mean": triple("clip.vision.image_mean")?,
             "image_std": triple("clip.vision.image_std")?,
         });
-        Ok(json.to_string())
+        Ok(Some(json.to_string()))
     }
 
     /// The chat template (`tokenizer.chat_template`), if the file has one.
@@ -382,6 +407,7 @@ impl<'a> GgufModel<'a> {
                 }),
             );
         }
+        let Some(mmproj) = self.mmproj else { return Ok(out) };
         let deepstack = self.config_json()?["vision_config"]["deepstack_visual_indexes"].clone();
         let deepstack: Vec<u64> = deepstack
             .as_array()
@@ -389,7 +415,7 @@ impl<'a> GgufModel<'a> {
             .unwrap_or_default();
         let mut qkv: BTreeMap<String, [Option<Piece>; 3]> = BTreeMap::new();
         let mut temporal: [Option<Piece>; 2] = [None, None];
-        for (index, t) in self.mmproj.tensors.iter().enumerate() {
+        for (index, t) in mmproj.tensors.iter().enumerate() {
             let piece = Piece {
                 part: Part::Mmproj,
                 index,
@@ -431,15 +457,15 @@ impl<'a> GgufModel<'a> {
         self.text
             .tensors
             .iter()
-            .chain(&self.mmproj.tensors)
+            .chain(self.mmproj.iter().flat_map(|m| &m.tensors))
             .map(|t| t.bytes)
             .sum()
     }
 
-    /// The file a piece is in.
-    pub fn file(&self, part: Part) -> &'a Gguf {
+    /// The file a piece is in (None: the projector of a text model alone).
+    pub fn file(&self, part: Part) -> Option<&'a Gguf> {
         match part {
-            Part::Text => self.text,
+            Part::Text => Some(self.text),
             Part::Mmproj => self.mmproj,
         }
     }
@@ -798,7 +824,7 @@ mod tests {
     #[test]
     fn block_counts_must_match_the_files_tensors() {
         let (t, m) = pair(1, 1);
-        let model = GgufModel::new(&t, &m).unwrap();
+        let model = GgufModel::new(&t, Some(&m)).unwrap();
         let cfg = model.config_json().unwrap();
         assert_eq!(cfg["vision_config"]["fullatt_block_indexes"], serde_json::json!([0]));
         for (text, vision, key) in [
@@ -807,7 +833,11 @@ mod tests {
             (0, 1, "block_count is 0"),
         ] {
             let (t, m) = pair(text, vision);
-            let err = GgufModel::new(&t, &m).unwrap().config_json().unwrap_err().to_string();
+            let err = GgufModel::new(&t, Some(&m))
+                .unwrap()
+                .config_json()
+                .unwrap_err()
+                .to_string();
             assert!(err.contains(key), "{err}");
         }
     }

@@ -12,7 +12,7 @@
 //! layers split by input columns with their biases replicated, K/V heads replicated when there are
 //! fewer than ranks, norms and the patch embedding replicated.
 
-use crate::arch::config::{DType, ModelConfig, VisionMerger, VisionMlp, VisionNorm};
+use crate::arch::config::{DType, ModelConfig, VisionConfig, VisionMerger, VisionMlp, VisionNorm};
 
 /// Which part of the model a tensor belongs to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
@@ -237,15 +237,17 @@ pub struct TextSpec {
 /// Every tensor of the checkpoint, in the order `kvlens random-checkpoint` writes them.
 pub fn tensor_specs(cfg: &ModelConfig) -> Vec<TensorSpec> {
     let mut out = Vec::new();
-    vision(cfg, &mut out);
+    if let Some(v) = &cfg.vision {
+        vision(cfg, v, &mut out);
+    }
     text(cfg, &mut out);
     out
 }
 
 impl VisionSpec {
-    /// The vision tower of `cfg`.
-    pub fn new(cfg: &ModelConfig) -> Self {
-        vision(cfg, &mut Vec::new())
+    /// The vision tower `v` of `cfg`.
+    pub fn new(cfg: &ModelConfig, v: &VisionConfig) -> Self {
+        vision(cfg, v, &mut Vec::new())
     }
 }
 
@@ -383,8 +385,7 @@ fn merger_names(kind: VisionMerger) -> [&'static str; 3] {
     }
 }
 
-fn vision(cfg: &ModelConfig, out: &mut Vec<TensorSpec>) -> VisionSpec {
-    let v = &cfg.vision;
+fn vision(cfg: &ModelConfig, v: &VisionConfig, out: &mut Vec<TensorSpec>) -> VisionSpec {
     let mut b = Builder::new(out, cfg, Part::Vision);
     let p = cfg.layout.vision_prefix();
     let (e, i, o) = (v.hidden_size, v.intermediate_size, v.out_hidden_size);
@@ -588,7 +589,7 @@ mod tests {
     #[test]
     fn typed_views_hold_the_listed_tensors() {
         let cfg = bundled_config("Qwen3-VL-2B-Instruct").unwrap();
-        let (vision, text) = (VisionSpec::new(&cfg), TextSpec::new(&cfg));
+        let (vision, text) = (VisionSpec::new(&cfg, cfg.vision.as_ref().unwrap()), TextSpec::new(&cfg));
         let specs = tensor_specs(&cfg);
         assert_eq!(specs[0], vision.patch_weight);
         assert_eq!(specs[0].name, "model.visual.patch_embed.proj.weight");

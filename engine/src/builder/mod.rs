@@ -88,7 +88,7 @@ pub fn build_engine(
     req.kv_cache_dtype = Some(compute);
     // First pass: the budgets the profile run needs (the activation figure is replaced below).
     let draft = plan(&req).map_err(|e| BuildError::Plan(e.to_string()))?;
-    let merge = req.model.vision.spatial_merge_size;
+    let merge = req.model.vision.as_ref().map_or(1, |v| v.spatial_merge_size);
     let spec = ProfileSpec {
         num_tokens: draft.max_num_batched_tokens,
         num_sampled: draft.max_num_seqs.min(draft.max_num_batched_tokens),

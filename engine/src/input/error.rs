@@ -117,6 +117,9 @@ pub enum InputError {
     /// The request's client went away: its preprocessing stopped.
     #[error("the request was cancelled: its client went away")]
     Cancelled,
+    /// Images for a text model alone.
+    #[error("{}", crate::arch::config::NO_VISION_TOWER)]
+    NoVisionTower,
     /// More images than one prompt may carry (`--limit-mm-per-prompt`).
     #[error("At most {limit} image(s) may be provided in one prompt, got {got}")]
     TooManyImages {

@@ -63,11 +63,16 @@ impl ProcessorSettings {
     /// `config.json`; a preprocessor file that disagrees with them is an error.
     pub fn new(config: &ModelConfig, preprocessor_json: Option<&str>) -> Result<Self, InputError> {
         let family = config.family;
-        let mut settings = ProcessorSettings {
-            patch_size: config.vision.patch_size,
-            merge_size: config.vision.spatial_merge_size,
-            temporal_patch_size: config.vision.temporal_patch_size,
-            ..Self::for_family(family, ImageLimits::shipped(family))
+        let shipped = Self::for_family(family, ImageLimits::shipped(family));
+        // A text model alone takes no images: the family's settings stand unused.
+        let mut settings = match &config.vision {
+            Some(v) => ProcessorSettings {
+                patch_size: v.patch_size,
+                merge_size: v.spatial_merge_size,
+                temporal_patch_size: v.temporal_patch_size,
+                ..shipped
+            },
+            None => shipped,
         };
         let Some(text) = preprocessor_json else {
             return Ok(settings);

@@ -153,6 +153,8 @@ pub struct InputProcessor {
     pub max_model_len: usize,
     /// See [`Tokenizer::max_token_bytes`].
     max_token_bytes: usize,
+    /// The model has a vision tower (else every image is refused).
+    has_vision: bool,
 }
 
 impl InputProcessor {
@@ -188,6 +190,7 @@ impl InputProcessor {
             max_model_len: usize::MAX,
             max_token_bytes: tokenizer.max_token_bytes(),
             tokenizer,
+            has_vision: config.vision.is_some(),
         })
     }
 
@@ -235,6 +238,9 @@ impl InputProcessor {
         let text = self.template.render_with(messages, options.render)?;
         let ids = self.encode_if_it_can_fit(&text, options.add_special_tokens, host)?;
         let sources = image_sources(messages)?;
+        if !sources.is_empty() && !self.has_vision {
+            return Err(InputError::NoVisionTower);
+        }
         if sources.len() > self.limit_images {
             return Err(InputError::TooManyImages {
                 limit: self.limit_images,

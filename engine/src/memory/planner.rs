@@ -9,7 +9,7 @@
 
 use super::device::DeviceProfile;
 use super::weights::weight_bytes_per_rank;
-use crate::arch::config::{DType, Family, ImageLimits, ModelConfig};
+use crate::arch::config::{DType, Family, ImageLimits, ModelConfig, VisionConfig};
 use crate::arch::weight_format::WeightFormat;
 
 use super::GIB;
@@ -317,20 +317,23 @@ fn cdiv(a: u64, b: u64) -> u64 {
     a.div_ceil(b.max(1))
 }
 
-/// Largest image in LLM tokens: `max_pixels // factor²` (vLLM's "image with most features").
+/// Largest image in LLM tokens: `max_pixels // factor²` (vLLM's "image with most features"); 0
+/// for a text model alone.
 pub fn max_tokens_per_image(model: &ModelConfig, limits: ImageLimits) -> usize {
-    let f = model.image_factor() as u64;
+    let Some(v) = &model.vision else { return 0 };
+    let f = v.image_factor() as u64;
     (limits.max_pixels / (f * f)) as usize
 }
 
 /// Largest profiled video in LLM tokens, following vLLM ≥ 0.15: Qwen2/2.5-VL fit as many
 /// max-size frame pairs as `max_model_len` holds (at most 14 frames); Qwen3-VL uses two frames
-/// whose joint area is its video `longest_edge`.
+/// whose joint area is its video `longest_edge`. 0 for a text model alone.
 pub fn max_tokens_per_video(model: &ModelConfig, limits: ImageLimits, max_model_len: usize) -> usize {
-    let f = model.image_factor() as u64;
+    let Some(v) = &model.vision else { return 0 };
+    let f = v.image_factor() as u64;
     match model.family {
         Family::Qwen3Vl | Family::Qwen3VlMoe => {
-            (QWEN3_VIDEO_MAX_PIXELS / model.vision.temporal_patch_size as u64 / (f * f)) as usize
+            (QWEN3_VIDEO_MAX_PIXELS / v.temporal_patch_size as u64 / (f * f)) as usize
         }
         Family::Qwen2Vl | Family::Qwen25Vl => {
             let per_pair = max_tokens_per_image(model, limits).max(1);
@@ -378,7 +381,6 @@ fn encoder_budget(
 /// sampler's logits.
 fn estimate_activation_peak(p: &Plan, model: &ModelConfig, tp: usize, act_bytes: u64) -> u64 {
     let t = &model.text;
-    let v = &model.vision;
     let tp = tp.max(1) as u64;
     let n = p.max_num_batched_tokens as u64;
     let (h, hd) = (t.hidden_size as u64, t.head_dim as u64);
@@ -400,14 +402,16 @@ fn estimate_activation_peak(p: &Plan, model: &ModelConfig, tp: usize, act_bytes:
     } as u64;
     let items = p.encoder_profile_items as u64;
     let kept_outputs = items * item_tokens * p.encoder_output_dim as u64 * act_bytes;
-    let merge = (v.spatial_merge_size * v.spatial_merge_size) as u64;
-    let patches = items * item_tokens * merge;
-    let e = v.hidden_size as u64;
-    let patch_in = v.patch_dim() as u64;
-    // The MLP's intermediate activations: its up projections and their product or activation.
-    let ups = 1 + v.mlp.up_projections() as u64;
-    let vit_layer = (4 * e / tp).max(ups * v.intermediate_size as u64 / tp);
-    let vit = patches * (patch_in + 2 * e + vit_layer) * act_bytes + kept_outputs;
+    let vit = model.vision.as_ref().map_or(0, |v| {
+        let merge = (v.spatial_merge_size * v.spatial_merge_size) as u64;
+        let patches = items * item_tokens * merge;
+        let e = v.hidden_size as u64;
+        let patch_in = v.patch_dim() as u64;
+        // The MLP's intermediate activations: its up projections and their product or activation.
+        let ups = 1 + v.mlp.up_projections() as u64;
+        let vit_layer = (4 * e / tp).max(ups * v.intermediate_size as u64 / tp);
+        patches * (patch_in + 2 * e + vit_layer) * act_bytes + kept_outputs
+    });
     vit.max(kept_outputs + decoder + sampler)
 }
 
@@ -436,10 +440,10 @@ pub fn plan(req: &PlanRequest) -> Result<Plan, PlanError> {
             "Number of KV heads ({nkv}) and tensor parallel size ({tp}) must divide one another"
         ));
     }
-    if !m.vision.num_heads.is_multiple_of(tp) {
+    if let Some(v) = m.vision.as_ref().filter(|v| !v.num_heads.is_multiple_of(tp)) {
         return invalid(format!(
             "Vision attention heads ({}) must be divisible by tensor parallel size ({tp})",
-            m.vision.num_heads
+            v.num_heads
         ));
     }
     let max_len = req.max_model_len.unwrap_or(t.max_position_embeddings);
@@ -495,8 +499,10 @@ pub fn plan(req: &PlanRequest) -> Result<Plan, PlanError> {
         0
     };
     let (budget, items, modality) = encoder_budget(limits, image_tokens, video_tokens, mnbt, mns, max_len);
+    let encoder_dim = m.vision.as_ref().map_or(0, VisionConfig::output_dim);
 
-    let deepstack = m.vision.deepstack_visual_indexes.len() as u64 * mnbt as u64 * t.hidden_size as u64 * act_bytes;
+    let deep_levels = m.vision.as_ref().map_or(0, |v| v.deepstack_visual_indexes.len());
+    let deepstack = deep_levels as u64 * mnbt as u64 * t.hidden_size as u64 * act_bytes;
     let estimated_weights: u64 = weight_bytes_per_rank(m, tp, act_bytes, req.quantization)
         .iter()
         .map(|(_, b)| b)
@@ -538,8 +544,8 @@ pub fn plan(req: &PlanRequest) -> Result<Plan, PlanError> {
         encoder_profile_modality: modality,
         encoder_budget_tokens: budget,
         encoder_profile_items: items,
-        encoder_output_dim: m.encoder_output_dim(),
-        encoder_cache_bytes: budget as u64 * m.encoder_output_dim() as u64 * act_bytes,
+        encoder_output_dim: encoder_dim,
+        encoder_cache_bytes: budget as u64 * encoder_dim as u64 * act_bytes,
         processor_cache_bytes: (req.mm_processor_cache_gb * GIB).round() as u64,
         fits: false,
         estimated_max_model_len: None,

@@ -29,9 +29,9 @@ pub fn eos_token_ids(config: &ModelConfig, generation_config_json: Option<&str>)
 }
 
 /// The text GGUF and its projector among a folder's file names, as the Hub's GGUF repositories lay
-/// them out: `None` when no name ends in `.gguf`; exactly one text model and one `mmproj*` file,
-/// else an error naming what is there.
-pub fn gguf_pair(names: &[String]) -> Result<Option<(String, String)>, String> {
+/// them out: `None` when no name ends in `.gguf`; exactly one text model and at most one
+/// `mmproj*` file (none: a text model alone), else an error naming what is there.
+pub fn gguf_pair(names: &[String]) -> Result<Option<(String, Option<String>)>, String> {
     let mut ggufs: Vec<&String> = names
         .iter()
         .filter(|n| n.to_ascii_lowercase().ends_with(".gguf"))
@@ -43,9 +43,10 @@ pub fn gguf_pair(names: &[String]) -> Result<Option<(String, String)>, String> {
     let (projectors, texts): (Vec<&String>, Vec<&String>) =
         ggufs.iter().partition(|n| n.to_ascii_lowercase().starts_with("mmproj"));
     match (&texts[..], &projectors[..]) {
-        ([text], [mmproj]) => Ok(Some(((*text).clone(), (*mmproj).clone()))),
+        ([text], []) => Ok(Some(((*text).clone(), None))),
+        ([text], [mmproj]) => Ok(Some(((*text).clone(), Some((*mmproj).clone())))),
         _ => Err(format!(
-            "the GGUF files are {ggufs:?}: kvlens reads one text GGUF and one mmproj-*.gguf"
+            "the GGUF files are {ggufs:?}: kvlens reads one text GGUF and at most one mmproj-*.gguf"
         )),
     }
 }
@@ -58,11 +59,14 @@ mod tests {
     fn a_gguf_folder_is_one_text_model_and_one_projector() {
         let names = |n: &[&str]| n.iter().map(|s| s.to_string()).collect::<Vec<_>>();
         let pair = gguf_pair(&names(&["README.md", "mmproj-M-F16.gguf", "M-Q4_K_M.gguf"])).unwrap();
-        assert_eq!(pair, Some(("M-Q4_K_M.gguf".into(), "mmproj-M-F16.gguf".into())));
+        assert_eq!(pair, Some(("M-Q4_K_M.gguf".into(), Some("mmproj-M-F16.gguf".into()))));
         assert_eq!(gguf_pair(&names(&["config.json", "model.safetensors"])).unwrap(), None);
         let two = gguf_pair(&names(&["mmproj-a.gguf", "M-Q8_0.gguf", "M-Q4_K_M.gguf"])).unwrap_err();
         assert!(two.contains("M-Q8_0.gguf") && two.contains("M-Q4_K_M.gguf"), "{two}");
-        assert!(gguf_pair(&names(&["M.gguf"])).unwrap_err().contains("mmproj"));
+        assert_eq!(gguf_pair(&names(&["M.gguf"])).unwrap(), Some(("M.gguf".into(), None)));
+        assert!(gguf_pair(&names(&["mmproj-M.gguf"]))
+            .unwrap_err()
+            .contains("one text GGUF"));
     }
 
     #[test]

@@ -5,7 +5,7 @@
 
 use super::weights::{Stored, TensorSource};
 use super::ModelError;
-use crate::arch::gguf::{Gguf, GgufTensor};
+use crate::arch::gguf::GgufTensor;
 use crate::arch::gguf_model::{Assembly, GgufModel, Part, Piece};
 use crate::backend::{Backend, RawDType, RawTensor};
 use std::borrow::Cow;
@@ -36,12 +36,11 @@ impl<'a> GgufTensors<'a> {
 
     /// The raw tensor of one piece: its bytes as the header places them in the file's bytes.
     fn one(&self, p: Piece) -> Result<RawTensor<'a>, ModelError> {
-        let file: &'a Gguf = self.model.file(p.part);
         let bytes = match p.part {
             Part::Text => self.text,
             Part::Mmproj => self.mmproj,
         };
-        let t: Option<&'a GgufTensor> = file.tensors.get(p.index);
+        let t: Option<&'a GgufTensor> = self.model.file(p.part).and_then(|f| f.tensors.get(p.index));
         let range = |t: &GgufTensor| Some(usize::try_from(t.start).ok()?..usize::try_from(t.start + t.bytes).ok()?);
         match t.and_then(|t| Some((t, bytes.get(range(t)?)?))) {
             Some((t, data)) => Ok(RawTensor {

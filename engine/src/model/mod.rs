@@ -37,8 +37,8 @@ pub enum ModelError {
 pub struct QwenVl<B: Backend> {
     /// The parsed config.
     pub cfg: ModelConfig,
-    /// The vision tower.
-    pub vision: VisionTower<B>,
+    /// The vision tower; None for a text model alone.
+    pub vision: Option<VisionTower<B>>,
     /// The language model.
     pub text: TextModel<B>,
 }
@@ -55,7 +55,11 @@ impl<B: Backend> QwenVl<B> {
     ) -> Result<Self, ModelError> {
         check_supported(&cfg)?;
         let loader = Loader::new(source, be);
-        let vision = VisionTower::load(&cfg, &loader)?;
+        let vision = cfg
+            .vision
+            .as_ref()
+            .map(|v| VisionTower::load(&cfg, v, &loader))
+            .transpose()?;
         let (n, bytes) = loader.progress();
         progress(n, bytes);
         let text = TextModel::load(&cfg, &loader)?;

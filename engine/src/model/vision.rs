@@ -7,7 +7,7 @@
 
 use super::weights::{Loader, TensorSource};
 use super::ModelError;
-use crate::arch::config::{ModelConfig, VisionMlp};
+use crate::arch::config::{ModelConfig, VisionConfig, VisionMlp};
 use crate::arch::spec::{Affine, MergerSpec, NormSpec, VisionMlpSpec, VisionSpec};
 use crate::backend::{Activation, Backend};
 
@@ -146,9 +146,12 @@ impl<B: Backend> Merger<B> {
 impl<B: Backend> VisionTower<B> {
     /// Loads the tower's weights, named and shaped by its [`VisionSpec`]. The learned position
     /// table is read straight to the host, where it is interpolated.
-    pub fn load<S: TensorSource<B>>(cfg: &ModelConfig, l: &Loader<'_, '_, S, B>) -> Result<Self, ModelError> {
-        let v = &cfg.vision;
-        let spec = VisionSpec::new(cfg);
+    pub fn load<S: TensorSource<B>>(
+        cfg: &ModelConfig,
+        v: &VisionConfig,
+        l: &Loader<'_, '_, S, B>,
+    ) -> Result<Self, ModelError> {
+        let spec = VisionSpec::new(cfg, v);
         let patch_w = l.matrix(&spec.patch_weight)?;
         let patch_b = spec.patch_bias.as_ref().map(|b| l.load(b)).transpose()?;
         let pos_table = spec.pos_embed.as_ref().map(|t| l.host(t)).transpose()?;

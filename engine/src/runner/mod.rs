@@ -6,7 +6,7 @@
 
 mod block_tables;
 
-use crate::arch::config::ModelConfig;
+use crate::arch::config::{ModelConfig, VisionConfig, NO_VISION_TOWER};
 use crate::backend::{
     Backend, BackendError, Capabilities, DeviceMemory, KvLayout, PagedBatch, PagedSeq, Readback, TableShape,
 };
@@ -257,14 +257,19 @@ impl<B: Backend> StepRunner for ModelRunner<B> {
     }
 
     fn encoder_bytes_per_token(&self) -> u64 {
-        self.model.cfg.encoder_output_dim() as u64 * self.be.elem_bytes()
+        self.model.cfg.vision.as_ref().map_or(0, VisionConfig::output_dim) as u64 * self.be.elem_bytes()
     }
 
     fn encode(&mut self, mm_hash: &MmHash, pixel_values: &[f32], grid_thw: [usize; 3]) -> Result<(), ModelError> {
         let patches: usize = grid_thw.iter().product();
         let cols = pixel_values.len() / patches.max(1);
         let px = self.be.upload(pixel_values.to_vec(), &[patches, cols])?;
-        let out = self.model.vision.forward(&self.be, &px, &[grid_thw])?;
+        let tower = self
+            .model
+            .vision
+            .as_ref()
+            .ok_or_else(|| ModelError::Input(NO_VISION_TOWER.into()))?;
+        let out = tower.forward(&self.be, &px, &[grid_thw])?;
         // Kept outputs are encoder cache from now on, not transient activations.
         let kept = VisionOutput {
             main: self.be.keep(&out.main, Category::EncoderCache),
@@ -293,7 +298,12 @@ impl<B: Backend> StepRunner for ModelRunner<B> {
             kv.rows.release(id);
         }
         let mut writes = Vec::new();
-        let deep_levels = self.model.cfg.vision.deepstack_visual_indexes.len();
+        let deep_levels = self
+            .model
+            .cfg
+            .vision
+            .as_ref()
+            .map_or(0, |v| v.deepstack_visual_indexes.len());
         let mut paged = PagedBatch {
             layout,
             ..PagedBatch::default()

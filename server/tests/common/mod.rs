@@ -13,6 +13,12 @@ use std::process::{Child, Command, ExitStatus, Output, Stdio};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
+/// Standard base64 with padding.
+pub fn base64(data: &[u8]) -> String {
+    use base64::Engine as _;
+    base64::engine::general_purpose::STANDARD.encode(data)
+}
+
 /// The `kvlens` binary under test, as a command to add arguments to.
 pub fn kvlens_command() -> Command {
     Command::new(env!("CARGO_BIN_EXE_kvlens"))

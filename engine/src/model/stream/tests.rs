@@ -68,7 +68,7 @@ fn stream<B: Backend>(
 
 /// Logits of every row of an 8-token prompt with a 4-token image (a 4×4 patch grid) at rows 2..6.
 fn logits<B: Backend>(be: B, model: QwenVl<B>) -> Vec<f32> {
-    let patch_dim = model.cfg.vision.patch_dim();
+    let patch_dim = model.cfg.vision.as_ref().unwrap().patch_dim();
     let mut runner = ModelRunner::new(be, model);
     runner.allocate_kv(2, 4, TableShape { rows: 1, max_blocks: 2 }).unwrap();
     let pixels: Vec<f32> = (0..16 * patch_dim)
@@ -401,7 +401,7 @@ fn gguf_file_logits(cfg: &ModelConfig, text: &[u8], mmproj: &[u8]) -> Vec<f32> {
         Gguf::parse(text, text.len() as u64).unwrap(),
         Gguf::parse(mmproj, mmproj.len() as u64).unwrap(),
     );
-    let pair = GgufModel::new(&t, &m).unwrap();
+    let pair = GgufModel::new(&t, Some(&m)).unwrap();
     let source = GgufTensors::new(&pair, text, mmproj).unwrap();
     let be = cpu();
     let model = QwenVl::load(cfg.clone(), &source, &be, |_, _| {}).unwrap();
@@ -423,7 +423,7 @@ fn gguf_stream(
         Gguf::parse(text, text.len() as u64).unwrap(),
         Gguf::parse(mmproj, mmproj.len() as u64).unwrap(),
     );
-    let tensors = GgufModel::new(&t, &m).unwrap().tensors().unwrap();
+    let tensors = GgufModel::new(&t, Some(&m)).unwrap().tensors().unwrap();
     let be = cpu();
     let mut loader = StreamLoader::new(cfg.clone(), &be, |_, _| {})?;
     let pushed = &mmproj[..mmproj.len() - cut];
