@@ -63,6 +63,16 @@ async fn data_url(file: File) -> Result<String, String> {
     Ok(format!("data:{mime};base64,{}", STANDARD.encode(bytes)))
 }
 
+/// A rate with the digits that matter: one decimal below 10 (a 2B model in a CPU tab prefills
+/// under one token a second), none above.
+fn rate(per_second: f64) -> String {
+    if per_second < 10.0 {
+        format!("{per_second:.1}")
+    } else {
+        format!("{per_second:.0}")
+    }
+}
+
 /// Milliseconds since the epoch.
 fn now_ms() -> f64 {
     js_sys::Date::now()
@@ -198,14 +208,12 @@ pub fn Chat(
                     last.token_ids.push(*token);
                     last.text.push_str(delta);
                     let n = last.token_ids.len();
-                    let prefill = prompt_len as f64 / ((first_at - started).max(1.0) / 1e3);
+                    let prefill = rate(prompt_len as f64 / ((first_at - started).max(1.0) / 1e3));
                     last.stats = if n > 1 {
-                        let decode = (n - 1) as f64 / ((now - first_at).max(1.0) / 1e3);
-                        format!(
-                            "prefill {prompt_len} tokens at {prefill:.0} tok/s · decode {n} tokens at {decode:.1} tok/s"
-                        )
+                        let decode = rate((n - 1) as f64 / ((now - first_at).max(1.0) / 1e3));
+                        format!("prefill {prompt_len} tokens at {prefill} tok/s · decode {n} tokens at {decode} tok/s")
                     } else {
-                        format!("prefill {prompt_len} tokens at {prefill:.0} tok/s")
+                        format!("prefill {prompt_len} tokens at {prefill} tok/s")
                     };
                     if let Some(f) = finish {
                         last.live = false;

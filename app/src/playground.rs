@@ -174,7 +174,7 @@ pub fn Playground() -> impl IntoView {
                     <button data-testid="load-files" disabled=move || busy.get()
                         on:click=move |_| load(Source::Files(picked.get_value()))>"load files"</button>
                     <label>"KV blocks (sets --kv-cache-memory)"
-                        <input type="number" min="2" prop:value=move || settings.get().kv_blocks.to_string()
+                        <input type="number" min="2" data-testid="kv-blocks" prop:value=move || settings.get().kv_blocks.to_string()
                             on:change=move |ev| settings.update(|s| s.kv_blocks = event_target_value(&ev).parse().unwrap_or(256)) />
                     </label>
                     <label>"context (sets --max-model-len; empty: the model's)"
