@@ -63,13 +63,13 @@ async fn data_url(file: File) -> Result<String, String> {
     Ok(format!("data:{mime};base64,{}", STANDARD.encode(bytes)))
 }
 
-/// A rate with the digits that matter: one decimal below 10 (a 2B model in a CPU tab prefills
-/// under one token a second), none above.
+/// A rate with the digits that matter: two decimals below 1 (a 2B model on SwiftShader decodes a
+/// token in 13 s), one below 10, none above.
 fn rate(per_second: f64) -> String {
-    if per_second < 10.0 {
-        format!("{per_second:.1}")
-    } else {
-        format!("{per_second:.0}")
+    match per_second {
+        r if r < 1.0 => format!("{r:.2}"),
+        r if r < 10.0 => format!("{r:.1}"),
+        r => format!("{r:.0}"),
     }
 }
 

@@ -356,7 +356,9 @@ impl Local {
             max_num_partial_prefills: 1,
             vocab_size: input.tokenizer.vocab_size(),
         };
-        let (engine, report) = build_engine(runner, req, opts, &now_s).map_err(|e| e.to_string())?;
+        let (engine, report) = build_engine(runner, req, opts, &now_s)
+            .await
+            .map_err(|e| e.to_string())?;
         report.size_input(&mut input);
         input.limit_images = s.images_per_prompt;
         let local = Rc::new(Local {

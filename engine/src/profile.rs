@@ -3,7 +3,7 @@
 //! ledger. Its peak is the activation memory every later step stays within, so the KV cache can
 //! take the rest. It goes through the same encode and execute path as every real step.
 
-use crate::backend::Backend;
+use crate::backend::{Backend, Readback};
 use crate::memory::ledger::Category;
 use crate::model::ModelError;
 use crate::runner::{BatchSeq, ImageRows, ModelRunner, StepBatch, StepRunner};
@@ -49,8 +49,10 @@ impl<B: Backend> ModelRunner<B> {
     /// vision tower on every profiled image (outputs kept), then one step of `num_tokens` tokens
     /// whose leading rows are those images' features (deepstack included) with `num_sampled`
     /// logits rows, over a scratch KV cache. Nothing it allocates outlives it; the runner's own KV
-    /// cache, if any, is put back.
-    pub fn profile(&mut self, spec: ProfileSpec) -> Result<ProfileResult, ModelError> {
+    /// cache, if any, is put back. The peak is known once the run is recorded; the read it returns
+    /// resolves once the device has run it (a GPU queues the work: awaiting the read is vLLM's
+    /// synchronize, without which the first request would wait behind the profile unawares).
+    pub fn profile(&mut self, spec: ProfileSpec) -> Result<(ProfileResult, Option<Readback>), ModelError> {
         if spec.num_tokens == 0 || spec.block_size == 0 {
             return Err(ModelError::Input(
                 "the profile batch needs tokens and a block size".into(),
@@ -105,20 +107,21 @@ impl<B: Backend> ModelRunner<B> {
             max_blocks: blocks,
         };
         let measured = self.allocate_kv(blocks, spec.block_size, tables).and_then(|_| {
-            // The read is queued, as in a real step, and dropped: its staging counts, its result
-            // is not needed.
-            drop(self.execute(batch)?);
-            Ok(transient(self.backend(), true).saturating_sub(base))
+            // The read is queued, as in a real step: its staging counts; its values are not
+            // needed, only that it arrives.
+            let read = self.execute(batch)?.read;
+            Ok((transient(self.backend(), true).saturating_sub(base), read))
         });
         for h in &hashes {
             self.forget(h);
         }
         self.restore_kv(own_kv);
-        let decoder_peak = measured?;
-        Ok(ProfileResult {
+        let (decoder_peak, read) = measured?;
+        let result = ProfileResult {
             activation_peak_bytes: vision_peak.max(decoder_peak),
             vision_peak_bytes: vision_peak,
             decoder_peak_bytes: decoder_peak,
-        })
+        };
+        Ok((result, read))
     }
 }

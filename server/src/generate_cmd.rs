@@ -6,7 +6,7 @@ use anyhow::Result;
 use kvlens_engine::arch::config::DType;
 use kvlens_engine::arch::config::{ImageLimits, ProcessorKwargs};
 use kvlens_engine::arch::weight_format::WeightFormat;
-use kvlens_engine::backend::BackendKind;
+use kvlens_engine::backend::{block_on, BackendKind};
 use kvlens_engine::builder::{build_engine, BackendChoice, EngineOptions};
 use kvlens_engine::engine::{Engine, FinishReason};
 use kvlens_engine::input::chat::{ChatMessage, Content, ContentPart, ImageUrl};
@@ -178,7 +178,7 @@ pub fn run(a: &GenerateArgs) -> Result<()> {
         vocab_size: front.tokenizer.vocab_size(),
     };
     let clock = Instant::now();
-    let (mut engine, _) = build_engine(runner, plan_req, opts, &|| clock.elapsed().as_secs_f64())
+    let (mut engine, _) = block_on(build_engine(runner, plan_req, opts, &|| clock.elapsed().as_secs_f64()))
         .map_err(|e| UsageError(e.to_string()))?;
     drop(req);
     for k in 0..a.repeat {

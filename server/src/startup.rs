@@ -7,7 +7,7 @@ use crate::runtime::{device_of, load, Frontend};
 use crate::usage;
 use anyhow::Result;
 use kvlens_engine::arch::config::ProcessorKwargs;
-use kvlens_engine::backend::BackendKind;
+use kvlens_engine::backend::{block_on, BackendKind};
 use kvlens_engine::builder::{build_engine, BackendChoice, BuildError, EngineOptions};
 use kvlens_engine::engine::Engine;
 use kvlens_engine::memory::device::gib_to_bytes;
@@ -223,7 +223,7 @@ pub fn start(a: &EngineArgs) -> Result<Started> {
         vocab_size: frontend.tokenizer.vocab_size(),
     };
     let clock = Instant::now();
-    let built = build_engine(runner, req, opts, &|| clock.elapsed().as_secs_f64());
+    let built = block_on(build_engine(runner, req, opts, &|| clock.elapsed().as_secs_f64()));
     let (mut engine, report) = match built {
         Ok(built) => built,
         Err(BuildError::Budget { error, log_lines }) => {

@@ -75,8 +75,9 @@ pub fn largest_image_grid(max_tokens: usize, merge: usize) -> [usize; 3] {
 
 /// Sizes and builds the engine over a loaded model. `req` holds the device and the user's flags;
 /// its weights, dtypes and activation peak are filled in here from the backend. `seconds` is a
-/// clock (the engine has none of its own) used to time the profile run.
-pub fn build_engine(
+/// clock (the engine has none of its own) used to time the profile run, which is awaited until
+/// the device has run it (native callers: [`crate::backend::block_on`]).
+pub async fn build_engine(
     mut runner: Box<dyn StepRunner>,
     mut req: PlanRequest,
     opts: EngineOptions,
@@ -97,7 +98,10 @@ pub fn build_engine(
         block_size: draft.block_size,
     };
     let started = seconds();
-    let profile = runner.profile(spec).map_err(BuildError::Profile)?;
+    let (profile, read) = runner.profile(spec).map_err(BuildError::Profile)?;
+    if let Some(read) = read {
+        read.await.map_err(|e| BuildError::Profile(e.into()))?;
+    }
     let profile_s = seconds() - started;
     req.activation_peak_bytes = Some(profile.activation_peak_bytes);
     let mut p = plan(&req).map_err(|e| BuildError::Plan(e.to_string()))?;

@@ -179,8 +179,8 @@ pub trait StepRunner: std::fmt::Debug {
     fn describe(&self) -> String;
     /// The largest buffer one kernel can bind, where the backend has such a limit.
     fn max_binding_bytes(&self) -> Option<u64>;
-    /// Runs the profile pass (see [`ModelRunner::profile`]).
-    fn profile(&mut self, spec: ProfileSpec) -> Result<ProfileResult, ModelError>;
+    /// Runs the profile pass and queues its read (see [`ModelRunner::profile`]).
+    fn profile(&mut self, spec: ProfileSpec) -> Result<(ProfileResult, Option<Readback>), ModelError>;
     /// Bytes per element of the backend's activations and KV cache.
     fn elem_bytes(&self) -> u64;
     /// The model's config.
@@ -227,7 +227,7 @@ impl<B: Backend> StepRunner for ModelRunner<B> {
         self.be.max_binding_bytes()
     }
 
-    fn profile(&mut self, spec: ProfileSpec) -> Result<ProfileResult, ModelError> {
+    fn profile(&mut self, spec: ProfileSpec) -> Result<(ProfileResult, Option<Readback>), ModelError> {
         ModelRunner::profile(self, spec)
     }
 
