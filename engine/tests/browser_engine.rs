@@ -177,7 +177,7 @@ async fn generate_matches_native<B: Backend + 'static>(backend: B) -> Engine {
         .with_total_bytes(256 << 20);
     let mut plan_req = PlanRequest::new("browser", model_cfg.clone(), device);
     let [_, h, w] = request.images[0].grid_thw;
-    let patch = model_cfg.vision.patch_size as u64;
+    let patch = model_cfg.vision.as_ref().expect("a vision tower").patch_size as u64;
     let largest = (h * w) as u64 * patch * patch;
     plan_req.image_limits = ImageLimits {
         min_pixels: input.settings.limits.min_pixels.min(largest),
@@ -197,6 +197,7 @@ async fn generate_matches_native<B: Backend + 'static>(backend: B) -> Engine {
     let (mut engine, _) = build_engine(Box::new(ModelRunner::new(backend, model)), plan_req, opts, &|| {
         now_ms() / 1e3
     })
+    .await
     .unwrap_or_else(|e| panic!("the engine starts on the {name} backend: {e}"));
     let built = now_ms();
     console_log!(
