@@ -84,10 +84,15 @@ impl Weights {
 
 /// A GGUF text model's and its projector's headers read as one model.
 pub fn gguf_model<'a>(text: &'a GgufFile, mmproj: Option<&'a GgufFile>) -> Result<GgufModel<'a>, String> {
-    GgufModel::new(&text.header, mmproj.map(|m| &m.header)).map_err(|e| match mmproj {
+    GgufModel::new(&text.header, mmproj.map(|m| &m.header)).map_err(|e| pair_error(text, mmproj, e))
+}
+
+/// An error about a GGUF text model and its projector, naming both files.
+fn pair_error(text: &GgufFile, mmproj: Option<&GgufFile>, e: impl std::fmt::Display) -> String {
+    match mmproj {
         Some(m) => format!("{} with {}: {e}", text.name, m.name),
         None => format!("{}: {e}", text.name),
-    })
+    }
 }
 
 /// The small files of a checkpoint, read before any weight.
@@ -323,8 +328,9 @@ impl Source {
             Some(name) => Some(self.gguf_header(name).await?),
             None => None,
         };
-        let model = gguf_model(&text, mmproj.as_ref())?;
-        let files = model.small_files().map_err(|e| format!("{}: {e}", text.name))?;
+        let files = gguf_model(&text, mmproj.as_ref())?
+            .small_files()
+            .map_err(|e| pair_error(&text, mmproj.as_ref(), e))?;
         let chat_template = files
             .chat_template
             .ok_or_else(|| format!("{} has no chat template (tokenizer.chat_template)", text.name))?;

@@ -156,27 +156,28 @@ pub fn plan_request(info: &CheckpointInfo, limits: ImageLimits, device: &Device,
 pub fn verdict(info: &CheckpointInfo, device: &Device, s: Settings) -> Result<Plan, String> {
     let p = plan(&plan_request(info, image_limits(info, s)?, device, s)).map_err(|e| e.to_string())?;
     let kv = p.available_kv_bytes.max(0) as u64;
-    if p.fits && p.non_kv_bytes + kv > p.requested_bytes {
+    let total = p.non_kv_bytes.saturating_add(kv);
+    if !p.fits {
+        Err(format!(
+            "{} (a tiny model's KV cache in MiB: {} needed, {} available)",
+            p.verdict(),
+            size(p.needed_kv_bytes),
+            size(kv)
+        ))
+    } else if total > p.requested_bytes {
         Err(format!(
             "Does not fit on {}: weights {} + activations {} + KV cache {} = {}, more than the {} it may use ({} of {}). Try fewer KV blocks, a smaller context or a smaller checkpoint.",
             p.device,
             size(p.weights_bytes),
             size(p.activation_peak_bytes + p.non_torch_bytes),
             size(kv),
-            size(p.non_kv_bytes + kv),
+            size(total),
             size(p.requested_bytes),
             p.gpu_memory_utilization,
             size(p.total_bytes)
         ))
-    } else if p.fits {
-        Ok(p)
     } else {
-        Err(format!(
-            "{} (a tiny model's KV cache in MiB: {} needed, {} available)",
-            p.verdict(),
-            size(p.needed_kv_bytes),
-            size(p.available_kv_bytes.max(0) as u64)
-        ))
+        Ok(p)
     }
 }
 

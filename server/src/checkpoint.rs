@@ -173,10 +173,12 @@ impl Checkpoint {
             text: header(text)?,
             mmproj: mmproj.map(header).transpose()?,
         };
-        let files = pair.model()?.small_files().map_err(|e| match mmproj {
-            Some(m) => usage(format!("{} with {}: {e}", text.display(), m.display())),
-            None => usage(format!("{}: {e}", text.display())),
-        })?;
+        let files = GgufModel::new(&pair.text.1, pair.mmproj.as_ref().map(|m| &m.1))
+            .and_then(|m| m.small_files())
+            .map_err(|e| match mmproj {
+                Some(m) => usage(format!("{} with {}: {e}", text.display(), m.display())),
+                None => usage(format!("{}: {e}", text.display())),
+            })?;
         if files.config.vision.is_none() {
             tracing::warn!(
                 "{} without a projector (--mmproj mmproj-*.gguf): a language model alone, requests with images are refused",

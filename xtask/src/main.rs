@@ -618,14 +618,15 @@ fn e2e(build_kvlens: bool) -> Result<(u64, u64)> {
     let image = workspace_root().join(E2E_IMAGE);
     // Native greedy tokens on the demo model, on its GGUF pair, and on its GGUF text model alone
     // (a text prompt).
-    let generate = |model: &[&Path], name: &str| -> Result<PathBuf> {
+    let generate = |model: &[&Path], with_image: bool, name: &str| -> Result<PathBuf> {
         let mut cmd = Command::new(&kvlens);
         cmd.args(["generate", "--backend", "cpu", "--model"]).arg(model[0]);
-        match model.get(1) {
-            Some(mmproj) => cmd.arg("--mmproj").arg(mmproj).arg("--image").arg(&image),
-            None if model[0].extension().is_some_and(|e| e == "gguf") => &mut cmd,
-            None => cmd.arg("--image").arg(&image),
-        };
+        if let Some(mmproj) = model.get(1) {
+            cmd.arg("--mmproj").arg(mmproj);
+        }
+        if with_image {
+            cmd.arg("--image").arg(&image);
+        }
         let out = cmd
             .args(["--prompt", E2E_PROMPT, "--max-tokens", E2E_MAX_TOKENS, "--json"])
             .output()
@@ -637,16 +638,17 @@ fn e2e(build_kvlens: bool) -> Result<(u64, u64)> {
         std::fs::write(&path, &out.stdout)?;
         Ok(path)
     };
-    let expected = generate(&[&dist.join("demo-model")], "generate.json")?;
+    let expected = generate(&[&dist.join("demo-model")], true, "generate.json")?;
     let gguf = dist.join("demo-gguf");
     let expected_gguf = generate(
         &[
             &gguf.join("demo-model-F16.gguf"),
             &gguf.join("mmproj-demo-model-F16.gguf"),
         ],
+        true,
         "generate-gguf.json",
     )?;
-    let expected_gguf_text = generate(&[&gguf.join("demo-model-F16.gguf")], "generate-gguf-text.json")?;
+    let expected_gguf_text = generate(&[&gguf.join("demo-model-F16.gguf")], false, "generate-gguf-text.json")?;
     let python = if have("python3", "--version", "Python 3") {
         "python3"
     } else {

@@ -622,6 +622,17 @@ impl ModelConfig {
         Ok(cfg)
     }
 
+    /// Output width per image token as the encoder cache stores it; 0 without a vision tower.
+    pub fn encoder_output_dim(&self) -> usize {
+        self.vision.as_ref().map_or(0, VisionConfig::output_dim)
+    }
+
+    /// Deepstack levels the decoder adds image features at (Qwen3-VL); 0 for the others and
+    /// without a vision tower.
+    pub fn deepstack_levels(&self) -> usize {
+        self.vision.as_ref().map_or(0, |v| v.deepstack_visual_indexes.len())
+    }
+
     fn validate(&self) -> Result<(), ConfigError> {
         let t = &self.text;
         let positive = [

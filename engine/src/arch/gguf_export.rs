@@ -193,10 +193,7 @@ fn text_metadata(w: &mut GgufWriter, ckpt: &CheckpointText<'_>, cfg: &ModelConfi
     if cfg.family.is_qwen3() {
         w.meta(&key("attention.key_length"), u32_of(t.head_dim));
         w.meta(&key("attention.value_length"), u32_of(t.head_dim));
-        w.meta(
-            &key("n_deepstack_layers"),
-            u32_of(cfg.vision.as_ref().map_or(0, |v| v.deepstack_visual_indexes.len())),
-        );
+        w.meta(&key("n_deepstack_layers"), u32_of(cfg.deepstack_levels()));
     }
     w.meta("general.file_type", MetaValue::U32(file_type(outtype)));
     vocabulary(w, ckpt, t.vocab_size)?;

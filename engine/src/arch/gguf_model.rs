@@ -312,15 +312,7 @@ impl<'a> GgufModel<'a> {
                 })
             }
             Family::Qwen3Vl | Family::Qwen3VlMoe => {
-                let deepstack: Vec<usize> = match m.get("clip.vision.is_deepstack_layers") {
-                    Some(MetaValue::Array(flags)) => flags
-                        .iter()
-                        .enumerate()
-                        .filter(|(_, f)| **f == MetaValue::Bool(true))
-                        .map(|(i, _)| i)
-                        .collect(),
-                    _ => Vec::new(),
-                };
+                let deepstack = deepstack_layers(m);
                 let positions = Self::vision_shape(m, "v.position_embd.weight")?[0];
                 json!({
                     "depth": depth, "hidden_size": width, "intermediate_size": ffn, "num_heads": vision_heads,
@@ -408,11 +400,10 @@ impl<'a> GgufModel<'a> {
             );
         }
         let Some(mmproj) = self.mmproj else { return Ok(out) };
-        let deepstack = self.config_json()?["vision_config"]["deepstack_visual_indexes"].clone();
-        let deepstack: Vec<u64> = deepstack
-            .as_array()
-            .map(|a| a.iter().filter_map(Value::as_u64).collect())
-            .unwrap_or_default();
+        let deepstack: Vec<u64> = match self.family.is_qwen3() {
+            true => deepstack_layers(mmproj).into_iter().map(|l| l as u64).collect(),
+            false => Vec::new(),
+        };
         let mut qkv: BTreeMap<String, [Option<Piece>; 3]> = BTreeMap::new();
         let mut temporal: [Option<Piece>; 2] = [None, None];
         for (index, t) in mmproj.tensors.iter().enumerate() {
@@ -468,6 +459,20 @@ impl<'a> GgufModel<'a> {
             Part::Text => Some(self.text),
             Part::Mmproj => self.mmproj,
         }
+    }
+}
+
+/// The vision blocks a Qwen3-VL projector feeds to its deepstack mergers
+/// (`clip.vision.is_deepstack_layers`).
+fn deepstack_layers(m: &Gguf) -> Vec<usize> {
+    match m.get("clip.vision.is_deepstack_layers") {
+        Some(MetaValue::Array(flags)) => flags
+            .iter()
+            .enumerate()
+            .filter(|(_, f)| **f == MetaValue::Bool(true))
+            .map(|(i, _)| i)
+            .collect(),
+        _ => Vec::new(),
     }
 }
 

@@ -9,7 +9,7 @@
 
 use super::device::DeviceProfile;
 use super::weights::weight_bytes_per_rank;
-use crate::arch::config::{DType, Family, ImageLimits, ModelConfig, VisionConfig};
+use crate::arch::config::{DType, Family, ImageLimits, ModelConfig};
 use crate::arch::weight_format::WeightFormat;
 
 use super::GIB;
@@ -499,10 +499,9 @@ pub fn plan(req: &PlanRequest) -> Result<Plan, PlanError> {
         0
     };
     let (budget, items, modality) = encoder_budget(limits, image_tokens, video_tokens, mnbt, mns, max_len);
-    let encoder_dim = m.vision.as_ref().map_or(0, VisionConfig::output_dim);
+    let encoder_dim = m.encoder_output_dim();
 
-    let deep_levels = m.vision.as_ref().map_or(0, |v| v.deepstack_visual_indexes.len());
-    let deepstack = deep_levels as u64 * mnbt as u64 * t.hidden_size as u64 * act_bytes;
+    let deepstack = m.deepstack_levels() as u64 * mnbt as u64 * t.hidden_size as u64 * act_bytes;
     let estimated_weights: u64 = weight_bytes_per_rank(m, tp, act_bytes, req.quantization)
         .iter()
         .map(|(_, b)| b)

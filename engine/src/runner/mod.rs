@@ -6,7 +6,7 @@
 
 mod block_tables;
 
-use crate::arch::config::{ModelConfig, VisionConfig, NO_VISION_TOWER};
+use crate::arch::config::{ModelConfig, NO_VISION_TOWER};
 use crate::backend::{
     Backend, BackendError, Capabilities, DeviceMemory, KvLayout, PagedBatch, PagedSeq, Readback, TableShape,
 };
@@ -257,7 +257,7 @@ impl<B: Backend> StepRunner for ModelRunner<B> {
     }
 
     fn encoder_bytes_per_token(&self) -> u64 {
-        self.model.cfg.vision.as_ref().map_or(0, VisionConfig::output_dim) as u64 * self.be.elem_bytes()
+        self.model.cfg.encoder_output_dim() as u64 * self.be.elem_bytes()
     }
 
     fn encode(&mut self, mm_hash: &MmHash, pixel_values: &[f32], grid_thw: [usize; 3]) -> Result<(), ModelError> {
@@ -298,12 +298,7 @@ impl<B: Backend> StepRunner for ModelRunner<B> {
             kv.rows.release(id);
         }
         let mut writes = Vec::new();
-        let deep_levels = self
-            .model
-            .cfg
-            .vision
-            .as_ref()
-            .map_or(0, |v| v.deepstack_visual_indexes.len());
+        let deep_levels = self.model.cfg.deepstack_levels();
         let mut paged = PagedBatch {
             layout,
             ..PagedBatch::default()
