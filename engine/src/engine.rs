@@ -427,6 +427,28 @@ impl Engine {
         Ok(self.sched.reset_prefix_cache()?)
     }
 
+    /// Starts or stops recording the KV cache's events (blocks stored, removed, all cleared), which
+    /// a publisher drains with [`Self::take_kv_events`] (vLLM `--kv-events-config`).
+    pub fn record_kv_events(&mut self, on: bool) {
+        self.sched.kv_mut().record_events(on);
+    }
+
+    /// The KV cache events recorded since the last call, oldest first.
+    pub fn take_kv_events(&mut self) -> Vec<crate::cache::KvCacheEvent> {
+        self.sched.kv_mut().take_events()
+    }
+
+    /// Follows a sample of KV blocks from allocation to eviction (vLLM `--kv-cache-metrics`);
+    /// `None` stops. Their evictions come out of [`Self::take_kv_block_evictions`].
+    pub fn follow_kv_block_residency(&mut self, residency: Option<crate::cache::BlockResidency>) {
+        self.sched.kv_mut().follow_residency(residency);
+    }
+
+    /// The followed KV blocks evicted since the last call.
+    pub fn take_kv_block_evictions(&mut self) -> Vec<crate::cache::BlockEviction> {
+        self.sched.kv_mut().take_evictions()
+    }
+
     /// Runs one step to its end, blocking on the read (native callers).
     pub fn step(&mut self) -> Result<Vec<TokenEvent>, EngineError> {
         block_on(self.step_async())

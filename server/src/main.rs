@@ -4,6 +4,7 @@
 mod bench;
 mod checkpoint;
 mod generate_cmd;
+mod kv_events;
 mod logging;
 mod plan_cmd;
 mod preprocess;

@@ -43,6 +43,10 @@ pub struct EngineArgs {
     /// machine's RAM]; the cuda backend sizes for the GPU's memory.
     #[arg(long)]
     pub cpu_memory_gib: Option<f64>,
+    /// A fixed KV cache size in bytes, as vLLM's --kv-cache-memory-bytes: the utilization rule
+    /// is skipped (a small cache shows eviction and preemption on a small machine).
+    #[arg(long)]
+    pub kv_cache_memory_bytes: Option<u64>,
     /// Most tokens one request computes per step, so one long prompt cannot hold every step
     /// [default: 0, no cap; 4% of max_model_len when --max-num-partial-prefills is over 1].
     #[arg(long, default_value_t = 0)]
@@ -216,6 +220,7 @@ pub fn start(a: &EngineArgs) -> Result<Started> {
     req.limit_mm_per_prompt = MmLimits { video: 0, ..limits };
     // Nothing else shares the CPU "device"; on a GPU, what the driver holds beyond our allocations.
     req.non_torch_bytes = Some(non_torch);
+    req.kv_cache_memory_bytes = a.kv_cache_memory_bytes;
     let opts = EngineOptions {
         enable_prefix_caching: !a.no_enable_prefix_caching,
         long_prefill_token_threshold: a.long_prefill_token_threshold,

@@ -5,24 +5,7 @@
 
 mod common;
 
-use common::{root, scratch};
-use std::path::PathBuf;
-use std::process::Command;
-
-fn client_python() -> PathBuf {
-    let path = std::env::var_os("KVLENS_CLIENT_PYTHON")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            let home = std::env::var_os("HOME").map(PathBuf::from).unwrap_or_default();
-            home.join(".cache/kvlens/client-venv/bin/python")
-        });
-    assert!(
-        path.is_file(),
-        "{} not found: run `cargo xtask test` (it installs the openai client venv) or set KVLENS_CLIENT_PYTHON",
-        path.display()
-    );
-    path
-}
+use common::python_suite;
 
 fn suite(check: &str) {
     suite_on(check, "cpu");
@@ -30,22 +13,8 @@ fn suite(check: &str) {
 
 /// Runs one check of the suite with every server on `backend`.
 fn suite_on(check: &str, backend: &str) {
-    let work = scratch(&format!("serve-openai-{check}-{backend}"));
-    let out = Command::new(client_python())
-        .arg(root().join("tools/serve_tests/openai_suite.py"))
-        .args(["--kvlens", env!("CARGO_BIN_EXE_kvlens"), "--work"])
-        .arg(&work)
-        .args(["--serve-arg=--backend", &format!("--serve-arg={backend}")])
-        .args(["--only", check])
-        .output()
-        .expect("python runs");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    println!("{stdout}");
-    assert!(
-        out.status.success() && stdout.contains(&format!("ok {check}")),
-        "{check}:\n{stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let backend = format!("--serve-arg={backend}");
+    python_suite("openai_suite.py", check, &["--serve-arg=--backend", &backend]);
 }
 
 #[test]

@@ -24,6 +24,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -408,17 +409,18 @@ CHECKS = {
 }
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(checks: dict = CHECKS, doc: str = __doc__) -> int:
+    """Runs the named checks (all by default), each reported as `ok NAME` or `FAILED NAME: why`."""
+    ap = argparse.ArgumentParser(description=doc.split("\n")[0])
     ap.add_argument("--kvlens", required=True)
     ap.add_argument("--work", required=True, type=Path)
-    ap.add_argument("--only", nargs="*", choices=sorted(CHECKS))
+    ap.add_argument("--only", nargs="*", choices=sorted(checks))
     ap.add_argument("--serve-arg", action="append", default=[], help="an argument for every kvlens serve")
     a = ap.parse_args()
     SERVE_ARGS.extend(a.serve_arg)
     a.work.mkdir(parents=True, exist_ok=True)
     failed = []
-    for name, check in CHECKS.items():
+    for name, check in checks.items():
         if a.only and name not in a.only:
             continue
         started = time.time()
@@ -427,7 +429,8 @@ def main() -> int:
             print(f"ok {name} ({time.time() - started:.1f} s)", flush=True)
         except Exception as e:  # noqa: BLE001 - every failure is reported, then the next check runs
             failed.append(name)
-            print(f"FAILED {name}: {type(e).__name__}: {e}", flush=True)
+            where = traceback.extract_tb(e.__traceback__)[-1]
+            print(f"FAILED {name}: {type(e).__name__} at line {where.lineno} ({where.line}): {e}", flush=True)
     print(f"{len(failed)} failed" if failed else "all checks passed")
     return 1 if failed else 0
 

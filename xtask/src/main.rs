@@ -110,15 +110,22 @@ fn ensure_tokenizer() -> Result<PathBuf> {
     Ok(path)
 }
 
-/// The official OpenAI client and Pillow, pinned: the server's tests talk to it as users do.
-const CLIENT_PACKAGES: &[&str] = &["openai==3.54.0", "pillow==13.0.0"];
+/// The official OpenAI client and Pillow, pinned: the server's tests talk to it as users do; and
+/// what vLLM's KV event subscribers and Prometheus scrapers use (msgspec, pyzmq, prometheus_client).
+const CLIENT_PACKAGES: &[&str] = &[
+    "openai==3.54.0",
+    "pillow==13.0.0",
+    "msgspec==0.22.0",
+    "pyzmq==27.3.0",
+    "prometheus_client==0.26.0",
+];
 
 /// The Python of the client venv (`~/.cache/kvlens/client-venv`), created and filled when missing;
 /// exported as `KVLENS_CLIENT_PYTHON` for the server tests.
 fn ensure_client_python() -> Result<PathBuf> {
     let python = ensure_venv(
         "client-venv",
-        "import openai, PIL; assert openai.__version__ == '3.54.0'",
+        "import openai, PIL, msgspec, zmq, prometheus_client; assert openai.__version__ == '3.54.0'",
         CLIENT_PACKAGES,
         false,
     )?;

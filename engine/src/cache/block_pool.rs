@@ -9,6 +9,8 @@
 use std::collections::HashMap;
 
 use super::block_hash::BlockHash;
+use super::block_residency::{BlockEviction, BlockResidency};
+use super::kv_events::KvCacheEvent;
 use super::CacheError;
 
 /// Index of a KV block in the pool.
@@ -127,6 +129,10 @@ pub struct BlockPool {
     free_queue: FreeBlockQueue,
     cached_block_hash_to_block: HashMap<BlockHash, Vec<BlockId>>,
     num_evictions: u64,
+    /// Events since the last [`Self::take_events`], while recording (vLLM `kv_event_queue`).
+    events: Option<Vec<KvCacheEvent>>,
+    /// The sampled blocks' residency, when followed (vLLM `--kv-cache-metrics`).
+    residency: Option<BlockResidency>,
 }
 
 impl BlockPool {
@@ -148,7 +154,44 @@ impl BlockPool {
             free_queue: FreeBlockQueue::new(num_blocks),
             cached_block_hash_to_block: HashMap::new(),
             num_evictions: 0,
+            events: None,
+            residency: None,
         })
+    }
+
+    /// Follows a sample of blocks from allocation to eviction (`None` stops).
+    pub fn follow_residency(&mut self, residency: Option<BlockResidency>) {
+        self.residency = residency;
+    }
+
+    /// The followed blocks evicted since the last call.
+    pub fn take_evictions(&mut self) -> Vec<BlockEviction> {
+        self.residency
+            .as_mut()
+            .map(BlockResidency::take_evictions)
+            .unwrap_or_default()
+    }
+
+    /// Starts or stops recording [`KvCacheEvent`]s (stopping drops those not taken).
+    pub fn record_events(&mut self, on: bool) {
+        self.events = on.then(Vec::new);
+    }
+
+    /// Whether events are being recorded.
+    pub fn records_events(&self) -> bool {
+        self.events.is_some()
+    }
+
+    /// The events recorded since the last call, oldest first.
+    pub fn take_events(&mut self) -> Vec<KvCacheEvent> {
+        self.events.as_mut().map(std::mem::take).unwrap_or_default()
+    }
+
+    /// Records `event` when recording.
+    pub(super) fn record(&mut self, event: KvCacheEvent) {
+        if let Some(events) = &mut self.events {
+            events.push(event);
+        }
     }
 
     /// Total blocks, the null block included.
@@ -225,6 +268,9 @@ impl BlockPool {
         for &id in &out {
             self.evict_hash(id);
             self.ref_cnt[id] = 1;
+            if let Some(r) = &mut self.residency {
+                r.allocated(id);
+            }
         }
         Ok(out)
     }
@@ -239,6 +285,12 @@ impl BlockPool {
             }
         }
         self.num_evictions += 1;
+        if let Some(r) = &mut self.residency {
+            r.evicted(id);
+        }
+        self.record(KvCacheEvent::BlockRemoved {
+            block_hashes: vec![hash.external()],
+        });
     }
 
     /// Checks that `block` is a real, non-null block.
@@ -267,6 +319,9 @@ impl BlockPool {
                 self.free_queue.remove(b);
             }
             self.ref_cnt[b] += 1;
+            if let Some(r) = &mut self.residency {
+                r.accessed(b);
+            }
         }
         Ok(())
     }
@@ -343,6 +398,10 @@ impl BlockPool {
         }
         self.cached_block_hash_to_block.clear();
         self.block_hash.iter_mut().for_each(|h| *h = None);
+        if let Some(r) = &mut self.residency {
+            r.clear();
+        }
+        self.record(KvCacheEvent::AllBlocksCleared);
         Ok(())
     }
 

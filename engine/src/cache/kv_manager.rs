@@ -11,6 +11,8 @@ use serde::{Deserialize, Serialize};
 
 use super::block_hash::BlockHash;
 use super::block_pool::{BlockId, BlockPool, NULL_BLOCK};
+use super::block_residency::{BlockEviction, BlockResidency};
+use super::kv_events::{BlockKeys, KvCacheEvent};
 use super::{CacheError, RequestId};
 
 /// Result of a prefix-cache lookup: the hit blocks (in prefix order) and the tokens they cover.
@@ -289,7 +291,8 @@ impl KvCacheManager {
     ///   or resumed request);
     /// * `computed`: prefix-cache hits from [`Self::get_computed_blocks`] (new requests only; pass
     ///   `&ComputedBlocks::default()` otherwise);
-    /// * `block_hashes`: the request's full-block hashes so far; newly full blocks are cached with them.
+    /// * `keys`: the request's full-block hashes so far (newly full blocks are cached with them),
+    ///   with the tokens and image spans a recorded [`KvCacheEvent::BlockStored`] reports.
     ///
     /// Returns `Ok(Some(new blocks))`, or `Ok(None)` without changing anything when the free queue
     /// is too short (the caller preempts or waits). Hits sitting in the free queue count against it.
@@ -299,8 +302,9 @@ impl KvCacheManager {
         num_new_tokens: usize,
         num_computed_tokens: usize,
         computed: &ComputedBlocks,
-        block_hashes: &[BlockHash],
+        keys: &BlockKeys<'_>,
     ) -> Result<Option<Vec<BlockId>>, CacheError> {
+        let block_hashes = keys.hashes;
         if num_new_tokens == 0 {
             return Err(CacheError::ZeroNewTokens);
         }
@@ -345,8 +349,11 @@ impl KvCacheManager {
             if num_full > req.num_cached_blocks {
                 let range = req.num_cached_blocks..num_full;
                 self.pool
-                    .cache_full_blocks(&req.blocks[range.clone()], &block_hashes[range])?;
+                    .cache_full_blocks(&req.blocks[range.clone()], &block_hashes[range.clone()])?;
                 req.num_cached_blocks = num_full;
+                if self.pool.records_events() {
+                    self.pool.record(keys.stored(range.start, range.end, bs));
+                }
             }
         }
         Ok(Some(new_blocks))
@@ -362,6 +369,26 @@ impl KvCacheManager {
             self.pool.free_blocks(&blocks)?;
         }
         Ok(())
+    }
+
+    /// Starts or stops recording [`KvCacheEvent`]s.
+    pub fn record_events(&mut self, on: bool) {
+        self.pool.record_events(on);
+    }
+
+    /// The events recorded since the last call, oldest first.
+    pub fn take_events(&mut self) -> Vec<KvCacheEvent> {
+        self.pool.take_events()
+    }
+
+    /// Follows a sample of blocks from allocation to eviction (`None` stops).
+    pub fn follow_residency(&mut self, residency: Option<BlockResidency>) {
+        self.pool.follow_residency(residency);
+    }
+
+    /// The followed blocks evicted since the last call.
+    pub fn take_evictions(&mut self) -> Vec<BlockEviction> {
+        self.pool.take_evictions()
     }
 
     /// Drops all prefix-cache content; refused with [`CacheError::BlocksInUse`] while any request
@@ -480,6 +507,15 @@ mod tests {
         s.into()
     }
 
+    /// The keys of a request whose tokens are all prompt.
+    fn keys<'a>(hashes: &'a [BlockHash], tokens: &'a [TokenId], mm: &'a [MmSpan]) -> BlockKeys<'a> {
+        BlockKeys {
+            hashes,
+            tokens: [tokens, &[]],
+            spans: mm,
+        }
+    }
+
     fn toks(n: usize, seed: u32) -> Vec<TokenId> {
         (0..n as u32).map(|i| i.wrapping_mul(31).wrapping_add(seed)).collect()
     }
@@ -494,7 +530,13 @@ mod tests {
         let hashes = hash_request_blocks(prompt, m.block_size(), mm, None).unwrap();
         let hit = m.get_computed_blocks(&hashes, prompt.len());
         let new = m
-            .allocate_slots(&rid(id), prompt.len() - hit.num_tokens(), 0, &hit, &hashes)
+            .allocate_slots(
+                &rid(id),
+                prompt.len() - hit.num_tokens(),
+                0,
+                &hit,
+                &keys(&hashes, prompt, mm),
+            )
             .unwrap();
         (hit, new)
     }
@@ -681,7 +723,9 @@ mod tests {
         let hashes = hash_request_blocks(&prompt, 16, &[], None).unwrap();
         let hit = m.get_computed_blocks(&hashes, prompt.len());
         assert_eq!(hit.num_tokens(), 32);
-        let got = m.allocate_slots(&rid("b"), 8, 0, &hit, &hashes).unwrap();
+        let got = m
+            .allocate_slots(&rid("b"), 8, 0, &hit, &keys(&hashes, &prompt, &[]))
+            .unwrap();
         assert_eq!(got, None);
         let after = m.snapshot();
         assert_eq!(before.blocks, after.blocks);
@@ -696,14 +740,22 @@ mod tests {
         let id = rid("a");
         let mut hashes = hash_request_blocks(&tokens, 16, &[], None).unwrap();
         let hit = m.get_computed_blocks(&hashes, tokens.len());
-        m.allocate_slots(&id, 20, 0, &hit, &hashes).unwrap().unwrap();
+        m.allocate_slots(&id, 20, 0, &hit, &keys(&hashes, &tokens, &[]))
+            .unwrap()
+            .unwrap();
         for t in 0..13u32 {
             let computed = tokens.len();
             tokens.push(1000 + t);
             extend_block_hashes(&mut hashes, &tokens, 16, &[], None).unwrap();
-            m.allocate_slots(&id, 1, computed, &ComputedBlocks::default(), &hashes)
-                .unwrap()
-                .unwrap();
+            m.allocate_slots(
+                &id,
+                1,
+                computed,
+                &ComputedBlocks::default(),
+                &keys(&hashes, &tokens, &[]),
+            )
+            .unwrap()
+            .unwrap();
         }
         // 33 tokens computed: 3 blocks, 2 full and cached.
         assert_eq!(m.block_table(&id).len(), 3);
@@ -723,13 +775,13 @@ mod tests {
         let hashes = hash_request_blocks(&prompt, 16, &[], None).unwrap();
         let none = ComputedBlocks::default();
         assert_eq!(
-            m.allocate_slots(&rid("a"), 0, 0, &none, &hashes),
+            m.allocate_slots(&rid("a"), 0, 0, &none, &keys(&hashes, &prompt, &[])),
             Err(CacheError::ZeroNewTokens)
         );
         admit(&mut m, "a", &prompt, &[]);
         let hit = m.get_computed_blocks(&hashes, 40);
         assert!(matches!(
-            m.allocate_slots(&rid("a"), 1, 40, &hit, &hashes),
+            m.allocate_slots(&rid("a"), 1, 40, &hit, &keys(&hashes, &prompt, &[])),
             Err(CacheError::ComputedBlocksForRunningRequest(_))
         ));
         // A hit that went stale (evicted between lookup and allocation) is refused.
@@ -739,7 +791,7 @@ mod tests {
         admit(&mut m, "x", &toks(112, 11), &[]); // takes all 7 blocks, evicting a's
         m.free(&rid("x")).unwrap();
         assert!(matches!(
-            m.allocate_slots(&rid("b"), 8, 0, &hit, &hashes),
+            m.allocate_slots(&rid("b"), 8, 0, &hit, &keys(&hashes, &prompt, &[])),
             Err(CacheError::StaleComputedBlock { position: 0, .. })
         ));
         assert!(KvCacheManager::new(8, 16, 0, true).is_err());
@@ -761,7 +813,10 @@ mod tests {
     fn max_model_len_caps_allocation() {
         let mut m = KvCacheManager::new(16, 16, 40, true).unwrap();
         let none = ComputedBlocks::default();
-        let got = m.allocate_slots(&rid("a"), 100, 0, &none, &[]).unwrap().unwrap();
+        let got = m
+            .allocate_slots(&rid("a"), 100, 0, &none, &keys(&[], &[], &[]))
+            .unwrap()
+            .unwrap();
         assert_eq!(got.len(), 3);
     }
 
@@ -834,6 +889,45 @@ mod tests {
 
         const PREFIXES: [usize; 3] = [9, 24, 41];
 
+        /// Applies events as a subscriber would; a removal of a hash not resident is an error.
+        fn apply_events(
+            resident: &mut BTreeMap<u64, usize>,
+            events: Vec<KvCacheEvent>,
+            bs: usize,
+        ) -> Result<(), TestCaseError> {
+            for e in events {
+                match e {
+                    KvCacheEvent::BlockStored {
+                        block_hashes,
+                        token_ids,
+                        extra_keys,
+                        block_size,
+                        ..
+                    } => {
+                        prop_assert_eq!(block_size, bs);
+                        prop_assert_eq!(token_ids.len(), block_hashes.len() * bs);
+                        prop_assert_eq!(extra_keys.len(), block_hashes.len());
+                        for h in block_hashes {
+                            *resident.entry(h).or_default() += 1;
+                        }
+                    }
+                    KvCacheEvent::BlockRemoved { block_hashes } => {
+                        for h in block_hashes {
+                            let n = resident.get_mut(&h).filter(|n| **n > 0);
+                            prop_assert!(n.is_some(), "removed {:016x}, never stored", h);
+                            let n = n.unwrap();
+                            *n -= 1;
+                            if *n == 0 {
+                                resident.remove(&h);
+                            }
+                        }
+                    }
+                    KvCacheEvent::AllBlocksCleared => resident.clear(),
+                }
+            }
+            Ok(())
+        }
+
         fn check(m: &KvCacheManager, live: &[Live]) -> Result<(), TestCaseError> {
             let pool = m.pool();
             pool.check_invariants().map_err(TestCaseError::fail)?;
@@ -885,6 +979,9 @@ mod tests {
             ) {
                 let max_len = 256;
                 let mut m = KvCacheManager::new(num_blocks, bs, max_len, caching).unwrap();
+                m.record_events(true);
+                // The cached blocks as a subscriber to the events sees them: hash -> copies.
+                let mut resident: BTreeMap<u64, usize> = BTreeMap::new();
                 let prefixes: Vec<Vec<TokenId>> =
                     PREFIXES.iter().enumerate().map(|(i, &n)| toks(n, 100 * i as u32)).collect();
                 let mut live: Vec<Live> = Vec::new();
@@ -911,7 +1008,7 @@ mod tests {
                             next_id += 1;
                             let num_new = (tokens.len() - hit.num_tokens()).min(chunk);
                             let free_before = m.num_free_blocks();
-                            match m.allocate_slots(&id, num_new, 0, &hit, &hashes).unwrap() {
+                            match m.allocate_slots(&id, num_new, 0, &hit, &keys(&hashes, &tokens, &mm)).unwrap() {
                                 Some(_) => live.push(Live {
                                     id, tokens, mm, hashes, num_computed: hit.num_tokens() + num_new,
                                 }),
@@ -931,7 +1028,7 @@ mod tests {
                                 extend_block_hashes(&mut r.hashes, &r.tokens, bs, &r.mm, None).unwrap();
                             }
                             let num_new = (r.tokens.len() - r.num_computed).min(chunk);
-                            let res = m.allocate_slots(&r.id, num_new, r.num_computed, &ComputedBlocks::default(), &r.hashes).unwrap();
+                            let res = m.allocate_slots(&r.id, num_new, r.num_computed, &ComputedBlocks::default(), &keys(&r.hashes, &r.tokens, &r.mm)).unwrap();
                             match res {
                                 Some(_) => r.num_computed += num_new,
                                 None => {
@@ -958,6 +1055,14 @@ mod tests {
                         }
                     }
                     check(&m, &live)?;
+                    apply_events(&mut resident, m.take_events(), bs)?;
+                    let mut cached: BTreeMap<u64, usize> = BTreeMap::new();
+                    for b in 0..m.num_blocks() {
+                        if let Some(h) = m.pool().block_hash(b) {
+                            *cached.entry(h.external()).or_default() += 1;
+                        }
+                    }
+                    prop_assert_eq!(&resident, &cached, "the events' resident set is the cached blocks");
                 }
                 prop_assert!(m.prefix_cache_stats().hits <= m.prefix_cache_stats().queries);
                 if !m.prefix_cache_stats().reset {

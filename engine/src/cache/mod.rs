@@ -3,7 +3,9 @@
 
 pub mod block_hash;
 pub mod block_pool;
+pub mod block_residency;
 pub mod encoder_cache;
+pub mod kv_events;
 pub mod kv_manager;
 pub mod processor_cache;
 
@@ -14,9 +16,11 @@ use serde::{Deserialize, Serialize};
 
 pub use block_hash::{extend_block_hashes, hash_request_blocks, BlockHash, MmSpan, TokenId};
 pub use block_pool::{BlockId, BlockPool, FreeQueueIter, NULL_BLOCK};
+pub use block_residency::{BlockEviction, BlockResidency};
 pub use encoder_cache::{
     EncoderCacheEntrySnapshot, EncoderCacheManager, EncoderCacheReset, EncoderCacheSnapshot, EncoderCacheStats,
 };
+pub use kv_events::{BlockKeys, KvCacheEvent};
 pub use kv_manager::{ComputedBlocks, KvBlockState, KvCacheManager, KvSummary, PrefixCacheStats};
 pub use processor_cache::{
     ProcessorCache, ProcessorCacheEntrySnapshot, ProcessorCacheSnapshot, ProcessorCacheStats,

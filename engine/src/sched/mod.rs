@@ -268,7 +268,7 @@ impl<T> Scheduler<T> {
                     plan.num_new,
                     start,
                     &ComputedBlocks::default(),
-                    seq.block_hashes(),
+                    &seq.block_keys(),
                 )?;
                 if blocks.is_some() {
                     break;
@@ -296,7 +296,7 @@ impl<T> Scheduler<T> {
             if plan.num_new == 0
                 || self
                     .kv
-                    .allocate_slots(seq.id(), plan.num_new, 0, &hit, seq.block_hashes())?
+                    .allocate_slots(seq.id(), plan.num_new, 0, &hit, &seq.block_keys())?
                     .is_none()
             {
                 // vLLM keeps the encoder references this attempt took, and an image held that way can
@@ -445,5 +445,10 @@ impl<T> Scheduler<T> {
     /// Forgets every cached prefix block; refused while requests hold blocks.
     pub fn reset_prefix_cache(&mut self) -> Result<(), CacheError> {
         self.kv.reset_prefix_cache()
+    }
+
+    /// The KV cache manager, to change what it records.
+    pub(crate) fn kv_mut(&mut self) -> &mut KvCacheManager {
+        &mut self.kv
     }
 }

@@ -1,7 +1,7 @@
 //! One request as the scheduler sees it: its tokens, image placeholders, block hashes and how far
 //! the KV cache holds it, plus whatever the caller carries along.
 
-use crate::cache::{extend_block_hashes, BlockHash, CacheError, MmSpan, RequestId, TokenId};
+use crate::cache::{extend_block_hashes, BlockHash, BlockKeys, CacheError, MmSpan, RequestId, TokenId};
 
 /// A request waiting or running: prompt plus generated tokens, of which the first
 /// [`Sequence::computed`] are in the KV cache. `data` is the caller's (the engine keeps pixels and
@@ -99,6 +99,15 @@ impl<T> Sequence<T> {
     /// Full-block hashes of prompt + output.
     pub fn block_hashes(&self) -> &[BlockHash] {
         &self.hashes
+    }
+
+    /// Block hashes with the tokens and spans they cover (what the KV cache's events report).
+    pub fn block_keys(&self) -> BlockKeys<'_> {
+        BlockKeys {
+            hashes: &self.hashes,
+            tokens: [&self.prompt, &self.output],
+            spans: &self.spans,
+        }
     }
 
     /// Indices of the images whose placeholders overlap positions `[from, to)`.

@@ -1,6 +1,7 @@
 //! The flags of `kvlens serve`, spelled as `vllm serve` spells them, and the vLLM flags that do not
 //! apply to kvlens: those are dropped from the command line with a warning instead of failing it.
 
+use crate::kv_events::KvEventsConfig;
 use crate::startup::EngineArgs;
 use crate::UsageError;
 use axum::http::{HeaderName, HeaderValue, Method};
@@ -78,6 +79,26 @@ pub struct ServeArgs {
     /// Let cross-origin requests carry credentials (cookies, `Authorization`).
     #[arg(long)]
     pub allow_credentials: bool,
+    /// Publish the KV cache's block events in vLLM's format, vLLM's JSON: e.g.
+    /// `{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557",
+    /// "replay_endpoint": "tcp://*:5558", "topic": "kv-events"}` (ZeroMQ PUB plus a ROUTER that
+    /// replays missed batches; msgpack `KVEventBatch`es read by vLLM's own subscribers).
+    #[arg(long, value_name = "JSON", value_parser = KvEventsConfig::flag)]
+    pub kv_events_config: Option<KvEventsConfig>,
+    /// Follow a sample of KV blocks from allocation to eviction and expose vLLM's
+    /// `vllm:kv_block_{lifetime,idle_before_evict,reuse_gap}_seconds` histograms.
+    #[arg(long)]
+    pub kv_cache_metrics: bool,
+    /// Share of KV blocks followed with --kv-cache-metrics, in (0, 1] (vLLM's default 0.01).
+    #[arg(long, default_value_t = 0.01, value_parser = sample_rate)]
+    pub kv_cache_metrics_sample: f64,
+}
+
+fn sample_rate(text: &str) -> Result<f64, String> {
+    text.parse::<f64>()
+        .ok()
+        .filter(|r| *r > 0.0 && *r <= 1.0)
+        .ok_or_else(|| format!("expected a share in (0, 1], got {text}"))
 }
 
 /// A list flag written as JSON, as vLLM parses `--allowed-origins` (`json.loads`).

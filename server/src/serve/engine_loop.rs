@@ -7,8 +7,9 @@
 
 use super::errors::ApiError;
 use super::metrics::Metrics;
+use crate::kv_events::publisher::KvEventSink;
 use crate::runtime::Frontend;
-use kvlens_engine::cache::RequestId;
+use kvlens_engine::cache::{BlockResidency, RequestId};
 use kvlens_engine::engine::{Engine, EngineError, FinishReason, Request, TokenEvent};
 use kvlens_engine::memory::ledger::Category;
 use kvlens_engine::occupancy::{Occupancy, ProcessMemory};
@@ -202,6 +203,21 @@ struct Live {
     generated: usize,
 }
 
+/// What the engine thread reports besides its snapshots.
+#[derive(Debug, Default)]
+pub struct Observe {
+    /// Where each step's KV cache events go (`--kv-events-config`).
+    pub kv_events: Option<KvEventSink>,
+    /// The share of KV blocks followed for `--kv-cache-metrics`.
+    pub kv_cache_metrics_sample: Option<f64>,
+}
+
+/// Seconds on a monotonic clock (since the first call), for the KV block residency sample.
+fn monotonic_seconds() -> f64 {
+    static START: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+    START.get_or_init(Instant::now).elapsed().as_secs_f64()
+}
+
 /// The engine thread's state.
 #[derive(Debug)]
 pub struct EngineLoop {
@@ -214,6 +230,7 @@ pub struct EngineLoop {
     last_publish: Instant,
     dirty: bool,
     seq: u64,
+    kv_events: Option<KvEventSink>,
 }
 
 fn unix_time() -> f64 {
@@ -243,8 +260,14 @@ impl EngineLoop {
         engine: Engine,
         frontend: Arc<Frontend>,
         metrics: Arc<Metrics>,
+        observe: Observe,
     ) -> (Self, EngineHandle, watch::Receiver<Arc<Occupancy>>) {
         let (tx, rx) = mpsc::channel();
+        let mut engine = engine;
+        engine.record_kv_events(observe.kv_events.is_some());
+        let residency = observe.kv_cache_metrics_sample.map(|r| BlockResidency::new(r, monotonic_seconds));
+        engine.follow_kv_block_residency(residency);
+        let kv_events = observe.kv_events;
         let first = occupancy_of(&engine, &frontend, 1);
         let (published, subscriber) = watch::channel(Arc::new(first));
         let this = EngineLoop {
@@ -257,6 +280,7 @@ impl EngineLoop {
             last_publish: Instant::now(),
             dirty: false,
             seq: 1,
+            kv_events,
         };
         (this, EngineHandle { tx }, subscriber)
     }
@@ -477,6 +501,11 @@ impl EngineLoop {
 
     /// Publishes a snapshot when something changed and the last one is old enough (or `force`).
     fn publish(&mut self, force: bool) {
+        // One batch per step (or per reset), whatever the snapshot rate.
+        if let Some(sink) = &self.kv_events {
+            sink.send(self.engine.take_kv_events());
+        }
+        self.metrics.kv_blocks_evicted(&self.engine.take_kv_block_evictions());
         if !self.dirty || (!force && self.last_publish.elapsed() < PUBLISH_INTERVAL) {
             return;
         }

@@ -1,7 +1,10 @@
 //! `/metrics`: Prometheus text written by hand, with vLLM's metric names and buckets (label
-//! `model_name`) plus `kvlens:` figures for the encoder cache, the processor cache and the ledger.
+//! `model_name`) plus `kvlens:` figures for what vLLM does not expose: the encoder cache, the
+//! available and free KV bytes, the processor cache's bytes and the ledger.
 
+use kvlens_engine::cache::{BlockEviction, ProcessorCacheStats};
 use kvlens_engine::engine::FinishReason;
+use kvlens_engine::memory::ledger::Category;
 use kvlens_engine::occupancy::Occupancy;
 use std::fmt::Write;
 use std::sync::Mutex;
@@ -21,6 +24,12 @@ const ITL_BUCKETS: &[f64] = &[
 const E2E_BUCKETS: &[f64] = &[
     0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0,
     1920.0, 7680.0,
+];
+
+/// vLLM's KV block residency buckets (seconds), `--kv-cache-metrics`.
+const KV_BLOCK_BUCKETS: &[f64] = &[
+    0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0,
+    1200.0, 1800.0,
 ];
 
 /// A histogram with fixed upper bounds.
@@ -71,12 +80,17 @@ struct Inner {
     finished: [u64; REASONS.len()],
     /// Requests whose client left before they reached the engine.
     cancelled_before_queue: u64,
+    /// Sampled KV blocks' lifetime, idle time before eviction and reuse gaps (with
+    /// `--kv-cache-metrics` only, as in vLLM).
+    kv_blocks: Option<[Histogram; 3]>,
 }
 
-/// Request-level figures the engine thread records.
+/// Request-level figures the engine thread records, and the fixed facts shown beside them.
 #[derive(Debug)]
 pub struct Metrics {
     inner: Mutex<Inner>,
+    /// `vllm:cache_config_info`'s labels but `num_gpu_blocks` (read from the engine).
+    cache_config: Vec<(&'static str, String)>,
 }
 
 /// Figures read at scrape time.
@@ -88,6 +102,8 @@ pub struct Gauges<'a> {
     pub processor_cache_bytes: u64,
     /// Items the processor cache holds.
     pub processor_cache_entries: usize,
+    /// The processor cache's lookups and hits.
+    pub processor_cache_stats: ProcessorCacheStats,
 }
 
 const REASONS: [&str; 4] = ["stop", "length", "abort", "error"];
@@ -117,8 +133,10 @@ fn escape(value: &str) -> String {
     value.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
 }
 
-impl Default for Metrics {
-    fn default() -> Self {
+impl Metrics {
+    /// Empty figures; `kv_block_metrics` adds vLLM's sampled KV block histograms;
+    /// `cache_config` labels `vllm:cache_config_info`.
+    pub fn new(kv_block_metrics: bool, cache_config: Vec<(&'static str, String)>) -> Self {
         Metrics {
             inner: Mutex::new(Inner {
                 ttft: Histogram::new(TTFT_BUCKETS),
@@ -128,12 +146,25 @@ impl Default for Metrics {
                 generation_tokens: 0,
                 finished: [0; REASONS.len()],
                 cancelled_before_queue: 0,
+                kv_blocks: kv_block_metrics.then(|| [0; 3].map(|_| Histogram::new(KV_BLOCK_BUCKETS))),
             }),
+            cache_config,
         }
     }
-}
 
-impl Metrics {
+    /// Sampled KV blocks were evicted.
+    pub fn kv_blocks_evicted(&self, evictions: &[BlockEviction]) {
+        self.with(|m| {
+            if let Some([lifetime, idle, gaps]) = &mut m.kv_blocks {
+                for e in evictions {
+                    lifetime.observe(e.lifetime);
+                    idle.observe(e.idle);
+                    e.reuse_gaps.iter().for_each(|&g| gaps.observe(g));
+                }
+            }
+        });
+    }
+
     fn with<R>(&self, f: impl FnOnce(&mut Inner) -> R) -> R {
         f(&mut self.inner.lock().unwrap_or_else(|p| p.into_inner()))
     }
@@ -190,6 +221,49 @@ impl Metrics {
         for (name, kind, help, value) in engine {
             sample(o, name, help, kind, l, value);
         }
+        header(
+            o,
+            "vllm:num_requests_waiting_by_reason",
+            "Number of waiting requests by reason. Reason labels: 'capacity' = waiting for scheduling capacity; \
+             'deferred' = deferred by transient constraints (LoRA budget, KV transfer, blocked status). Sum of all \
+             reasons equals vllm:num_requests_waiting.",
+            "gauge",
+        );
+        for (reason, n) in [("capacity", snap.num_waiting), ("deferred", 0)] {
+            let _ = writeln!(o, "vllm:num_requests_waiting_by_reason{{reason=\"{reason}\",{l}}} {n}");
+        }
+        let c = &snap.counters;
+        header(o, "vllm:prompt_tokens_by_source", "Number of prompt tokens by source.", "counter");
+        for (source, n) in [
+            ("local_compute", c.prompt_tokens_computed),
+            ("local_cache_hit", c.prompt_tokens_cached),
+            ("external_kv_transfer", 0),
+        ] {
+            let _ = writeln!(o, "vllm:prompt_tokens_by_source_total{{source=\"{source}\",{l}}} {n}");
+        }
+        let help = "Number of cached prompt tokens (local + external).";
+        sample(o, "vllm:prompt_tokens_cached", help, "counter", l, c.prompt_tokens_cached);
+        let p = g.processor_cache_stats;
+        let help = "Multi-modal cache queries, in terms of number of queried items.";
+        sample(o, "vllm:mm_cache_queries", help, "counter", l, p.queries);
+        let help = "Multi-modal cache hits, in terms of number of cached items.";
+        sample(o, "vllm:mm_cache_hits", help, "counter", l, p.hits);
+        let bytes = |c: Category| snap.ledger.iter().find(|e| e.category == c).map_or(0, |e| e.bytes);
+        let help = "GPU memory used by model weights in bytes (static after load).";
+        sample(o, "vllm:model_weights_memory_bytes", help, "gauge", l, bytes(Category::Weights));
+        header(o, "vllm:cache_config_info", "Information of the LLMEngine CacheConfig", "gauge");
+        let mut info: Vec<(&str, String)> = self.cache_config.clone();
+        info.push(("num_gpu_blocks", snap.kv.num_blocks.to_string()));
+        info.push(("engine", "0".into()));
+        info.sort();
+        let info: Vec<String> = info.iter().map(|(k, v)| format!("{k}=\"{}\"", escape(v))).collect();
+        let _ = writeln!(o, "vllm:cache_config_info{{{}}} 1.0", info.join(","));
+        let kv_bytes = bytes(Category::KvCache);
+        let free_bytes = kv_bytes * snap.kv.num_free as u64 / snap.kv.num_blocks.max(1) as u64;
+        let help = "KV cache memory allocated at start-up (vLLM's 'Available KV cache memory').";
+        sample(o, "kvlens:kv_cache_memory_bytes", help, "gauge", l, kv_bytes);
+        let help = "KV cache bytes in free blocks (cached-but-unreferenced blocks count as free).";
+        sample(o, "kvlens:kv_cache_free_bytes", help, "gauge", l, free_bytes);
         self.with(|m| {
             sample(
                 o,
@@ -220,6 +294,18 @@ impl Metrics {
             m.itl.write(o, "vllm:inter_token_latency_seconds", help, l);
             let help = "Histogram of e2e request latency in seconds.";
             m.e2e.write(o, "vllm:e2e_request_latency_seconds", help, l);
+            if let Some([lifetime, idle, gaps]) = &m.kv_blocks {
+                let sampled = "Sampled metrics (controlled by --kv-cache-metrics-sample).";
+                let help = format!("Histogram of KV cache block lifetime from allocation to eviction. {sampled}");
+                lifetime.write(o, "vllm:kv_block_lifetime_seconds", &help, l);
+                let help = format!("Histogram of idle time before KV cache block eviction. {sampled}");
+                idle.write(o, "vllm:kv_block_idle_before_evict_seconds", &help, l);
+                let help = format!(
+                    "Histogram of time gaps between consecutive KV cache block accesses. Only the most recent \
+                     accesses are recorded (ring buffer). {sampled}"
+                );
+                gaps.write(o, "vllm:kv_block_reuse_gap_seconds", &help, l);
+            }
         });
         #[rustfmt::skip]
         let kvlens: [(&str, &str, &str, u64); 8] = [

@@ -20,6 +20,7 @@ mod tokenize;
 
 pub use args::{strip_ignored_vllm_flags, ServeArgs};
 
+use crate::kv_events;
 use crate::runtime::Frontend;
 use crate::startup::{self, EngineArgs, Started};
 use crate::UsageError;
@@ -31,7 +32,7 @@ use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, get_service, post};
 use axum::Router;
-use engine_loop::{EngineHandle, EngineLoop};
+use engine_loop::{EngineHandle, EngineLoop, Observe};
 use errors::{json_response, ApiError};
 use kvlens_engine::occupancy::Occupancy;
 use listener::ConnectionLimits;
@@ -196,7 +197,27 @@ async fn serve(args: &ServeArgs, engine_args: EngineArgs) -> Result<()> {
     tracing::info!("Starting vLLM API server on http://{local}");
     let mut flags = serde_json::to_value(args)?;
     flags["api_key"] = json!(args.api_key.as_ref().map(|_| "<set>"));
-    let loading = spawn_engine(engine_args, flags)?;
+    let kv_events = match args.kv_events_config.as_ref().filter(|c| c.publishes()) {
+        Some(config) => {
+            tracing::info!("Starting ZMQ publisher thread");
+            let (sink, bound) = kv_events::publisher::start(config).await?;
+            tracing::info!(
+                "KV cache events published on {}{}",
+                bound.endpoint,
+                bound
+                    .replay_endpoint
+                    .map(|r| format!(" (replay on {r})"))
+                    .unwrap_or_default()
+            );
+            Some(sink)
+        }
+        None => None,
+    };
+    let observe = Observe {
+        kv_events,
+        kv_cache_metrics_sample: args.kv_cache_metrics.then_some(args.kv_cache_metrics_sample),
+    };
+    let loading = spawn_engine(engine_args, flags, observe)?;
     let signal = shutdown_signal();
     tokio::pin!(signal);
     let loaded = tokio::select! {
@@ -265,7 +286,11 @@ async fn drain(app: &App, ready: &Ready, timeout: Duration) {
 }
 
 /// Starts the engine on its own thread; the receiver gets the ready engine or the start-up error.
-fn spawn_engine(args: EngineArgs, flags: serde_json::Value) -> Result<oneshot::Receiver<Result<Ready>>> {
+fn spawn_engine(
+    args: EngineArgs,
+    flags: serde_json::Value,
+    observe: Observe,
+) -> Result<oneshot::Receiver<Result<Ready>>> {
     let (tx, rx) = oneshot::channel();
     std::thread::Builder::new()
         .name("engine".into())
@@ -296,8 +321,17 @@ fn spawn_engine(args: EngineArgs, flags: serde_json::Value) -> Result<oneshot::R
                 "log_lines": log_lines,
             });
             let frontend = Arc::new(frontend);
-            let metrics = Arc::new(Metrics::default());
-            let (engine_loop, engine, occupancy) = EngineLoop::new(engine, frontend.clone(), metrics.clone());
+            let cache_config = vec![
+                ("block_size", plan.block_size.to_string()),
+                ("cache_dtype", args.vllm.kv_cache_dtype.clone()),
+                ("enable_prefix_caching", python_bool(engine.config().enable_prefix_caching)),
+                ("gpu_memory_utilization", plan.gpu_memory_utilization.to_string()),
+                ("kv_cache_size_tokens", plan.kv_cache_tokens.to_string()),
+                ("kv_cache_memory_bytes", args.kv_cache_memory_bytes.map_or("None".into(), |b| b.to_string())),
+                ("num_cpu_blocks", "None".into()),
+            ];
+            let metrics = Arc::new(Metrics::new(observe.kv_cache_metrics_sample.is_some(), cache_config));
+            let (engine_loop, engine, occupancy) = EngineLoop::new(engine, frontend.clone(), metrics.clone(), observe);
             let ready = Ready {
                 engine,
                 frontend,
@@ -315,6 +349,11 @@ fn spawn_engine(args: EngineArgs, flags: serde_json::Value) -> Result<oneshot::R
         })
         .context("cannot start the engine thread")?;
     Ok(rx)
+}
+
+/// A boolean as Python's `str()` writes it (vLLM's info labels).
+fn python_bool(b: bool) -> String {
+    if b { "True" } else { "False" }.into()
 }
 
 /// Resolves on SIGINT (Ctrl-C) or SIGTERM.
@@ -493,9 +532,9 @@ async fn prometheus(State(app): State<Arc<App>>) -> Response {
         Err(e) => return e.into_response(),
     };
     let occupancy = ready.occupancy.borrow().clone();
-    let (processor_cache_bytes, processor_cache_entries) = {
+    let (processor_cache_bytes, processor_cache_entries, processor_cache_stats) = {
         let cache = ready.frontend.processor_cache.lock().unwrap_or_else(|p| p.into_inner());
-        (cache.bytes_used(), cache.len())
+        (cache.bytes_used(), cache.len(), cache.stats())
     };
     let text = ready.metrics.render(
         &ready.served_model_names[0],
@@ -503,6 +542,7 @@ async fn prometheus(State(app): State<Arc<App>>) -> Response {
             occupancy: &occupancy,
             processor_cache_bytes,
             processor_cache_entries,
+            processor_cache_stats,
         },
     );
     (

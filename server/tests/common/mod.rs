@@ -13,6 +13,46 @@ use std::process::{Child, Command, ExitStatus, Output, Stdio};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
+/// The client venv's Python (`KVLENS_CLIENT_PYTHON`, else `~/.cache/kvlens/client-venv`), which
+/// `cargo xtask test` fills with the openai client, Pillow, msgspec, pyzmq and prometheus_client.
+pub fn client_python() -> PathBuf {
+    let path = std::env::var_os("KVLENS_CLIENT_PYTHON")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            let home = std::env::var_os("HOME").map(PathBuf::from).unwrap_or_default();
+            home.join(".cache/kvlens/client-venv/bin/python")
+        });
+    assert!(
+        path.is_file(),
+        "{} not found: run `cargo xtask test` (it installs the client venv) or set KVLENS_CLIENT_PYTHON",
+        path.display()
+    );
+    path
+}
+
+/// Runs one check of a Python suite under tools/serve_tests (`--kvlens BIN --work DIR --only
+/// CHECK ARGS`), which prints `ok CHECK` when it passes.
+pub fn python_suite(script: &str, check: &str, args: &[&str]) {
+    // Its own directory per check and arguments: tests run in parallel.
+    let tag: String = args.concat().chars().filter(char::is_ascii_alphanumeric).collect();
+    let work = scratch(&format!("{}-{check}-{tag}", script.trim_end_matches(".py")));
+    let out = Command::new(client_python())
+        .arg(root().join("tools/serve_tests").join(script))
+        .args(["--kvlens", env!("CARGO_BIN_EXE_kvlens"), "--work"])
+        .arg(&work)
+        .args(args)
+        .args(["--only", check])
+        .output()
+        .expect("python runs");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    println!("{stdout}");
+    assert!(
+        out.status.success() && stdout.contains(&format!("ok {check}")),
+        "{check}:\n{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
 /// Standard base64 with padding.
 pub fn base64(data: &[u8]) -> String {
     use base64::Engine as _;
