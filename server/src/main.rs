@@ -13,6 +13,7 @@ mod runtime;
 mod serve;
 mod startup;
 mod to_gguf_cmd;
+mod watch_cmd;
 
 use clap::{Parser, Subcommand};
 
@@ -45,6 +46,8 @@ enum Command {
     Serve(Box<serve::ServeArgs>),
     /// Write a Hugging Face checkpoint as the GGUF pair llama.cpp's converter writes (text + mmproj).
     ToGguf(to_gguf_cmd::ToGgufArgs),
+    /// Watch a vLLM server's KV cache block by block (its KV events and /metrics) in the playground.
+    Watch(Box<watch_cmd::WatchArgs>),
 }
 
 /// A user mistake: printed on one line, exit code 2 (as clap does for bad flags).
@@ -75,6 +78,7 @@ fn main() -> ExitCode {
         Command::RandomCheckpoint(args) => random_checkpoint_cmd::run(&args),
         Command::Serve(args) => serve::run(&args),
         Command::ToGguf(args) => to_gguf_cmd::run(&args),
+        Command::Watch(args) => watch_cmd::run(&args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -32,7 +32,7 @@ pub struct PlanArgs {
 }
 
 /// Loads a bundled config by name or a checkpoint directory's config.json (+ preprocessor limits).
-fn load_model(model: &str) -> Result<PlanModel, PlanError> {
+pub(crate) fn load_model(model: &str) -> Result<PlanModel, PlanError> {
     let dir = Path::new(model);
     if !dir.is_dir() {
         return bundled_model(model);

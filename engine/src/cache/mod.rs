@@ -7,6 +7,7 @@ pub mod block_residency;
 pub mod encoder_cache;
 pub mod kv_events;
 pub mod kv_manager;
+pub mod kv_watch;
 pub mod processor_cache;
 
 use std::borrow::Borrow;
@@ -22,6 +23,7 @@ pub use encoder_cache::{
 };
 pub use kv_events::{BlockKeys, KvCacheEvent};
 pub use kv_manager::{ComputedBlocks, KvBlockState, KvCacheManager, KvSummary, PrefixCacheStats};
+pub use kv_watch::{KvWatch, KvWatchSnapshot, WatchEvent, WatchedBlock};
 pub use processor_cache::{
     ProcessorCache, ProcessorCacheEntrySnapshot, ProcessorCacheSnapshot, ProcessorCacheStats,
     DEFAULT_PROCESSOR_CACHE_BYTES,

@@ -8,6 +8,7 @@ pub mod plan_inputs;
 pub mod planner;
 pub mod vllm_log;
 pub mod vllm_metrics;
+pub mod watch_check;
 pub mod weights;
 
 /// Bytes per GiB (vLLM divides by 2^30 wherever it prints GB or GiB).

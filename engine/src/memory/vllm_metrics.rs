@@ -23,6 +23,13 @@ pub struct VllmMetrics {
     pub num_gpu_blocks: Option<u64>,
     /// `block_size` of `vllm:cache_config_info`: tokens per KV block.
     pub block_size: Option<u64>,
+    /// `gpu_memory_utilization` of `vllm:cache_config_info`.
+    pub gpu_memory_utilization: Option<f64>,
+    /// The lowest `vllm:kv_cache_usage_perc` seen when one is negative (vllm-ascend issue 10048);
+    /// negative values are left out of [`Self::kv_cache_usage`].
+    pub negative_usage: Option<f64>,
+    /// `vllm:model_weights_memory_bytes`, summed over engines.
+    pub model_weights_bytes: Option<u64>,
     /// `vllm:num_requests_running`.
     pub num_requests_running: Option<u64>,
     /// `vllm:num_requests_waiting`.
@@ -139,9 +146,10 @@ enum Family {
     MmQueries,
     MmHits,
     Preemptions,
+    Weights,
 }
 
-const FAMILIES: usize = 8;
+const FAMILIES: usize = 9;
 
 impl Family {
     /// The family of a sample name, and whether that name is the deprecated one.
@@ -158,6 +166,7 @@ impl Family {
             "vllm:mm_cache_queries_total" => (Family::MmQueries, false),
             "vllm:mm_cache_hits_total" => (Family::MmHits, false),
             "vllm:num_preemptions_total" => (Family::Preemptions, false),
+            "vllm:model_weights_memory_bytes" => (Family::Weights, false),
             _ => return None,
         })
     }
@@ -196,6 +205,8 @@ impl VllmMetrics {
         let mut sums = [[Sum::default(); 2]; FAMILIES];
         let mut blocks = Sum::default();
         let mut block_size = None;
+        let mut gpu_memory_utilization = None;
+        let mut negative_usage: Option<f64> = None;
         let mut engines: Vec<String> = Vec::new();
         let mut unlabelled = false;
         let mut model_names: Vec<String> = Vec::new();
@@ -203,8 +214,14 @@ impl VllmMetrics {
             let counted = if sample.name == "vllm:cache_config_info" {
                 let label = |n| sample.label(n).and_then(|v| v.trim().parse::<u64>().ok());
                 block_size = block_size.or(label("block_size"));
+                gpu_memory_utilization = gpu_memory_utilization.or(sample
+                    .label("gpu_memory_utilization")
+                    .and_then(|v| v.trim().parse::<f64>().ok()));
                 label("num_gpu_blocks").is_some_and(|b| blocks.add(b as f64))
             } else if let Some((family, deprecated)) = Family::of(sample.name) {
+                if family == Family::Usage && sample.value < 0.0 {
+                    negative_usage = Some(negative_usage.map_or(sample.value, |n| n.min(sample.value)));
+                }
                 sums[family as usize][usize::from(deprecated)].add(sample.value)
             } else {
                 false
@@ -238,6 +255,9 @@ impl VllmMetrics {
             kv_cache_usage: pick(Family::Usage).mean(),
             num_gpu_blocks: blocks.get().and_then(count),
             block_size,
+            gpu_memory_utilization,
+            negative_usage,
+            model_weights_bytes: counted(Family::Weights),
             num_requests_running: counted(Family::Running),
             num_requests_waiting: counted(Family::Waiting),
             prefix_cache_queries: counted(Family::PrefixQueries),

@@ -1,9 +1,10 @@
 //! KV cache events in vLLM's wire format: `kvlens serve --kv-events-config JSON` publishes every
 //! block our prefix cache stores and removes ([`publisher`]); `kvlens watch` reads the same
-//! stream from a vLLM or vllm-ascend server. The format is [`wire`]'s; the
+//! stream from a vLLM or vllm-ascend server ([`subscriber`]). The format is [`wire`]'s; the
 //! config is vLLM's `KVEventsConfig`, spelled and defaulted as vLLM does.
 
 pub mod publisher;
+pub mod subscriber;
 pub mod wire;
 
 use anyhow::{bail, Result};

@@ -15,7 +15,7 @@
 //! a `type` key) and block hashes sent as bytes (`VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0`).
 
 use anyhow::{bail, Context, Result};
-use kvlens_engine::cache::KvCacheEvent;
+use kvlens_engine::cache::{KvCacheEvent, WatchEvent};
 use rmpv::Value;
 
 /// The storage medium our blocks live on, as vLLM names the GPU's (`MEDIUM_GPU`).
@@ -74,46 +74,13 @@ fn encode_event(event: &KvCacheEvent) -> Value {
     }
 }
 
-/// A block hash as a subscriber keys it: an int's 16 hex digits, or the hex of a bytes hash.
-pub type HashKey = String;
-
-/// One decoded event, from kvlens or from vLLM.
-#[derive(Clone, Debug, PartialEq, serde::Serialize)]
-#[serde(tag = "type")]
-pub enum WireEvent {
-    /// Blocks joined the prefix cache.
-    BlockStored {
-        /// The stored blocks' hashes, in chain order.
-        block_hashes: Vec<HashKey>,
-        /// The hash of the block before the first one.
-        parent_block_hash: Option<HashKey>,
-        /// Tokens per block.
-        block_size: u64,
-        /// The stored blocks' tokens.
-        token_ids: Vec<u32>,
-        /// The medium (`GPU`, `CPU`…) when given.
-        medium: Option<String>,
-        /// Per block, its extra keys written as text (image hashes, LoRA, salt), if any.
-        extra_keys: Vec<Option<Vec<String>>>,
-    },
-    /// Blocks left the prefix cache.
-    BlockRemoved {
-        /// Their hashes.
-        block_hashes: Vec<HashKey>,
-        /// The medium when given.
-        medium: Option<String>,
-    },
-    /// Everything left the prefix cache.
-    AllBlocksCleared,
-}
-
 /// One decoded batch.
-#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct WireBatch {
     /// When the publisher made it (Unix seconds).
     pub ts: f64,
     /// Its events, in order.
-    pub events: Vec<WireEvent>,
+    pub events: Vec<WatchEvent>,
     /// The data-parallel rank that sent it, when given.
     pub data_parallel_rank: Option<i64>,
 }
@@ -175,7 +142,7 @@ const STORED: &[&str] = &[
 ];
 const REMOVED: &[&str] = &["type", "block_hashes", "medium"];
 
-fn decode_event(value: &Value) -> Result<WireEvent> {
+fn decode_event(value: &Value) -> Result<WatchEvent> {
     let tag = Fields::of(value, &["type"])?
         .get(0)
         .and_then(Value::as_str)
@@ -184,7 +151,7 @@ fn decode_event(value: &Value) -> Result<WireEvent> {
     Ok(match tag {
         "BlockStored" => {
             let f = Fields::of(value, STORED)?;
-            WireEvent::BlockStored {
+            WatchEvent::BlockStored {
                 block_hashes: hash_list(f.get(1))?,
                 parent_block_hash: f.get(2).map(hash_key).transpose()?,
                 token_ids: match f.get(3) {
@@ -207,24 +174,24 @@ fn decode_event(value: &Value) -> Result<WireEvent> {
         }
         "BlockRemoved" => {
             let f = Fields::of(value, REMOVED)?;
-            WireEvent::BlockRemoved {
+            WatchEvent::BlockRemoved {
                 block_hashes: hash_list(f.get(1))?,
                 medium: medium(&f, 2),
             }
         }
-        "AllBlocksCleared" => WireEvent::AllBlocksCleared,
+        "AllBlocksCleared" => WatchEvent::AllBlocksCleared,
         other => bail!("unknown event {other:?}"),
     })
 }
 
-fn hash_list(value: Option<&Value>) -> Result<Vec<HashKey>> {
+fn hash_list(value: Option<&Value>) -> Result<Vec<String>> {
     match value {
         Some(Value::Array(items)) => items.iter().map(hash_key).collect(),
         _ => bail!("an event without block_hashes"),
     }
 }
 
-fn hash_key(value: &Value) -> Result<HashKey> {
+fn hash_key(value: &Value) -> Result<String> {
     match value {
         Value::Integer(i) => match (i.as_u64(), i.as_i64()) {
             (Some(u), _) => Ok(format!("{u:016x}")),
@@ -276,7 +243,7 @@ mod tests {
         assert_eq!(batch.data_parallel_rank, Some(0));
         assert_eq!(
             batch.events[0],
-            WireEvent::BlockStored {
+            WatchEvent::BlockStored {
                 block_hashes: vec!["ffffffffffffffff".into(), "0000000000000007".into()],
                 parent_block_hash: Some("0000000000000001".into()),
                 block_size: 2,
@@ -287,12 +254,12 @@ mod tests {
         );
         assert_eq!(
             batch.events[1],
-            WireEvent::BlockRemoved {
+            WatchEvent::BlockRemoved {
                 block_hashes: vec!["0000000000000007".into()],
                 medium: Some("GPU".into()),
             }
         );
-        assert_eq!(batch.events[2], WireEvent::AllBlocksCleared);
+        assert_eq!(batch.events[2], WatchEvent::AllBlocksCleared);
     }
 
     #[test]
@@ -314,7 +281,7 @@ mod tests {
         let read = decode_batch(&bytes).unwrap();
         assert_eq!(
             read.events,
-            vec![WireEvent::BlockRemoved {
+            vec![WatchEvent::BlockRemoved {
                 block_hashes: vec!["0102".into()],
                 medium: None
             }]

@@ -265,7 +265,9 @@ impl EngineLoop {
         let (tx, rx) = mpsc::channel();
         let mut engine = engine;
         engine.record_kv_events(observe.kv_events.is_some());
-        let residency = observe.kv_cache_metrics_sample.map(|r| BlockResidency::new(r, monotonic_seconds));
+        let residency = observe
+            .kv_cache_metrics_sample
+            .map(|r| BlockResidency::new(r, monotonic_seconds));
         engine.follow_kv_block_residency(residency);
         let kv_events = observe.kv_events;
         let first = occupancy_of(&engine, &frontend, 1);

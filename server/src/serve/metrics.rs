@@ -233,7 +233,12 @@ impl Metrics {
             let _ = writeln!(o, "vllm:num_requests_waiting_by_reason{{reason=\"{reason}\",{l}}} {n}");
         }
         let c = &snap.counters;
-        header(o, "vllm:prompt_tokens_by_source", "Number of prompt tokens by source.", "counter");
+        header(
+            o,
+            "vllm:prompt_tokens_by_source",
+            "Number of prompt tokens by source.",
+            "counter",
+        );
         for (source, n) in [
             ("local_compute", c.prompt_tokens_computed),
             ("local_cache_hit", c.prompt_tokens_cached),
@@ -242,7 +247,14 @@ impl Metrics {
             let _ = writeln!(o, "vllm:prompt_tokens_by_source_total{{source=\"{source}\",{l}}} {n}");
         }
         let help = "Number of cached prompt tokens (local + external).";
-        sample(o, "vllm:prompt_tokens_cached", help, "counter", l, c.prompt_tokens_cached);
+        sample(
+            o,
+            "vllm:prompt_tokens_cached",
+            help,
+            "counter",
+            l,
+            c.prompt_tokens_cached,
+        );
         let p = g.processor_cache_stats;
         let help = "Multi-modal cache queries, in terms of number of queried items.";
         sample(o, "vllm:mm_cache_queries", help, "counter", l, p.queries);
@@ -250,8 +262,20 @@ impl Metrics {
         sample(o, "vllm:mm_cache_hits", help, "counter", l, p.hits);
         let bytes = |c: Category| snap.ledger.iter().find(|e| e.category == c).map_or(0, |e| e.bytes);
         let help = "GPU memory used by model weights in bytes (static after load).";
-        sample(o, "vllm:model_weights_memory_bytes", help, "gauge", l, bytes(Category::Weights));
-        header(o, "vllm:cache_config_info", "Information of the LLMEngine CacheConfig", "gauge");
+        sample(
+            o,
+            "vllm:model_weights_memory_bytes",
+            help,
+            "gauge",
+            l,
+            bytes(Category::Weights),
+        );
+        header(
+            o,
+            "vllm:cache_config_info",
+            "Information of the LLMEngine CacheConfig",
+            "gauge",
+        );
         let mut info: Vec<(&str, String)> = self.cache_config.clone();
         info.push(("num_gpu_blocks", snap.kv.num_blocks.to_string()));
         info.push(("engine", "0".into()));

@@ -7,7 +7,7 @@
 
 mod args;
 mod engine_loop;
-mod errors;
+pub(crate) mod errors;
 mod generate;
 mod listener;
 mod media;
@@ -324,10 +324,16 @@ fn spawn_engine(
             let cache_config = vec![
                 ("block_size", plan.block_size.to_string()),
                 ("cache_dtype", args.vllm.kv_cache_dtype.clone()),
-                ("enable_prefix_caching", python_bool(engine.config().enable_prefix_caching)),
+                (
+                    "enable_prefix_caching",
+                    python_bool(engine.config().enable_prefix_caching),
+                ),
                 ("gpu_memory_utilization", plan.gpu_memory_utilization.to_string()),
                 ("kv_cache_size_tokens", plan.kv_cache_tokens.to_string()),
-                ("kv_cache_memory_bytes", args.kv_cache_memory_bytes.map_or("None".into(), |b| b.to_string())),
+                (
+                    "kv_cache_memory_bytes",
+                    args.kv_cache_memory_bytes.map_or("None".into(), |b| b.to_string()),
+                ),
                 ("num_cpu_blocks", "None".into()),
             ];
             let metrics = Arc::new(Metrics::new(observe.kv_cache_metrics_sample.is_some(), cache_config));
