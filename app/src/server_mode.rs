@@ -1,17 +1,22 @@
 //! Server mode: watch a running server in the playground's views instead of the in-browser engine.
 //! A `kvlens serve` is read through `/v1/memory/stream` (every snapshot, in full, drawn by the
 //! memory view, with its resets posted back); a vLLM or vllm-ascend server through its Prometheus
-//! `/metrics`, read every second, with what vLLM does not expose said plainly.
+//! `/metrics`, read every second, with what vLLM does not expose said plainly; a `kvlens watch`
+//! (a vLLM server's KV cache events) block by block, with the planner's figures beside the
+//! server's.
 //!
 //! Another origin's server must allow this page's origin (CORS): `kvlens serve` and vLLM both do by
 //! default (`--allowed-origins ["*"]`).
 
 use crate::memory_view::size as bytes;
 use crate::memory_view::{Budget, MemoryView, ResetKind};
+use kvlens_engine::cache::KvWatchSnapshot;
 use kvlens_engine::memory::vllm_metrics::VllmMetrics;
+use kvlens_engine::memory::watch_check::{compare, PlannedKv};
 use kvlens_engine::occupancy::Occupancy;
 use leptos::prelude::*;
 use serde_json::Value;
+use std::rc::Rc;
 use wasm_bindgen::closure::Closure;
 use wasm_bindgen::{JsCast, JsValue};
 use wasm_bindgen_futures::JsFuture;
@@ -25,11 +30,15 @@ const REQUEST_TIMEOUT_MS: u32 = 5000;
 
 /// What vLLM's metrics leave out of its memory.
 const NOT_EXPOSED: [&str; 4] = [
-    "per-block state: which KV blocks are free, cached or held, and by which request (only the usage fraction is exported)",
+    "per-block state: which KV blocks are free, cached or held, and by which request (only the usage fraction is exported; \
+     its KV cache events, --kv-events-config, give the prefix cache block by block: watch them with kvlens watch)",
     "encoder-cache occupancy: the vision encoder's outputs held on the device (vllm:mm_cache_* counts lookups in the front end's processor cache, not this)",
     "processor-cache bytes: the host memory preprocessed images take (only lookups and hits are counted)",
     "the memory ledger by category (weights, activations, non-torch memory): printed once, in the start-up log, which kvlens plan --from-log reads",
 ];
+
+/// Puts a good read of a server's metrics in words for the status line.
+type Wording = Rc<dyn Fn(&VllmMetrics) -> String>;
 
 /// Which kind of server is being watched.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -38,6 +47,8 @@ enum Kind {
     Kvlens,
     /// vLLM's `/metrics`.
     Vllm,
+    /// `kvlens watch`: a server's KV cache events, its metrics and the plan.
+    Watch,
 }
 
 /// What answered at a URL.
@@ -47,9 +58,11 @@ enum Found {
     Kvlens(Value),
     /// A server with vLLM's metrics, as first read.
     Vllm(VllmMetrics),
+    /// `kvlens watch`, with its `/server_info`.
+    Watch(Value),
 }
 
-/// An open `/v1/memory/stream`; dropping it closes the connection.
+/// An open server-sent event stream; dropping it closes the connection.
 #[derive(Debug)]
 struct Stream {
     source: EventSource,
@@ -62,6 +75,28 @@ impl Drop for Stream {
         self.source.set_onmessage(None);
         self.source.set_onerror(None);
         self.source.close();
+    }
+}
+
+impl Stream {
+    /// Opens `url`; `on_data` gets each event's data, `on_error` whether the browser gave up
+    /// (otherwise it reconnects by itself).
+    fn open(url: &str, on_data: impl Fn(String) + 'static, on_error: impl Fn(bool) + 'static) -> Result<Self, String> {
+        let source = EventSource::new(url).map_err(|e| js_text(&e))?;
+        let on_message = Closure::<dyn FnMut(MessageEvent)>::new(move |e: MessageEvent| {
+            on_data(e.data().as_string().unwrap_or_default());
+        });
+        let watched = source.clone();
+        let on_error = Closure::<dyn FnMut(JsValue)>::new(move |_| {
+            on_error(watched.ready_state() == EventSource::CLOSED);
+        });
+        source.set_onmessage(Some(on_message.as_ref().unchecked_ref()));
+        source.set_onerror(Some(on_error.as_ref().unchecked_ref()));
+        Ok(Stream {
+            source,
+            _on_message: on_message,
+            _on_error: on_error,
+        })
     }
 }
 
@@ -131,6 +166,7 @@ async fn detect(base: &str) -> Result<Found, String> {
     let info = match request("GET", &format!("{base}/server_info")).await {
         Ok((200, body)) => match serde_json::from_str::<Value>(&body) {
             Ok(v) if v["plan"].is_object() => return Ok(Found::Kvlens(v)),
+            Ok(v) if v["watch"].is_object() => return Ok(Found::Watch(v)),
             _ => "/server_info is not kvlens's".to_string(),
         },
         Ok((401, _)) => "/server_info wants the API key (--api-key), which this page does not send".to_string(),
@@ -223,8 +259,9 @@ fn hit_rate(rate: Option<f64>, hits: Option<u64>, queries: Option<u64>, unit: &s
 }
 
 /// What vLLM's metrics say about its memory, and what they do not.
+/// With `events`, the KV cache events already show the blocks, so that gap is not listed.
 #[component]
-fn VllmPanel(metrics: Signal<Option<VllmMetrics>>) -> impl IntoView {
+fn VllmPanel(metrics: Signal<Option<VllmMetrics>>, #[prop(optional)] events: bool) -> impl IntoView {
     move || {
         metrics.get().map(|m| {
             let kv_text = match (m.blocks_in_use(), m.num_gpu_blocks) {
@@ -272,6 +309,10 @@ fn VllmPanel(metrics: Signal<Option<VllmMetrics>>) -> impl IntoView {
                 hit_rate(m.mm_cache_hit_rate(), m.mm_cache_hits, m.mm_cache_queries, "items")
             );
             let preemptions = format!("preemptions {}", figure(m.num_preemptions));
+            let weights = m.model_weights_bytes.map_or_else(
+                || "weights not exported (vllm:model_weights_memory_bytes is newer)".to_string(),
+                |b| format!("weights {}", bytes(b)),
+            );
             view! {
                 <h3>"KV cache " <span data-testid="kv-usage">{kv_text}</span></h3>
                 <div class="bar" style="background: #d3f9d8" data-testid="kv-usage-bar">
@@ -279,13 +320,107 @@ fn VllmPanel(metrics: Signal<Option<VllmMetrics>>) -> impl IntoView {
                 </div>
                 <p class="muted">{detail}</p>
                 <p data-testid="vllm-requests">{requests}</p>
-                <p class="counters" data-testid="vllm-caches">{prefix}<br />{mm}<br />{preemptions}</p>
+                <p class="counters" data-testid="vllm-caches">{prefix}<br />{mm}<br />{preemptions}<br />{weights}</p>
                 <h3>"What vLLM does not expose"</h3>
                 <ul data-testid="vllm-not-exposed">
-                    {NOT_EXPOSED.iter().map(|t| view! { <li>{*t}</li> }).collect_view()}
+                    {NOT_EXPOSED.iter().skip(usize::from(events)).map(|t| view! { <li>{*t}</li> }).collect_view()}
                 </ul>
             }
         })
+    }
+}
+
+/// Most block cells the watch draws; the counts cover the rest.
+const WATCH_CELLS: usize = KvWatchSnapshot::MAX_BLOCKS;
+
+/// A watched server's prefix cache block by block, the stream's health, and the plan beside
+/// what the server's metrics report.
+#[component]
+fn WatchPanel(
+    snapshot: Signal<Option<KvWatchSnapshot>>,
+    metrics: Signal<Option<VllmMetrics>>,
+    planned: Signal<Option<PlannedKv>>,
+) -> impl IntoView {
+    let counts = move || {
+        snapshot.get().map(|s| {
+            format!(
+                "{} resident blocks ({} with image keys) · stored {} · removed {} · cleared {} · {} batches (last #{}) · replayed {} · lost {} · restarts {}{}",
+                s.num_resident,
+                s.num_with_keys,
+                s.stored,
+                s.removed,
+                s.cleared,
+                s.batches,
+                s.last_seq.map_or_else(|| "none".to_string(), |q| q.to_string()),
+                s.replayed,
+                s.lost,
+                s.restarts,
+                if s.unknown_removals > 0 {
+                    format!(" · {} removals of blocks never seen stored", s.unknown_removals)
+                } else {
+                    String::new()
+                }
+            )
+        })
+    };
+    let grid = move || {
+        snapshot.get().map(|s| {
+            let more = s.num_resident.saturating_sub(s.blocks.len() as u64);
+            view! {
+                <div class="kv-grid" data-testid="watch-grid">
+                    {s.blocks.iter().take(WATCH_CELLS).map(|b| {
+                        let class = if b.keys.is_empty() { "cell cached" } else { "cell image" };
+                        let title = format!(
+                            "{} · {} cop{} · stored in batch {}{}",
+                            b.hash,
+                            b.copies,
+                            if b.copies == 1 { "y" } else { "ies" },
+                            b.since,
+                            if b.keys.is_empty() { String::new() } else { format!(" · keys {}", b.keys.join(", ")) }
+                        );
+                        view! { <span class=class data-testid="watch-block" data-hash=b.hash.clone() title=title></span> }
+                    }).collect_view()}
+                </div>
+                {(more > 0).then(|| view! { <p class="muted">{format!("and {more} more block copies not drawn")}</p> })}
+            }
+        })
+    };
+    let findings = move || {
+        let plan = planned.get()?;
+        let rows = metrics.get().map(|m| compare(&plan, &m)).unwrap_or_default();
+        let title = format!(
+            "The plan ({} on {}, TP {}, --gpu-memory-utilization {}): {} KV blocks per rank of {} tokens",
+            plan.model,
+            plan.device,
+            plan.tensor_parallel_size,
+            plan.gpu_memory_utilization,
+            plan.num_gpu_blocks,
+            plan.block_size
+        );
+        Some(view! {
+            <h3>"Planner and server"</h3>
+            <p class="muted" data-testid="watch-plan">{title}</p>
+            <table data-testid="watch-findings">
+                <tr><th>"figure"</th><th>"planned"</th><th>"server"</th><th>""</th></tr>
+                {rows.into_iter().map(|f| view! {
+                    <tr class:disagree=!f.agrees>
+                        <td>{f.what}</td><td>{f.planned}</td><td>{f.reported}</td>
+                        <td>{if f.agrees { "agree".to_string() } else { format!("differ: {}", f.note) }}</td>
+                    </tr>
+                }).collect_view()}
+            </table>
+        })
+    };
+    view! {
+        <section class="memory">
+            <h3>"KV cache, block by block (from the server's KV cache events)"</h3>
+            <p data-testid="watch-counts">{counts}</p>
+            <p class="muted">"A cell is a block in the server's prefix cache: stored by a BlockStored event, gone at its BlockRemoved. \
+                Green: text; blue: the block holds image tokens (its extra keys name the image)."</p>
+            {grid}
+            {findings}
+            <VllmPanel metrics=metrics events=true />
+        </section>
     }
 }
 
@@ -299,6 +434,8 @@ pub fn ServerMode() -> impl IntoView {
     let budget = RwSignal::new(None::<Budget>);
     let reset_result = RwSignal::new(None::<String>);
     let vllm = RwSignal::new(None::<VllmMetrics>);
+    let watched = RwSignal::new(None::<KvWatchSnapshot>);
+    let planned = RwSignal::new(None::<PlannedKv>);
     // The watched server's base URL; the generation ends the tasks of earlier connections.
     let base = StoredValue::new(String::new());
     let generation = StoredValue::new(0u64);
@@ -314,6 +451,8 @@ pub fn ServerMode() -> impl IntoView {
         occupancy.set(None);
         budget.set(None);
         vllm.set(None);
+        watched.set(None);
+        planned.set(None);
         reset_result.set(None);
         g
     };
@@ -329,11 +468,10 @@ pub fn ServerMode() -> impl IntoView {
             "connected to kvlens serve ({at} · {model} · {} KV blocks)",
             figure(info["plan"]["num_gpu_blocks"].as_u64())
         );
-        let source = EventSource::new(&format!("{at}/v1/memory/stream")).map_err(|e| js_text(&e))?;
         let said = connected.clone();
-        let on_message = Closure::<dyn FnMut(MessageEvent)>::new(move |e: MessageEvent| {
-            let data = e.data().as_string().unwrap_or_default();
-            match serde_json::from_str::<Occupancy>(&data) {
+        let opened = Stream::open(
+            &format!("{at}/v1/memory/stream"),
+            move |data| match serde_json::from_str::<Occupancy>(&data) {
                 Ok(o) => {
                     occupancy.set(Some(o));
                     status.set(said.clone());
@@ -341,51 +479,27 @@ pub fn ServerMode() -> impl IntoView {
                 Err(err) => status.set(format!(
                     "the memory stream sent an event that is not an occupancy: {err}"
                 )),
-            }
-        });
-        let watched = source.clone();
-        let on_error = Closure::<dyn FnMut(JsValue)>::new(move |_| {
-            // The browser reconnects by itself while the state is CONNECTING.
-            status.set(if watched.ready_state() == EventSource::CLOSED {
-                format!("lost kvlens serve at {at}: the memory stream closed; press connect to try again")
-            } else {
-                format!("kvlens serve at {at} stopped answering; reconnecting…")
-            });
-        });
-        source.set_onmessage(Some(on_message.as_ref().unchecked_ref()));
-        source.set_onerror(Some(on_error.as_ref().unchecked_ref()));
-        stream.set_value(Some(Stream {
-            source,
-            _on_message: on_message,
-            _on_error: on_error,
-        }));
+            },
+            move |closed| {
+                status.set(if closed {
+                    format!("lost kvlens serve at {at}: the memory stream closed; press connect to try again")
+                } else {
+                    format!("kvlens serve at {at} stopped answering; reconnecting…")
+                })
+            },
+        )?;
+        stream.set_value(Some(opened));
         budget.set(budget_of(&info));
         kind.set(Some(Kind::Kvlens));
         status.set(connected);
         Ok(())
     };
 
-    // Reads the vLLM server's `/metrics` every second until generation `g` ends.
-    let watch_vllm = move |at: String, first: VllmMetrics, g: u64| {
-        let metrics_url = format!("{at}/metrics");
-        let connected = move |m: &VllmMetrics| {
-            format!(
-                "connected to vLLM metrics ({at}/metrics · {} · {} {} · read every second)",
-                if m.model_names.is_empty() {
-                    "?".to_string()
-                } else {
-                    m.model_names.join(", ")
-                },
-                m.engines,
-                if m.engines == 1 { "engine" } else { "engines" }
-            )
-        };
-        status.set(connected(&first));
-        vllm.set(Some(first));
-        kind.set(Some(Kind::Vllm));
+    // Reads vLLM's metrics at `metrics_url` every second until generation `g` ends; `said` puts
+    // a good read in words for the status line (none: the status belongs to something else).
+    let poll_metrics = move |metrics_url: String, g: u64, said: Option<Wording>| {
         wasm_bindgen_futures::spawn_local(async move {
             loop {
-                sleep(POLL_MS).await;
                 if !current(g) {
                     return;
                 }
@@ -397,8 +511,11 @@ pub fn ServerMode() -> impl IntoView {
                     Ok((200, body)) => {
                         let m = VllmMetrics::parse(&body);
                         if m.is_vllm() {
-                            status.set(connected(&m));
+                            if let Some(said) = &said {
+                                status.set(said(&m));
+                            }
                             vllm.set(Some(m));
+                            sleep(POLL_MS).await;
                             continue;
                         }
                         "it has none of vLLM's metrics now".to_string()
@@ -409,8 +526,69 @@ pub fn ServerMode() -> impl IntoView {
                 status.set(format!(
                     "lost vLLM metrics at {metrics_url}: {problem}; trying again every second"
                 ));
+                sleep(POLL_MS).await;
             }
         });
+    };
+
+    // Reads the vLLM server's `/metrics` every second until generation `g` ends.
+    let watch_vllm = move |at: String, first: VllmMetrics, g: u64| {
+        let metrics_url = format!("{at}/metrics");
+        let connected: Wording = Rc::new(move |m: &VllmMetrics| {
+            format!(
+                "connected to vLLM metrics ({at}/metrics · {} · {} {} · read every second)",
+                if m.model_names.is_empty() {
+                    "?".to_string()
+                } else {
+                    m.model_names.join(", ")
+                },
+                m.engines,
+                if m.engines == 1 { "engine" } else { "engines" }
+            )
+        });
+        status.set(connected(&first));
+        vllm.set(Some(first));
+        kind.set(Some(Kind::Vllm));
+        poll_metrics(metrics_url, g, Some(connected));
+    };
+
+    // Watches a `kvlens watch` at `at`: its snapshots, its relayed metrics, its plan.
+    let watch_events = move |at: String, info: Value, g: u64| -> Result<(), String> {
+        let w = &info["watch"];
+        let connected = format!(
+            "connected to kvlens watch ({at} · events {} · topic {:?} · replay {} · metrics {})",
+            w["events"].as_str().unwrap_or("?"),
+            w["topic"].as_str().unwrap_or(""),
+            w["replay"].as_str().unwrap_or("none"),
+            w["metrics"].as_str().unwrap_or("none")
+        );
+        let said = connected.clone();
+        let metrics_url = format!("{at}/v1/watch/metrics");
+        let opened = Stream::open(
+            &format!("{at}/v1/watch/stream"),
+            move |data| match serde_json::from_str::<KvWatchSnapshot>(&data) {
+                Ok(s) => {
+                    watched.set(Some(s));
+                    status.set(said.clone());
+                }
+                Err(err) => status.set(format!("the watch stream sent an event that is not a snapshot: {err}")),
+            },
+            move |closed| {
+                status.set(if closed {
+                    format!("lost kvlens watch at {at}: its stream closed; press connect to try again")
+                } else {
+                    format!("kvlens watch at {at} stopped answering; reconnecting…")
+                })
+            },
+        )?;
+        stream.set_value(Some(opened));
+        planned.set(serde_json::from_value(info["planned"].clone()).ok());
+        kind.set(Some(Kind::Watch));
+        status.set(connected);
+        if w["metrics"].is_string() {
+            poll_metrics(metrics_url, g, None);
+        }
+        Ok(())
     };
 
     // Looks for a server at what was typed (or at the page's own origin) and watches it.
@@ -438,6 +616,7 @@ pub fn ServerMode() -> impl IntoView {
                     watch_vllm(at.clone(), m, g);
                     Ok(())
                 }
+                Ok(Found::Watch(info)) => watch_events(at.clone(), info, g),
                 Err(reason) => Err(reason),
             };
             if let Err(reason) = watched {
@@ -479,14 +658,19 @@ pub fn ServerMode() -> impl IntoView {
         }
         .into_any(),
         Some(Kind::Vllm) => view! { <section class="memory"><VllmPanel metrics=vllm.into() /></section> }.into_any(),
+        Some(Kind::Watch) => view! {
+            <WatchPanel snapshot=watched.into() metrics=vllm.into() planned=planned.into() />
+        }
+        .into_any(),
         None => ().into_any(),
     };
 
     view! {
         <section class="server-mode">
             <h2>"Server mode"</h2>
-            <p class="muted">"Watch a running server instead of the engine in this tab: a kvlens serve (every snapshot, in full) \
-                or a vLLM / vllm-ascend server through its Prometheus /metrics."</p>
+            <p class="muted">"Watch a running server instead of the engine in this tab: a kvlens serve (every snapshot, in full), \
+                a vLLM / vllm-ascend server through its Prometheus /metrics, or through kvlens watch, its KV cache block by \
+                block (vLLM's --kv-events-config)."</p>
             <div class="controls">
                 <label>"server URL"
                     <input type="url" data-testid="server-url" placeholder="http://host:8000"

@@ -11,9 +11,14 @@
 // range request (kvlens serve answers it; the static server ignores it and the page reads only the
 // start), and from disk; its tokens must equal native generate's on the same pair.
 //
+// 5. `kvlens watch` against a fake vLLM KV event publisher (vLLM's event classes, msgspec, pyzmq)
+// and a recent vLLM's /metrics: the grid follows stores, removals, a lost batch (replay) and a
+// publisher restart, and the planner's figures stand beside the server's.
+//
 // Environment (set by the xtask): KVLENS_BIN, KVLENS_DIST, KVLENS_E2E_IMAGE, KVLENS_E2E_PROMPT,
 // KVLENS_E2E_MAX_TOKENS, KVLENS_E2E_EXPECTED (generate's JSON), KVLENS_E2E_EXPECTED_GGUF (on the
-// GGUF pair), KVLENS_E2E_ARTIFACTS, CHROMIUM, CHROMIUM_ARGS (JSON list), PYTHON.
+// GGUF pair), KVLENS_E2E_ARTIFACTS, CHROMIUM, CHROMIUM_ARGS (JSON list), PYTHON, CLIENT_PYTHON (with msgspec
+// and pyzmq).
 'use strict';
 const { chromium } = require('playwright-core');
 const { spawn } = require('child_process');
@@ -37,6 +42,7 @@ const ARTIFACTS = env('KVLENS_E2E_ARTIFACTS');
 const CHROMIUM = env('CHROMIUM');
 const CHROMIUM_ARGS = JSON.parse(env('CHROMIUM_ARGS'));
 const PYTHON = env('PYTHON');
+const CLIENT_PYTHON = env('CLIENT_PYTHON');
 const HERE = __dirname;
 // A 512×512 image (256 image tokens for the demo model), for the main-thread measurement.
 const LARGE_IMAGE = path.join(HERE, 'fixtures', 'wave_512x512.png');
@@ -47,8 +53,8 @@ const children = [];
 let failures = 0;
 let passes = 0;
 
-function start(cmd, args, name) {
-  const child = spawn(cmd, args, { stdio: ['ignore', 'pipe', 'pipe'] });
+function start(cmd, args, name, stdin = 'ignore') {
+  const child = spawn(cmd, args, { stdio: [stdin, 'pipe', 'pipe'] });
   const log = fs.createWriteStream(path.join(ARTIFACTS, `${name}.log`));
   child.stdout.pipe(log);
   child.stderr.pipe(log);
@@ -59,8 +65,8 @@ function start(cmd, args, name) {
 // Starts `cmd args`, which listen on a port they pick themselves (port 0), and resolves with
 // that port once a line of their output matches `pattern` (group 1: the port). Picking a free
 // port here and passing it on would leave a moment in which another process could take it.
-function startListening(cmd, args, name, pattern) {
-  const child = start(cmd, args, name);
+function startListening(cmd, args, name, pattern, stdin = 'ignore') {
+  const child = start(cmd, args, name, stdin);
   return new Promise((resolve, reject) => {
     let seen = '';
     const done = (f, v) => {
@@ -132,7 +138,11 @@ async function browser(webgpu) {
   return chromium.launch({ executablePath: CHROMIUM, args, headless: true });
 }
 
+// KVLENS_E2E_ONLY=text runs only the checks whose name holds it (while working on one).
+const ONLY = process.env.KVLENS_E2E_ONLY;
+
 async function check(name, fn) {
+  if (ONLY && !name.includes(ONLY)) return;
   const t0 = Date.now();
   try {
     await fn();
@@ -542,6 +552,119 @@ async function serverModeOnVllm(site, vllm) {
   }
 }
 
+// The fake vLLM event publisher (on the given ports, or free ones): its endpoints and `send(cmd)`,
+// which resolves once it has published.
+async function fakeVllmEvents(ports = [0, 0, 0]) {
+  const { child } = await startListening(
+    CLIENT_PYTHON,
+    [path.join(HERE, 'fake_vllm_events.py'), '--events-port', String(ports[0]), '--replay-port', String(ports[1]),
+      '--metrics-port', String(ports[2])],
+    'fake-vllm-events',
+    /fake vLLM events on tcp:\/\/[^\s]*:(\d+) /,
+    'pipe',
+  );
+  let out = '';
+  child.stdout.on('data', (c) => { out += c.toString(); });
+  // The line was printed before the listener above saw it; read the log for the three ports.
+  const log = () => fs.readFileSync(path.join(ARTIFACTS, 'fake-vllm-events.log'), 'utf8');
+  let m;
+  for (let i = 0; i < 100 && !(m = /on tcp:\/\/127\.0\.0\.1:(\d+) replay tcp:\/\/127\.0\.0\.1:(\d+) metrics http:\/\/127\.0\.0\.1:(\d+)\//.exec(log())); i++) {
+    await new Promise((r) => setTimeout(r, 50));
+  }
+  assert(m, `the fake publisher's ports: ${log()}`);
+  let sent = 0;
+  const send = async (cmd) => {
+    sent += 1;
+    const want = sent;
+    child.stdin.write(`${cmd}\n`);
+    const deadline = Date.now() + LONG;
+    while ((out.match(/^done /gm) || []).length < want) {
+      assert(Date.now() < deadline && child.exitCode === null, `the fake publisher did not do ${cmd}`);
+      await new Promise((r) => setTimeout(r, 20));
+    }
+  };
+  return {
+    child, send, ports: [m[1], m[2], m[3]],
+    events: `tcp://127.0.0.1:${m[1]}`, replay: `tcp://127.0.0.1:${m[2]}`, metrics: `http://127.0.0.1:${m[3]}`,
+  };
+}
+
+// Waits until the watch grid draws `blocks` cells, `images` of them blue.
+async function watchGrid(page, blocks, images) {
+  await page.waitForFunction(
+    ([n, k]) => document.querySelectorAll('.server-mode [data-testid="watch-block"]').length === n
+      && document.querySelectorAll('.server-mode [data-testid="watch-block"].image').length === k,
+    [blocks, images],
+    { timeout: LONG },
+  );
+}
+
+const watchCounts = (page) => inServer(page, 'watch-counts').textContent();
+
+async function watchOnVllmEvents() {
+  let fake = await fakeVllmEvents();
+  await fake.send('store 8');
+  const { port } = await startListening(
+    KVLENS,
+    ['watch', '--events', fake.events, '--replay', fake.replay, '--topic', 'kv-events', '--metrics', fake.metrics,
+      '--playground-dir', DIST, '--port', '0',
+      '--model', 'Qwen3-VL-8B-Instruct', '--gpu-memory-utilization', '0.92', '--max-model-len', '32768'],
+    'kvlens-watch',
+    /Watch page on http:\/\/[^\s]*:(\d+)/,
+  );
+  const site = `http://127.0.0.1:${port}`;
+  const b = await browser(false);
+  try {
+    const page = await newPage(b, 'watch-vllm');
+    await page.goto(`${site}/`);
+    await watch(page, site, 'connected to kvlens watch');
+    // Stored before the watch started: caught up through the replay socket.
+    await watchGrid(page, 8, 0);
+    await fake.send('store 4 image');
+    await watchGrid(page, 12, 4);
+    const oldest = await page.$$eval('.server-mode [data-testid="watch-block"]', (cells) => cells.slice(0, 3).map((c) => c.dataset.hash));
+    await fake.send('remove 3');
+    await watchGrid(page, 9, 4);
+    const left = await page.$$eval('.server-mode [data-testid="watch-block"]', (cells) => cells.map((c) => c.dataset.hash));
+    assert(oldest.every((h) => !left.includes(h)), `removed blocks still drawn: ${oldest} in ${left}`);
+    // A batch lost on the way: the next one shows the gap and the replay fills it.
+    await fake.send('gap');
+    await fake.send('store 2');
+    await fake.send('store 1');
+    await watchGrid(page, 12, 4);
+    const counts = await watchCounts(page);
+    assert(/replayed 2 · lost 0/.test(counts), `one batch at the start and one after the gap replayed: ${counts}`);
+    // The planner beside the server: 0.92 agrees, the server's blocks fall short of the plan.
+    await page.waitForFunction(
+      () => (document.querySelector('.server-mode [data-testid="watch-findings"]')?.textContent || '').includes('KV blocks per engine'),
+      null,
+      { timeout: LONG },
+    );
+    const findings = await inServer(page, 'watch-findings').textContent();
+    assert(/--gpu-memory-utilization0\.920\.92agree/.test(findings), `the share agrees: ${findings}`);
+    assert(/KV blocks per engine2392022150differ: .*CUDA-graph/.test(findings), `the blocks differ: ${findings}`);
+    assert(/weights per engine16\.52 GiB16\.52 GiBagree/.test(findings), `the weights agree: ${findings}`);
+    const usage = await inServer(page, 'kv-usage').textContent();
+    assert(/^\d+\/22150 blocks$/.test(usage), `the server's usage: ${usage}`);
+    await screenshot(page, 'watch-vllm-events.png');
+    // The publisher restarts on the same ports: its new blocks replace the old ones.
+    fake.child.kill('SIGKILL');
+    await new Promise((r) => fake.child.exitCode !== null ? r() : fake.child.on('exit', r));
+    fake = await fakeVllmEvents(fake.ports);
+    let stores = 0;
+    const deadline = Date.now() + LONG;
+    while (!/restarts 1/.test(await watchCounts(page))) {
+      assert(Date.now() < deadline, `no restart seen: ${await watchCounts(page)}`);
+      await fake.send('store 1');
+      stores += 1;
+      await new Promise((r) => setTimeout(r, 300));
+    }
+    await watchGrid(page, stores, 0);
+  } finally {
+    await b.close();
+  }
+}
+
 (async () => {
   fs.mkdirSync(ARTIFACTS, { recursive: true });
   try {
@@ -558,6 +681,7 @@ async function serverModeOnVllm(site, vllm) {
     await check('server mode: a kvlens serve on another origin', () => serverModeOnKvlens(site, served));
     const vllm = await fakeVllm();
     await check('server mode: a vLLM /metrics endpoint', () => serverModeOnVllm(site, vllm));
+    await check('kvlens watch: a vLLM KV event stream (replay, restart) and the plan beside it', watchOnVllmEvents);
   } catch (e) {
     failures += 1;
     console.log(`e2e setup FAILED\n${e.stack || e}`);

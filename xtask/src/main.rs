@@ -618,6 +618,7 @@ fn e2e(build_kvlens: bool) -> Result<(u64, u64)> {
     if !kvlens.is_file() {
         bail!("{} is missing: run `cargo build -p kvlens`", kvlens.display());
     }
+    let client_python = ensure_client_python()?;
     let dist = build_playground(&kvlens, false)?;
     let work = cache_dir().join("e2e");
     let artifacts = work.join("artifacts");
@@ -677,6 +678,7 @@ fn e2e(build_kvlens: bool) -> Result<(u64, u64)> {
         .env("CHROMIUM", CHROMIUM)
         .env("CHROMIUM_ARGS", serde_json::to_string(CHROMIUM_ARGS)?)
         .env("PYTHON", python)
+        .env("CLIENT_PYTHON", &client_python)
         .stdout(Stdio::piped());
     eprintln!("+ {node:?}");
     let output = node.spawn().context("cannot start node")?.wait_with_output()?;

@@ -28,6 +28,8 @@ pub struct PlannedKv {
     pub available_kv_bytes: i64,
     /// Longest request.
     pub max_model_len: usize,
+    /// Weights bytes of one rank.
+    pub weights_bytes: u64,
 }
 
 impl From<&Plan> for PlannedKv {
@@ -41,6 +43,7 @@ impl From<&Plan> for PlannedKv {
             num_gpu_blocks: p.num_gpu_blocks,
             available_kv_bytes: p.available_kv_bytes,
             max_model_len: p.max_model_len,
+            weights_bytes: p.weights_bytes,
         }
     }
 }
@@ -119,6 +122,17 @@ pub fn compare(plan: &PlannedKv, m: &VllmMetrics) -> Vec<Finding> {
             note,
         ));
     }
+    if let Some(total) = m.model_weights_bytes {
+        let reported = total / m.engines.max(1) as u64;
+        let gib = |b: u64| format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64);
+        out.push(finding(
+            "weights per engine",
+            gib(plan.weights_bytes),
+            gib(reported),
+            (reported as f64 - plan.weights_bytes as f64).abs() <= TOLERANCE * plan.weights_bytes.max(1) as f64,
+            "the server loads other weights than planned: another checkpoint, dtype or quantization",
+        ));
+    }
     if let Some(negative) = m.negative_usage {
         out.push(finding(
             "vllm:kv_cache_usage_perc",
@@ -146,6 +160,7 @@ mod tests {
             num_gpu_blocks: 30_000,
             available_kv_bytes: 30_000 * 16 * 147_456,
             max_model_len: 32_768,
+            weights_bytes: 16 << 30,
         }
     }
 
@@ -153,7 +168,8 @@ mod tests {
     fn the_default_share_fewer_blocks_and_a_negative_usage_are_flagged() {
         let m = VllmMetrics::parse(
             "vllm:cache_config_info{block_size=\"16\",engine=\"0\",gpu_memory_utilization=\"0.92\",num_gpu_blocks=\"27000\"} 1.0\n\
-             vllm:kv_cache_usage_perc{engine=\"0\",model_name=\"m\"} -0.39\n",
+             vllm:kv_cache_usage_perc{engine=\"0\",model_name=\"m\"} -0.39\n\
+             vllm:model_weights_memory_bytes{engine=\"0\",model_name=\"m\"} 1.7179869184e+10\n",
         );
         let f = compare(&planned(), &m);
         let by = |w: &str| f.iter().find(|x| x.what == w).unwrap_or_else(|| panic!("{w}: {f:?}"));
@@ -164,6 +180,7 @@ mod tests {
         assert!(!blocks.agrees && blocks.note.contains("CUDA-graph"), "{blocks:?}");
         assert_eq!((blocks.planned.as_str(), blocks.reported.as_str()), ("30000", "27000"));
         assert!(by("vllm:kv_cache_usage_perc").note.contains("10048"));
+        assert!(by("weights per engine").agrees, "{f:?}");
     }
 
     #[test]
