@@ -292,6 +292,11 @@ def check_metrics(kvlens: str, work: Path) -> None:
                                                  max_tokens=4, temperature=0, extra_body={"ignore_eos": True})
             prompts.append(r.usage.prompt_tokens)
         m1 = scrape(s)
+        # The encoder cache (which vLLM does not export) holds the image's output until a reset.
+        enc = s.memory()["encoder_cache"]
+        assert m1["kvlens:encoder_cache_entries"] == len(enc["entries"]) == 1
+        assert m1["kvlens:encoder_cache_used_bytes"] == enc["used_bytes"] > 0
+        assert m0["kvlens:encoder_cache_used_bytes"] == 0
         assert m1["vllm:mm_cache_queries_total"] - m0["vllm:mm_cache_queries_total"] == 3
         assert m1["vllm:mm_cache_hits_total"] - m0["vllm:mm_cache_hits_total"] == 2
         hit = (prompts[1] - 1) // 16 * 16
@@ -321,7 +326,8 @@ def check_metrics(kvlens: str, work: Path) -> None:
             time.sleep(0.05)
         assert m["vllm:num_requests_waiting_by_reason[('reason', 'capacity')]"] == 2
         assert m["vllm:num_requests_waiting_by_reason[('reason', 'deferred')]"] == 0
-        assert m["kvlens:kv_cache_free_bytes"] < m["kvlens:kv_cache_memory_bytes"]
+        assert m["kvlens:kv_cache_free_bytes"] < free_idle and m["vllm:kv_cache_usage_perc"] > 0
+        assert m["vllm:num_requests_running"] == 1
         for _ in streams[0]:
             pass
         for t in waiting:
@@ -338,7 +344,11 @@ def check_metrics(kvlens: str, work: Path) -> None:
         assert m2["vllm:kv_block_lifetime_seconds_sum"] >= m2["vllm:kv_block_idle_before_evict_seconds_sum"] > 0
         # The image prompt's full block was hit twice before the long requests evicted it: one gap.
         assert m2["vllm:kv_block_reuse_gap_seconds_count"] == 1, m2["vllm:kv_block_reuse_gap_seconds_count"]
-        assert m2["kvlens:kv_cache_free_bytes"] == free_idle
+        assert m2["kvlens:kv_cache_free_bytes"] == free_idle and m2["vllm:kv_cache_usage_perc"] == 0
+        status, _ = s.json("POST", "/reset_encoder_cache")
+        assert status == 200
+        m3 = scrape(s)
+        assert m3["kvlens:encoder_cache_entries"] == m3["kvlens:encoder_cache_used_bytes"] == 0
         print(f"  {evictions} evictions observed; prefix hit {hit} of {prompts[1]} tokens; mm cache 3 queries, 2 hits")
 
 

@@ -290,6 +290,25 @@ mod tests {
     }
 
     #[test]
+    fn every_cut_and_flipped_byte_of_a_batch_decodes_or_errs() {
+        let good = encode_batch(
+            1.0,
+            &[stored(), KvCacheEvent::BlockRemoved { block_hashes: vec![7] }],
+            0,
+        );
+        for n in 0..good.len() {
+            let _ = decode_batch(&good[..n]);
+            for bit in 0..8 {
+                let mut bad = good.clone();
+                bad[n] ^= 1 << bit;
+                let _ = decode_batch(&bad);
+            }
+        }
+        // Deep nesting stops at the depth limit instead of the stack.
+        assert!(decode_batch(&[0x91; 100_000]).is_err());
+    }
+
+    #[test]
     fn garbage_is_an_error_not_a_panic() {
         for bad in [
             &b""[..],
