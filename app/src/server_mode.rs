@@ -57,7 +57,7 @@ enum Found {
     /// `kvlens serve`, with its `/server_info`.
     Kvlens(Value),
     /// A server with vLLM's metrics, as first read.
-    Vllm(VllmMetrics),
+    Vllm(Box<VllmMetrics>),
     /// `kvlens watch`, with its `/server_info`.
     Watch(Value),
 }
@@ -177,7 +177,7 @@ async fn detect(base: &str) -> Result<Found, String> {
         Ok((200, body)) => {
             let m = VllmMetrics::parse(&body);
             if m.is_vllm() {
-                return Ok(Found::Vllm(m));
+                return Ok(Found::Vllm(Box::new(m)));
             }
             "/metrics has none of vLLM's metrics".to_string()
         }
@@ -613,7 +613,7 @@ pub fn ServerMode() -> impl IntoView {
             let watched = match found {
                 Ok(Found::Kvlens(info)) => watch_kvlens(at.clone(), info),
                 Ok(Found::Vllm(m)) => {
-                    watch_vllm(at.clone(), m, g);
+                    watch_vllm(at.clone(), *m, g);
                     Ok(())
                 }
                 Ok(Found::Watch(info)) => watch_events(at.clone(), info, g),
