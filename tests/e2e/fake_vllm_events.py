@@ -3,7 +3,7 @@
 
 Publishes KV cache events as vLLM's `ZmqEventPublisher` does (PUB: [topic, seq, msgpack batch];
 ROUTER: a replay of kept batches from a start sequence, then [-1, ""]), encoded by msgspec from
-vLLM's own event classes, and serves a recent vLLM's /metrics (fixtures/vllm_metrics_2026.txt).
+vLLM's own event classes (tools/serve_tests/vllm_kv_events.py), and serves a recent vLLM's /metrics (fixtures/vllm_metrics_2026.txt).
 Needs msgspec and pyzmq (the client venv). Driven by commands on stdin, one per line, each
 answered `done CMD` on stdout:
 
@@ -26,59 +26,17 @@ import threading
 import time
 from http.server import ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
-
 import msgspec
 import zmq
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parents[1] / "tools" / "serve_tests")]
 import fake_vllm  # noqa: E402 (the metrics server beside this file)
+from vllm_kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch  # noqa: E402
 
-FIXTURE = Path(__file__).resolve().parent / "fixtures" / "vllm_metrics_2026.txt"
+FIXTURE = HERE / "fixtures" / "vllm_metrics_2026.txt"
 TOPIC = "kv-events"
 IMAGE_HASH = "2f1c9e0c7a5b4d3e8f6a1b2c3d4e5f60718293a4b5c6d7e8f9a0b1c2d3e4f5a6"
-
-ExternalBlockHash = bytes | int
-
-
-#
-# Types copied from vllm.distributed.kv_events
-#
-class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    ts: float
-    events: list[Any]
-    data_parallel_rank: int | None = None
-
-
-class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
-    """Base class for all KV cache-related events"""
-
-
-class BlockStored(KVCacheEvent):
-    block_hashes: list[ExternalBlockHash]
-    parent_block_hash: ExternalBlockHash | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-    extra_keys: list[tuple[Any, ...] | None] | None = None
-    group_idx: int | None = None
-
-
-class BlockRemoved(KVCacheEvent):
-    block_hashes: list[ExternalBlockHash]
-    medium: str | None
-    group_idx: int | None = None
-
-
-class AllBlocksCleared(KVCacheEvent):
-    pass
-
-
-class KVEventBatch(EventBatch):
-    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
-
 
 class Publisher:
     """vLLM's ZmqEventPublisher, minus its queue thread: PUB and ROUTER, a buffer of sent batches."""

@@ -128,6 +128,21 @@ fn sample(out: &mut String, name: &str, help: &str, kind: &str, labels: &str, va
     let _ = writeln!(out, "{name}{suffix}{{{labels}}} {value}");
 }
 
+/// A family of one sample per value of `label` (`name{label="value",labels}`).
+fn by_label<V: std::fmt::Display>(
+    out: &mut String,
+    (name, help, kind): (&str, &str, &str),
+    label: &str,
+    values: impl IntoIterator<Item = (impl std::fmt::Display, V)>,
+    labels: &str,
+) {
+    header(out, name, help, kind);
+    let suffix = if kind == "counter" { "_total" } else { "" };
+    for (value_of_label, value) in values {
+        let _ = writeln!(out, "{name}{suffix}{{{label}=\"{value_of_label}\",{labels}}} {value}");
+    }
+}
+
 /// A label value with `\`, `"` and newlines escaped.
 fn escape(value: &str) -> String {
     value.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
@@ -221,31 +236,32 @@ impl Metrics {
         for (name, kind, help, value) in engine {
             sample(o, name, help, kind, l, value);
         }
-        header(
-            o,
+        let waiting = (
             "vllm:num_requests_waiting_by_reason",
             "Number of waiting requests by reason. Reason labels: 'capacity' = waiting for scheduling capacity; \
              'deferred' = deferred by transient constraints (LoRA budget, KV transfer, blocked status). Sum of all \
              reasons equals vllm:num_requests_waiting.",
             "gauge",
         );
-        for (reason, n) in [("capacity", snap.num_waiting), ("deferred", 0)] {
-            let _ = writeln!(o, "vllm:num_requests_waiting_by_reason{{reason=\"{reason}\",{l}}} {n}");
-        }
-        let c = &snap.counters;
-        header(
+        by_label(
             o,
+            waiting,
+            "reason",
+            [("capacity", snap.num_waiting), ("deferred", 0)],
+            l,
+        );
+        let c = &snap.counters;
+        let by_source = (
             "vllm:prompt_tokens_by_source",
             "Number of prompt tokens by source.",
             "counter",
         );
-        for (source, n) in [
+        let sources = [
             ("local_compute", c.prompt_tokens_computed),
             ("local_cache_hit", c.prompt_tokens_cached),
             ("external_kv_transfer", 0),
-        ] {
-            let _ = writeln!(o, "vllm:prompt_tokens_by_source_total{{source=\"{source}\",{l}}} {n}");
-        }
+        ];
+        by_label(o, by_source, "source", sources, l);
         let help = "Number of cached prompt tokens (local + external).";
         sample(
             o,
@@ -299,10 +315,8 @@ impl Metrics {
             );
             let help = "Number of generation tokens processed.";
             sample(o, "vllm:generation_tokens", help, "counter", l, m.generation_tokens);
-            header(o, "vllm:request_success", "Count of finished requests.", "counter");
-            for (reason, n) in REASONS.iter().zip(m.finished) {
-                let _ = writeln!(o, "vllm:request_success_total{{finished_reason=\"{reason}\",{l}}} {n}");
-            }
+            let success = ("vllm:request_success", "Count of finished requests.", "counter");
+            by_label(o, success, "finished_reason", REASONS.iter().zip(m.finished), l);
             let help = "Requests whose client left before they reached the engine.";
             sample(
                 o,
@@ -345,17 +359,21 @@ impl Metrics {
         for (name, kind, help, value) in kvlens {
             sample(o, name, help, kind, l, value);
         }
-        header(
-            o,
+        let memory = (
             "kvlens:memory_bytes",
             "Bytes the backend holds, by ledger category.",
             "gauge",
         );
-        for e in &snap.ledger {
+        let categories = snap.ledger.iter().map(|e| {
             let category = serde_json::to_value(e.category).ok();
-            let category = category.as_ref().and_then(|c| c.as_str()).unwrap_or("unknown");
-            let _ = writeln!(o, "kvlens:memory_bytes{{category=\"{category}\",{l}}} {}", e.bytes);
-        }
+            let name = category
+                .as_ref()
+                .and_then(|c| c.as_str())
+                .unwrap_or("unknown")
+                .to_owned();
+            (name, e.bytes)
+        });
+        by_label(o, memory, "category", categories, l);
         out
     }
 }

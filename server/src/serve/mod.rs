@@ -199,6 +199,11 @@ async fn serve(args: &ServeArgs, engine_args: EngineArgs) -> Result<()> {
     flags["api_key"] = json!(args.api_key.as_ref().map(|_| "<set>"));
     let kv_events = match args.kv_events_config.as_ref().filter(|c| c.publishes()) {
         Some(config) => {
+            if args.engine.no_enable_prefix_caching {
+                tracing::warn!(
+                    "--kv-events-config with --no-enable-prefix-caching: blocks get no hashes, so no events are published"
+                );
+            }
             tracing::info!("Starting ZMQ publisher thread");
             let (sink, bound) = kv_events::publisher::start(config).await?;
             tracing::info!(
