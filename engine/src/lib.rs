@@ -15,6 +15,7 @@ pub mod fuzzing;
 #[cfg(any(test, feature = "testing"))]
 pub mod golden;
 pub mod input;
+pub mod lessons;
 pub mod memory;
 pub mod model;
 pub mod occupancy;

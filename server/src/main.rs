@@ -5,6 +5,7 @@ mod bench;
 mod checkpoint;
 mod generate_cmd;
 mod kv_events;
+mod lesson_cmd;
 mod logging;
 mod plan_cmd;
 mod preprocess;
@@ -38,6 +39,8 @@ enum Command {
     Bench(bench::BenchArgs),
     /// Generate a reply to one conversation (text and images) on the CPU.
     Generate(Box<generate_cmd::GenerateArgs>),
+    /// A lesson in memory profiling: a vLLM incident replayed step by step, its numbers computed.
+    Lesson(lesson_cmd::LessonArgs),
     /// Reproduce vLLM's start-up memory budget for a Qwen-VL model on a device, before a job runs.
     Plan(Box<plan_cmd::PlanArgs>),
     /// Write a Hugging Face-layout checkpoint with random weights of a config's real shapes.
@@ -74,6 +77,7 @@ fn main() -> ExitCode {
         #[cfg(feature = "bench")]
         Command::Bench(args) => bench::run(&args),
         Command::Generate(args) => generate_cmd::run(&args),
+        Command::Lesson(args) => lesson_cmd::run(&args),
         Command::Plan(args) => plan_cmd::run(&args),
         Command::RandomCheckpoint(args) => random_checkpoint_cmd::run(&args),
         Command::Serve(args) => serve::run(&args),

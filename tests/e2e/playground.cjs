@@ -430,6 +430,32 @@ async function plannerLink(base) {
   }
 }
 
+// The lessons (planner steps so far): the list, then lesson 1's figures computed in the page.
+async function lessonPages(base) {
+  const b = await browser(false);
+  try {
+    const page = await newPage(b, 'lessons');
+    await page.goto(`${base}/lessons`);
+    await page.waitForSelector('[data-testid="lesson-list"] li', { timeout: LONG });
+    const listed = await page.$$eval('[data-testid="lesson-list"] li', (li) => li.length);
+    assert(listed >= 3, `${listed} lessons listed`);
+    await page.goto(`${base}/lessons/kv-cache-too-small`);
+    await page.waitForSelector('[data-testid="lesson-figure"]', { timeout: LONG });
+    const figures = await page.$$eval('[data-testid="lesson-figure"]', (rows) => rows.map((r) => r.textContent));
+    assert(figures.some((f) => f.includes('estimated maximum model length') && f.includes('164,224')), `lesson 1's figures: ${figures}`);
+    assert(figures.some((f) => f.includes('32.00 GiB')), `the KV one request needs: ${figures}`);
+    await page.goto(`${base}/lessons/startup-budget`);
+    await page.waitForSelector('[data-testid="lesson-figure"]', { timeout: LONG });
+    const budget = (await page.$$eval('[data-testid="lesson-figure"]', (rows) => rows.map((r) => r.textContent))).join(' | ');
+    for (const want of ['13.61 GiB', '57.91 GiB', '44.30 GiB', '645,120 tokens']) {
+      assert(budget.includes(want), `${want} in lesson 2: ${budget}`);
+    }
+    await screenshot(page, 'lesson-startup-budget.png');
+  } finally {
+    await b.close();
+  }
+}
+
 async function playgroundOnCpu(base) {
   const b = await browser(false);
   try {
@@ -674,6 +700,7 @@ async function watchOnVllmEvents() {
     await check('playground on WebGPU, a GGUF pair by URL (range requests)', () => playgroundGguf(served, true, { ranged: true }));
     await check('playground on WebGPU, a GGUF pair from disk, then its text model alone', () => playgroundGguf(served, true, { fromDisk: true }));
     await check('planner link shows 164,224', () => plannerLink(served));
+    await check('lessons 1-3 show the seeds\' figures', () => lessonPages(served));
     const site = await staticServer('static-server');
     await check('playground on the CPU backend (WebGPU off), static dist/', () => playgroundOnCpu(site));
     await check('playground on the CPU backend with q4_0 weights', () => playgroundQuantized(site, false));

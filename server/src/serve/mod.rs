@@ -412,7 +412,10 @@ fn router(app: Arc<App>, playground: &Path) -> Router {
         let page = get_service(ServeFile::new(playground.join("index.html")));
         routes
             .route("/planner", page.clone())
-            .route("/planner/", page)
+            .route("/planner/", page.clone())
+            .route("/lessons", page.clone())
+            .route("/lessons/", page.clone())
+            .route("/lessons/{name}", page)
             .fallback_service(ServeDir::new(playground).not_found_service(not_found.into_service()))
     } else {
         routes.route("/", get(no_playground)).fallback(not_found)
