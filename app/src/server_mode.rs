@@ -330,9 +330,6 @@ fn VllmPanel(metrics: Signal<Option<VllmMetrics>>, #[prop(optional)] events: boo
     }
 }
 
-/// Most block cells the watch draws; the counts cover the rest.
-const WATCH_CELLS: usize = KvWatchSnapshot::MAX_BLOCKS;
-
 /// A watched server's prefix cache block by block, the stream's health, and the plan beside
 /// what the server's metrics report.
 #[component]
@@ -344,7 +341,7 @@ fn WatchPanel(
     let counts = move || {
         snapshot.get().map(|s| {
             format!(
-                "{} resident blocks ({} with image keys) · stored {} · removed {} · cleared {} · {} batches (last #{}) · replayed {} · lost {} · restarts {}{}",
+                "{} resident blocks ({} with image keys) · stored {} · removed {} · cleared {} · {} batches (last #{}) · replayed {} · lost {} · restarts {}{}{}",
                 s.num_resident,
                 s.num_with_keys,
                 s.stored,
@@ -359,16 +356,22 @@ fn WatchPanel(
                     format!(" · {} removals of blocks never seen stored", s.unknown_removals)
                 } else {
                     String::new()
+                },
+                if s.other_medium > 0 {
+                    format!(" · {} events of the CPU offloading tier (not drawn)", s.other_medium)
+                } else {
+                    String::new()
                 }
             )
         })
     };
     let grid = move || {
         snapshot.get().map(|s| {
-            let more = s.num_resident.saturating_sub(s.blocks.len() as u64);
+            let drawn: u64 = s.blocks.iter().map(|b| u64::from(b.copies)).sum();
+            let more = s.num_resident.saturating_sub(drawn);
             view! {
                 <div class="kv-grid" data-testid="watch-grid">
-                    {s.blocks.iter().take(WATCH_CELLS).map(|b| {
+                    {s.blocks.iter().map(|b| {
                         let class = if b.keys.is_empty() { "cell cached" } else { "cell image" };
                         let title = format!(
                             "{} · {} cop{} · stored in batch {}{}",
@@ -381,7 +384,7 @@ fn WatchPanel(
                         view! { <span class=class data-testid="watch-block" data-hash=b.hash.clone() title=title></span> }
                     }).collect_view()}
                 </div>
-                {(more > 0).then(|| view! { <p class="muted">{format!("and {more} more block copies not drawn")}</p> })}
+                {(more > 0).then(|| view! { <p class="muted">{format!("and {more} more block copies not drawn (the first {} blocks are)", KvWatchSnapshot::MAX_BLOCKS)}</p> })}
             }
         })
     };

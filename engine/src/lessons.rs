@@ -1,7 +1,8 @@
-//! Lessons in memory profiling: the incidents that cost vLLM users days, replayed step by step
-//! with every number computed when the step runs (the planner here), never recorded. A lesson is
-//! data (each step's sentence and its planner inputs as a `/planner` query string) plus the engine
-//! calls that produce its figures, so `kvlens lesson` and the playground show the same thing.
+//! Lessons in memory profiling: the incidents that cost vLLM users days, replayed step by step,
+//! each step's figures computed when it runs (the planner here), never recorded. A lesson is data
+//! (each step's sentence and its planner inputs as a `/planner` query string) plus the engine calls
+//! that produce its figures, so `kvlens lesson` and the playground show the same thing. The
+//! sentences quote the seeds' numbers; the tests check each quote against the computed figure.
 //!
 //! The full-size steps reproduce the figures in ../shared/docs/vllm-memory.md (Qwen3-VL-8B/32B on
 //! Ascend 910B, TP 2).
@@ -289,6 +290,15 @@ mod tests {
     fn the_seeds_figures_exactly() {
         let s = lesson("kv-cache-too-small").unwrap().run().unwrap();
         assert_eq!(value(&s, 0, "KV one request of --max-model-len needs"), "32.00 GiB");
+        assert!(s[0].say.contains("32 GiB") && s[0].say.contains("20.06 GiB"));
+        assert_eq!(value(&s, 0, "available KV cache memory"), "20.06 GiB");
+        // Step 2 starts with the length step 1 computed.
+        let estimated = value(&s, 0, "estimated maximum model length").replace(',', "");
+        assert!(
+            s[1].query.ends_with(&format!("max_model_len={estimated}")),
+            "{}",
+            s[1].query
+        );
         assert_eq!(value(&s, 0, "one request of --max-model-len fits"), "no");
         assert_eq!(value(&s, 0, "estimated maximum model length"), "164,224");
         assert_eq!(value(&s, 1, "one request of --max-model-len fits"), "yes");
@@ -306,6 +316,9 @@ mod tests {
         assert_ne!(value(&s, 1, "available KV cache memory"), "44.30 GiB");
 
         let s = lesson("encoder-budget").unwrap().run().unwrap();
+        assert_eq!(value(&s, 0, "tokens of the largest image"), "16,384");
+        assert!(s[0].say.contains("16,384 tokens") && s[0].say.contains("holds: 2"));
+        assert_eq!(value(&s, 1, "encoder cache budget"), "16,384 tokens");
         assert_eq!(value(&s, 0, "encoder cache budget"), "32,768 tokens");
         assert_eq!(value(&s, 0, "images in the profile run"), "2");
         assert_eq!(value(&s, 1, "images in the profile run"), "1");

@@ -149,8 +149,12 @@ fn router(state: Arc<Watch>, playground: &std::path::Path) -> Router {
         .route("/v1/watch/stream", get(stream))
         .route("/v1/watch/metrics", get(metrics));
     let routes = if playground.is_dir() {
+        // The page's other views are there too (its navigation links to them).
         let page = get_service(ServeFile::new(playground.join("index.html")));
-        routes.route("/", page).fallback_service(ServeDir::new(playground))
+        ["/", "/planner", "/lessons", "/lessons/{name}"]
+            .into_iter()
+            .fold(routes, |r, path| r.route(path, page.clone()))
+            .fallback_service(ServeDir::new(playground))
     } else {
         routes.route(
             "/",
@@ -168,13 +172,16 @@ async fn snapshot(State(w): State<Arc<Watch>>) -> Response {
 async fn stream(State(w): State<Arc<Watch>>) -> Response {
     let mut rx = w.watched.changed.subscribe();
     rx.mark_changed();
-    let events = futures_util::stream::unfold((rx, w), |(mut rx, w)| async move {
+    let events = futures_util::stream::unfold((rx, w, true), |(mut rx, w, first)| async move {
         rx.changed().await.ok()?;
+        // At most one snapshot per interval: the changes of the interval go out together.
+        if !first {
+            tokio::time::sleep(STREAM_INTERVAL).await;
+        }
+        rx.mark_unchanged();
         let snap = w.watched.state.lock().unwrap_or_else(|p| p.into_inner()).snapshot();
         let data = serde_json::to_string(&snap).unwrap_or_default();
-        // At most one snapshot per interval; later changes are in the next one.
-        tokio::time::sleep(STREAM_INTERVAL).await;
-        Some((Ok::<_, Infallible>(Event::default().data(data)), (rx, w)))
+        Some((Ok::<_, Infallible>(Event::default().data(data)), (rx, w, false)))
     });
     Sse::new(events).keep_alive(KeepAlive::default()).into_response()
 }

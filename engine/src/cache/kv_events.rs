@@ -8,7 +8,8 @@ use super::block_hash::{BlockHash, MmSpan, TokenId};
 
 impl BlockHash {
     /// The 64-bit form published in events (vLLM's `ExternalBlockHash` as an int): the first 8
-    /// bytes, big-endian, so it reads as the first 16 hex digits of the full hash.
+    /// bytes, big-endian, so it reads as the first 16 hex digits of the full hash (vLLM takes the
+    /// last 8 bytes of its own hash; the two hashes differ anyway).
     pub fn external(&self) -> u64 {
         u64::from_be_bytes(self.0[..8].try_into().expect("32-byte hash"))
     }

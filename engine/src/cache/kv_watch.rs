@@ -38,6 +38,16 @@ pub enum WatchEvent {
     AllBlocksCleared,
 }
 
+impl WatchEvent {
+    /// The medium the event names (`GPU` for the device's cache), if any.
+    pub fn medium(&self) -> Option<&str> {
+        match self {
+            WatchEvent::BlockStored { medium, .. } | WatchEvent::BlockRemoved { medium, .. } => medium.as_deref(),
+            WatchEvent::AllBlocksCleared => None,
+        }
+    }
+}
+
 /// One resident block.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct WatchedBlock {
@@ -60,7 +70,7 @@ pub struct KvWatchSnapshot {
     pub last_seq: Option<u64>,
     /// The last batch's timestamp (the publisher's Unix seconds).
     pub last_ts: Option<f64>,
-    /// Blocks stored, removed and clears, over the whole watch.
+    /// Blocks stored, over the whole watch.
     pub stored: u64,
     /// Blocks removed.
     pub removed: u64,
@@ -75,6 +85,8 @@ pub struct KvWatchSnapshot {
     pub lost: u64,
     /// Times the publisher restarted (its sequence went back); the resident set starts over.
     pub restarts: u64,
+    /// Block events for another medium than the device's (vLLM's CPU offloading tier), not drawn.
+    pub other_medium: u64,
     /// Tokens per block, from the last store.
     pub block_size: Option<u64>,
     /// Resident block copies.
@@ -115,6 +127,10 @@ impl KvWatch {
         c.last_seq = Some(seq);
         c.last_ts = Some(ts);
         for event in events {
+            if event.medium().is_some_and(|m| m != "GPU") {
+                self.counts.other_medium += 1;
+                continue;
+            }
             match event {
                 WatchEvent::BlockStored {
                     block_hashes,
@@ -175,7 +191,12 @@ impl KvWatch {
 
     /// The sequence number the next batch should carry.
     pub fn next_seq(&self) -> Option<u64> {
-        self.counts.last_seq.map(|s| s + 1)
+        self.counts.last_seq.and_then(|s| s.checked_add(1))
+    }
+
+    /// The last applied batch's timestamp.
+    pub fn last_ts(&self) -> Option<f64> {
+        self.counts.last_ts
     }
 
     /// What the watcher shows now.
@@ -251,7 +272,12 @@ mod tests {
         );
         w.apply(3, 4.0, &[WatchEvent::AllBlocksCleared], false);
         assert_eq!(w.snapshot().num_resident, 0);
-        w.apply(4, 5.0, &[stored(&["d"], vec![])], false);
+        let mut offloaded = stored(&["e"], vec![]);
+        if let WatchEvent::BlockStored { medium, .. } = &mut offloaded {
+            *medium = Some("CPU".into());
+        }
+        w.apply(4, 5.0, &[stored(&["d"], vec![]), offloaded], false);
+        assert_eq!((w.snapshot().num_resident, w.snapshot().other_medium), (1, 1));
         w.restarted();
         let s = w.snapshot();
         assert_eq!((s.restarts, s.num_resident, s.last_seq, s.cleared), (1, 0, None, 1));

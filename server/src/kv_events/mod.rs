@@ -10,6 +10,9 @@ pub mod wire;
 use anyhow::{bail, Result};
 use serde::{Deserialize, Serialize};
 
+/// The most batches kept for replay or queued for the publisher.
+const MAX_QUEUE: usize = 10_000_000;
+
 /// `--kv-events-config`, vLLM's `KVEventsConfig` (`vllm/config/kv_events.py`).
 #[derive(Clone, Debug, Deserialize, Serialize, PartialEq, Eq)]
 #[serde(deny_unknown_fields, default)]
@@ -18,13 +21,14 @@ pub struct KvEventsConfig {
     pub enable_kv_cache_events: bool,
     /// `"zmq"` or `"null"`; unset means `"zmq"` when enabled, as in vLLM.
     pub publisher: Option<String>,
-    /// The PUB socket: bound when it holds `*` (any interface), connected otherwise.
+    /// The PUB socket: bound when it holds `*` (any interface) or `::`, connected otherwise.
     pub endpoint: String,
     /// The ROUTER socket that answers replay requests (bound), if any.
     pub replay_endpoint: Option<String>,
     /// Batches kept for replay.
     pub buffer_steps: usize,
-    /// The PUB socket's send high-water mark (messages queued per subscriber).
+    /// The PUB socket's send high-water mark (messages queued per subscriber); fixed at
+    /// [`publisher::PUB_QUEUE`] here, another value is ignored with a warning.
     pub hwm: usize,
     /// Batches queued between the engine and the publisher before the engine waits.
     pub max_queue_size: usize,
@@ -60,8 +64,13 @@ impl KvEventsConfig {
             None | Some("zmq" | "null") => {}
             Some(other) => bail!("--kv-events-config: publisher must be \"zmq\" or \"null\", got {other:?}"),
         }
-        if config.buffer_steps == 0 || config.max_queue_size == 0 {
-            bail!("--kv-events-config: buffer_steps and max_queue_size must be at least 1");
+        for (name, n) in [
+            ("buffer_steps", config.buffer_steps),
+            ("max_queue_size", config.max_queue_size),
+        ] {
+            if !(1..=MAX_QUEUE).contains(&n) {
+                bail!("--kv-events-config: {name} must be 1 to {MAX_QUEUE}, got {n}");
+            }
         }
         for e in std::iter::once(&config.endpoint).chain(&config.replay_endpoint) {
             if !e.starts_with("tcp://") {
@@ -108,6 +117,7 @@ mod tests {
             (r#"{"enable_kv_cache_event": true}"#, "unknown field"),
             (r#"{"endpoint": "ipc:///tmp/x"}"#, "tcp://"),
             (r#"{"buffer_steps": 0}"#, "buffer_steps"),
+            (r#"{"max_queue_size": 18446744073709551615}"#, "max_queue_size"),
             ("not json", "--kv-events-config"),
         ] {
             let err = KvEventsConfig::parse(json).unwrap_err().to_string();

@@ -21,6 +21,9 @@ pub const PUB_QUEUE: usize = 100_000;
 /// The replay stream's end marker: sequence −1 with an empty payload.
 const END_SEQ: i64 = -1;
 
+/// Longest a replay waits for its client to take one message.
+const REPLAY_SEND_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(1);
+
 /// The engine's side: hands each step's events to the publisher task.
 #[derive(Clone, Debug)]
 pub struct KvEventSink {
@@ -160,17 +163,20 @@ impl Publisher {
         self.kept.push_back((seq, payload));
     }
 
-    /// `[identity, "", start_seq]` from a REQ (or DEALER) client.
+    /// `[identity, "", start_seq]` from a REQ (or DEALER) client; the start is read as vLLM reads
+    /// it, an unsigned big-endian integer. A client that stops reading gets no more than
+    /// [`REPLAY_SEND_TIMEOUT`] per message: publishing must not wait for it.
     async fn replay(&mut self, request: ZmqMessage) {
         let frames = request.into_vec();
         let [identity, _, start] = frames.as_slice() else {
             tracing::warn!("Invalid replay request: {} frames", frames.len());
             return;
         };
-        let Ok(start) = <[u8; 8]>::try_from(start.as_ref()).map(i64::from_be_bytes) else {
-            tracing::warn!("Invalid replay request: the start is not 8 bytes");
+        if start.len() > 8 {
+            tracing::warn!("Invalid replay request: a start of {} bytes", start.len());
             return;
-        };
+        }
+        let start = start.iter().fold(0u64, |n, &b| (n << 8) | u64::from(b));
         let Some(router) = &mut self.replay else { return };
         let reply = |seq: i64, payload: Bytes| {
             ZmqMessage::try_from(vec![
@@ -181,11 +187,19 @@ impl Publisher {
             ])
             .expect("four frames")
         };
-        for (seq, payload) in self.kept.iter().filter(|(seq, _)| *seq >= start) {
-            if router.send(reply(*seq, payload.clone())).await.is_err() {
-                return;
+        let kept = self.kept.iter().filter(|(seq, _)| *seq as u64 >= start);
+        for (seq, payload) in kept.map(|(s, p)| (*s, p.clone())).chain([(END_SEQ, Bytes::new())]) {
+            match tokio::time::timeout(REPLAY_SEND_TIMEOUT, router.send(reply(seq, payload))).await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => {
+                    tracing::warn!("KV event replay: {e}");
+                    return;
+                }
+                Err(_) => {
+                    tracing::warn!("a KV event replay client stopped reading; its replay is cut short");
+                    return;
+                }
             }
         }
-        let _ = router.send(reply(END_SEQ, Bytes::new())).await;
     }
 }

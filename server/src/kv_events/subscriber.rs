@@ -1,7 +1,8 @@
 //! The other end: a SUB socket on a vLLM (or kvlens) publisher, the way vLLM's example subscriber
 //! reads it, into a [`KvWatch`]. A late start and every gap are filled from the replay socket
-//! (a DEALER, which takes the many answers a replay sends); a sequence that goes back means the
-//! publisher restarted, and the resident set starts over from the new publisher's first batch.
+//! (a DEALER, which takes the many answers a replay sends); a sequence that goes back with a batch
+//! newer than any applied means the publisher restarted, and the resident set starts over from the
+//! new publisher's first batch (an older one was already applied through the replay).
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -43,8 +44,10 @@ impl Watched {
         self.changed.send_modify(|n| *n += 1);
     }
 
-    fn next_seq(&self) -> Option<u64> {
-        self.state.lock().unwrap_or_else(|p| p.into_inner()).next_seq()
+    /// The sequence the next batch should carry, and the last batch's timestamp.
+    fn position(&self) -> (Option<u64>, Option<f64>) {
+        let state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        (state.next_seq(), state.last_ts())
     }
 }
 
@@ -99,11 +102,7 @@ pub async fn run(source: EventSource, watched: Watched) {
         source.endpoint,
         source.topic
     );
-    let mut reader = Reader {
-        source,
-        watched,
-        floor: 0,
-    };
+    let mut reader = Reader { source, watched };
     reader.catch_up(0, None).await;
     loop {
         let frames = match sub.recv().await {
@@ -129,30 +128,41 @@ pub async fn run(source: EventSource, watched: Watched) {
 struct Reader {
     source: EventSource,
     watched: Watched,
-    /// Sequences below `next` but at least this are duplicates of a replay, not a restart.
-    floor: u64,
 }
 
 impl Reader {
     /// A batch from the PUB socket.
     async fn live(&mut self, seq: u64, payload: &[u8]) {
-        match self.watched.next_seq() {
-            Some(next) if seq < next && seq >= self.floor => return, // already replayed
+        let batch = match wire::decode_batch(payload) {
+            Ok(b) => b,
+            Err(e) => {
+                tracing::warn!("KV event batch {seq} does not decode: {e:#}");
+                return;
+            }
+        };
+        let (next, last_ts) = self.watched.position();
+        match next {
+            // A sequence already applied: the replay at the start delivered it first, unless the
+            // batch is newer than everything applied, which only a restarted publisher sends.
             Some(next) if seq < next => {
+                if last_ts.is_some_and(|t| batch.ts <= t) {
+                    return;
+                }
                 tracing::info!("the KV event publisher restarted (sequence {seq} after {})", next - 1);
                 self.watched.update(KvWatch::restarted);
-                self.catch_up(0, Some(seq)).await;
+                if seq > 0 {
+                    self.catch_up(0, Some(seq)).await;
+                }
             }
             Some(next) if seq > next => self.catch_up(next, Some(seq)).await,
             None if seq > 0 => self.catch_up(0, Some(seq)).await,
             _ => {}
         }
-        self.apply(seq, payload, false);
-        self.floor = seq + 1;
+        self.watched.update(|w| w.apply(seq, batch.ts, &batch.events, false));
     }
 
     /// Fills `[from, until)` (to the end of the kept batches without `until`) from the replay
-    /// socket; whatever it cannot fill is counted lost.
+    /// socket; every batch in that range it does not hold is counted lost.
     async fn catch_up(&mut self, from: u64, until: Option<u64>) {
         let got = match &self.source.replay {
             Some(endpoint) => replay(endpoint, from).await.unwrap_or_else(|e| {
@@ -162,24 +172,24 @@ impl Reader {
             None => Vec::new(),
         };
         let mut next = from;
+        let mut lost = 0;
         for (seq, payload) in got {
-            if seq >= next && until.is_none_or(|u| seq < u) {
-                self.apply(seq, &payload, true);
-                next = seq + 1;
+            if seq < next || until.is_some_and(|u| seq >= u) {
+                continue;
+            }
+            match wire::decode_batch(&payload) {
+                Ok(batch) => {
+                    lost += seq - next;
+                    self.watched.update(|w| w.apply(seq, batch.ts, &batch.events, true));
+                    next = seq.saturating_add(1);
+                }
+                Err(e) => tracing::warn!("KV event batch {seq} does not decode: {e:#}"),
             }
         }
-        if let Some(until) = until.filter(|&u| u > next) {
-            let lost = until - next;
-            tracing::warn!("{lost} KV event batches before {until} are lost (not kept for replay)");
+        lost += until.map_or(0, |u| u.saturating_sub(next));
+        if lost > 0 {
+            tracing::warn!("{lost} KV event batches from {from} are lost (not kept for replay)");
             self.watched.update(|w| w.lost(lost));
-        }
-        self.floor = from;
-    }
-
-    fn apply(&self, seq: u64, payload: &[u8], replayed: bool) {
-        match wire::decode_batch(payload) {
-            Ok(batch) => self.watched.update(|w| w.apply(seq, batch.ts, &batch.events, replayed)),
-            Err(e) => tracing::warn!("KV event batch {seq} does not decode: {e:#}"),
         }
     }
 }

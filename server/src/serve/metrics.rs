@@ -139,6 +139,7 @@ fn by_label<V: std::fmt::Display>(
     header(out, name, help, kind);
     let suffix = if kind == "counter" { "_total" } else { "" };
     for (value_of_label, value) in values {
+        let value_of_label = escape(&value_of_label.to_string());
         let _ = writeln!(out, "{name}{suffix}{{{label}=\"{value_of_label}\",{labels}}} {value}");
     }
 }
@@ -169,6 +170,9 @@ impl Metrics {
 
     /// Sampled KV blocks were evicted.
     pub fn kv_blocks_evicted(&self, evictions: &[BlockEviction]) {
+        if evictions.is_empty() {
+            return;
+        }
         self.with(|m| {
             if let Some([lifetime, idle, gaps]) = &mut m.kv_blocks {
                 for e in evictions {
