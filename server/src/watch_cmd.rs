@@ -84,6 +84,11 @@ fn reachable(endpoint: &str) -> String {
 
 /// Runs `kvlens watch`.
 pub fn run(a: &WatchArgs) -> Result<()> {
+    for e in std::iter::once(&a.events).chain(&a.replay) {
+        if !e.starts_with("tcp://") || e.rsplit(':').next().is_none_or(|p| p.parse::<u16>().is_err()) {
+            return Err(usage(format!("{e:?} is not a tcp://HOST:PORT endpoint")));
+        }
+    }
     let planned = match &a.plan.model {
         Some(_) => {
             let req = a

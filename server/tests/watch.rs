@@ -225,3 +225,16 @@ fn the_watch_rebuilds_the_servers_blocks_through_replay_gaps_and_a_restart() {
     // The new publisher's numbering (one request: a few batches; the first ran past 30).
     assert!(snap["last_seq"].as_u64().unwrap() < 10, "{snap:#}");
 }
+
+#[test]
+fn a_malformed_endpoint_is_a_one_line_error() {
+    for bad in [
+        &["--events", "nonsense"][..],
+        &["--events", "tcp://h:5557", "--replay", "tcp://h"],
+    ] {
+        let out = kvlens_command().arg("watch").args(bad).output().unwrap();
+        assert_eq!(out.status.code(), Some(2), "{bad:?}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("not a tcp://HOST:PORT endpoint"), "{err}");
+    }
+}
