@@ -149,6 +149,12 @@ impl EngineWorker {
         self.post(&ToWorker::Abort { id: id.to_string() });
     }
 
+    /// Runs a lesson's live steps (the answers come as [`FromWorker::LessonStep`]s and one
+    /// [`FromWorker::LessonEnded`]).
+    pub fn lesson(&self, name: &str) {
+        self.post(&ToWorker::Lesson { name: name.to_string() });
+    }
+
     /// Empties one cache (the answer comes as [`FromWorker::Reset`]).
     pub fn reset(&self, kind: crate::memory_view::ResetKind) {
         self.post(&ToWorker::Reset(kind));

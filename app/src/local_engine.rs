@@ -15,6 +15,7 @@ use kvlens_engine::cache::RequestId;
 use kvlens_engine::engine::{Engine, Request, TokenEvent};
 use kvlens_engine::input::image::ProcessorSettings;
 use kvlens_engine::input::processor::InputProcessor;
+use kvlens_engine::lessons::{run_live, Bench, Lesson, Step, Watch};
 use kvlens_engine::memory::device::{device_preset, DeviceProfile};
 use kvlens_engine::memory::ledger::MemoryLedger;
 use kvlens_engine::memory::planner::{plan, MmLimits, Plan, PlanRequest};
@@ -206,6 +207,8 @@ pub struct Local {
     pub device: String,
     sinks: RefCell<HashMap<RequestId, TokenSink>>,
     stepping: Cell<bool>,
+    /// A lesson holds the engine: requests, aborts and resets wait until it ends.
+    in_lesson: Cell<bool>,
     seq: Cell<u64>,
     on_step: Box<dyn Fn(Occupancy)>,
     on_error: Box<dyn Fn(String)>,
@@ -369,6 +372,7 @@ impl Local {
             device: described,
             sinks: RefCell::new(HashMap::new()),
             stepping: Cell::new(false),
+            in_lesson: Cell::new(false),
             seq: Cell::new(0),
             on_step,
             on_error,
@@ -401,6 +405,9 @@ impl Local {
 
     /// Queues a request; `sink` gets its tokens. Steps run until every request has finished.
     pub fn submit(self: &Rc<Self>, request: Request, sink: TokenSink) -> Result<(), String> {
+        if self.in_lesson.get() {
+            return Err(BUSY_WITH_LESSON.into());
+        }
         let id = request.id.clone();
         self.engine
             .borrow_mut()
@@ -466,13 +473,62 @@ impl Local {
 
     /// Stops a request (its blocks and encoder references are returned at once).
     pub fn abort(&self, id: &RequestId) {
+        if self.in_lesson.get() {
+            return;
+        }
         let _ = self.engine.borrow_mut().abort(id);
         self.sinks.borrow_mut().remove(id);
         self.publish();
     }
 
+    /// Runs `lesson`'s live steps on this engine; `on_setting` hears what it runs on, `on_step` each
+    /// finished step. Refused while
+    /// requests are unfinished.
+    // The engine stays borrowed across the lesson's awaits: `in_lesson` turns every other borrower
+    // (submit, abort, reset) away until it ends, and `drive` runs only while requests are unfinished.
+    #[allow(clippy::await_holding_refcell_ref)]
+    pub async fn lesson(
+        &self,
+        lesson: &Lesson,
+        on_setting: &dyn Fn(&str),
+        on_step: &dyn Fn(usize, &Step),
+    ) -> Result<(), String> {
+        if self.in_lesson.get() || self.stepping.get() {
+            return Err("the engine is busy: wait until the replies (or the lesson) end".into());
+        }
+        self.in_lesson.set(true);
+        let ran = {
+            let mut engine = self.engine.borrow_mut();
+            let mut watch = |w: Watch<'_>| match w {
+                Watch::Stepped(e) => {
+                    self.seq.set(self.seq.get() + 1);
+                    (self.on_step)(Occupancy::of(
+                        e,
+                        &self.input,
+                        self.seq.get(),
+                        now_s(),
+                        ProcessMemory::default(),
+                    ));
+                }
+                Watch::Done(i, step) => on_step(i, step),
+                Watch::Setting(said) => on_setting(said),
+            };
+            let bench = Bench {
+                engine: &mut engine,
+                input: &self.input,
+                profile: &self.report.profile,
+            };
+            run_live(lesson, bench, &mut watch).await
+        };
+        self.in_lesson.set(false);
+        ran.map(drop).map_err(|e| e.to_string())
+    }
+
     /// Empties one cache; says what it freed.
     pub fn reset(&self, kind: ResetKind) -> String {
+        if self.in_lesson.get() {
+            return BUSY_WITH_LESSON.into();
+        }
         let said = match kind {
             ResetKind::Prefix => match self.engine.borrow_mut().reset_prefix_cache() {
                 Ok(()) => "prefix cache reset: cached blocks are free blocks now".to_string(),
@@ -496,6 +552,9 @@ impl Local {
         said
     }
 }
+
+/// What a request, an abort or a reset gets while a lesson runs.
+const BUSY_WITH_LESSON: &str = "a lesson is running; try again when it ends";
 
 /// Gives the worker's event loop a turn, for the page's messages (a resolved promise is a
 /// microtask: a zero timeout is not).

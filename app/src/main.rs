@@ -13,6 +13,7 @@ mod memory_view;
 mod planner;
 mod playground;
 mod protocol;
+mod recorder;
 mod server_mode;
 mod worker;
 

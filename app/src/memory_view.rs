@@ -273,7 +273,11 @@ pub fn MemoryView(
     /// Image thumbnails (data URLs) by mm hash, for the encoder-cache entries.
     #[prop(optional)]
     thumbnails: Option<Signal<HashMap<String, String>>>,
+    /// The areas a lesson step is about (`kv`, `encoder`, `processor`, `ledger`, `counters`).
+    #[prop(optional)]
+    highlight: Option<Signal<Vec<&'static str>>>,
 ) -> impl IntoView {
+    let lit = move |area: &'static str| highlight.is_some_and(|h| h.with(|h| h.contains(&area)));
     let body = move || {
         let Some(o) = occupancy.get() else {
             return view! { <p class="muted">"No engine yet."</p> }.into_any();
@@ -360,7 +364,7 @@ pub fn MemoryView(
             )}
         };
         view! {
-            <h3>"Device memory"</h3>
+            <h3 class:lit=lit("ledger")>"Device memory"</h3>
             <div class="bar ledger" data-testid="ledger-bar" title="against the start-up budget">{bar}</div>
             <p class="muted">{format!("allocated: {} (zoomed)", size(held_total))}</p>
             <p class="muted" data-testid="reserved-vs-resident">{resident_line(held_total, o.process.resident_bytes)}</p>
@@ -368,14 +372,14 @@ pub fn MemoryView(
             <ul class="legend">{legend}</ul>
             <p class="muted">{budget.map(|b| format!(
                 "budget {} of {} ({} for the KV cache)", size(b.requested_bytes), size(b.total_bytes), size(b.kv_cache_bytes)))}</p>
-            <h3>"KV cache " <span data-testid="kv-usage">{kv_text}</span></h3>
+            <h3 class:lit=lit("kv")>"KV cache " <span data-testid="kv-usage">{kv_text}</span></h3>
             <p class="muted">{kv_detail}</p>
             <div class="kv-grid" data-testid="kv-grid">{kv_grid(kv)}</div>
-            <h3>"Encoder cache " <span data-testid="encoder-cache-usage">{ec_text}</span></h3>
+            <h3 class:lit=lit("encoder")>"Encoder cache " <span data-testid="encoder-cache-usage">{ec_text}</span></h3>
             <ul class="encoder-entries">{entries}</ul>
-            <h3>"Processor cache"</h3>
+            <h3 class:lit=lit("processor")>"Processor cache"</h3>
             <p data-testid="processor-cache-usage">{pc_text}</p>
-            <p class="counters" data-testid="counters">{counters}</p>
+            <p class="counters" class:lit=lit("counters") data-testid="counters">{counters}</p>
         }
         .into_any()
     };

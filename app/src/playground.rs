@@ -6,12 +6,16 @@
 use crate::chat::Chat;
 use crate::checkpoint::Source;
 use crate::engine_worker::EngineWorker;
+use crate::lessons::{areas, LessonPanel, LessonState};
 use crate::local_engine::{Progress, Settings};
 use crate::memory_view::{size, Budget, MemoryView, ResetKind};
 use crate::protocol::FromWorker;
+use crate::recorder::Recorder;
 use crate::server_mode::ServerMode;
 use kvlens_engine::arch::weight_format::WeightFormat;
+use kvlens_engine::lessons::{lesson as find_lesson, Step, LESSONS};
 use kvlens_engine::occupancy::Occupancy;
+use kvlens_engine::timeline::Recording;
 use leptos::prelude::*;
 use std::collections::HashMap;
 use std::rc::Rc;
@@ -26,9 +30,10 @@ fn demo_url() -> String {
     format!("{origin}/{DEMO_DIR}")
 }
 
-/// The playground page.
+/// The playground page; with `lesson`, it loads the demo model and runs that lesson on it (the
+/// lesson's page, `/lessons/NAME`).
 #[component]
-pub fn Playground() -> impl IntoView {
+pub fn Playground(#[prop(optional)] lesson: Option<&'static str>) -> impl IntoView {
     let engine = StoredValue::new_local(None::<Rc<EngineWorker>>);
     let device_text = RwSignal::new(String::from(
         "starting the engine's worker, looking for a WebGPU adapter…",
@@ -49,6 +54,19 @@ pub fn Playground() -> impl IntoView {
     let picked = StoredValue::new_local(Vec::<web_sys::File>::new());
     // Watching a server instead of the engine in this tab (which stays loaded meanwhile).
     let watching = RwSignal::new(false);
+    // The lesson shown beside the memory view, its finished steps and where it is.
+    let lesson_name = RwSignal::new(lesson);
+    let lesson_steps = RwSignal::new(Vec::<Step>::new());
+    let lesson_state = RwSignal::new(LessonState::Waiting);
+    let lesson_setting = RwSignal::new(String::new());
+    let picked_lesson =
+        RwSignal::new(lesson.unwrap_or_else(|| LESSONS.iter().find(|l| l.is_live()).map_or("", |l| l.name)));
+    // The lesson step whose recorded memory the view shows (None: the engine live).
+    let shown_step = RwSignal::new(None::<usize>);
+    // Every occupancy reported, for export and replay; `frames` counts them for the page.
+    let recording = StoredValue::new_local(Recording::new("chat"));
+    let frames = RwSignal::new(0usize);
+    let replaying = RwSignal::new(false);
 
     let on_event = move |msg: FromWorker| match msg {
         FromWorker::Device(text) => {
@@ -71,7 +89,23 @@ pub fn Playground() -> impl IntoView {
             status.set(format!("not loaded: {e}"));
             busy.set(false);
         }
-        FromWorker::Occupancy(o) => occupancy.set(Some(*o)),
+        FromWorker::Occupancy(o) => {
+            recording.update_value(|r| r.push((*o).clone()));
+            frames.set(recording.with_value(|r| r.frames.len()));
+            if !replaying.get_untracked() {
+                shown_step.set(None);
+                occupancy.set(Some(*o));
+            }
+        }
+        FromWorker::LessonSetting(said) => lesson_setting.set(said),
+        FromWorker::LessonStep { index, step } => {
+            recording.update_value(|r| r.mark(format!("step {} done", index + 1)));
+            lesson_steps.update(|s| s.push(step));
+        }
+        FromWorker::LessonEnded(error) => lesson_state.set(match error {
+            None => LessonState::Done,
+            Some(e) => LessonState::Failed(e),
+        }),
         FromWorker::StepFailed(e) => status.set(format!("ready, after a failed step: {e}")),
         FromWorker::Reset(text) => reset_result.set(Some(text)),
         // Messages about a request go to its listener.
@@ -100,7 +134,53 @@ pub fn Playground() -> impl IntoView {
 
     let on_reset = Callback::new(move |kind: ResetKind| {
         if let Some(w) = engine.get_value() {
+            recording.update_value(|r| r.mark(format!("{kind:?} reset")));
             w.reset(kind);
+        }
+    });
+
+    // Runs `name`'s live steps on the loaded model, recording afresh.
+    let run_lesson = move |name: &'static str| {
+        let (Some(w), Ok(l)) = (engine.get_value(), find_lesson(name)) else {
+            return;
+        };
+        lesson_name.set(Some(name));
+        lesson_steps.set(Vec::new());
+        lesson_state.set(LessonState::Running);
+        recording.set_value(Recording::new(l.title));
+        frames.set(0);
+        w.lesson(name);
+    };
+    // A lesson's page loads the demo model once the worker has a device, then runs the lesson.
+    if lesson.is_some() {
+        Effect::new(move |_| {
+            if has_device.get() && !ready.get_untracked() && !busy.get_untracked() {
+                load(Source::Url(demo_url()));
+            }
+        });
+        Effect::new(move |_| {
+            if ready.get() && lesson_state.get_untracked() == LessonState::Waiting {
+                if let Some(name) = lesson_name.get_untracked() {
+                    run_lesson(name);
+                }
+            }
+        });
+    }
+    let lesson_running = move || lesson_state.get() == LessonState::Running;
+    let highlight = Signal::derive(move || match (shown_step.get(), lesson_state.get()) {
+        (Some(i), _) => lesson_steps.with(|s| s.get(i).map(areas).unwrap_or_default()),
+        (None, LessonState::Running) => lesson_steps.with(|s| s.last().map(areas).unwrap_or_default()),
+        _ => Vec::new(),
+    });
+    let show_step = Callback::new(move |i: usize| {
+        let done = format!("step {} done", i + 1);
+        let frame = recording.with_value(|r| {
+            let m = r.marks.iter().find(|m| m.what == done)?;
+            r.frames.get(m.frame.checked_sub(1)?).cloned()
+        });
+        if let Some(frame) = frame {
+            occupancy.set(Some(frame));
+            shown_step.set(Some(i));
         }
     });
 
@@ -208,10 +288,37 @@ pub fn Playground() -> impl IntoView {
                 {progress_view}
                 <p data-testid="model-status">{move || status.get()}</p>
             </section>
+            <div class="lesson-pick">
+                <label>"lesson: "
+                    <select data-testid="lesson-pick" on:change=move |ev| {
+                        let v = event_target_value(&ev);
+                        if let Some(l) = LESSONS.iter().find(|l| l.name == v) {
+                            picked_lesson.set(l.name);
+                        }
+                    }>
+                        {LESSONS.iter().filter(|l| l.is_live()).map(|l| view! {
+                            <option value=l.name prop:selected=move || picked_lesson.get() == l.name>{l.title}</option>
+                        }).collect_view()}
+                    </select>
+                </label>
+                <button data-testid="run-lesson" disabled=move || !ready.get() || lesson_running()
+                    on:click=move |_| run_lesson(picked_lesson.get_untracked())>"run it on this model"</button>
+                <a href="/lessons">" all lessons"</a>
+            </div>
+            {move || lesson_name.get().and_then(|n| find_lesson(n).ok()).map(|l| view! {
+                <LessonPanel lesson=l steps=lesson_steps state=lesson_state setting=lesson_setting.into() on_show=show_step />
+            })}
+            {move || shown_step.get().map(|i| view! {
+                <p class="muted" data-testid="shown-step">{format!(
+                    "The memory view shows the engine as step {} left it (recorded); it goes live again with the engine's next step.", i + 1)}</p>
+            })}
             <div class="columns">
                 <Chat engine=engine ready=ready.into() thumbnails=thumbnails />
-                <MemoryView occupancy=occupancy.into() budget=budget.into() on_reset=on_reset
-                    reset_result=reset_result.into() thumbnails=thumbnails.into() />
+                <div>
+                    <MemoryView occupancy=occupancy.into() budget=budget.into() on_reset=on_reset
+                        reset_result=reset_result.into() thumbnails=thumbnails.into() highlight=highlight />
+                    <Recorder recording=recording frames=frames occupancy=occupancy replaying=replaying />
+                </div>
             </div>
             </div>
         </main>

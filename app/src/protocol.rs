@@ -5,6 +5,7 @@
 
 use crate::local_engine::{Progress, Settings};
 use crate::memory_view::{Budget, ResetKind};
+use kvlens_engine::lessons::Step;
 use kvlens_engine::occupancy::Occupancy;
 use kvlens_engine::sample::SamplingParams;
 use serde::{Deserialize, Serialize};
@@ -50,6 +51,11 @@ pub enum ToWorker {
     },
     /// Empty a cache.
     Reset(ResetKind),
+    /// Run a lesson's live steps on the loaded model.
+    Lesson {
+        /// The lesson's name.
+        name: String,
+    },
 }
 
 /// What the worker tells the page.
@@ -105,6 +111,17 @@ pub enum FromWorker {
     StepFailed(String),
     /// What a reset freed.
     Reset(String),
+    /// What a lesson runs on, in one sentence (before its first step).
+    LessonSetting(String),
+    /// A lesson step ended, with its figures.
+    LessonStep {
+        /// Its place among the lesson's live steps.
+        index: usize,
+        /// Its sentence and figures.
+        step: Step,
+    },
+    /// A lesson ended: None when it ran through, else why it stopped.
+    LessonEnded(Option<String>),
 }
 
 impl FromWorker {

@@ -13,6 +13,7 @@ use kvlens_engine::arch::weight_format::WeightFormat;
 use kvlens_engine::engine::TokenEvent;
 use kvlens_engine::input::chat::{ChatMessage, Content, ContentPart, ImageUrl};
 use kvlens_engine::input::processor::InlineImages;
+use kvlens_engine::lessons::{lesson, Step};
 use kvlens_engine::output::Output;
 use kvlens_engine::sample::SamplingParams;
 use std::cell::RefCell;
@@ -101,6 +102,25 @@ fn handle(state: &Rc<RefCell<State>>, msg: ToWorker, files: Vec<File>) {
         ToWorker::Reset(kind) => {
             if let Some(local) = state.borrow().local.clone() {
                 post(&FromWorker::Reset(local.reset(kind)));
+            }
+        }
+        ToWorker::Lesson { name } => {
+            let local = state.borrow().local.clone();
+            let lesson = lesson(&name).map_err(|e| e.to_string());
+            match (local, lesson) {
+                (Some(local), Ok(lesson)) => wasm_bindgen_futures::spawn_local(async move {
+                    let post_step = |index, step: &Step| {
+                        post(&FromWorker::LessonStep {
+                            index,
+                            step: step.clone(),
+                        })
+                    };
+                    let post_setting = |said: &str| post(&FromWorker::LessonSetting(said.to_string()));
+                    let ended = local.lesson(lesson, &post_setting, &post_step).await;
+                    post(&FromWorker::LessonEnded(ended.err()));
+                }),
+                (None, _) => post(&FromWorker::LessonEnded(Some("no model is loaded".into()))),
+                (_, Err(e)) => post(&FromWorker::LessonEnded(Some(e))),
             }
         }
     }

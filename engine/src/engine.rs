@@ -173,6 +173,9 @@ pub enum EngineError {
     /// The model failed.
     #[error(transparent)]
     Model(#[from] ModelError),
+    /// The engine cannot be resized while requests are unfinished.
+    #[error("the engine has unfinished requests; resize it when they are done")]
+    Busy,
 }
 
 impl From<BackendError> for EngineError {
@@ -257,6 +260,20 @@ impl Engine {
     /// An engine over a model runner (a [`crate::runner::ModelRunner`] on some backend); allocates
     /// the runner's KV cache for `cfg`.
     pub fn new(mut runner: Box<dyn StepRunner>, cfg: EngineConfig) -> Result<Self, EngineError> {
+        let sched = Self::scheduler(&mut *runner, cfg)?;
+        Ok(Engine {
+            runner,
+            cfg,
+            sched,
+            counters: EngineCounters::default(),
+            faults: Faults::default(),
+            next_seed: 0,
+            released: Vec::new(),
+        })
+    }
+
+    /// Allocates the runner's KV cache for `cfg` and a scheduler over it.
+    fn scheduler(runner: &mut dyn StepRunner, cfg: EngineConfig) -> Result<Scheduler<SeqData>, EngineError> {
         let tables = TableShape {
             rows: cfg.max_num_seqs,
             max_blocks: cfg.max_model_len.div_ceil(cfg.block_size.max(1)),
@@ -276,15 +293,21 @@ impl Engine {
             max_num_encoder_input_tokens: cfg.encoder_cache_tokens,
             long_prefill_token_threshold: cfg.long_prefill_token_threshold,
         };
-        Ok(Engine {
-            runner,
-            cfg,
-            sched: Scheduler::new(sched_cfg, kv, enc),
-            counters: EngineCounters::default(),
-            faults: Faults::default(),
-            next_seed: 0,
-            released: Vec::new(),
-        })
+        Ok(Scheduler::new(sched_cfg, kv, enc))
+    }
+
+    /// Resizes an idle engine to `cfg` on the model it holds (the lessons' scaled-down budgets):
+    /// the KV cache is allocated anew, empty, and the encoder cache emptied. Counters carry on; KV
+    /// event recording and block residency start over, off. Refused while requests are unfinished.
+    pub fn reconfigure(&mut self, cfg: EngineConfig) -> Result<(), EngineError> {
+        if self.has_unfinished() {
+            return Err(EngineError::Busy);
+        }
+        self.reset_encoder_cache();
+        self.sched = Self::scheduler(&mut *self.runner, cfg)?;
+        self.cfg = cfg;
+        self.released.clear();
+        Ok(())
     }
 
     /// The ledger the backend records every allocation in.

@@ -25,3 +25,4 @@ pub mod profile;
 pub mod runner;
 pub mod sample;
 pub mod sched;
+pub mod timeline;

@@ -40,7 +40,7 @@ enum Command {
     /// Generate a reply to one conversation (text and images) on the CPU.
     Generate(Box<generate_cmd::GenerateArgs>),
     /// A lesson in memory profiling: a vLLM incident replayed step by step, its numbers computed.
-    Lesson(lesson_cmd::LessonArgs),
+    Lesson(Box<lesson_cmd::LessonArgs>),
     /// Reproduce vLLM's start-up memory budget for a Qwen-VL model on a device, before a job runs.
     Plan(Box<plan_cmd::PlanArgs>),
     /// Write a Hugging Face-layout checkpoint with random weights of a config's real shapes.

@@ -49,3 +49,103 @@ fn the_list_and_an_unknown_lesson() {
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("kv-cache-too-small"));
 }
+
+/// Runs a live lesson on the tiny checkpoint; its JSON.
+fn live(name: &str, model: &std::path::Path, extra: &[&str]) -> Value {
+    let mut args = vec!["lesson", name, "--json", "--model", model.to_str().unwrap()];
+    args.extend_from_slice(extra);
+    let out = kvlens(&args);
+    assert!(out.status.success(), "{name}: {}", String::from_utf8_lossy(&out.stderr));
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+fn raw(lesson: &Value, step: usize, name: &str) -> u64 {
+    lesson["steps"][step]["figures"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|f| f["name"] == name)
+        .unwrap_or_else(|| panic!("{name}: {lesson:#}"))["raw"]
+        .as_u64()
+        .unwrap()
+}
+
+#[test]
+fn preemption_runs_on_the_engine_and_records_its_timeline() {
+    let model = common::tiny_checkpoint("lesson-preemption");
+    let json = common::scratch("lesson-preemption.json");
+    let svg = common::scratch("lesson-preemption.svg");
+    let l = live(
+        "preemption",
+        &model,
+        &["--record", json.to_str().unwrap(), "--record", svg.to_str().unwrap()],
+    );
+    let preempted = raw(&l, 1, "preemptions");
+    assert!(preempted >= 1, "{l:#}");
+    assert_eq!(raw(&l, 3, "preemptions"), 0);
+    assert!(raw(&l, 3, "prompt tokens recomputed because of preemption") > 0);
+    assert_eq!(raw(&l, 3, "replies token for token the same as the preempted run's"), 3);
+    // The recorded frames where the steps ended hold the same counts.
+    let t: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let ends: Vec<&Value> = t["marks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|m| m["what"].as_str().unwrap().ends_with(" done"))
+        .map(|m| &t["frames"][m["frame"].as_u64().unwrap() as usize - 1])
+        .collect();
+    assert_eq!(ends.len(), 4, "{}", t["marks"]);
+    let preemptions = |f: &Value| f["counters"]["num_preemptions"].as_u64().unwrap();
+    assert_eq!(preemptions(ends[1]) - preemptions(ends[0]), preempted);
+    assert_eq!(ends[0]["kv"]["num_blocks"], 9, "8 blocks and the null block");
+    assert!(t["marks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|m| m["what"].as_str().unwrap().ends_with("preempted")));
+    let plot = std::fs::read_to_string(&svg).unwrap();
+    assert!(plot.starts_with("<svg") && plot.contains("preempted"), "{plot}");
+}
+
+#[test]
+fn the_other_live_lessons_show_what_they_say() {
+    let model = common::tiny_checkpoint("lesson-live");
+    let l = live("reset-mm-cache", &model, &[]);
+    assert_eq!(raw(&l, 0, "processor cache entries"), 1);
+    assert_eq!(raw(&l, 1, "processor cache entries"), 0);
+    let encoder = raw(&l, 0, "encoder cache (device memory)");
+    assert!(encoder > 0);
+    assert_eq!(
+        raw(&l, 1, "encoder cache (device memory)"),
+        encoder,
+        "/reset_mm_cache frees no device memory"
+    );
+    assert_eq!(raw(&l, 2, "encoder cache (device memory)"), 0);
+    assert!(raw(&l, 2, "KV blocks cached (free, still found by hash)") > 0);
+    assert_eq!(raw(&l, 3, "KV blocks cached (free, still found by hash)"), 0);
+
+    let l = live("prefix-caching-images", &model, &[]);
+    assert_eq!(raw(&l, 0, "prompt tokens found in the prefix cache"), 0);
+    assert_eq!(raw(&l, 1, "images through the vision tower"), 0);
+    let again = raw(&l, 1, "prompt tokens found in the prefix cache");
+    assert_eq!(
+        again + raw(&l, 1, "prompt tokens computed"),
+        raw(&l, 1, "prompt tokens sent")
+    );
+    let other = raw(&l, 2, "prompt tokens found in the prefix cache");
+    assert!(other > 0 && other < again, "{other} of {again}");
+    assert_eq!(raw(&l, 2, "images through the vision tower"), 1);
+
+    let l = live("oom-image-29", &model, &[]);
+    let profiled = raw(&l, 0, "largest image start-up profiled (tokens)");
+    assert_eq!(raw(&l, 1, "the image at its own size (tokens)"), 4 * profiled);
+    assert_eq!(raw(&l, 1, "the image as kvlens resized it (tokens)"), profiled);
+    for step in 0..2 {
+        assert!(
+            raw(&l, step, "peak this step (activations, staging, encoder outputs)")
+                <= raw(&l, step, "peak of start-up's profile run")
+        );
+    }
+    let out = kvlens(&["lesson", "startup-budget", "--record", "x.json"]);
+    assert_eq!(out.status.code(), Some(2), "a planner lesson records nothing");
+}

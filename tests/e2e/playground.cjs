@@ -456,6 +456,141 @@ async function lessonPages(base) {
   }
 }
 
+// The memory view's texts, to compare one state with another.
+async function memoryTexts(page) {
+  const texts = {};
+  for (const id of ['kv-usage', 'encoder-cache-usage', 'processor-cache-usage', 'counters']) {
+    texts[id] = (await byTest(page, id).textContent()).trim();
+  }
+  return texts;
+}
+
+// A download the click on `id` starts, read as text.
+async function downloaded(page, id) {
+  const [download] = await Promise.all([page.waitForEvent('download', { timeout: LONG }), byTest(page, id).click()]);
+  const file = await download.path();
+  return { file, text: fs.readFileSync(file, 'utf8') };
+}
+
+// Each live lesson's checks: `f(step)` is a figure's raw value, `end(step)` the recorded
+// occupancy the step ended on (the engine's own counters, ledger and caches).
+const LIVE_LESSONS = {
+  'oom-image-29': (f, end) => {
+    const profiled = f(0, 'largest image start-up profiled (tokens)');
+    assert(f(0, 'the image as kvlens resized it (tokens)') <= profiled, 'step 1 images within the profiled size');
+    const own = f(1, 'the image at its own size (tokens)');
+    const sent = f(1, 'the image as kvlens resized it (tokens)');
+    assert(own >= 4 * sent && sent <= profiled, `image 29: ${own} tokens at its own size, ${sent} sent, ${profiled} profiled`);
+    assert(f(1, 'one vision attention layer\'s scores, at its own size') >= 16 * f(1, 'the same, as resized'), 'scores grow with the square');
+    for (const s of [0, 1]) {
+      const peak = f(s, 'peak this step (activations, staging, encoder outputs)');
+      assert(peak > 0 && peak <= f(s, 'peak of start-up\'s profile run'), `step ${s + 1}'s peak ${peak} within the profiled one`);
+    }
+    const entry = end(1).encoder_cache.entries.at(-1);
+    assert(entry && entry.num_tokens === sent, `the encoder cache holds image 29 at ${sent} tokens: ${JSON.stringify(entry)}`);
+    assert(end(1).counters.vision_runs - end(0).counters.vision_runs === 1, 'one vision run for image 29');
+  },
+  'reset-mm-cache': (f, end) => {
+    const encoderBytes = (s) => end(s).ledger.find((l) => l.category === 'encoder_cache').bytes;
+    assert(f(0, 'processor cache entries') === 1 && end(0).processor_cache.entries.length === 1, 'one preprocessed image');
+    assert(f(0, 'encoder cache (device memory)') === encoderBytes(0) && encoderBytes(0) > 0, 'encoder bytes as the ledger holds them');
+    assert(f(1, 'processor cache entries') === 0 && end(1).processor_cache.entries.length === 0, '/reset_mm_cache empties the processor cache');
+    assert(f(1, 'encoder cache (device memory)') === f(0, 'encoder cache (device memory)') && encoderBytes(1) === encoderBytes(0),
+      '/reset_mm_cache leaves the encoder cache\'s bytes unchanged');
+    assert(f(1, 'KV blocks cached (free, still found by hash)') === end(1).kv.num_cached_free && end(1).kv.num_cached_free > 0, 'and the cached KV blocks');
+    assert(f(2, 'encoder cache (device memory)') === 0 && encoderBytes(2) === 0, '/reset_encoder_cache frees the encoder cache');
+    assert(f(3, 'KV blocks cached (free, still found by hash)') === 0 && end(3).kv.num_cached_free === 0, '/reset_prefix_cache forgets the hashes');
+    assert(f(3, 'KV blocks') === end(3).kv.num_blocks - 1, 'the KV cache keeps its size');
+  },
+  'prefix-caching-images': (f, end) => {
+    const cached = (s) => end(s).counters.prompt_tokens_cached - end(s - 1).counters.prompt_tokens_cached;
+    assert(f(1, 'images through the vision tower') === 0 && f(1, 'prompt tokens found in the prefix cache') > 0, 'the same image hits');
+    assert(f(1, 'prompt tokens found in the prefix cache') === cached(1), 'hits as the engine counted them');
+    assert(f(2, 'images through the vision tower') === 1, 'a different image is encoded');
+    const other = f(2, 'prompt tokens found in the prefix cache');
+    assert(other > 0 && other < f(1, 'prompt tokens found in the prefix cache') && other === cached(2), `the other image matches only the text before it: ${other}`);
+  },
+  'preemption': (f, end) => {
+    const preempted = f(1, 'preemptions');
+    assert(preempted >= 1 && preempted === end(1).counters.num_preemptions - end(0).counters.num_preemptions, `preemptions: ${preempted}`);
+    assert(f(3, 'preemptions') === 0, 'none with the whole cache');
+    assert(f(3, 'prompt tokens recomputed because of preemption') > 0, 'preemption recomputes');
+    assert(f(3, 'replies token for token the same as the preempted run\'s') === 3, 'the preempted replies equal the undisturbed ones');
+  },
+};
+
+// Every live lesson in the tab on WebGPU, its figures checked against the recorded timeline; the
+// last timeline exported, loaded into a fresh page and replayed to the same final state; the SVG
+// opened in Chromium.
+async function liveLessons(base) {
+  const b = await browser(true);
+  try {
+    const page = await newPage(b, 'live-lessons');
+    let last = null;
+    for (const [name, checkLesson] of Object.entries(LIVE_LESSONS)) {
+      await page.goto(`${base}/lessons/${name}`);
+      await page.waitForFunction(
+        () => ['done', 'failed'].includes(document.querySelector('[data-testid="lesson-status"]')?.dataset.state),
+        null,
+        { timeout: LONG },
+      );
+      const status = await byTest(page, 'lesson-status').textContent();
+      assert(status.startsWith('done'), `${name}: ${status}`);
+      const steps = await page.$$eval('[data-testid="lesson-step"]', (ss) =>
+        ss.map((s) => Object.fromEntries([...s.querySelectorAll('[data-testid="lesson-figure"]')].map((r) => [r.dataset.name, r.dataset.raw]))));
+      const { file, text } = await downloaded(page, 'export-json');
+      const timeline = JSON.parse(text);
+      const ends = timeline.marks.filter((m) => /^step \d+ done$/.test(m.what)).map((m) => timeline.frames[m.frame - 1]);
+      assert(ends.length === steps.length, `${name}: ${ends.length} steps recorded, ${steps.length} shown`);
+      const f = (s, fig) => {
+        const raw = steps[s][fig];
+        assert(raw !== undefined && raw !== '', `${name} step ${s + 1} shows no ${fig}: ${JSON.stringify(steps[s])}`);
+        return Number(raw);
+      };
+      checkLesson(f, (s) => ends[s]);
+      if (name === 'reset-mm-cache') {
+        // The memory view as steps 1 and 2 left it: /reset_mm_cache emptied the processor cache
+        // and left the encoder cache's entry.
+        await page.locator('[data-testid="lesson-show"]').nth(0).click();
+        await page.waitForFunction(() => document.querySelector('[data-testid="shown-step"]')?.textContent.includes('step 1'), null, { timeout: LONG });
+        let view = await memoryTexts(page);
+        assert(view['processor-cache-usage'].startsWith('1 preprocessed') && view['encoder-cache-usage'].startsWith('1 entry'), `step 1: ${JSON.stringify(view)}`);
+        await page.locator('[data-testid="lesson-show"]').nth(1).click();
+        await page.waitForFunction(() => document.querySelector('[data-testid="shown-step"]')?.textContent.includes('step 2'), null, { timeout: LONG });
+        view = await memoryTexts(page);
+        assert(view['processor-cache-usage'].startsWith('0 preprocessed') && view['encoder-cache-usage'].startsWith('1 entry'), `step 2: ${JSON.stringify(view)}`);
+        await screenshot(page, 'lesson-reset-mm-cache.png');
+        await page.setViewportSize({ width: 420, height: 900 });
+        await screenshot(page, 'lesson-reset-mm-cache-narrow.png');
+        const wide = await page.evaluate(() => document.documentElement.scrollWidth);
+        assert(wide <= 440, `the lesson page fits a 420-pixel screen: ${wide} pixels wide`);
+        await page.setViewportSize({ width: 1400, height: 1000 });
+        await page.locator('[data-testid="lesson-show"]').nth(3).click();
+      }
+      last = { file, texts: await memoryTexts(page) };
+    }
+    const svg = await downloaded(page, 'export-svg');
+    assert(svg.text.startsWith('<svg') && svg.text.includes('<polygon'), 'an SVG plot');
+    const svgFile = path.join(ARTIFACTS, 'lesson-timeline.svg');
+    fs.writeFileSync(svgFile, svg.text);
+    const view = await b.newPage({ viewport: { width: 1200, height: 640 } });
+    await view.goto(`file://${svgFile}`);
+    const drawn = await view.locator('svg polygon').count();
+    assert(drawn === 5, `Chromium draws the SVG's 5 stacked layers: ${drawn}`);
+    // An SVG document has nothing to settle: a plain screenshot (the helper's full-page one waits
+    // for fonts and animations that a file:// SVG never reports).
+    await view.screenshot({ path: path.join(ARTIFACTS, 'lesson-timeline.png'), timeout: 60_000 }).catch((e) => console.log(`(screenshot lesson-timeline.png not taken: ${String(e).split('\n')[0]})`));
+    // Replayed in a page with no model, the timeline ends where the lesson ended.
+    await page.goto(base);
+    await byTest(page, 'replay-file').setInputFiles(last.file);
+    await page.waitForFunction(() => document.querySelector('[data-testid="replay-status"]')?.textContent.startsWith('replayed'), null, { timeout: LONG });
+    const replayed = await memoryTexts(page);
+    assert(JSON.stringify(replayed) === JSON.stringify(last.texts), `replayed ${JSON.stringify(replayed)}, recorded ${JSON.stringify(last.texts)}`);
+  } finally {
+    await b.close();
+  }
+}
+
 async function playgroundOnCpu(base) {
   const b = await browser(false);
   try {
@@ -701,6 +836,7 @@ async function watchOnVllmEvents() {
     await check('playground on WebGPU, a GGUF pair from disk, then its text model alone', () => playgroundGguf(served, true, { fromDisk: true }));
     await check('planner link shows 164,224', () => plannerLink(served));
     await check('lessons 1-3 show the seeds\' figures', () => lessonPages(served));
+    await check('lessons 4-7 run in the tab, their figures checked against the recorded counters; replay; SVG', () => liveLessons(served));
     const site = await staticServer('static-server');
     await check('playground on the CPU backend (WebGPU off), static dist/', () => playgroundOnCpu(site));
     await check('playground on the CPU backend with q4_0 weights', () => playgroundQuantized(site, false));

@@ -239,7 +239,8 @@ fn unix_time() -> f64 {
         .map_or(0.0, |d| d.as_secs_f64())
 }
 
-fn occupancy_of(engine: &Engine, frontend: &Frontend, seq: u64) -> Occupancy {
+/// The occupancy of the engine and of the frontend's processor cache now, with this process's RSS.
+pub(crate) fn occupancy_of(engine: &Engine, frontend: &Frontend, seq: u64) -> Occupancy {
     Occupancy::of(engine, frontend, seq, unix_time(), process_memory())
 }
 

@@ -19,6 +19,7 @@ mod subscribers;
 mod tokenize;
 
 pub use args::{strip_ignored_vllm_flags, ServeArgs};
+pub(crate) use engine_loop::occupancy_of;
 
 use crate::kv_events;
 use crate::runtime::Frontend;

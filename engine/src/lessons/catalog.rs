@@ -1,0 +1,249 @@
+//! The lessons, in teaching order: the incidents' sentences and what each step does.
+
+use super::live::{Act, Ask, CacheReset, LiveSpec, Pic, Read};
+use super::planned::{Fig, StepSpec};
+use super::Lesson;
+
+/// Every lesson, in teaching order.
+pub const LESSONS: &[Lesson] = &[
+    Lesson {
+        name: "kv-cache-too-small",
+        title: "\"KV cache needed is larger than the available KV cache memory\"",
+        incident: "Qwen3-VL-32B on two Ascend 910B with --max-model-len 262144 refuses to start: one request of that length needs more KV than the cards have left.",
+        planned: &[
+            StepSpec {
+                say: "Every token a request has seen keeps its attention keys and values on the GPU (the KV cache, in blocks of 16 tokens), so that the next token does not recompute them. vLLM starts only if one request of --max-model-len fits in that cache. At 262,144 tokens Qwen3-VL-32B needs 32 GiB of keys and values per rank (with --tensor-parallel-size 2 each of the two cards holds half the model and half the KV); after the weights and the profile run's activations each card has 20.06 GiB left (lesson 2 shows how start-up finds that number). So vLLM refuses, and names the longest length that fits.",
+                query: "model=Qwen3-VL-32B-Instruct&device=ascend-910b-64g&tp=2&kv_cache_memory_gib=20.06&max_model_len=262144",
+                figures: &[Fig::NeededKv, Fig::AvailableKv, Fig::Fits, Fig::EstimatedMaxLen],
+            },
+            StepSpec {
+                say: "Start it with the length vLLM named: the same 20.06 GiB now holds one full-length request. The memory did not change; only what one request may ask for did.",
+                query: "model=Qwen3-VL-32B-Instruct&device=ascend-910b-64g&tp=2&kv_cache_memory_gib=20.06&max_model_len=164224",
+                figures: &[Fig::NeededKv, Fig::AvailableKv, Fig::Fits],
+            },
+        ],
+        live: &[],
+    },
+    Lesson {
+        name: "startup-budget",
+        title: "Where the start-up budget goes",
+        incident: "Qwen3-VL-8B on two Ascend 910B at --gpu-memory-utilization 0.95: which memory is the KV cache's, and what the flag moves.",
+        planned: &[
+            StepSpec {
+                say: "At start-up vLLM loads the weights, runs one profile step at the largest batch, and measures: weights, the torch peak increase of that step, and memory outside torch. Their sum is the non-KV memory; the KV cache gets what is left of total × --gpu-memory-utilization.",
+                query: "model=Qwen3-VL-8B-Instruct&device=ascend-910b-64g&tp=2&gpu_memory_utilization=0.95&weights_gib=9.19&activation_peak_gib=3.86&non_torch_gib=0.56",
+                figures: &[
+                    Fig::Weights,
+                    Fig::ActivationPeak,
+                    Fig::NonTorch,
+                    Fig::NonKv,
+                    Fig::Total,
+                    Fig::Requested,
+                    Fig::AvailableKv,
+                    Fig::KvTokens,
+                ],
+            },
+            StepSpec {
+                say: "Lower --gpu-memory-utilization to 0.90: the non-KV lines stay where they were, and the whole difference comes out of the KV cache. The flag sizes the KV cache, nothing else.",
+                query: "model=Qwen3-VL-8B-Instruct&device=ascend-910b-64g&tp=2&gpu_memory_utilization=0.9&weights_gib=9.19&activation_peak_gib=3.86&non_torch_gib=0.56",
+                figures: &[Fig::NonKv, Fig::Requested, Fig::AvailableKv, Fig::KvTokens],
+            },
+        ],
+        live: &[],
+    },
+    Lesson {
+        name: "encoder-budget",
+        title: "The encoder budget and the profile run",
+        incident: "Qwen3-VL-8B logs \"Encoder cache will be initialized with a budget of 32768 tokens, and profiled with 2 image items of the maximum feature size\": where those numbers come from.",
+        planned: &[
+            StepSpec {
+                say: "The vision tower (the encoder) turns an image into tokens for the language model; the encoder cache keeps those outputs so that an image is not encoded twice. The largest image the processor accepts (4096×4096 for Qwen3-VL: 16×16-pixel patches, merged 2×2 into one token) becomes 16,384 tokens. The encoder cache holds at least one such image and at least one step's tokens: max(32,768, 16,384) = 32,768. The profile run encodes as many of the largest images as that budget holds: 2. Their activations are part of the torch peak the KV cache is sized after.",
+                query: "model=Qwen3-VL-8B-Instruct&device=h100-80g&max_num_batched_tokens=32768",
+                figures: &[
+                    Fig::MaxTokensPerImage,
+                    Fig::EncoderBudget,
+                    Fig::EncoderItems,
+                    Fig::EncoderCache,
+                    Fig::ActivationPeak,
+                    Fig::AvailableKv,
+                ],
+            },
+            StepSpec {
+                say: "With --max-num-batched-tokens 8192 the budget falls to one largest image (16,384 tokens) and the profile run encodes one: a smaller activation peak, more KV cache, and images that must wait for the encoder more often.",
+                query: "model=Qwen3-VL-8B-Instruct&device=h100-80g&max_num_batched_tokens=8192",
+                figures: &[
+                    Fig::MaxTokensPerImage,
+                    Fig::EncoderBudget,
+                    Fig::EncoderItems,
+                    Fig::EncoderCache,
+                    Fig::ActivationPeak,
+                    Fig::AvailableKv,
+                ],
+            },
+        ],
+        live: &[],
+    },
+
+    Lesson {
+        name: "oom-image-29",
+        title: "The out-of-memory at image 29 of 60",
+        incident: "A Qwen3-VL server ran 28 images of a 60-image benchmark and died on the 29th: larger than any image its start-up profile run had encoded, it pushed the vision tower's memory past what vLLM had set aside.",
+        planned: &[],
+        live: &[
+            LiveSpec {
+                say: "At start-up the engine ran its vision tower on the largest images it allows (as many as the encoder budget holds, lesson 3), measured the memory that took, and gave what was left to the KV cache. That profile peak also covers a full batch of tokens, so it is well above what these small requests need. Send three photos no larger than the profiled image (the figures are the last photo's): each step's peak stays within the profiled one, because nothing larger than what was measured runs. The peaks come from the ledger, kvlens's count of every byte the backend holds by category (staging: the buffers between host and device).",
+                act: Act::Send(&[
+                    Ask { id: "photo-1", text: "Describe this photo.", image: Some(Pic { quarters: 4, seed: 1 }), max_tokens: 4 },
+                    Ask { id: "photo-2", text: "Describe this photo.", image: Some(Pic { quarters: 4, seed: 2 }), max_tokens: 4 },
+                    Ask { id: "photo-3", text: "Describe this photo.", image: Some(Pic { quarters: 4, seed: 3 }), max_tokens: 4 },
+                ]),
+                figures: &[Read::ProfiledImageTokens, Read::SentTokens, Read::StepPeak, Read::ProfiledPeak],
+            },
+            LiveSpec {
+                say: "Image 29 has four times as many tokens (twice the side). vLLM encodes an image at whatever size its processor allows, and a request can allow more than the profile run saw (a larger max_pixels in mm_processor_kwargs, or a profile run that skipped images). A vision layer compares every patch (a token is 2×2 patches) with every other, so a kernel that stores those scores in full needs memory that grows with the square of the patches: at its own size this image's scores alone can pass the profiled peak. That is memory nobody measured, needed in the middle of serving, and the process dies. kvlens resizes every image to the profiled maximum instead, and this step's measured peak stays within the profiled one (its kernels never store the scores in full, which is why the measured peak is below even the resized estimate). The price is resolution.",
+                act: Act::Send(&[Ask { id: "photo-29", text: "Describe this photo.", image: Some(Pic { quarters: 16, seed: 29 }), max_tokens: 4 }]),
+                figures: &[
+                    Read::OwnSizeTokens,
+                    Read::SentTokens,
+                    Read::ScoresOwnSize,
+                    Read::ScoresSent,
+                    Read::ScoresVsProfiled,
+                    Read::StepPeak,
+                    Read::ProfiledPeak,
+                ],
+            },
+        ],
+    },
+    Lesson {
+        name: "reset-mm-cache",
+        title: "Memory that /reset_mm_cache does not return",
+        incident: "After a multimodal benchmark a vLLM server's GPU memory stayed high, and POST /reset_mm_cache did not bring it down: that endpoint empties the processor cache only, which lives in host memory.",
+        planned: &[],
+        live: &[
+            LiveSpec {
+                say: "One request with one image. Three caches now hold something of it: the processor cache (the image decoded and resized, in host memory, so it is not preprocessed again), the encoder cache (the vision tower's output, in device memory, so it is not encoded again) and the KV cache (the keys and values of every prompt token, in blocks of 16 tokens; the request has ended, so its blocks are free, but they keep their hash so a later prompt with the same start can reuse them).",
+                act: Act::Send(&[Ask { id: "picture", text: "What is in this picture?", image: Some(Pic { quarters: 4, seed: 5 }), max_tokens: 8 }]),
+                figures: &[
+                    Read::ProcessorEntries,
+                    Read::ProcessorBytes,
+                    Read::EncoderEntries,
+                    Read::EncoderBytes,
+                    Read::KvInUse,
+                    Read::KvCached,
+                    Read::DeviceBytes,
+                ],
+            },
+            LiveSpec {
+                say: "POST /reset_mm_cache, as vLLM does it: the processor cache is empty. The encoder cache and the KV blocks hold what they held, so the device memory did not move.",
+                act: Act::Reset(CacheReset::Processor),
+                figures: &[
+                    Read::ProcessorEntries,
+                    Read::ProcessorBytes,
+                    Read::EncoderEntries,
+                    Read::EncoderBytes,
+                    Read::KvCached,
+                    Read::DeviceBytes,
+                ],
+            },
+            LiveSpec {
+                say: "POST /reset_encoder_cache (vLLM has it since early 2026): the vision tower's outputs go, and the device memory they held with them. (vLLM hands the freed tensors back to PyTorch's allocator, which keeps them reserved: nvidia-smi may not show the drop.)",
+                act: Act::Reset(CacheReset::Encoder),
+                figures: &[Read::EncoderEntries, Read::EncoderBytes, Read::KvCached, Read::DeviceBytes],
+            },
+            LiveSpec {
+                say: "POST /reset_prefix_cache: the free KV blocks forget their hashes. Their memory stays allocated: the KV cache is sized once at start-up and never shrinks, so a server's GPU memory stays high after any benchmark, by design. Only whether its blocks can be reused changes.",
+                act: Act::Reset(CacheReset::Prefix),
+                figures: &[Read::KvBlocks, Read::KvInUse, Read::KvCached, Read::DeviceBytes],
+            },
+        ],
+    },
+    Lesson {
+        name: "prefix-caching-images",
+        title: "Prefix caching with images",
+        incident: "A chat app sends the same image with every turn: is it encoded again each time? And a different image with the same question: could the cache answer about the wrong picture?",
+        planned: &[],
+        live: &[
+            LiveSpec {
+                say: "The first request computes everything: the vision tower encodes the image, and the language model (the decoder) computes every prompt token. Full KV blocks get a hash that chains all tokens before them; an image's tokens hash with the image's content.",
+                act: Act::Send(&[Ask { id: "first", text: CATALOGUE_QUESTION, image: Some(Pic { quarters: 4, seed: 7 }), max_tokens: 4 }]),
+                figures: &[Read::PromptTokens, Read::PrefixHitTokens, Read::PromptComputed, Read::VisionRuns],
+            },
+            LiveSpec {
+                say: "The same text and image again. Every full block's hash matches, so the decoder computes only the last, partly filled block. The vision tower does not run: where the image's tokens reach into that block (see their positions), their output comes from the encoder cache.",
+                act: Act::Send(&[Ask { id: "again", text: CATALOGUE_QUESTION, image: Some(Pic { quarters: 4, seed: 7 }), max_tokens: 4 }]),
+                figures: &[
+                    Read::PromptTokens,
+                    Read::ImagePlace,
+                    Read::PrefixHitTokens,
+                    Read::PromptComputed,
+                    Read::VisionRuns,
+                    Read::EncoderHits,
+                ],
+            },
+            LiveSpec {
+                say: "The same text with a different image. The blocks of text before the image still match; from the image on the hashes differ, so the image is encoded and everything after it computed. A cache keyed by the text alone would have answered about the wrong picture.",
+                act: Act::Send(&[Ask { id: "other", text: CATALOGUE_QUESTION, image: Some(Pic { quarters: 4, seed: 8 }), max_tokens: 4 }]),
+                figures: &[Read::PromptTokens, Read::ImagePlace, Read::PrefixHitTokens, Read::PromptComputed, Read::VisionRuns],
+            },
+        ],
+    },
+    Lesson {
+        name: "preemption",
+        title: "Preemption: too few KV blocks for the running requests",
+        incident: "Under load a vLLM server logs preempted requests and its throughput drops: the running requests needed more KV blocks than were free, so one was stopped, its blocks freed, and its tokens computed again later.",
+        planned: &[],
+        live: &[
+            LiveSpec {
+                say: "Shrink the KV cache to 8 blocks of 16 tokens (what vLLM's --num-gpu-blocks-override 8 does): 128 tokens for all running requests together. Each request below fits alone (step 2 shows how many blocks it needs); three at once do not.",
+                act: Act::Configure { kv_blocks: Some(8) },
+                figures: &[Read::KvBlocks, Read::KvInUse],
+            },
+            LiveSpec {
+                say: "Send three requests at once. Each needs a new block every 16 tokens it generates; when none is free, the scheduler preempts the request that arrived last (vLLM's first-come-first-served policy): its blocks are freed, it goes back to the waiting queue, and when blocks free up it runs again from its prompt plus the tokens it had generated.",
+                act: Act::Send(THREE_STORIES),
+                figures: &[
+                    Read::BlocksPerRequest,
+                    Read::Preemptions,
+                    Read::PromptTokens,
+                    Read::PromptComputed,
+                    Read::Generated,
+                ],
+            },
+            LiveSpec {
+                say: "Give the KV cache back its own size.",
+                act: Act::Configure { kv_blocks: None },
+                figures: &[Read::KvBlocks],
+            },
+            LiveSpec {
+                say: "The same three requests with room for all: no preemption, fewer prompt tokens computed (the difference is what preemption recomputed), and the same replies token for token. Fewer tokens were recomputed than the preempted request had: the blocks it gave up kept their hashes, so when it resumed, the prefix cache (lesson 6) gave back the full ones and only the rest was computed again. Preemption costs time, never correctness.",
+                act: Act::Send(THREE_STORIES),
+                figures: &[Read::Preemptions, Read::PromptComputed, Read::Recomputed, Read::SameReplies],
+            },
+        ],
+    },
+];
+
+/// Lesson 6's question: long enough that its tokens fill KV blocks before the image.
+const CATALOGUE_QUESTION: &str = "You are looking at a photo from our product catalogue. Answer in one short sentence: what colour is the object in the middle of the picture?";
+
+/// Lesson 7's requests: each fits the small cache alone, not three at once.
+const THREE_STORIES: &[Ask] = &[
+    Ask {
+        id: "story-a",
+        text: "Tell me a long story about a lighthouse keeper.",
+        image: None,
+        max_tokens: 40,
+    },
+    Ask {
+        id: "story-b",
+        text: "Tell me a long story about a mountain village.",
+        image: None,
+        max_tokens: 40,
+    },
+    Ask {
+        id: "story-c",
+        text: "Tell me a long story about a river boat.",
+        image: None,
+        max_tokens: 40,
+    },
+];
