@@ -15,11 +15,11 @@ pub fn LessonsPage(name: Option<String>) -> impl IntoView {
         return view! {
             <main class="lessons">
                 <h1>"Lessons in memory profiling"</h1>
-                <p class="muted">"Incidents that cost vLLM users days, replayed step by step; every number is computed as the page runs: by the planner at the incident's full size, or by the engine in this tab at a small one."</p>
+                <p class="muted">"Incidents that cost vLLM users days, replayed step by step; every number is computed as the page runs: by the planner at the incident's full size, and by the engine in this tab (the demo model) at a small one."</p>
                 <ol data-testid="lesson-list">
                     {LESSONS.iter().map(|l| view! {
                         <li><a href=format!("/lessons/{}", l.name)>{l.title}</a>" — "{l.incident}
-                            {l.is_live().then_some(" (runs the demo model in this tab)")}</li>
+</li>
                     }).collect_view()}
                 </ol>
             </main>
@@ -28,9 +28,9 @@ pub fn LessonsPage(name: Option<String>) -> impl IntoView {
     };
     let body = match lesson(&name).and_then(|l| Ok((l, l.run_planned()?))) {
         Ok((l, steps)) => view! {
-            {(!l.is_live()).then(|| view! { <h1>{l.title}</h1><p>{l.incident}</p> })}
+            {(l.live_offset() > 0).then(|| view! { <h1>{l.title}</h1><p>{l.incident}</p> })}
             {steps.into_iter().enumerate().map(|(i, s)| planned_step(i, s)).collect_view()}
-            {l.is_live().then(|| view! { <Playground lesson=l.name /> })}
+            <Playground lesson=l.name />
         }
         .into_any(),
         Err(e) => view! { <p data-testid="lesson-error">{e.to_string()}</p> }.into_any(),
@@ -112,9 +112,14 @@ pub fn LessonPanel(
     on_show: Callback<usize>,
 ) -> impl IntoView {
     let total = lesson.live_sentences().count();
+    let offset = lesson.live_offset();
     let status = move || match state.get() {
         LessonState::Waiting => "waiting for the demo model to load…".to_string(),
-        LessonState::Running => format!("running step {} of {total}…", steps.with(Vec::len) + 1),
+        LessonState::Running => format!(
+            "running step {} of {}…",
+            offset + steps.with(Vec::len) + 1,
+            offset + total
+        ),
         LessonState::Done => format!("done: {total} steps, every figure read from the engine in this tab"),
         LessonState::Failed(e) => format!("stopped: {e}"),
     };
@@ -139,7 +144,7 @@ pub fn LessonPanel(
                 });
                 view! {
                     <section class="lesson-step" class:pending=done.len() <= i data-testid="lesson-step" data-index=i.to_string()>
-                        <h3>{format!("Step {}", i + 1)}</h3>
+                        <h3>{format!("Step {}", offset + i + 1)}</h3>
                         <p>{say}</p>
                         <table>{figures}</table>
                         {(done.len() > i).then(|| view! {
@@ -151,9 +156,12 @@ pub fn LessonPanel(
             .collect_view()
     };
     view! {
-        <section class="lesson-panel" data-testid="lesson-panel">
-            <h2>{lesson.title}</h2>
-            <p>{lesson.incident}</p>
+        <section class="lesson-panel" data-testid="lesson-panel" data-lesson=lesson.name>
+            {if offset == 0 {
+                view! { <h2>{lesson.title}</h2><p>{lesson.incident}</p> }.into_any()
+            } else {
+                view! { <h2>"At tab scale, on the model in this tab"</h2> }.into_any()
+            }}
             <p class="muted">"The lesson drives the engine in this tab with small budgets; each figure says where it comes from. The memory view below draws the engine live; the highlighted parts are the ones the step is about. When the lesson ends, the engine goes back to its own size, empty: a step's button brings back the memory as that step left it."</p>
             <p data-testid="lesson-setting">{move || setting.get()}</p>
             <p data-testid="lesson-status" data-state=move || format!("{:?}", state.get()).split('(').next().unwrap_or_default().to_lowercase()>{status}</p>

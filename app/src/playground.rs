@@ -59,8 +59,7 @@ pub fn Playground(#[prop(optional)] lesson: Option<&'static str>) -> impl IntoVi
     let lesson_steps = RwSignal::new(Vec::<Step>::new());
     let lesson_state = RwSignal::new(LessonState::Waiting);
     let lesson_setting = RwSignal::new(String::new());
-    let picked_lesson =
-        RwSignal::new(lesson.unwrap_or_else(|| LESSONS.iter().find(|l| l.is_live()).map_or("", |l| l.name)));
+    let picked_lesson = RwSignal::new(lesson.unwrap_or_else(|| LESSONS.first().map_or("", |l| l.name)));
     // The lesson step whose recorded memory the view shows (None: the engine live).
     let shown_step = RwSignal::new(None::<usize>);
     // Every occupancy reported, for export and replay; `frames` counts them for the page.
@@ -99,7 +98,11 @@ pub fn Playground(#[prop(optional)] lesson: Option<&'static str>) -> impl IntoVi
         }
         FromWorker::LessonSetting(said) => lesson_setting.set(said),
         FromWorker::LessonStep { index, step } => {
-            recording.update_value(|r| r.mark(format!("step {} done", index + 1)));
+            let offset = lesson_name
+                .get_untracked()
+                .and_then(|n| find_lesson(n).ok())
+                .map_or(0, |l| l.live_offset());
+            recording.update_value(|r| r.mark(format!("step {} done", offset + index + 1)));
             lesson_steps.update(|s| s.push(step));
         }
         FromWorker::LessonEnded(error) => lesson_state.set(match error {
@@ -173,7 +176,11 @@ pub fn Playground(#[prop(optional)] lesson: Option<&'static str>) -> impl IntoVi
         _ => Vec::new(),
     });
     let show_step = Callback::new(move |i: usize| {
-        let done = format!("step {} done", i + 1);
+        let offset = lesson_name
+            .get_untracked()
+            .and_then(|n| find_lesson(n).ok())
+            .map_or(0, |l| l.live_offset());
+        let done = format!("step {} done", offset + i + 1);
         let frame = recording.with_value(|r| {
             let m = r.marks.iter().find(|m| m.what == done)?;
             r.frames.get(m.frame.checked_sub(1)?).cloned()
@@ -296,7 +303,7 @@ pub fn Playground(#[prop(optional)] lesson: Option<&'static str>) -> impl IntoVi
                             picked_lesson.set(l.name);
                         }
                     }>
-                        {LESSONS.iter().filter(|l| l.is_live()).map(|l| view! {
+                        {LESSONS.iter().map(|l| view! {
                             <option value=l.name prop:selected=move || picked_lesson.get() == l.name>{l.title}</option>
                         }).collect_view()}
                     </select>
@@ -310,7 +317,8 @@ pub fn Playground(#[prop(optional)] lesson: Option<&'static str>) -> impl IntoVi
             })}
             {move || shown_step.get().map(|i| view! {
                 <p class="muted" data-testid="shown-step">{format!(
-                    "The memory view shows the engine as step {} left it (recorded); it goes live again with the engine's next step.", i + 1)}</p>
+                    "The memory view shows the engine as step {} left it (recorded); it goes live again with the engine's next step.",
+                    i + 1 + lesson_name.get().and_then(|n| find_lesson(n).ok()).map_or(0, |l| l.live_offset()))}</p>
             })}
             <div class="columns">
                 <Chat engine=engine ready=ready.into() thumbnails=thumbnails />

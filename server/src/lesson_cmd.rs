@@ -51,22 +51,25 @@ fn print_step(i: usize, s: &Step) {
     println!();
 }
 
-/// Runs `kvlens lesson`.
+/// Whether a `--record` file is a JSON timeline (else an SVG plot).
+fn records_json(path: &std::path::Path) -> Result<bool> {
+    match path.extension().and_then(|e| e.to_str()) {
+        Some("json") => Ok(true),
+        Some("svg") => Ok(false),
+        _ => Err(usage(format!("--record {}: name a .json or .svg file", path.display()))),
+    }
+}
+
+/// Runs `kvlens lesson`: the full-size steps on the planner, then the live ones on the engine.
 pub fn run(a: &LessonArgs) -> Result<()> {
     let Some(name) = &a.name else {
         for l in LESSONS {
-            let kind = if l.is_live() { "runs the engine" } else { "the planner" };
-            println!("{:<24} {:<16} {}", l.name, kind, l.title);
+            println!("{:<24} {}", l.name, l.title);
         }
         return Ok(());
     };
     let l = lesson(name).map_err(|e| usage(e.to_string()))?;
-    if !a.record.is_empty() && !l.is_live() {
-        return Err(usage(format!(
-            "--record: {} runs the planner only; the lessons that run the engine record",
-            l.name
-        )));
-    }
+    let formats = a.record.iter().map(|p| records_json(p)).collect::<Result<Vec<_>>>()?;
     if !a.json {
         println!("{}\n{}\n", l.title, l.incident);
     }
@@ -74,47 +77,40 @@ pub fn run(a: &LessonArgs) -> Result<()> {
     if !a.json {
         steps.iter().enumerate().for_each(|(i, s)| print_step(i, s));
     }
-    if l.is_live() {
-        let mut args = a.engine.clone();
-        args.mm_processor_kwargs.get_or_insert_with(|| LESSON_MAX_PIXELS.into());
-        args.kv_cache_memory_bytes.get_or_insert(LESSON_KV_BYTES);
-        let mut started = start(&args)?;
-        let mut recording = Recording::new(l.title);
-        let offset = steps.len();
-        let frontend = &started.frontend;
-        let mut seq = 0;
-        let mut watch = |w: Watch<'_>| match w {
-            Watch::Stepped(engine) => {
-                seq += 1;
-                recording.push(occupancy_of(engine, frontend, seq));
-            }
-            Watch::Setting(said) => {
-                if !a.json {
-                    println!("{said}\n");
-                }
-            }
-            Watch::Done(i, step) => {
-                recording.mark(format!("step {} done", offset + i + 1));
-                if !a.json {
-                    print_step(offset + i, step);
-                }
-            }
-        };
-        let bench = Bench {
-            engine: &mut started.engine,
-            input: frontend,
-            profile: &started.profile,
-        };
-        let live = block_on(run_live(l, bench, &mut watch))?;
-        steps.extend(live);
-        for path in &a.record {
-            let text = match path.extension().and_then(|e| e.to_str()) {
-                Some("svg") => recording.svg(),
-                Some("json") => recording.to_json(),
-                _ => return Err(usage(format!("--record {}: name a .json or .svg file", path.display()))),
-            };
-            std::fs::write(path, text).with_context(|| format!("writing {}", path.display()))?;
+    let mut args = a.engine.clone();
+    args.mm_processor_kwargs.get_or_insert_with(|| LESSON_MAX_PIXELS.into());
+    args.kv_cache_memory_bytes.get_or_insert(LESSON_KV_BYTES);
+    let mut started = start(&args)?;
+    let mut recording = Recording::new(l.title);
+    let offset = l.live_offset();
+    let frontend = &started.frontend;
+    let mut seq = 0;
+    let mut watch = |w: Watch<'_>| match w {
+        Watch::Stepped(engine) => {
+            seq += 1;
+            recording.push(occupancy_of(engine, frontend, seq));
         }
+        Watch::Setting(said) => {
+            if !a.json {
+                println!("{said}\n");
+            }
+        }
+        Watch::Done(i, step) => {
+            recording.mark(format!("step {} done", offset + i + 1));
+            if !a.json {
+                print_step(offset + i, step);
+            }
+        }
+    };
+    let bench = Bench {
+        engine: &mut started.engine,
+        input: frontend,
+        profile: &started.profile,
+    };
+    steps.extend(block_on(run_live(l, bench, &mut watch))?);
+    for (path, json) in a.record.iter().zip(formats) {
+        let text = if json { recording.to_json() } else { recording.svg() };
+        std::fs::write(path, text).with_context(|| format!("writing {}", path.display()))?;
     }
     if a.json {
         let out = serde_json::json!({"name": l.name, "title": l.title, "incident": l.incident, "steps": steps});

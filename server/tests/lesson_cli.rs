@@ -1,36 +1,48 @@
 //! `kvlens lesson`: the lessons' steps from the command line, their figures computed by the
-//! planner (the same code the playground runs).
+//! planner and by the engine on a tiny checkpoint (the same code the playground runs).
 
 mod common;
 
 use common::kvlens;
 use serde_json::Value;
 
-fn figure(lesson: &Value, step: usize, name: &str) -> String {
+/// A step's figure by name.
+fn figure<'a>(lesson: &'a Value, step: usize, name: &str) -> &'a Value {
     lesson["steps"][step]["figures"]
         .as_array()
         .unwrap()
         .iter()
         .find(|f| f["name"] == name)
-        .unwrap_or_else(|| panic!("{name}: {lesson:#}"))["value"]
-        .as_str()
-        .unwrap()
-        .to_string()
+        .unwrap_or_else(|| panic!("{name}: {lesson:#}"))
+}
+
+/// A figure's value as shown.
+fn shown(lesson: &Value, step: usize, name: &str) -> String {
+    figure(lesson, step, name)["value"].as_str().unwrap().to_string()
+}
+
+/// A figure's raw count or bytes.
+fn raw(lesson: &Value, step: usize, name: &str) -> u64 {
+    figure(lesson, step, name)["raw"].as_u64().unwrap()
 }
 
 #[test]
 fn lesson_one_names_the_length_that_fits_and_lesson_two_the_kv_line() {
-    let out = kvlens(&["lesson", "kv-cache-too-small", "--json"]);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let l: Value = serde_json::from_slice(&out.stdout).unwrap();
-    assert_eq!(figure(&l, 0, "estimated maximum model length"), "164,224");
-    assert_eq!(figure(&l, 0, "available KV cache memory"), "20.06 GiB");
+    let model = common::tiny_checkpoint("lesson-planned");
+    let l = live("kv-cache-too-small", &model, &[]);
+    assert_eq!(shown(&l, 0, "estimated maximum model length"), "164,224");
+    assert_eq!(shown(&l, 0, "available KV cache memory"), "20.06 GiB");
     assert!(l["steps"][0]["query"]
         .as_str()
         .unwrap()
         .contains("max_model_len=262144"));
 
-    let out = kvlens(&["lesson", "startup-budget"]);
+    // Then the tab-scale half: the same refusal on the engine, with its reason.
+    assert_eq!(raw(&l, 2, "the longest request (--max-model-len)"), 128);
+    let said = shown(&l, 3, "the engine's answer");
+    assert!(said.contains("exceeds the maximum context length of 128"), "{said}");
+
+    let out = kvlens(&["lesson", "startup-budget", "--model", model.to_str().unwrap()]);
     let text = String::from_utf8_lossy(&out.stdout);
     for want in ["13.61 GiB", "57.91 GiB", "44.30 GiB", "645,120 tokens", "Step 2."] {
         assert!(text.contains(want), "{want}:\n{text}");
@@ -57,17 +69,6 @@ fn live(name: &str, model: &std::path::Path, extra: &[&str]) -> Value {
     let out = kvlens(&args);
     assert!(out.status.success(), "{name}: {}", String::from_utf8_lossy(&out.stderr));
     serde_json::from_slice(&out.stdout).unwrap()
-}
-
-fn raw(lesson: &Value, step: usize, name: &str) -> u64 {
-    lesson["steps"][step]["figures"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|f| f["name"] == name)
-        .unwrap_or_else(|| panic!("{name}: {lesson:#}"))["raw"]
-        .as_u64()
-        .unwrap()
 }
 
 #[test]
@@ -146,6 +147,6 @@ fn the_other_live_lessons_show_what_they_say() {
                 <= raw(&l, step, "peak of start-up's profile run")
         );
     }
-    let out = kvlens(&["lesson", "startup-budget", "--record", "x.json"]);
-    assert_eq!(out.status.code(), Some(2), "a planner lesson records nothing");
+    let out = kvlens(&["lesson", "preemption", "--record", "x.txt"]);
+    assert_eq!(out.status.code(), Some(2), "a timeline is .json or .svg");
 }

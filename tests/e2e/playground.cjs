@@ -475,13 +475,29 @@ async function downloaded(page, id) {
 // Each live lesson's checks: `f(step)` is a figure's raw value, `end(step)` the recorded
 // occupancy the step ended on (the engine's own counters, ledger and caches).
 const LIVE_LESSONS = {
+  // Lessons 1-3's halves at tab scale (their full-size steps are checked by lessonPages).
+  'kv-cache-too-small': (f, end) => {
+    assert(f(0, 'KV blocks') === 8 && end(0).kv.num_blocks === 9, 'the cache shrunk to 8 blocks and the null block');
+    assert(f(0, 'the longest request (--max-model-len)') === 128, 'and the longest request with it');
+    assert(/exceeds the maximum context length of 128/.test(f.text(1, 'the engine\'s answer')), `the refusal: ${f.text(1, 'the engine\'s answer')}`);
+    assert(f(1, 'KV blocks in use') === 0 && end(1).kv.num_in_use === 0, 'a refused request takes no block');
+  },
+  'startup-budget': (f, end) => {
+    const ledger = (c) => end(0).ledger.find((l) => l.category === c).bytes;
+    assert(f(0, 'weights') === ledger('weights') && f(0, 'KV cache') === ledger('kv_cache'), 'the lines as the ledger holds them');
+    assert(f(0, 'KV blocks') === end(0).kv.num_blocks - 1, 'the blocks as the pool holds them');
+  },
+  'encoder-budget': (f, end) => {
+    assert(f(0, 'encoder cache budget (tokens)') === end(0).encoder_cache.capacity_tokens, 'the budget as the encoder cache holds it');
+    assert(f(0, 'largest images start-up\'s profile run encoded') >= 1, 'at least one image profiled');
+  },
   'oom-image-29': (f, end) => {
     const profiled = f(0, 'largest image start-up profiled (tokens)');
     assert(f(0, 'the image as kvlens resized it (tokens)') <= profiled, 'step 1 images within the profiled size');
     const own = f(1, 'the image at its own size (tokens)');
     const sent = f(1, 'the image as kvlens resized it (tokens)');
     assert(own >= 4 * sent && sent <= profiled, `image 29: ${own} tokens at its own size, ${sent} sent, ${profiled} profiled`);
-    assert(f(1, 'one vision attention layer\'s scores, at its own size') >= 16 * f(1, 'the same, as resized'), 'scores grow with the square');
+    assert(f(1, 'one vision attention layer\'s scores stored in full, at its own size') >= 16 * f(1, 'the same, as resized'), 'scores grow with the square');
     for (const s of [0, 1]) {
       const peak = f(s, 'peak this step (activations, staging, encoder outputs)');
       assert(peak > 0 && peak <= f(s, 'peak of start-up\'s profile run'), `step ${s + 1}'s peak ${peak} within the profiled one`);
@@ -527,26 +543,38 @@ async function liveLessons(base) {
   try {
     const page = await newPage(b, 'live-lessons');
     let last = null;
+    // The first lesson by its URL (which loads the demo model and runs it), the others from the
+    // playground's lesson picker on the same model (one load, not seven).
+    let first = true;
     for (const [name, checkLesson] of Object.entries(LIVE_LESSONS)) {
-      await page.goto(`${base}/lessons/${name}`);
+      if (first) {
+        await page.goto(`${base}/lessons/${name}`);
+        first = false;
+      } else {
+        await byTest(page, 'lesson-pick').selectOption(name);
+        await byTest(page, 'run-lesson').click();
+      }
       await page.waitForFunction(
-        () => ['done', 'failed'].includes(document.querySelector('[data-testid="lesson-status"]')?.dataset.state),
-        null,
+        (name) => ['done', 'failed'].includes(
+          document.querySelector(`[data-testid="lesson-panel"][data-lesson="${name}"] [data-testid="lesson-status"]`)?.dataset.state),
+        name,
         { timeout: LONG },
       );
       const status = await byTest(page, 'lesson-status').textContent();
       assert(status.startsWith('done'), `${name}: ${status}`);
-      const steps = await page.$$eval('[data-testid="lesson-step"]', (ss) =>
-        ss.map((s) => Object.fromEntries([...s.querySelectorAll('[data-testid="lesson-figure"]')].map((r) => [r.dataset.name, r.dataset.raw]))));
+      const steps = await page.$$eval('[data-testid="lesson-panel"] [data-testid="lesson-step"]', (ss) =>
+        ss.map((s) => Object.fromEntries([...s.querySelectorAll('[data-testid="lesson-figure"]')]
+          .map((r) => [r.dataset.name, { raw: r.dataset.raw, value: r.children[1].textContent }]))));
       const { file, text } = await downloaded(page, 'export-json');
       const timeline = JSON.parse(text);
       const ends = timeline.marks.filter((m) => /^step \d+ done$/.test(m.what)).map((m) => timeline.frames[m.frame - 1]);
       assert(ends.length === steps.length, `${name}: ${ends.length} steps recorded, ${steps.length} shown`);
       const f = (s, fig) => {
-        const raw = steps[s][fig];
+        const raw = steps[s][fig]?.raw;
         assert(raw !== undefined && raw !== '', `${name} step ${s + 1} shows no ${fig}: ${JSON.stringify(steps[s])}`);
         return Number(raw);
       };
+      f.text = (s, fig) => steps[s][fig]?.value || '';
       checkLesson(f, (s) => ends[s]);
       if (name === 'reset-mm-cache') {
         // The memory view as steps 1 and 2 left it: /reset_mm_cache emptied the processor cache
@@ -560,6 +588,8 @@ async function liveLessons(base) {
         view = await memoryTexts(page);
         assert(view['processor-cache-usage'].startsWith('0 preprocessed') && view['encoder-cache-usage'].startsWith('1 entry'), `step 2: ${JSON.stringify(view)}`);
         await screenshot(page, 'lesson-reset-mm-cache.png');
+        await byTest(page, 'lesson-panel').screenshot({ path: path.join(ARTIFACTS, 'lesson-panel.png'), timeout: 60_000 })
+          .catch((e) => console.log(`(screenshot lesson-panel.png not taken: ${String(e).split('\n')[0]})`));
         await page.setViewportSize({ width: 420, height: 900 });
         await screenshot(page, 'lesson-reset-mm-cache-narrow.png');
         const wide = await page.evaluate(() => document.documentElement.scrollWidth);
@@ -836,7 +866,7 @@ async function watchOnVllmEvents() {
     await check('playground on WebGPU, a GGUF pair from disk, then its text model alone', () => playgroundGguf(served, true, { fromDisk: true }));
     await check('planner link shows 164,224', () => plannerLink(served));
     await check('lessons 1-3 show the seeds\' figures', () => lessonPages(served));
-    await check('lessons 4-7 run in the tab, their figures checked against the recorded counters; replay; SVG', () => liveLessons(served));
+    await check('lessons run in the tab (1-3 at tab scale, 4-7), their figures checked against the recorded counters; replay; SVG', () => liveLessons(served));
     const site = await staticServer('static-server');
     await check('playground on the CPU backend (WebGPU off), static dist/', () => playgroundOnCpu(site));
     await check('playground on the CPU backend with q4_0 weights', () => playgroundQuantized(site, false));

@@ -22,7 +22,18 @@ pub const LESSONS: &[Lesson] = &[
                 figures: &[Fig::NeededKv, Fig::AvailableKv, Fig::Fits],
             },
         ],
-        live: &[],
+        live: &[
+            LiveSpec {
+                say: "The same effect at tab scale: shrink the KV cache of the model in this tab to 8 blocks of 16 tokens. The longest request it can hold is now 128 tokens, and its --max-model-len falls to that (vLLM, given a longer one, refuses to start, as in step 1).",
+                act: Act::Configure { kv_blocks: Some(8) },
+                figures: &[Read::KvBlocks, Read::KvCacheBytes, Read::MaxModelLen],
+            },
+            LiveSpec {
+                say: "Ask for a reply of 200 tokens: prompt and reply would need more than the 128 tokens one request may have, so the engine refuses it before it takes a single block, and says why.",
+                act: Act::Refuse(&Ask { id: "too-long", text: "Tell me a long story about a lighthouse keeper.", image: None, max_tokens: 200 }),
+                figures: &[Read::PromptTokens, Read::Refusal, Read::KvInUse],
+            },
+        ],
     },
     Lesson {
         name: "startup-budget",
@@ -49,7 +60,11 @@ pub const LESSONS: &[Lesson] = &[
                 figures: &[Fig::NonKv, Fig::Requested, Fig::AvailableKv, Fig::KvTokens],
             },
         ],
-        live: &[],
+        live: &[LiveSpec {
+            say: "The same lines for the model in this tab, as its start-up measured them: its weights as loaded, the peak of its profile run, and its KV cache. Here the KV cache is set by size (the playground's KV blocks, vLLM's --kv-cache-memory-bytes), which skips the utilization rule; the weights and the profile peak still had to fit beside it.",
+            act: Act::Configure { kv_blocks: None },
+            figures: &[Read::WeightsBytes, Read::ProfiledPeak, Read::KvCacheBytes, Read::KvBlocks],
+        }],
     },
     Lesson {
         name: "encoder-budget",
@@ -59,31 +74,25 @@ pub const LESSONS: &[Lesson] = &[
             StepSpec {
                 say: "The vision tower (the encoder) turns an image into tokens for the language model; the encoder cache keeps those outputs so that an image is not encoded twice. The largest image the processor accepts (4096×4096 for Qwen3-VL: 16×16-pixel patches, merged 2×2 into one token) becomes 16,384 tokens. The encoder cache holds at least one such image and at least one step's tokens: max(32,768, 16,384) = 32,768. The profile run encodes as many of the largest images as that budget holds: 2. Their activations are part of the torch peak the KV cache is sized after.",
                 query: "model=Qwen3-VL-8B-Instruct&device=h100-80g&max_num_batched_tokens=32768",
-                figures: &[
-                    Fig::MaxTokensPerImage,
-                    Fig::EncoderBudget,
-                    Fig::EncoderItems,
-                    Fig::EncoderCache,
-                    Fig::ActivationPeak,
-                    Fig::AvailableKv,
-                ],
+                figures: ENCODER_FIGURES,
             },
             StepSpec {
                 say: "With --max-num-batched-tokens 8192 the budget falls to one largest image (16,384 tokens) and the profile run encodes one: a smaller activation peak, more KV cache, and images that must wait for the encoder more often.",
                 query: "model=Qwen3-VL-8B-Instruct&device=h100-80g&max_num_batched_tokens=8192",
-                figures: &[
-                    Fig::MaxTokensPerImage,
-                    Fig::EncoderBudget,
-                    Fig::EncoderItems,
-                    Fig::EncoderCache,
-                    Fig::ActivationPeak,
-                    Fig::AvailableKv,
-                ],
+                figures: ENCODER_FIGURES,
+            },
+            StepSpec {
+                say: "With --limit-mm-per-prompt image=0,video=0 the server takes no images and the profile run encodes none: no encoder budget, no encoder cache, an activation peak of the text batch alone, and more KV cache. (With image=0 alone, videos are still allowed and the profile run encodes a video instead.) vLLM's --skip-mm-profiling skips the images in the profile run while still accepting them; the next lesson shows what that risks.",
+                query: "model=Qwen3-VL-8B-Instruct&device=h100-80g&max_num_batched_tokens=8192&limit_mm_per_prompt=image=0,video=0",
+                figures: ENCODER_FIGURES,
             },
         ],
-        live: &[],
+        live: &[LiveSpec {
+            say: "The same rule for the model in this tab: its largest image (the playground's max_pixels), its encoder budget, max(--max-num-batched-tokens, largest image), and how many of the largest images its profile run encoded.",
+            act: Act::Configure { kv_blocks: None },
+            figures: &[Read::ProfiledImageTokens, Read::EncoderBudget, Read::ProfiledImages, Read::ProfiledPeak],
+        }],
     },
-
     Lesson {
         name: "oom-image-29",
         title: "The out-of-memory at image 29 of 60",
@@ -100,7 +109,7 @@ pub const LESSONS: &[Lesson] = &[
                 figures: &[Read::ProfiledImageTokens, Read::SentTokens, Read::StepPeak, Read::ProfiledPeak],
             },
             LiveSpec {
-                say: "Image 29 has four times as many tokens (twice the side). vLLM encodes an image at whatever size its processor allows, and a request can allow more than the profile run saw (a larger max_pixels in mm_processor_kwargs, or a profile run that skipped images). A vision layer compares every patch (a token is 2×2 patches) with every other, so a kernel that stores those scores in full needs memory that grows with the square of the patches: at its own size this image's scores alone can pass the profiled peak. That is memory nobody measured, needed in the middle of serving, and the process dies. kvlens resizes every image to the profiled maximum instead, and this step's measured peak stays within the profiled one (its kernels never store the scores in full, which is why the measured peak is below even the resized estimate). The price is resolution.",
+                say: "Image 29 has four times as many tokens (twice the side). vLLM encodes an image at whatever size its processor allows, and a request can allow more than the profile run saw (a larger max_pixels in mm_processor_kwargs, or --skip-mm-profiling). A vision layer compares every patch (a token is 2×2 patches) with every other, so a kernel that stores those scores in full needs memory that grows with the square of the patches: at its own size this image's scores alone can pass the profiled peak. That is memory nobody measured, needed in the middle of serving, and the process dies. kvlens resizes every image to the profiled maximum instead, and this step's measured peak stays within the profiled one (its kernels never store the scores in full, which is why the measured peak is below even the resized estimate). The price is resolution.",
                 act: Act::Send(&[Ask { id: "photo-29", text: "Describe this photo.", image: Some(Pic { quarters: 16, seed: 29 }), max_tokens: 4 }]),
                 figures: &[
                     Read::OwnSizeTokens,
@@ -221,6 +230,16 @@ pub const LESSONS: &[Lesson] = &[
             },
         ],
     },
+];
+
+/// Lesson 3's figures, at both batch sizes.
+const ENCODER_FIGURES: &[Fig] = &[
+    Fig::MaxTokensPerImage,
+    Fig::EncoderBudget,
+    Fig::EncoderItems,
+    Fig::EncoderCache,
+    Fig::ActivationPeak,
+    Fig::AvailableKv,
 ];
 
 /// Lesson 6's question: long enough that its tokens fill KV blocks before the image.

@@ -37,6 +37,8 @@ pub(super) enum Act {
     Send(&'static [Ask]),
     /// Empties one cache, as the server's reset endpoint does.
     Reset(CacheReset),
+    /// Sends a request the engine must refuse, and keeps what it said.
+    Refuse(&'static Ask),
 }
 
 /// The three resets, named after vLLM's endpoints.
@@ -82,6 +84,12 @@ pub(super) enum Read {
     EncoderHits,
     ImagePlace,
     BlocksPerRequest,
+    Refusal,
+    MaxModelLen,
+    WeightsBytes,
+    KvCacheBytes,
+    EncoderBudget,
+    ProfiledImages,
     PromptTokens,
     PrefixHitTokens,
     PromptComputed,
@@ -139,6 +147,8 @@ struct Sent {
     images: Vec<SentImage>,
     replies: BTreeMap<String, Vec<u32>>,
     computed: u64,
+    /// What the engine said when it refused the request.
+    refusal: Option<String>,
 }
 
 /// Everything a step's figures are read from.
@@ -252,6 +262,39 @@ impl Read {
                     "its prompt and output ÷ the block size",
                 )
             }
+            Read::Refusal => (
+                "the engine's answer",
+                (
+                    f.sent
+                        .and_then(|s| s.refusal.clone())
+                        .unwrap_or_else(|| "accepted".into()),
+                    None,
+                ),
+                "the engine, as the request was added",
+            ),
+            Read::MaxModelLen => (
+                "the longest request (--max-model-len)",
+                count(f.engine.config().max_model_len as u64),
+                "the engine's sizes",
+            ),
+            Read::WeightsBytes => {
+                let b = f.engine.ledger().bytes(Category::Weights);
+                ("weights", (bytes(b), Some(b)), "the ledger: weights, as loaded")
+            }
+            Read::KvCacheBytes => {
+                let b = f.engine.ledger().bytes(Category::KvCache);
+                ("KV cache", (bytes(b), Some(b)), "the ledger: kv_cache")
+            }
+            Read::EncoderBudget => (
+                "encoder cache budget (tokens)",
+                count(f.engine.config().encoder_cache_tokens as u64),
+                "start-up: max(--max-num-batched-tokens, largest image)",
+            ),
+            Read::ProfiledImages => (
+                "largest images start-up's profile run encoded",
+                count((f.engine.config().encoder_cache_tokens / f.input.max_image_tokens.max(1)) as u64),
+                "start-up: budget ÷ largest image",
+            ),
             Read::PromptTokens => (
                 "prompt tokens sent",
                 count(f.sent.map_or(0, |s| s.prompt_tokens) as u64),
@@ -416,6 +459,40 @@ fn reset(engine: &mut Engine, input: &InputProcessor, which: CacheReset) -> Resu
     Ok(())
 }
 
+/// Sends a request the engine must refuse; what it said, or a failure when it accepted.
+fn refused(engine: &mut Engine, input: &InputProcessor, ask: &Ask) -> Result<Sent, LessonError> {
+    let params = SamplingParams {
+        temperature: 0.0,
+        max_tokens: ask.max_tokens,
+        ignore_eos: true,
+        ..SamplingParams::default()
+    };
+    let messages = [ChatMessage {
+        role: "user".into(),
+        content: Content::Text(ask.text.into()),
+    }];
+    let req = input
+        .request(ask.id, &messages, params, false, &mut InlineImages)
+        .map_err(failed)?;
+    let prompt_tokens = req.prompt.len();
+    let id = req.id.clone();
+    match engine.add_request(req) {
+        Ok(()) => {
+            let _ = engine.abort(&id);
+            Err(LessonError::Engine(format!(
+                "{} was accepted; the lesson expects a refusal",
+                ask.id
+            )))
+        }
+        Err(e) => Ok(Sent {
+            prompt_tokens,
+            longest: prompt_tokens + ask.max_tokens,
+            refusal: Some(e.to_string()),
+            ..Sent::default()
+        }),
+    }
+}
+
 /// Sends `asks` at once and steps the engine until every one has ended.
 async fn send(
     engine: &mut Engine,
@@ -540,6 +617,10 @@ pub async fn run_live(
                 Act::Reset(which) => {
                     reset(engine, input, which)?;
                     false
+                }
+                Act::Refuse(ask) => {
+                    sends.push(refused(engine, input, ask)?);
+                    true
                 }
             };
             watch(Watch::Stepped(engine));

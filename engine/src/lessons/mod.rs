@@ -87,9 +87,9 @@ impl Lesson {
         planned::run(self.planned)
     }
 
-    /// Whether it has steps that drive a loaded engine ([`run_live`]).
-    pub fn is_live(&self) -> bool {
-        !self.live.is_empty()
+    /// How many full-size steps come before the live ones (the live steps are numbered after them).
+    pub fn live_offset(&self) -> usize {
+        self.planned.len()
     }
 
     /// The live steps' sentences, before they run.

@@ -204,6 +204,8 @@ mod tests {
         assert_eq!(value(&s, 0, "encoder cache budget"), "32,768 tokens");
         assert_eq!(value(&s, 0, "images in the profile run"), "2");
         assert_eq!(value(&s, 1, "images in the profile run"), "1");
+        assert_eq!(value(&s, 2, "encoder cache budget"), "0 tokens");
+        assert_eq!(value(&s, 2, "images in the profile run"), "0");
     }
 
     #[test]
