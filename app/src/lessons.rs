@@ -78,25 +78,10 @@ pub enum LessonState {
 /// The memory view's areas a step's figures are about, to highlight: `kv`, `encoder`,
 /// `processor`, `ledger`, `counters`.
 pub fn areas(step: &Step) -> Vec<&'static str> {
-    let mut out = Vec::new();
-    for f in &step.figures {
-        let n = f.name.to_lowercase();
-        let area = if n.contains("kv") {
-            "kv"
-        } else if n.contains("encoder") {
-            "encoder"
-        } else if n.contains("processor") {
-            "processor"
-        } else if n.contains("peak") || n.contains("scores") {
-            "ledger"
-        } else {
-            "counters"
-        };
-        if !out.contains(&area) {
-            out.push(area);
-        }
-    }
-    out
+    ["kv", "encoder", "processor", "ledger", "counters"]
+        .into_iter()
+        .filter(|a| step.figures.iter().any(|f| f.area == *a))
+        .collect()
 }
 
 /// A live lesson beside the memory view: its sentences, and each step's figures as the engine in
@@ -162,7 +147,7 @@ pub fn LessonPanel(
             } else {
                 view! { <h2>"At tab scale, on the model in this tab"</h2> }.into_any()
             }}
-            <p class="muted">"The lesson drives the engine in this tab with small budgets; each figure says where it comes from. The memory view below draws the engine live; the highlighted parts are the ones the step is about. When the lesson ends, the engine goes back to its own size, empty: a step's button brings back the memory as that step left it."</p>
+            <p class="muted">"The lesson drives the engine in this tab with small budgets; each figure says where it comes from. The memory view below draws the engine live; the highlighted parts are the ones the step is about. When the lesson ends, the engine goes back to its own size with every cache empty: a step's button brings back the memory as that step left it. Chat and resets wait for the lesson's end."</p>
             <p data-testid="lesson-setting">{move || setting.get()}</p>
             <p data-testid="lesson-status" data-state=move || format!("{:?}", state.get()).split('(').next().unwrap_or_default().to_lowercase()>{status}</p>
             {rows}

@@ -207,7 +207,7 @@ pub struct Local {
     pub device: String,
     sinks: RefCell<HashMap<RequestId, TokenSink>>,
     stepping: Cell<bool>,
-    /// A lesson holds the engine: requests, aborts and resets wait until it ends.
+    /// A lesson holds the engine: requests, aborts, resets and loads are turned away until it ends.
     in_lesson: Cell<bool>,
     seq: Cell<u64>,
     on_step: Box<dyn Fn(Occupancy)>,
@@ -517,11 +517,17 @@ impl Local {
                 engine: &mut engine,
                 input: &self.input,
                 profile: &self.report.profile,
+                profiled_images: self.report.plan.encoder_profile_items,
             };
             run_live(lesson, bench, &mut watch).await
         };
         self.in_lesson.set(false);
         ran.map(drop).map_err(|e| e.to_string())
+    }
+
+    /// Whether a lesson holds the engine.
+    pub fn in_lesson(&self) -> bool {
+        self.in_lesson.get()
     }
 
     /// Empties one cache; says what it freed.

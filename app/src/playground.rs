@@ -137,7 +137,10 @@ pub fn Playground(#[prop(optional)] lesson: Option<&'static str>) -> impl IntoVi
 
     let on_reset = Callback::new(move |kind: ResetKind| {
         if let Some(w) = engine.get_value() {
-            recording.update_value(|r| r.mark(format!("{kind:?} reset")));
+            // During a lesson the worker refuses the reset: nothing to mark.
+            if lesson_state.get_untracked() != LessonState::Running {
+                recording.update_value(|r| r.mark(format!("{kind:?} reset")));
+            }
             w.reset(kind);
         }
     });

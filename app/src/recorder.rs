@@ -26,8 +26,16 @@ fn download(name: &str, mime: &str, text: &str) -> Result<(), String> {
         .unchecked_into();
     a.set_href(&url);
     a.set_download(name);
+    let body = document.body().ok_or("no body")?;
+    body.append_child(&a).map_err(|e| format!("{e:?}"))?;
     a.click();
-    web_sys::Url::revoke_object_url(&url).map_err(|e| format!("{e:?}"))
+    a.remove();
+    // Some browsers read the URL after the click returns: let it go a little later.
+    wasm_bindgen_futures::spawn_local(async move {
+        sleep(10_000).await;
+        let _ = web_sys::Url::revoke_object_url(&url);
+    });
+    Ok(())
 }
 
 /// Resolves after `ms` milliseconds.

@@ -138,6 +138,11 @@ fn load(state: Rc<RefCell<State>>, source: Source, s: Settings) {
                 "still looking for a device; try again in a moment".into(),
             ));
         };
+        if st.local.as_ref().is_some_and(|l| l.in_lesson()) {
+            return post(&FromWorker::Failed(
+                "a lesson is running on the loaded model; load another when it ends".into(),
+            ));
+        }
         st.loading = true;
         // The model before goes first: its memory is the new one's.
         st.local = None;
@@ -215,6 +220,13 @@ fn chat_messages(turns: &[Turn]) -> Vec<ChatMessage> {
 /// Queues a reply to `turns` and streams its tokens, each decoded once (as the server does:
 /// re-decoding the whole reply per token is quadratic in its length).
 fn chat(local: &Rc<Local>, id: String, turns: &[Turn], params: SamplingParams) {
+    // Before any preprocessing: a lesson is measuring the caches it would fill.
+    if local.in_lesson() {
+        return post(&FromWorker::Refused {
+            id,
+            error: "a lesson is running; send it when the lesson ends".into(),
+        });
+    }
     let request = match local
         .input
         .request(&id, &chat_messages(turns), params, false, &mut InlineImages)

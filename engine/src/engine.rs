@@ -138,6 +138,10 @@ pub struct EngineCounters {
     pub prompt_tokens_cached: u64,
     /// Tokens generated.
     pub generated_tokens: u64,
+    /// Positions the decoder computed, prompt and output, recomputation after preemption
+    /// included (prefix-cache hits excluded).
+    #[serde(default)]
+    pub tokens_computed: u64,
     /// Decoder passes.
     pub steps: u64,
     /// Running requests preempted (their KV freed, to be recomputed) for lack of KV blocks.
@@ -297,17 +301,28 @@ impl Engine {
     }
 
     /// Resizes an idle engine to `cfg` on the model it holds (the lessons' scaled-down budgets):
-    /// the KV cache is allocated anew, empty, and the encoder cache emptied. Counters carry on; KV
-    /// event recording and block residency start over, off. Refused while requests are unfinished.
+    /// the KV cache is allocated anew, empty, and the encoder cache emptied. The engine's counters
+    /// carry on; the caches' own statistics (evictions, prefix and encoder hits) start again at 0,
+    /// and KV event recording and block residency start over, off. Refused while requests are
+    /// unfinished. When the new KV cache cannot be allocated, the old sizes are allocated again
+    /// and the error returned.
     pub fn reconfigure(&mut self, cfg: EngineConfig) -> Result<(), EngineError> {
         if self.has_unfinished() {
             return Err(EngineError::Busy);
         }
         self.reset_encoder_cache();
-        self.sched = Self::scheduler(&mut *self.runner, cfg)?;
-        self.cfg = cfg;
         self.released.clear();
-        Ok(())
+        match Self::scheduler(&mut *self.runner, cfg) {
+            Ok(sched) => {
+                self.sched = sched;
+                self.cfg = cfg;
+                Ok(())
+            }
+            Err(e) => {
+                self.sched = Self::scheduler(&mut *self.runner, self.cfg)?;
+                Err(e)
+            }
+        }
     }
 
     /// The ledger the backend records every allocation in.
@@ -554,6 +569,7 @@ impl Engine {
             let Some(seq) = self.sched.get(&s.id) else { continue };
             let prompt_len = seq.prompt().len();
             self.counters.prompt_tokens_computed += (s.end().min(prompt_len) - s.start.min(prompt_len)) as u64;
+            self.counters.tokens_computed += (s.end() - s.start) as u64;
             self.counters.prompt_tokens_cached += s.num_cached as u64;
         }
         let width = values.len() / meta.rows.len().max(1);

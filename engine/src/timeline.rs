@@ -6,6 +6,7 @@
 
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
+use std::collections::VecDeque;
 
 use crate::occupancy::Occupancy;
 
@@ -92,10 +93,11 @@ pub const FORMAT: &str = "kvlens-timeline/1";
 /// The most frames a recording keeps (the newest).
 pub const MAX_FRAMES: usize = 4096;
 
-/// What happened before a frame.
+/// What happened between two frames.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Mark {
-    /// The first frame that shows it.
+    /// How many frames were recorded before it: the state it follows is `frames[frame - 1]`
+    /// (a lesson step's end), the first that shows its effect `frames[frame]`.
     pub frame: usize,
     /// What, in a few words.
     pub what: String,
@@ -109,7 +111,7 @@ pub struct Recording {
     /// What was recorded (a lesson's title, "chat").
     pub title: String,
     /// The occupancies, oldest first.
-    pub frames: Vec<Occupancy>,
+    pub frames: VecDeque<Occupancy>,
     /// What happened between them.
     pub marks: Vec<Mark>,
 }
@@ -120,7 +122,7 @@ impl Recording {
         Recording {
             format: FORMAT.into(),
             title: title.into(),
-            frames: Vec::new(),
+            frames: VecDeque::new(),
             marks: Vec::new(),
         }
     }
@@ -135,7 +137,7 @@ impl Recording {
 
     /// Adds a frame, marking the preemptions and evictions since the one before.
     pub fn push(&mut self, o: Occupancy) {
-        if let Some(last) = self.frames.last() {
+        if let Some(last) = self.frames.back() {
             let preempted = o
                 .engine
                 .counters
@@ -150,13 +152,12 @@ impl Recording {
             }
         }
         if self.frames.len() == MAX_FRAMES {
-            self.frames.remove(0);
-            self.marks.retain_mut(|m| {
-                m.frame = m.frame.saturating_sub(1);
-                m.frame > 0
-            });
+            // The oldest frame goes, and the marks before it.
+            self.frames.pop_front();
+            self.marks.retain(|m| m.frame > 0);
+            self.marks.iter_mut().for_each(|m| m.frame -= 1);
         }
-        self.frames.push(o);
+        self.frames.push_back(o);
     }
 
     /// The recording as JSON.
@@ -181,7 +182,7 @@ impl Recording {
 
     /// The frames as samples, `t` in seconds since the first.
     pub fn samples(&self) -> Vec<Sample> {
-        let t0 = self.frames.first().map_or(0.0, |o| o.time);
+        let t0 = self.frames.front().map_or(0.0, |o| o.time);
         self.frames.iter().map(|o| Sample::of(o.time - t0, o)).collect()
     }
 
@@ -428,8 +429,8 @@ mod tests {
         let back = Recording::from_json(&r.to_json()).unwrap();
         assert_eq!(back.marks, r.marks);
         assert_eq!(
-            serde_json::to_value(back.frames.last()).unwrap(),
-            serde_json::to_value(r.frames.last()).unwrap()
+            serde_json::to_value(back.frames.back()).unwrap(),
+            serde_json::to_value(r.frames.back()).unwrap()
         );
         assert_eq!(back.samples()[1].kv_in_use_bytes, 1024);
         let svg = back.svg();
@@ -439,5 +440,25 @@ mod tests {
             Recording::from_json("{\"format\": \"other\", \"title\": \"\", \"frames\": [], \"marks\": []}").is_err()
         );
         assert!(Recording::from_json("[1, 2]").unwrap_err().contains(FORMAT));
+    }
+
+    #[test]
+    fn the_oldest_frame_goes_with_the_marks_before_it() {
+        let mut r = Recording::new("long");
+        r.mark("before everything");
+        r.push(frame(0, 0, 0));
+        r.mark("after the first frame");
+        for k in 1..=MAX_FRAMES as u64 {
+            r.push(frame(k, 0, 0));
+        }
+        assert_eq!(r.frames.len(), MAX_FRAMES);
+        assert_eq!(r.frames.front().unwrap().seq, 1);
+        assert_eq!(
+            r.marks,
+            [Mark {
+                frame: 0,
+                what: "after the first frame".into()
+            }]
+        );
     }
 }

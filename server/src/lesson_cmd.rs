@@ -106,12 +106,15 @@ pub fn run(a: &LessonArgs) -> Result<()> {
         engine: &mut started.engine,
         input: frontend,
         profile: &started.profile,
+        profiled_images: started.plan.encoder_profile_items,
     };
-    steps.extend(block_on(run_live(l, bench, &mut watch))?);
+    let ran = block_on(run_live(l, bench, &mut watch));
+    // The timeline as far as it went, a failed lesson's too.
     for (path, json) in a.record.iter().zip(formats) {
         let text = if json { recording.to_json() } else { recording.svg() };
         std::fs::write(path, text).with_context(|| format!("writing {}", path.display()))?;
     }
+    steps.extend(ran?);
     if a.json {
         let out = serde_json::json!({"name": l.name, "title": l.title, "incident": l.incident, "steps": steps});
         println!("{}", serde_json::to_string_pretty(&out)?);

@@ -42,11 +42,39 @@ fn lesson_one_names_the_length_that_fits_and_lesson_two_the_kv_line() {
     let said = shown(&l, 3, "the engine's answer");
     assert!(said.contains("exceeds the maximum context length of 128"), "{said}");
 
+    // Lesson 2 as text, its tab-scale step as the engine measured it (a 64 MiB KV cache by default).
     let out = kvlens(&["lesson", "startup-budget", "--model", model.to_str().unwrap()]);
     let text = String::from_utf8_lossy(&out.stdout);
-    for want in ["13.61 GiB", "57.91 GiB", "44.30 GiB", "645,120 tokens", "Step 2."] {
+    for want in [
+        "13.61 GiB",
+        "57.91 GiB",
+        "44.30 GiB",
+        "645,120 tokens",
+        "Step 3.",
+        "weights",
+    ] {
         assert!(text.contains(want), "{want}:\n{text}");
     }
+    let l = live("startup-budget", &model, &[]);
+    let kv = raw(&l, 2, "KV cache");
+    assert!(kv > 0 && kv <= 64 << 20, "{kv}");
+    assert_eq!(
+        kv % (raw(&l, 2, "KV blocks") + 1),
+        0,
+        "whole blocks, the null block included"
+    );
+    assert!(raw(&l, 2, "weights") > 0 && raw(&l, 2, "peak of start-up's profile run") > 0);
+
+    // Lesson 3's rule on the engine: the budget holds the largest image, and the profile run
+    // encoded as many as it holds.
+    let l = live("encoder-budget", &model, &[]);
+    let budget = raw(&l, 3, "encoder cache budget (tokens)");
+    let largest = raw(&l, 3, "largest image start-up profiled (tokens)");
+    let items = raw(&l, 3, "largest images start-up's profile run encoded");
+    assert!(
+        budget >= largest && items >= 1 && items * largest <= budget,
+        "{budget} {largest} {items}"
+    );
 }
 
 #[test]
@@ -84,7 +112,11 @@ fn preemption_runs_on_the_engine_and_records_its_timeline() {
     let preempted = raw(&l, 1, "preemptions");
     assert!(preempted >= 1, "{l:#}");
     assert_eq!(raw(&l, 3, "preemptions"), 0);
-    assert!(raw(&l, 3, "prompt tokens recomputed because of preemption") > 0);
+    assert!(raw(&l, 3, "tokens computed again because of preemption") > 0);
+    // What the resumed request did not find in the prefix cache it computed again.
+    let recomputed = raw(&l, 3, "tokens computed again because of preemption");
+    assert!(recomputed + raw(&l, 1, "prompt tokens found in the prefix cache") >= 16, "{l:#}");
+    assert_eq!(raw(&l, 3, "prompt tokens found in the prefix cache"), 0);
     assert_eq!(raw(&l, 3, "replies token for token the same as the preempted run's"), 3);
     // The recorded frames where the steps ended hold the same counts.
     let t: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
@@ -133,6 +165,9 @@ fn the_other_live_lessons_show_what_they_say() {
         again + raw(&l, 1, "prompt tokens computed"),
         raw(&l, 1, "prompt tokens sent")
     );
+    // The image's tokens past the last full block come from the encoder cache.
+    assert!(raw(&l, 1, "the image's tokens in the prompt (positions)") > again);
+    assert_eq!(raw(&l, 1, "encoder cache hits"), 1);
     let other = raw(&l, 2, "prompt tokens found in the prefix cache");
     assert!(other > 0 && other < again, "{other} of {again}");
     assert_eq!(raw(&l, 2, "images through the vision tower"), 1);
@@ -147,6 +182,10 @@ fn the_other_live_lessons_show_what_they_say() {
                 <= raw(&l, step, "peak of start-up's profile run")
         );
     }
+    assert!(
+        raw(&l, 1, "peak this step (activations, staging, encoder outputs)") < raw(&l, 1, "the same, as resized"),
+        "the kernels never store the scores in full: {l:#}"
+    );
     let out = kvlens(&["lesson", "preemption", "--record", "x.txt"]);
     assert_eq!(out.status.code(), Some(2), "a timeline is .json or .svg");
 }

@@ -483,13 +483,18 @@ const LIVE_LESSONS = {
     assert(f(1, 'KV blocks in use') === 0 && end(1).kv.num_in_use === 0, 'a refused request takes no block');
   },
   'startup-budget': (f, end) => {
-    const ledger = (c) => end(0).ledger.find((l) => l.category === c).bytes;
-    assert(f(0, 'weights') === ledger('weights') && f(0, 'KV cache') === ledger('kv_cache'), 'the lines as the ledger holds them');
-    assert(f(0, 'KV blocks') === end(0).kv.num_blocks - 1, 'the blocks as the pool holds them');
+    // The playground's 256 KV blocks (the null block among them), whole blocks of bytes.
+    assert(f(0, 'KV blocks') === 255 && end(0).kv.num_blocks === 256, `KV blocks: ${f(0, 'KV blocks')}`);
+    assert(f(0, 'KV cache') % 256 === 0 && f(0, 'weights') > 0, 'the KV cache is whole blocks');
+    assert(f(0, 'peak of start-up\'s profile run') > 0, 'a measured profile peak');
   },
   'encoder-budget': (f, end) => {
-    assert(f(0, 'encoder cache budget (tokens)') === end(0).encoder_cache.capacity_tokens, 'the budget as the encoder cache holds it');
-    assert(f(0, 'largest images start-up\'s profile run encoded') >= 1, 'at least one image profiled');
+    // max(--max-num-batched-tokens, largest image) with the playground's 2,048 tokens per step.
+    const largest = f(0, 'largest image start-up profiled (tokens)');
+    const budget = f(0, 'encoder cache budget (tokens)');
+    assert(budget === Math.max(2048, largest) && budget === end(0).encoder_cache.capacity_tokens, `the budget: ${budget}`);
+    const items = f(0, 'largest images start-up\'s profile run encoded');
+    assert(items >= 1 && items * largest <= budget, `${items} images of ${largest} tokens in ${budget}`);
   },
   'oom-image-29': (f, end) => {
     const profiled = f(0, 'largest image start-up profiled (tokens)');
@@ -502,6 +507,7 @@ const LIVE_LESSONS = {
       const peak = f(s, 'peak this step (activations, staging, encoder outputs)');
       assert(peak > 0 && peak <= f(s, 'peak of start-up\'s profile run'), `step ${s + 1}'s peak ${peak} within the profiled one`);
     }
+    assert(f(1, 'peak this step (activations, staging, encoder outputs)') < f(1, 'the same, as resized'), 'no kernel stores the scores in full');
     const entry = end(1).encoder_cache.entries.at(-1);
     assert(entry && entry.num_tokens === sent, `the encoder cache holds image 29 at ${sent} tokens: ${JSON.stringify(entry)}`);
     assert(end(1).counters.vision_runs - end(0).counters.vision_runs === 1, 'one vision run for image 29');
@@ -521,6 +527,7 @@ const LIVE_LESSONS = {
   'prefix-caching-images': (f, end) => {
     const cached = (s) => end(s).counters.prompt_tokens_cached - end(s - 1).counters.prompt_tokens_cached;
     assert(f(1, 'images through the vision tower') === 0 && f(1, 'prompt tokens found in the prefix cache') > 0, 'the same image hits');
+    assert(f(1, 'encoder cache hits') === 1, 'its last tokens from the encoder cache');
     assert(f(1, 'prompt tokens found in the prefix cache') === cached(1), 'hits as the engine counted them');
     assert(f(2, 'images through the vision tower') === 1, 'a different image is encoded');
     const other = f(2, 'prompt tokens found in the prefix cache');
@@ -530,7 +537,9 @@ const LIVE_LESSONS = {
     const preempted = f(1, 'preemptions');
     assert(preempted >= 1 && preempted === end(1).counters.num_preemptions - end(0).counters.num_preemptions, `preemptions: ${preempted}`);
     assert(f(3, 'preemptions') === 0, 'none with the whole cache');
-    assert(f(3, 'prompt tokens recomputed because of preemption') > 0, 'preemption recomputes');
+    assert(f(3, 'tokens computed again because of preemption') > 0, 'preemption recomputes');
+    assert(f(3, 'tokens computed again because of preemption') + f(1, 'prompt tokens found in the prefix cache') >= 16,
+      'the preempted request computes again what the prefix cache no longer holds');
     assert(f(3, 'replies token for token the same as the preempted run\'s') === 3, 'the preempted replies equal the undisturbed ones');
   },
 };

@@ -178,7 +178,7 @@ pub const LESSONS: &[Lesson] = &[
                 figures: &[Read::PromptTokens, Read::PrefixHitTokens, Read::PromptComputed, Read::VisionRuns],
             },
             LiveSpec {
-                say: "The same text and image again. Every full block's hash matches, so the decoder computes only the last, partly filled block. The vision tower does not run: where the image's tokens reach into that block (see their positions), their output comes from the encoder cache.",
+                say: "The same text and image again. Every full block's hash matches, so the decoder computes only the tokens after the last full block. The vision tower does not run: the image's tokens that reach past the last full block (compare their positions with the tokens found) take their output from the encoder cache.",
                 act: Act::Send(&[Ask { id: "again", text: CATALOGUE_QUESTION, image: Some(Pic { quarters: 4, seed: 7 }), max_tokens: 4 }]),
                 figures: &[
                     Read::PromptTokens,
@@ -214,7 +214,7 @@ pub const LESSONS: &[Lesson] = &[
                     Read::BlocksPerRequest,
                     Read::Preemptions,
                     Read::PromptTokens,
-                    Read::PromptComputed,
+                    Read::PrefixHitTokens,
                     Read::Generated,
                 ],
             },
@@ -224,9 +224,9 @@ pub const LESSONS: &[Lesson] = &[
                 figures: &[Read::KvBlocks],
             },
             LiveSpec {
-                say: "The same three requests with room for all: no preemption, fewer prompt tokens computed (the difference is what preemption recomputed), and the same replies token for token. Fewer tokens were recomputed than the preempted request had: the blocks it gave up kept their hashes, so when it resumed, the prefix cache (lesson 6) gave back the full ones and only the rest was computed again. Preemption costs time, never correctness.",
+                say: "The same three requests with room for all: no preemption, and the same replies token for token. The preempted run computed more positions than this one: the difference is what preemption cost, the preempted request's prompt and the tokens it had generated, computed again. Its freed blocks kept their hashes, but the other requests needed those very blocks, so the prefix cache (lesson 6) had little or nothing left to give back (step 2's prefix-cache hits). Preemption costs time, never correctness.",
                 act: Act::Send(THREE_STORIES),
-                figures: &[Read::Preemptions, Read::PromptComputed, Read::Recomputed, Read::SameReplies],
+                figures: &[Read::Preemptions, Read::PrefixHitTokens, Read::Recomputed, Read::SameReplies],
             },
         ],
     },

@@ -116,6 +116,8 @@ pub struct Bench<'a> {
     pub input: &'a InputProcessor,
     /// What start-up's profile run measured.
     pub profile: &'a ProfileResult,
+    /// How many of the largest images start-up's profile run encoded.
+    pub profiled_images: usize,
 }
 
 /// What a running lesson reports.
@@ -156,6 +158,7 @@ struct Facts<'a> {
     engine: &'a Engine,
     input: &'a InputProcessor,
     profile: &'a ProfileResult,
+    profiled_images: usize,
     before: EngineCounters,
     transient_base: u64,
     sent: Option<&'a Sent>,
@@ -292,8 +295,8 @@ impl Read {
             ),
             Read::ProfiledImages => (
                 "largest images start-up's profile run encoded",
-                count((f.engine.config().encoder_cache_tokens / f.input.max_image_tokens.max(1)) as u64),
-                "start-up: budget ÷ largest image",
+                count(f.profiled_images as u64),
+                "start-up's plan: budget ÷ largest image",
             ),
             Read::PromptTokens => (
                 "prompt tokens sent",
@@ -374,9 +377,9 @@ impl Read {
                     _ => 0,
                 };
                 (
-                    "prompt tokens recomputed because of preemption",
+                    "tokens computed again because of preemption",
                     count(n),
-                    "the engine's counters: the preempted run's computed tokens − this run's",
+                    "the engine's counters: positions the decoder ran, the preempted run's − this run's",
                 )
             }
             Read::SameReplies => {
@@ -399,6 +402,45 @@ impl Read {
             value,
             source: source.to_string(),
             raw,
+            area: self.area().into(),
+        }
+    }
+}
+
+impl Read {
+    /// The part of the memory view a figure is about: `kv`, `encoder`, `processor`, `ledger` or
+    /// `counters`.
+    fn area(self) -> &'static str {
+        match self {
+            Read::KvBlocks
+            | Read::KvInUse
+            | Read::KvCached
+            | Read::KvCacheBytes
+            | Read::BlocksPerRequest
+            | Read::MaxModelLen => "kv",
+            Read::EncoderEntries | Read::EncoderBytes | Read::EncoderBudget | Read::EncoderHits => "encoder",
+            Read::ProcessorEntries | Read::ProcessorBytes => "processor",
+            Read::DeviceBytes
+            | Read::WeightsBytes
+            | Read::StepPeak
+            | Read::ProfiledPeak
+            | Read::ScoresOwnSize
+            | Read::ScoresSent
+            | Read::ScoresVsProfiled => "ledger",
+            Read::VisionRuns
+            | Read::ImagePlace
+            | Read::Refusal
+            | Read::ProfiledImages
+            | Read::PromptTokens
+            | Read::PrefixHitTokens
+            | Read::PromptComputed
+            | Read::Generated
+            | Read::Preemptions
+            | Read::ProfiledImageTokens
+            | Read::OwnSizeTokens
+            | Read::SentTokens
+            | Read::Recomputed
+            | Read::SameReplies => "counters",
         }
     }
 }
@@ -501,7 +543,7 @@ async fn send(
     watch: &mut dyn FnMut(Watch<'_>),
 ) -> Result<Sent, LessonError> {
     let unit = (input.settings.patch_size * input.settings.merge_size) as u32;
-    let before = engine.counters().prompt_tokens_computed;
+    let before = engine.counters().tokens_computed;
     let mut sent = Sent::default();
     let mut added = Vec::new();
     for ask in asks {
@@ -553,13 +595,22 @@ async fn send(
         }
     }
     while engine.has_unfinished() {
+        let steps = engine.counters().steps;
         // A failed step has dropped every request and emptied the caches.
         for e in engine.step_async().await.map_err(failed)? {
             sent.replies.entry(e.id.as_str().to_string()).or_default().push(e.token);
         }
         watch(Watch::Stepped(engine));
+        if engine.counters().steps == steps {
+            for id in &added {
+                let _ = engine.abort(id);
+            }
+            return Err(LessonError::Engine(
+                "the engine scheduled nothing for the lesson's requests".into(),
+            ));
+        }
     }
-    sent.computed = engine.counters().prompt_tokens_computed - before;
+    sent.computed = engine.counters().tokens_computed - before;
     Ok(sent)
 }
 
@@ -593,7 +644,12 @@ pub async fn run_live(
     bench: Bench<'_>,
     watch: &mut dyn FnMut(Watch<'_>),
 ) -> Result<Vec<Step>, LessonError> {
-    let Bench { engine, input, profile } = bench;
+    let Bench {
+        engine,
+        input,
+        profile,
+        profiled_images,
+    } = bench;
     let own = *engine.config();
     let mut steps = Vec::new();
     let ran = async {
@@ -629,6 +685,7 @@ pub async fn run_live(
                 engine,
                 input,
                 profile,
+                profiled_images,
                 before,
                 transient_base,
                 sent: sent.then(|| &sends[n - 1]),
@@ -645,9 +702,14 @@ pub async fn run_live(
         Ok::<(), LessonError>(())
     }
     .await;
-    let restored = engine.reconfigure(own).map_err(failed);
+    // Idle at its own sizes, every cache empty, whether the lesson ran through or not.
+    let restored = configure(engine, input, own, None);
     watch(Watch::Stepped(engine));
-    ran?;
-    restored?;
-    Ok(steps)
+    match (ran, restored) {
+        (Ok(()), Ok(())) => Ok(steps),
+        (Err(e), Ok(())) | (Ok(()), Err(e)) => Err(e),
+        (Err(e), Err(again)) => Err(LessonError::Engine(format!(
+            "{e}; and the engine could not be given back its own sizes: {again}"
+        ))),
+    }
 }

@@ -44,6 +44,10 @@ pub struct Figure {
     /// The value as a plain number, where it is a count or bytes (for checks against counters).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub raw: Option<u64>,
+    /// The part of the memory view it is about (`kv`, `encoder`, `processor`, `ledger`,
+    /// `counters`; empty for the planner's figures).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub area: String,
 }
 
 /// A step as run: its sentence, its inputs and its figures.

@@ -127,6 +127,7 @@ impl Fig {
             value,
             source,
             raw: None,
+            area: String::new(),
         }
     }
 }
@@ -205,6 +206,17 @@ mod tests {
         assert_eq!(value(&s, 0, "images in the profile run"), "2");
         assert_eq!(value(&s, 1, "images in the profile run"), "1");
         assert_eq!(value(&s, 2, "encoder cache budget"), "0 tokens");
+        // Fewer profiled images: a smaller activation peak, more KV cache.
+        let gib = |v: String| v.trim_end_matches(" GiB").parse::<f64>().unwrap();
+        for (more, fewer) in [(0, 1), (1, 2)] {
+            assert!(
+                gib(value(&s, fewer, "activation peak (torch peak increase)"))
+                    < gib(value(&s, more, "activation peak (torch peak increase)"))
+            );
+            assert!(
+                gib(value(&s, fewer, "available KV cache memory")) > gib(value(&s, more, "available KV cache memory"))
+            );
+        }
         assert_eq!(value(&s, 2, "images in the profile run"), "0");
     }
 
