@@ -199,46 +199,104 @@ mod svg {
     use std::fmt::Write as _;
 
     const W: f64 = 1200.0;
-    const H: f64 = 640.0;
+    const H: f64 = 700.0;
     const LEFT: f64 = 90.0;
     const RIGHT: f64 = 1060.0;
-    const TOP: f64 = 60.0;
-    const BOTTOM: f64 = 540.0;
+    /// The caches' band (and the requests, on the right axis).
+    const CACHES: (f64, f64) = (60.0, 430.0);
+    /// The transient memory's band below it, on a scale of its own: on a GPU its pool dwarfs a
+    /// small KV cache.
+    const TRANSIENT: (f64, f64) = (460.0, 590.0);
 
     /// A plotted quantity: its name, its colour and its value in a sample.
     type Series = (&'static str, &'static str, fn(&Sample) -> u64);
 
-    /// The stacked layers, bottom first, with the bench plot's colours.
-    const LAYERS: [Series; 5] = [
+    /// The caches, stacked bottom first, with the bench plot's colours.
+    const CACHE_LAYERS: [Series; 4] = [
         ("KV in use", "#1f77b4", |s| s.kv_in_use_bytes),
         ("KV cached-free", "#9ecae1", |s| s.kv_cached_free_bytes),
         ("encoder cache", "#ff7f0e", |s| s.encoder_cache_bytes),
-        ("activations", "#d62728", |s| s.activations_bytes),
         ("processor cache (host)", "#9467bd", |s| s.processor_cache_bytes),
     ];
 
+    /// The transient memory.
+    const TRANSIENT_LAYERS: [Series; 1] = [("activations", "#d62728", |s| s.activations_bytes)];
+
+    /// The request counts, on the right axis of the caches' band.
+    const QUEUES: [Series; 2] = [
+        ("requests running", "black", |s| s.num_running),
+        ("requests waiting", "#2ca02c", |s| s.num_waiting),
+    ];
+
+    /// Bytes in MiB, or in KiB below one MiB (a small KV cache's ticks).
     fn mib(b: f64) -> String {
-        format!("{:.1} MiB", b / (1u64 << 20) as f64)
+        if b < (1u64 << 20) as f64 {
+            format!("{:.0} KiB", b / 1024.0)
+        } else {
+            format!("{:.1} MiB", b / (1u64 << 20) as f64)
+        }
     }
 
     fn escape(s: &str) -> String {
         s.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;")
     }
 
-    pub(super) fn draw(title: &str, samples: &[Sample], marks: &[Mark]) -> String {
-        let n = samples.len().max(2) - 1;
-        let x = |i: f64| LEFT + (RIGHT - LEFT) * i / n as f64;
-        let totals: Vec<u64> = samples.iter().map(|s| LAYERS.iter().map(|l| l.2(s)).sum()).collect();
-        let top_bytes = totals.iter().copied().max().unwrap_or(0).max(1) as f64 * 1.1;
-        let y = |b: f64| BOTTOM - (BOTTOM - TOP) * b / top_bytes;
-        let top_reqs = samples
+    /// Draws `layers` stacked in the band `(top, bottom)` on a bytes scale of their own, with the
+    /// band's frame and its left ticks.
+    fn band(
+        out: &mut String,
+        samples: &[Sample],
+        layers: &[Series],
+        (top, bottom): (f64, f64),
+        x: &dyn Fn(usize) -> f64,
+    ) {
+        let most = samples
             .iter()
-            .map(|s| s.num_running.max(s.num_waiting))
+            .map(|s| layers.iter().map(|l| l.2(s)).sum::<u64>())
             .max()
             .unwrap_or(0)
             .max(1) as f64
-            * 1.25;
-        let yr = |r: f64| BOTTOM - (BOTTOM - TOP) * r / top_reqs;
+            * 1.1;
+        let y = |b: u64| bottom - (bottom - top) * b as f64 / most;
+        let mut below = vec![0u64; samples.len()];
+        for (name, colour, value) in layers {
+            let above: Vec<u64> = samples.iter().zip(&below).map(|(s, b)| b + value(s)).collect();
+            let mut points = String::new();
+            for (i, a) in above.iter().enumerate() {
+                let _ = write!(points, "{:.1},{:.1} ", x(i), y(*a));
+            }
+            for (i, b) in below.iter().enumerate().rev() {
+                let _ = write!(points, "{:.1},{:.1} ", x(i), y(*b));
+            }
+            let _ = write!(
+                out,
+                r#"<polygon points="{}" fill="{colour}" fill-opacity="0.85"><title>{name}</title></polygon>"#,
+                points.trim_end()
+            );
+            below = above;
+        }
+        let _ = write!(
+            out,
+            r#"<rect x="{LEFT}" y="{top}" width="{}" height="{}" fill="none" stroke="black"/>"#,
+            RIGHT - LEFT,
+            bottom - top
+        );
+        let ticks = if bottom - top > 200.0 { 4 } else { 2 };
+        for k in 0..=ticks {
+            let f = k as f64 / ticks as f64;
+            let _ = write!(
+                out,
+                r#"<text x="{}" y="{:.1}" text-anchor="end">{}</text>"#,
+                LEFT - 6.0,
+                bottom - (bottom - top) * f + 4.0,
+                mib(most * f)
+            );
+        }
+    }
+
+    pub(super) fn draw(title: &str, samples: &[Sample], marks: &[Mark]) -> String {
+        let n = samples.len().max(2) - 1;
+        let x = |i: usize| LEFT + (RIGHT - LEFT) * i as f64 / n as f64;
         let weights = samples.last().map_or(0, |s| s.weights_bytes);
         let mut out = String::new();
         let _ = write!(
@@ -248,40 +306,26 @@ mod svg {
         let _ = write!(out, r#"<rect width="{W}" height="{H}" fill="white"/>"#);
         let _ = write!(
             out,
-            r#"<text x="{LEFT}" y="30" font-size="17">{} · memory by category (weights {} not stacked)</text>"#,
+            r#"<text x="{LEFT}" y="24" font-size="17">{}</text><text x="{LEFT}" y="46">memory by category (weights {} not drawn); transient memory below, on its own scale</text>"#,
             escape(title),
             mib(weights as f64)
         );
-        // Stacked areas: each layer between the running sum below it and the sum with it.
-        let mut below = vec![0u64; samples.len()];
-        for (name, colour, value) in LAYERS {
-            let above: Vec<u64> = samples.iter().zip(&below).map(|(s, b)| b + value(s)).collect();
-            let mut points = String::new();
-            for (i, a) in above.iter().enumerate() {
-                let _ = write!(points, "{:.1},{:.1} ", x(i as f64), y(*a as f64));
-            }
-            for (i, b) in below.iter().enumerate().rev() {
-                let _ = write!(points, "{:.1},{:.1} ", x(i as f64), y(*b as f64));
-            }
-            let _ = write!(
-                out,
-                r#"<polygon points="{}" fill="{colour}" fill-opacity="0.85"><title>{name}</title></polygon>"#,
-                points.trim_end()
-            );
-            below = above;
-        }
-        for (name, colour, value) in [
-            (
-                "requests running",
-                "black",
-                (|s: &Sample| s.num_running) as fn(&Sample) -> u64,
-            ),
-            ("requests waiting", "#2ca02c", |s: &Sample| s.num_waiting),
-        ] {
+        band(&mut out, samples, &CACHE_LAYERS, CACHES, &x);
+        band(&mut out, samples, &TRANSIENT_LAYERS, TRANSIENT, &x);
+        let (top, bottom) = CACHES;
+        let most_requests = samples
+            .iter()
+            .map(|s| s.num_running.max(s.num_waiting))
+            .max()
+            .unwrap_or(0)
+            .max(1) as f64
+            * 1.25;
+        let yr = |r: u64| bottom - (bottom - top) * r as f64 / most_requests;
+        for (name, colour, value) in QUEUES {
             let points: Vec<String> = samples
                 .iter()
                 .enumerate()
-                .map(|(i, s)| format!("{:.1},{:.1}", x(i as f64), yr(value(s) as f64)))
+                .map(|(i, s)| format!("{:.1},{:.1}", x(i), yr(value(s))))
                 .collect();
             let _ = write!(
                 out,
@@ -289,51 +333,48 @@ mod svg {
                 points.join(" ")
             );
         }
-        for m in marks {
-            let at = x((m.frame as f64 - 0.5).clamp(0.0, n as f64));
+        for k in 0..=4 {
+            let f = k as f64 / 4.0;
             let _ = write!(
                 out,
-                r##"<line x1="{at:.1}" y1="{TOP}" x2="{at:.1}" y2="{BOTTOM}" stroke="#555" stroke-dasharray="4 3"/><text transform="translate({:.1},{}) rotate(-90)" font-size="11" fill="#333">{}</text>"##,
+                r#"<text x="{}" y="{:.1}">{:.0}</text>"#,
+                RIGHT + 6.0,
+                bottom - (bottom - top) * f + 4.0,
+                most_requests * f
+            );
+        }
+        let _ = write!(
+            out,
+            r#"<text transform="translate({},{:.1}) rotate(90)" text-anchor="middle">requests</text>"#,
+            RIGHT + 40.0,
+            (top + bottom) / 2.0
+        );
+        for m in marks {
+            let at = LEFT + (RIGHT - LEFT) * (m.frame as f64 - 0.5).clamp(0.0, n as f64) / n as f64;
+            let _ = write!(
+                out,
+                r##"<line x1="{at:.1}" y1="{top}" x2="{at:.1}" y2="{}" stroke="#555" stroke-dasharray="4 3"/><text transform="translate({:.1},{}) rotate(-90)" font-size="11" fill="#333">{}</text>"##,
+                TRANSIENT.1,
                 at + 12.0,
-                BOTTOM - 6.0,
+                bottom - 6.0,
                 escape(&m.what)
             );
         }
-        // Axes, ticks and legend.
         let _ = write!(
             out,
-            r#"<path d="M{LEFT},{TOP} V{BOTTOM} H{RIGHT} V{TOP}" fill="none" stroke="black"/>"#
-        );
-        for k in 0..=4 {
-            let f = k as f64 / 4.0;
-            let yy = BOTTOM - (BOTTOM - TOP) * f;
-            let _ = write!(
-                out,
-                r#"<text x="{}" y="{:.1}" text-anchor="end">{}</text><text x="{}" y="{:.1}">{:.0}</text>"#,
-                LEFT - 6.0,
-                yy + 4.0,
-                mib(top_bytes * f),
-                RIGHT + 6.0,
-                yy + 4.0,
-                top_reqs * f
-            );
-        }
-        let _ = write!(
-            out,
-            r#"<text x="{:.1}" y="{}" text-anchor="middle">frames: the engine after each step, reset or resize ({} in all)</text><text transform="translate({},{:.1}) rotate(90)" text-anchor="middle">requests</text>"#,
+            r#"<text x="{:.1}" y="{}" text-anchor="middle">frames: the engine after each step, reset or resize ({} in all)</text>"#,
             (LEFT + RIGHT) / 2.0,
-            BOTTOM + 24.0,
-            samples.len(),
-            RIGHT + 40.0,
-            (TOP + BOTTOM) / 2.0
+            TRANSIENT.1 + 22.0,
+            samples.len()
         );
-        let legend = LAYERS
+        let legend = CACHE_LAYERS
             .iter()
-            .map(|l| (l.0, l.1))
-            .chain([("requests running", "black"), ("requests waiting", "#2ca02c")]);
+            .chain(&TRANSIENT_LAYERS)
+            .chain(&QUEUES)
+            .map(|l| (l.0, l.1));
         for (i, (name, colour)) in legend.enumerate() {
             let lx = LEFT + (i % 4) as f64 * 250.0;
-            let ly = BOTTOM + 52.0 + (i / 4) as f64 * 22.0;
+            let ly = TRANSIENT.1 + 48.0 + (i / 4) as f64 * 22.0;
             let _ = write!(
                 out,
                 r#"<rect x="{lx}" y="{}" width="14" height="14" fill="{colour}"/><text x="{}" y="{}">{name}</text>"#,

@@ -115,7 +115,10 @@ fn preemption_runs_on_the_engine_and_records_its_timeline() {
     assert!(raw(&l, 3, "tokens computed again because of preemption") > 0);
     // What the resumed request did not find in the prefix cache it computed again.
     let recomputed = raw(&l, 3, "tokens computed again because of preemption");
-    assert!(recomputed + raw(&l, 1, "prompt tokens found in the prefix cache") >= 16, "{l:#}");
+    assert!(
+        recomputed + raw(&l, 1, "prompt tokens found in the prefix cache") >= 16,
+        "{l:#}"
+    );
     assert_eq!(raw(&l, 3, "prompt tokens found in the prefix cache"), 0);
     assert_eq!(raw(&l, 3, "replies token for token the same as the preempted run's"), 3);
     // The recorded frames where the steps ended hold the same counts.
