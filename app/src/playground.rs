@@ -59,6 +59,14 @@ pub fn Playground(#[prop(optional)] lesson: Option<&'static str>) -> impl IntoVi
     let lesson_steps = RwSignal::new(Vec::<Step>::new());
     let lesson_state = RwSignal::new(LessonState::Waiting);
     let lesson_setting = RwSignal::new(String::new());
+    // A live step's number as the lesson shows it: after the lesson's full-size steps.
+    let step_number = move |live_index: usize| {
+        let offset = lesson_name
+            .get_untracked()
+            .and_then(|n| find_lesson(n).ok())
+            .map_or(0, |l| l.live_offset());
+        offset + live_index + 1
+    };
     let picked_lesson = RwSignal::new(lesson.unwrap_or_else(|| LESSONS.first().map_or("", |l| l.name)));
     // The lesson step whose recorded memory the view shows (None: the engine live).
     let shown_step = RwSignal::new(None::<usize>);
@@ -98,11 +106,8 @@ pub fn Playground(#[prop(optional)] lesson: Option<&'static str>) -> impl IntoVi
         }
         FromWorker::LessonSetting(said) => lesson_setting.set(said),
         FromWorker::LessonStep { index, step } => {
-            let offset = lesson_name
-                .get_untracked()
-                .and_then(|n| find_lesson(n).ok())
-                .map_or(0, |l| l.live_offset());
-            recording.update_value(|r| r.mark(format!("step {} done", offset + index + 1)));
+            let number = step_number(index);
+            recording.update_value(|r| r.mark(format!("step {number} done")));
             lesson_steps.update(|s| s.push(step));
         }
         FromWorker::LessonEnded(error) => lesson_state.set(match error {
@@ -179,11 +184,7 @@ pub fn Playground(#[prop(optional)] lesson: Option<&'static str>) -> impl IntoVi
         _ => Vec::new(),
     });
     let show_step = Callback::new(move |i: usize| {
-        let offset = lesson_name
-            .get_untracked()
-            .and_then(|n| find_lesson(n).ok())
-            .map_or(0, |l| l.live_offset());
-        let done = format!("step {} done", offset + i + 1);
+        let done = format!("step {} done", step_number(i));
         let frame = recording.with_value(|r| {
             let m = r.marks.iter().find(|m| m.what == done)?;
             r.frames.get(m.frame.checked_sub(1)?).cloned()
@@ -321,7 +322,7 @@ pub fn Playground(#[prop(optional)] lesson: Option<&'static str>) -> impl IntoVi
             {move || shown_step.get().map(|i| view! {
                 <p class="muted" data-testid="shown-step">{format!(
                     "The memory view shows the engine as step {} left it (recorded); it goes live again with the engine's next step.",
-                    i + 1 + lesson_name.get().and_then(|n| find_lesson(n).ok()).map_or(0, |l| l.live_offset()))}</p>
+                    step_number(i))}</p>
             })}
             <div class="columns">
                 <Chat engine=engine ready=ready.into() thumbnails=thumbnails />

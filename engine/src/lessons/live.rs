@@ -11,7 +11,7 @@ use std::io::Cursor;
 use base64::Engine as _;
 
 use super::{Figure, Lesson, LessonError, Step};
-use crate::engine::{Engine, EngineConfig, EngineCounters};
+use crate::engine::{Engine, EngineConfig, EngineCounters, Request};
 use crate::input::chat::{ChatMessage, Content, ContentPart, ImageUrl};
 use crate::input::processor::{InlineImages, InputProcessor};
 use crate::memory::ledger::Category;
@@ -501,8 +501,8 @@ fn reset(engine: &mut Engine, input: &InputProcessor, which: CacheReset) -> Resu
     Ok(())
 }
 
-/// Sends a request the engine must refuse; what it said, or a failure when it accepted.
-fn refused(engine: &mut Engine, input: &InputProcessor, ask: &Ask) -> Result<Sent, LessonError> {
+/// `ask` as an engine request: one user message of `parts`, greedy, `ask.max_tokens` long.
+fn request(input: &InputProcessor, ask: &Ask, parts: Vec<ContentPart>) -> Result<Request, LessonError> {
     let params = SamplingParams {
         temperature: 0.0,
         max_tokens: ask.max_tokens,
@@ -511,11 +511,16 @@ fn refused(engine: &mut Engine, input: &InputProcessor, ask: &Ask) -> Result<Sen
     };
     let messages = [ChatMessage {
         role: "user".into(),
-        content: Content::Text(ask.text.into()),
+        content: Content::Parts(parts),
     }];
-    let req = input
+    input
         .request(ask.id, &messages, params, false, &mut InlineImages)
-        .map_err(failed)?;
+        .map_err(failed)
+}
+
+/// Sends a request the engine must refuse; what it said, or a failure when it accepted.
+fn refused(engine: &mut Engine, input: &InputProcessor, ask: &Ask) -> Result<Sent, LessonError> {
+    let req = request(input, ask, vec![ContentPart::Text { text: ask.text.into() }])?;
     let prompt_tokens = req.prompt.len();
     let id = req.id.clone();
     match engine.add_request(req) {
@@ -560,30 +565,17 @@ async fn send(
                 },
             });
         }
-        let messages = [ChatMessage {
-            role: "user".into(),
-            content: Content::Parts(parts),
-        }];
-        let params = SamplingParams {
-            temperature: 0.0,
-            max_tokens: ask.max_tokens,
-            ignore_eos: true,
-            ..SamplingParams::default()
-        };
-        let added_now = input
-            .request(ask.id, &messages, params, false, &mut InlineImages)
-            .map_err(failed)
-            .and_then(|req| {
-                sent.prompt_tokens += req.prompt.len();
-                sent.longest = sent.longest.max(req.prompt.len() + ask.max_tokens);
-                sent.images.extend(req.images.iter().map(|i| SentImage {
-                    own_tokens,
-                    tokens: i.num_tokens,
-                    offset: i.offset,
-                }));
-                let id = req.id.clone();
-                engine.add_request(req).map_err(failed).map(|()| id)
-            });
+        let added_now = request(input, ask, parts).and_then(|req| {
+            sent.prompt_tokens += req.prompt.len();
+            sent.longest = sent.longest.max(req.prompt.len() + ask.max_tokens);
+            sent.images.extend(req.images.iter().map(|i| SentImage {
+                own_tokens,
+                tokens: i.num_tokens,
+                offset: i.offset,
+            }));
+            let id = req.id.clone();
+            engine.add_request(req).map_err(failed).map(|()| id)
+        });
         match added_now {
             Ok(id) => added.push(id),
             Err(e) => {
