@@ -4,7 +4,6 @@
 //! take the rest. It goes through the same encode and execute path as every real step.
 
 use crate::backend::{Backend, Readback};
-use crate::memory::ledger::Category;
 use crate::model::ModelError;
 use crate::runner::{BatchSeq, ImageRows, ModelRunner, StepBatch, StepRunner};
 
@@ -35,15 +34,6 @@ pub struct ProfileResult {
     pub decoder_peak_bytes: u64,
 }
 
-/// Transient bytes: everything but weights and the KV cache.
-fn transient(be: &impl Backend, peak: bool) -> u64 {
-    let l = be.ledger();
-    [Category::Activations, Category::Staging, Category::EncoderCache]
-        .iter()
-        .map(|&c| if peak { l.peak(c) } else { l.bytes(c) })
-        .sum()
-}
-
 impl<B: Backend> ModelRunner<B> {
     /// Runs the profile pass and returns its measured peak above what was held before it: the
     /// vision tower on every profiled image (outputs kept), then one step of `num_tokens` tokens
@@ -58,7 +48,7 @@ impl<B: Backend> ModelRunner<B> {
                 "the profile batch needs tokens and a block size".into(),
             ));
         }
-        let base = transient(self.backend(), false);
+        let base = self.backend().ledger().transient(false);
         self.backend().ledger().reset_peaks();
         let n = spec.num_tokens;
         let mut images = Vec::new();
@@ -81,7 +71,7 @@ impl<B: Backend> ModelRunner<B> {
                 });
             }
         }
-        let vision_peak = transient(self.backend(), true).saturating_sub(base);
+        let vision_peak = self.backend().ledger().transient(true).saturating_sub(base);
         self.backend().ledger().reset_peaks();
 
         let blocks = n.div_ceil(spec.block_size);
@@ -110,7 +100,7 @@ impl<B: Backend> ModelRunner<B> {
             // The read is queued, as in a real step: its staging counts; its values are not
             // needed, only that it arrives.
             let read = self.execute(batch)?.read;
-            Ok((transient(self.backend(), true).saturating_sub(base), read))
+            Ok((self.backend().ledger().transient(true).saturating_sub(base), read))
         });
         for h in &hashes {
             self.forget(h);

@@ -173,17 +173,6 @@ fn bytes(b: u64) -> String {
     }
 }
 
-/// Activations, staging and encoder outputs: what a forward pass adds (as the profile measures).
-const TRANSIENT: [Category; 3] = [Category::Activations, Category::Staging, Category::EncoderCache];
-
-fn transient(engine: &Engine, peak: bool) -> u64 {
-    let l = engine.ledger();
-    TRANSIENT
-        .iter()
-        .map(|&c| if peak { l.peak(c) } else { l.bytes(c) })
-        .sum()
-}
-
 impl Read {
     fn of(self, f: &Facts) -> Figure {
         let o = f.engine.snapshot();
@@ -356,7 +345,7 @@ impl Read {
                 )
             }
             Read::StepPeak => {
-                let b = transient(f.engine, true).saturating_sub(f.transient_base);
+                let b = f.engine.ledger().transient(true).saturating_sub(f.transient_base);
                 (
                     "peak this step (activations, staging, encoder outputs)",
                     (bytes(b), Some(b)),
@@ -651,7 +640,7 @@ pub async fn run_live(
         let mut sends: Vec<Sent> = Vec::new();
         for spec in lesson.live {
             let before = engine.counters();
-            let transient_base = transient(engine, false);
+            let transient_base = engine.ledger().transient(false);
             engine.ledger().reset_peaks();
             let sent = match spec.act {
                 Act::Configure { kv_blocks } => {

@@ -93,6 +93,15 @@ impl MemoryLedger {
         self.counters.peak[category.index()].load(Ordering::Relaxed)
     }
 
+    /// What a forward pass adds beside the weights and the KV cache (activations, staging,
+    /// encoder outputs): held now, or the sum of their peaks since the last reset.
+    pub fn transient(&self, peak: bool) -> u64 {
+        [Category::Activations, Category::Staging, Category::EncoderCache]
+            .iter()
+            .map(|&c| if peak { self.peak(c) } else { self.bytes(c) })
+            .sum()
+    }
+
     /// Sets every peak to the current value (vLLM's `reset_peak_memory_stats`).
     pub fn reset_peaks(&self) {
         for i in 0..Category::ALL.len() {
