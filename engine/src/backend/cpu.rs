@@ -85,6 +85,18 @@ pub struct CpuPaged {
     tables: Arc<Vec<u32>>,
 }
 
+/// The instructions the CPU kernels run on this machine (after `KVLENS_CPU_ISA`), one phrase per
+/// kind of product, for benchmarks to print beside their figures.
+pub fn kernel_paths() -> String {
+    let isa = isa::isa().name();
+    let gemm = if bf16_gemm::available() {
+        "bfloat16 GEMM (AVX-512 BF16)"
+    } else {
+        "f32 GEMM (the gemm crate's widest)"
+    };
+    format!("q8_0/q4_0 and bf16/f16 rows: {isa}; prefill of packed weights: {gemm}")
+}
+
 /// The CPU backend.
 #[derive(Debug, Clone, Default)]
 pub struct CpuBackend {

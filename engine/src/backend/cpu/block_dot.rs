@@ -2,8 +2,8 @@
 //!
 //! Products quantize the activations once per call, as GGML does (`q8_0`, but with an f32 scale),
 //! and sum `Σ_b d_w · (d_x · Σ q_w q_x − offset · d_x · Σ q_x)` per row: integer dot products with
-//! AVX-512 VNNI where the CPU has it (64 weights per instruction), else a portable loop the
-//! compiler vectorises (AVX2 where present, wasm simd128, NEON).
+//! AVX-512 VNNI where the CPU has it (64 weights per instruction), else AVX2 (32 per
+//! instruction pair), else a portable loop the compiler vectorises (wasm simd128, NEON).
 
 use super::isa::fastest;
 use super::packed::prefetch_ahead;
@@ -135,10 +135,108 @@ fn dot_portable(kind: BlockKind, scales: &[u16], quants: &[u8], x: &ActRow<'_>) 
     sum
 }
 
+/// The product with AVX2 (no VNNI): per pair of `q4_0` blocks, or per `q8_0` block, 32 byte
+/// products summed in pairs by `vpmaddubsw` (unsigned times signed, saturating at ±32,767) and in
+/// fours by `vpmaddwd`, then scaled per block in f32. `q4_0`'s nibbles (0..=15) stay unsigned;
+/// `q8_0`'s stored quants are flipped back to signed and multiplied as `|w| · (x · sign w)`, as
+/// GGML's AVX2 code does, so a pair sums at most 2 · 128 · 127 and cannot saturate (an activation
+/// quant of −128 comes only from a block of subnormal values, whose product is zero to f32 anyway).
+/// `q8_0` then needs no correction. Scales are widened eight at a time with F16C.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-fn dot_avx2(kind: BlockKind, scales: &[u16], quants: &[u8], x: &ActRow<'_>) -> f32 {
-    dot_portable(kind, scales, quants, x)
+#[target_feature(enable = "avx2,fma,f16c")]
+#[allow(unsafe_code)]
+fn dot_avx2<const Q4: bool>(scales: &[u16], quants: &[u8], x: &ActRow<'_>) -> f32 {
+    use std::arch::x86_64::*;
+    /// Blocks whose scales one step widens (one 256-bit register of f32).
+    const GROUP: usize = 8;
+    let nb = scales.len();
+    let qb = if Q4 { BLOCK / 2 } else { BLOCK };
+    // The reads below stay inside these lengths (the activations are padded to whole groups).
+    assert!(quants.len() == nb * qb && x.scales.len() >= nb.div_ceil(SCALE_GROUP) * SCALE_GROUP);
+    assert!(x.corrections.len() == x.scales.len() && x.quants.len() == x.scales.len() * BLOCK);
+    let ones = _mm256_set1_epi16(1);
+    let low_nibbles = _mm256_set1_epi8(0x0F);
+    let flip = _mm256_set1_epi8(i8::MIN);
+    // Which of the group's scales each lane takes: per pair of `q4_0` blocks (lanes 0–3 the
+    // first, 4–7 the second), per `q8_0` block (all lanes).
+    let pair_scale: [__m256i; GROUP / 2] = std::array::from_fn(|p| {
+        let two = 2 * p as i32;
+        _mm256_setr_epi32(two, two, two, two, two + 1, two + 1, two + 1, two + 1)
+    });
+    let block_scale: [__m256i; GROUP] = std::array::from_fn(|k| _mm256_set1_epi32(k as i32));
+    let mut acc = [_mm256_setzero_ps(); 2];
+    let mut corr = _mm256_setzero_ps();
+    let mut g = 0;
+    while g < nb {
+        let n = (nb - g).min(GROUP);
+        let mut tail = [0u16; GROUP];
+        let dw_bits: &[u16] = if n == GROUP {
+            &scales[g..g + GROUP]
+        } else {
+            tail[..n].copy_from_slice(&scales[g..]);
+            &tail
+        };
+        // SAFETY: eight scales in `dw_bits`; the activations hold whole groups of 16 ≥ 8 blocks.
+        let (dw, dx) = unsafe {
+            (
+                _mm256_cvtph_ps(_mm_loadu_si128(dw_bits.as_ptr() as *const __m128i)),
+                _mm256_loadu_ps(x.scales.as_ptr().add(g)),
+            )
+        };
+        let s = _mm256_mul_ps(dw, dx);
+        if Q4 {
+            // SAFETY: as for the scales.
+            let cx = unsafe { _mm256_loadu_ps(x.corrections.as_ptr().add(g)) };
+            corr = _mm256_fmadd_ps(dw, cx, corr);
+            for p in 0..n.div_ceil(2) {
+                let b = g + 2 * p;
+                // SAFETY: a pair's second block is read only when it exists; the activations hold
+                // whole pairs (64 values from `b`).
+                let (lo, hi, xl, xh) = unsafe {
+                    let at = quants.as_ptr().add(b * qb) as *const __m128i;
+                    let v = if b + 1 < nb {
+                        _mm256_loadu_si256(at as *const __m256i)
+                    } else {
+                        _mm256_zextsi128_si256(_mm_loadu_si128(at))
+                    };
+                    let xq = x.quants.as_ptr().add(b * BLOCK) as *const __m256i;
+                    (
+                        _mm256_and_si256(v, low_nibbles),
+                        _mm256_and_si256(_mm256_srli_epi16(v, 4), low_nibbles),
+                        _mm256_loadu_si256(xq),
+                        _mm256_loadu_si256(xq.add(1)),
+                    )
+                };
+                // Each i16 sums at most 4 · 15 · 128: no saturation. Lanes 0–3 hold block b,
+                // 4–7 block b + 1.
+                let pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl), _mm256_maddubs_epi16(hi, xh));
+                let sums = _mm256_madd_epi16(pairs, ones);
+                let scale = _mm256_permutevar8x32_ps(s, pair_scale[p]);
+                acc[p % 2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, acc[p % 2]);
+            }
+        } else {
+            for k in 0..n {
+                let b = g + k;
+                // SAFETY: block `b` exists in both.
+                let (w, xq) = unsafe {
+                    (
+                        _mm256_loadu_si256(quants.as_ptr().add(b * BLOCK) as *const __m256i),
+                        _mm256_loadu_si256(x.quants.as_ptr().add(b * BLOCK) as *const __m256i),
+                    )
+                };
+                let w = _mm256_xor_si256(w, flip);
+                let pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(xq, w));
+                let sums = _mm256_madd_epi16(pairs, ones);
+                let scale = _mm256_permutevar8x32_ps(s, block_scale[k]);
+                acc[k % 2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, acc[k % 2]);
+            }
+        }
+        g += GROUP;
+    }
+    let total = _mm256_sub_ps(_mm256_add_ps(acc[0], acc[1]), corr);
+    let half = _mm_add_ps(_mm256_castps256_ps128(total), _mm256_extractf128_ps(total, 1));
+    let quad = _mm_add_ps(half, _mm_movehl_ps(half, half));
+    _mm_cvtss_f32(_mm_add_ss(quad, _mm_shuffle_ps(quad, quad, 1)))
 }
 
 /// The product with AVX-512 VNNI: per pair of blocks one 64-byte `vpdpbusd` (unsigned weights
@@ -229,7 +327,10 @@ fn dot_fastest(kind: BlockKind, scales: &[u16], quants: &[u8], x: &ActRow<'_>) -
             BlockKind::Q8_0 => dot_vnni::<false>(scales, quants, x),
             BlockKind::Q4_0 => dot_vnni::<true>(scales, quants, x),
         },
-        avx2_fma => dot_avx2(kind, scales, quants, x),
+        avx2_fma => match kind {
+            BlockKind::Q8_0 => dot_avx2::<false>(scales, quants, x),
+            BlockKind::Q4_0 => dot_avx2::<true>(scales, quants, x),
+        },
         _ => dot_portable(kind, scales, quants, x),
     )
 }
@@ -238,6 +339,42 @@ fn dot_fastest(kind: BlockKind, scales: &[u16], quants: &[u8], x: &ActRow<'_>) -
 mod tests {
     use super::*;
     use crate::arch::blocks::tests::values;
+
+    /// The product by every path this CPU can run, named, whatever `KVLENS_CPU_ISA` asks for.
+    #[allow(unsafe_code)]
+    fn every_path(kind: BlockKind, s: &[u16], q: &[u8], row: &ActRow<'_>) -> Vec<(&'static str, f32)> {
+        let mut got = vec![
+            ("portable", dot_portable(kind, s, q, row)),
+            ("fastest", dot_fastest(kind, s, q, row)),
+        ];
+        #[cfg(target_arch = "x86_64")]
+        {
+            let (found, q4) = (super::super::isa::detected(), kind == BlockKind::Q4_0);
+            if found.avx2_fma {
+                // SAFETY: the CPU has the instructions the function was compiled for.
+                let v = unsafe {
+                    if q4 {
+                        dot_avx2::<true>(s, q, row)
+                    } else {
+                        dot_avx2::<false>(s, q, row)
+                    }
+                };
+                got.push(("avx2", v));
+            }
+            if found.avx512_vnni {
+                // SAFETY: as above.
+                let v = unsafe {
+                    if q4 {
+                        dot_vnni::<true>(s, q, row)
+                    } else {
+                        dot_vnni::<false>(s, q, row)
+                    }
+                };
+                got.push(("avx512-vnni", v));
+            }
+        }
+        got
+    }
 
     /// The activations' rounding is `round_ties_even` over the range the quantization gives it.
     #[test]
@@ -278,9 +415,7 @@ mod tests {
                         w.dequantize_row(r, &mut wide);
                         let want: f64 = wide.iter().zip(&xd).map(|(&a, &b)| a as f64 * b as f64).sum();
                         let (s, q) = (w.row_scales(r), w.row_quants(r));
-                        let mut got = vec![("portable", dot_portable(kind, s, q, &row))];
-                        got.push(("fastest", dot_fastest(kind, s, q, &row)));
-                        for (name, g) in got {
+                        for (name, g) in every_path(kind, s, q, &row) {
                             assert!((g as f64 - want).abs() <= 1e-4, "{kind:?} {cols} {name}: {g} vs {want}");
                         }
                     }
