@@ -1,5 +1,6 @@
 //! `kvlens generate`: one conversation through the engine on the CPU, streamed or as JSON.
 
+use crate::checkpoint::{Checkpoint, WeightFiles};
 use crate::runtime::{device_of, load, Cancel, Frontend};
 use crate::UsageError;
 use anyhow::Result;
@@ -16,7 +17,7 @@ use kvlens_engine::memory::planner::{MmLimits, PlanRequest};
 use kvlens_engine::memory::weights::{weight_bytes_per_rank, Part};
 use kvlens_engine::sample::SamplingParams;
 use std::io::Write;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 /// Flags of `kvlens generate`.
@@ -143,18 +144,22 @@ pub fn run(a: &GenerateArgs) -> Result<()> {
     // Sized by the server's start-up code, for this one conversation: one sequence, the whole
     // prompt in one step, its images as the largest the profile runs.
     let cfg = runner.model_config().clone();
-    // What one decode step reads: the decoder and the output head (the embedding when tied), at
-    // the bytes per unquantized value the backend keeps (half precision with --dtype).
+    // What one decode step reads: the decoder and the output head (the embedding when tied), as
+    // a GGUF file stores them, else at the bytes per unquantized value the backend keeps (half
+    // precision with --dtype).
     let elem_bytes = choice.weights_dtype().size_bytes();
-    let decode_read_bytes: u64 = weight_bytes_per_rank(&cfg, 1, elem_bytes, a.quantization)
-        .iter()
-        .filter(|(part, _)| match part {
-            Part::Text | Part::LmHead => true,
-            Part::Embedding => cfg.tie_word_embeddings,
-            Part::Vision => false,
-        })
-        .map(|(_, b)| b)
-        .sum();
+    let decode_read_bytes: u64 = match gguf_decode_read_bytes(&a.model, a.mmproj.as_deref()) {
+        Some(bytes) => bytes,
+        None => weight_bytes_per_rank(&cfg, 1, elem_bytes, a.quantization)
+            .iter()
+            .filter(|(part, _)| match part {
+                Part::Text | Part::LmHead => true,
+                Part::Embedding => cfg.tie_word_embeddings,
+                Part::Vision => false,
+            })
+            .map(|(_, b)| b)
+            .sum(),
+    };
     let (device, non_torch) = device_of(&*runner, None)?;
     let mut plan_req = PlanRequest::new("generate", cfg.clone(), device);
     let patch = cfg.vision.as_ref().map_or(1, |v| v.patch_size) as u64;
@@ -209,6 +214,9 @@ pub fn run(a: &GenerateArgs) -> Result<()> {
                 "prefill_tokens_per_s": prompt_ids.len() as f64 / prefill.max(1e-9),
                 "decode_tokens_per_s": decode_tokens as f64 / decode.max(1e-9),
             });
+            if a.backend == BackendKind::Cpu {
+                obj["timing"]["cpu_kernels"] = kvlens_engine::backend::cpu::kernel_paths().into();
+            }
             // Each decode step also reads its sequence's keys and values: on average the prompt
             // and half the generated tokens, at the bytes per position the cache was sized with.
             let kv = engine.kv();
@@ -243,6 +251,16 @@ pub fn run(a: &GenerateArgs) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// [`GgufModel::decode_read_bytes`](kvlens_engine::arch::gguf_model::GgufModel::decode_read_bytes)
+/// of a GGUF model, None for a Hugging Face checkpoint.
+fn gguf_decode_read_bytes(model: &Path, mmproj: Option<&Path>) -> Option<u64> {
+    let ckpt = Checkpoint::open(model, mmproj).ok()?;
+    match &ckpt.weights {
+        WeightFiles::Gguf(pair) => Some(pair.model().ok()?.decode_read_bytes()),
+        _ => None,
+    }
 }
 
 impl Run {

@@ -453,6 +453,18 @@ impl<'a> GgufModel<'a> {
             .sum()
     }
 
+    /// Bytes one decode step reads as stored: every tensor of the text file, less the token
+    /// embedding when a separate `output.weight` is the head (a lookup reads one row of it).
+    pub fn decode_read_bytes(&self) -> u64 {
+        let tensors = &self.text.tensors;
+        let untied = tensors.iter().any(|t| t.name == "output.weight");
+        tensors
+            .iter()
+            .filter(|t| !(untied && t.name == "token_embd.weight"))
+            .map(|t| t.bytes)
+            .sum()
+    }
+
     /// The file a piece is in (None: the projector of a text model alone).
     pub fn file(&self, part: Part) -> Option<&'a Gguf> {
         match part {
@@ -773,6 +785,12 @@ mod tests {
     /// A Qwen2.5-VL pair of headers whose block counts are `text_blocks` and `vision_blocks`,
     /// holding only the first block's tensors.
     fn pair(text_blocks: u64, vision_blocks: u64) -> (Gguf, Gguf) {
+        let (t, m) = writers(text_blocks, vision_blocks);
+        (parsed(&t), parsed(&m))
+    }
+
+    /// [`pair`]'s files before they are written.
+    fn writers(text_blocks: u64, vision_blocks: u64) -> (GgufWriter, GgufWriter) {
         let mut t = GgufWriter::default();
         t.meta("general.architecture", MetaValue::String("qwen2vl".into()));
         for (k, v) in [
@@ -821,7 +839,25 @@ mod tests {
         m.tensor("v.blk.0.ln1.weight", &[32], GgmlType::F32, norm);
         let up = GgmlType::F32.quantize(&[0.0; 64 * 32]).unwrap();
         m.tensor("v.blk.0.ffn_up.weight", &[64, 32], GgmlType::F32, up);
-        (parsed(&t), parsed(&m))
+        (t, m)
+    }
+
+    /// A decode step reads the whole text file, less the token embedding when a separate head
+    /// (`output.weight`) is stored; the projector is not read.
+    #[test]
+    fn decode_reads_the_text_file_less_an_untied_embedding() {
+        let (mut t, m) = writers(1, 1);
+        let embedding = GgmlType::Q8_0.quantize(&[0.5; 32 * 8]).unwrap();
+        t.tensor("token_embd.weight", &[8, 32], GgmlType::Q8_0, embedding.clone());
+        let (text, mmproj) = (parsed(&t), parsed(&m));
+        let tied = GgufModel::new(&text, Some(&mmproj)).unwrap().decode_read_bytes();
+        // The norm (32 f32) and the embedding (8 rows of one q8_0 block, 34 bytes each).
+        assert_eq!(tied, 32 * 4 + 8 * 34);
+        t.tensor("output.weight", &[8, 32], GgmlType::Q8_0, embedding);
+        let text = parsed(&t);
+        let untied = GgufModel::new(&text, Some(&mmproj)).unwrap().decode_read_bytes();
+        assert_eq!(untied, tied);
+        assert!(GgufModel::new(&text, Some(&mmproj)).unwrap().stored_bytes() > untied + 8 * 34);
     }
 
     /// Block counts a file lies about are refused before anything is sized by them (a count of
