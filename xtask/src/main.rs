@@ -33,12 +33,15 @@ fn main() -> Result<()> {
         "bench" if env::args().nth(2).as_deref() == Some("kernels") => {
             bench_kernels(&env::args().skip(3).skip_while(|a| a == "--").collect::<Vec<_>>())
         }
+        "bench" if env::args().nth(2).as_deref() == Some("peers") => {
+            bench_peers(&env::args().skip(3).skip_while(|a| a == "--").collect::<Vec<_>>())
+        }
         "bench" => bench(&env::args().skip(2).collect::<Vec<_>>()),
         "soak" => soak(&env::args().skip(2).skip_while(|a| a == "--").collect::<Vec<_>>()),
         "fuzz" => fuzz(env::args().nth(2).as_deref()),
         "gpu-check" => gpu_check(),
         _ => {
-            eprintln!("usage: cargo xtask <task>\n\n  test   fmt check, clippy (warnings denied), all tests, the engine's wasm32 build, the engine and the playground in headless Chromium\n  browser-test  the engine in headless Chromium against native `kvlens generate`\n  e2e    the playground (trunk's build in cargo's release profile, without wasm-opt) in headless Chromium, driven by Playwright\n  demo   build the playground and serve it on http://127.0.0.1:8000/ (extra args go to `kvlens serve`)\n  golden regenerate engine/tests/fixtures/golden/ with Hugging Face transformers (extra args go to golden.py)\n  bench  kvlens generate vs transformers on a full-size random Qwen3-VL-2B (extra args go to the script)\n  bench kernels  the wgpu matmul kernels (decode GEMV, prefill GEMM) against the CPU backend (extra args go to `kvlens bench kernels`, e.g. --quick)\n  soak   kvlens serve on the demo model under 256 streaming clients for 10 minutes, then the leak checks (extra args go to `kvlens bench soak`)\n  fuzz [ITERATIONS]  every fuzz target in fuzz/ for ITERATIONS inputs each (default {DEFAULT_FUZZ_RUNS})\n  gpu-check  gpu-check/: the release kvlens with --features cuda, the engine's CUDA tests, the golden fixtures and tools/gpu_check/ (at most 64 MiB), to run on a GPU machine with gpu-check/run.sh OUT");
+            eprintln!("usage: cargo xtask <task>\n\n  test   fmt check, clippy (warnings denied), all tests, the engine's wasm32 build, the engine and the playground in headless Chromium\n  browser-test  the engine in headless Chromium against native `kvlens generate`\n  e2e    the playground (trunk's build in cargo's release profile, without wasm-opt) in headless Chromium, driven by Playwright\n  demo   build the playground and serve it on http://127.0.0.1:8000/ (extra args go to `kvlens serve`)\n  golden regenerate engine/tests/fixtures/golden/ with Hugging Face transformers (extra args go to golden.py)\n  bench  kvlens generate vs transformers on a full-size random Qwen3-VL-2B (extra args go to the script)\n  bench kernels  the wgpu matmul kernels (decode GEMV, prefill GEMM) against the CPU backend (extra args go to `kvlens bench kernels`, e.g. --quick)\n  bench peers  kvlens against llama.cpp (built from the llama-cpp-python sdist) on the CPU, same GGUF files and threads (extra args go to tools/bench/peers_cpu.py, e.g. --image)\n  soak   kvlens serve on the demo model under 256 streaming clients for 10 minutes, then the leak checks (extra args go to `kvlens bench soak`)\n  fuzz [ITERATIONS]  every fuzz target in fuzz/ for ITERATIONS inputs each (default {DEFAULT_FUZZ_RUNS})\n  gpu-check  gpu-check/: the release kvlens with --features cuda, the engine's CUDA tests, the golden fixtures and tools/gpu_check/ (at most 64 MiB), to run on a GPU machine with gpu-check/run.sh OUT");
             std::process::exit(2);
         }
     }
@@ -815,6 +818,130 @@ fn bench(script_args: &[String]) -> Result<()> {
         .arg(target_dir().join("release").join("kvlens"))
         .arg("--work")
         .arg(cache_dir().join("bench"))
+        .args(script_args))
+}
+
+/// The llama-cpp-python release whose sdist vendors the llama.cpp the peers bench builds (and
+/// whose converter docs/GGUF.md checks against).
+const LLAMA_CPP_PYTHON: &str = "0.3.36";
+
+/// ggml's instruction-set options for this CPU as `/proc/cpuinfo` lists it (`avx2_only`: no
+/// AVX-512 or VNNI, an AVX2 laptop's set). Named one by one rather than `GGML_NATIVE`:
+/// `-march=native` also turns on AMX where the CPU lists it, and a virtual machine that lists AMX
+/// without granting it kills llama.cpp with SIGILL on its first AMX tile load.
+fn ggml_cpu_options(avx2_only: bool) -> Result<Vec<String>> {
+    let cpuinfo = std::fs::read_to_string("/proc/cpuinfo")?;
+    let flags: Vec<&str> = cpuinfo
+        .lines()
+        .find_map(|l| l.strip_prefix("flags"))
+        .and_then(|l| l.split_once(':'))
+        .map(|(_, f)| f.split_whitespace().collect())
+        .unwrap_or_default();
+    let base = [
+        ("avx", "AVX"),
+        ("avx2", "AVX2"),
+        ("fma", "FMA"),
+        ("f16c", "F16C"),
+        ("bmi2", "BMI2"),
+    ];
+    let wide = [
+        ("avx512f", "AVX512"),
+        ("avx512vbmi", "AVX512_VBMI"),
+        ("avx512_vnni", "AVX512_VNNI"),
+        ("avx512_bf16", "AVX512_BF16"),
+        ("avx_vnni", "AVX_VNNI"),
+    ];
+    let wanted = base.iter().chain(if avx2_only { &[][..] } else { &wide[..] });
+    Ok(wanted
+        .map(|(flag, option)| format!("-DGGML_{option}={}", if flags.contains(flag) { "ON" } else { "OFF" }))
+        .collect())
+}
+
+/// llama.cpp's CPU programs (`llama-bench`, `llama-server`, `llama-mtmd-cli`, `llama-quantize`),
+/// built once with cmake and ninja from PyPI for this CPU's instruction sets (`avx2_only`: AVX2's),
+/// under `~/.cache/kvlens/llama-src`; returns (their folder, llama.cpp's commit).
+fn ensure_llama_cpp(avx2_only: bool) -> Result<(PathBuf, String)> {
+    let src = cache_dir().join("llama-src");
+    let root = src.join(format!("llama_cpp_python-{LLAMA_CPP_PYTHON}/vendor/llama.cpp"));
+    if !root.join("CMakeLists.txt").is_file() {
+        std::fs::create_dir_all(&src)?;
+        // The simple index (PEP 503) names the sdist's address; pip would build it.
+        let index = Command::new("curl")
+            .args(["-sfL", "https://pypi.org/simple/llama-cpp-python/"])
+            .output()?;
+        let page = String::from_utf8_lossy(&index.stdout);
+        let name = format!("llama_cpp_python-{LLAMA_CPP_PYTHON}.tar.gz");
+        let url = page
+            .split("href=\"")
+            .filter_map(|h| h.split('"').next())
+            .find(|h| h.contains(&format!("/{name}")))
+            .context("the PyPI index lists no llama-cpp-python sdist of that version")?;
+        run(Command::new("curl").args(["-sfLo", &name, url]).current_dir(&src))?;
+        run(Command::new("tar").args(["xzf", &name]).current_dir(&src))?;
+    }
+    let python = ensure_venv(
+        "peers-venv",
+        "import cmake, ninja",
+        &["cmake==4.4.5", "ninja==1.13.2"],
+        false,
+    )?;
+    let venv_bin = python.parent().context("venv")?.to_path_buf();
+    let path = format!("{}:{}", venv_bin.display(), env::var("PATH").unwrap_or_default());
+    let name = if avx2_only { "build-avx2" } else { "build-native" };
+    let build = root.join(name);
+    let programs = ["llama-bench", "llama-server", "llama-mtmd-cli", "llama-quantize"];
+    if !programs.iter().all(|p| build.join("bin").join(p).is_file()) {
+        run(Command::new("cmake")
+            .env("PATH", &path)
+            .current_dir(&root)
+            .args([
+                "-B",
+                name,
+                "-G",
+                "Ninja",
+                "-DCMAKE_BUILD_TYPE=Release",
+                "-DGGML_NATIVE=OFF",
+            ])
+            .args(ggml_cpu_options(avx2_only)?)
+            .args([
+                "-DLLAMA_CURL=OFF",
+                "-DLLAMA_OPENSSL=OFF",
+                "-DLLAMA_BUILD_TESTS=OFF",
+                "-DLLAMA_BUILD_EXAMPLES=OFF",
+            ]))?;
+        run(Command::new("cmake")
+            .env("PATH", &path)
+            .current_dir(&root)
+            .args(["--build", name, "--target"])
+            .args(programs))?;
+    }
+    let commit = Command::new("git")
+        .args(["rev-parse", "HEAD"])
+        .current_dir(&root)
+        .output()?;
+    Ok((
+        build.join("bin"),
+        String::from_utf8_lossy(&commit.stdout).trim().to_string(),
+    ))
+}
+
+/// `cargo xtask bench peers`: the release kvlens against llama.cpp on the CPU
+/// (tools/bench/peers_cpu.py).
+fn bench_peers(script_args: &[String]) -> Result<()> {
+    ensure_tokenizer()?;
+    // `--cpu-isa avx2` measures both engines on their AVX2 code.
+    let avx2_only = script_args.windows(2).any(|w| w[0] == "--cpu-isa" && w[1] == "avx2");
+    let (llama_bin, commit) = ensure_llama_cpp(avx2_only)?;
+    run(cargo().args(["build", "--release", "-p", "kvlens"]))?;
+    run(Command::new("python3")
+        .arg("tools/bench/peers_cpu.py")
+        .arg("--kvlens")
+        .arg(target_dir().join("release").join("kvlens"))
+        .arg("--llama-bin")
+        .arg(llama_bin)
+        .args(["--llama-commit", &commit])
+        .arg("--work")
+        .arg(cache_dir().join("peers"))
         .args(script_args))
 }
 

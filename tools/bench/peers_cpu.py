@@ -1,0 +1,231 @@
+"""Benchmark: kvlens against llama.cpp on the CPU, one request, the same GGUF files, the same thread
+count, measured in the same run (`cargo xtask bench peers`, which builds llama.cpp from the
+llama-cpp-python sdist and passes its binaries here).
+
+The files: a Qwen3-VL-2B-Instruct-shaped random checkpoint (bf16) written by
+`kvlens random-checkpoint`, as F16 by `kvlens to-gguf` (the layout llama.cpp's converter writes:
+docs/GGUF.md), and Q8_0, Q4_0 and Q4_K_M by llama.cpp's own `llama-quantize` from that F16 file. The
+projector stays F16.
+
+Per format: prompt processing (a 512-token text prompt; llama-bench's pp512), decode (128 tokens
+after a short prompt; llama-bench's tg128), and with `--image`, one 1024×768 image through the
+projector: time to the first token (kvlens generate) against `llama-mtmd-cli` (image encode, image
+decode, prompt eval). For F16, the greedy tokens of both on the same prompt ids (llama-server's
+/completion, top-k 1). Prints one table with kvlens ÷ llama.cpp ratios and writes it, with the
+versions, as JSON under the work folder."""
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+PROMPT_SENTENCE = "The quick brown fox jumps over the lazy dog while the farmer watches from the barn. "
+SHORT_PROMPT = "Write a long story about a lighthouse keeper."
+IMAGE_PROMPT = "Describe this image in detail."
+FORMATS = ["F16", "Q8_0", "Q4_0", "Q4_K_M"]
+
+
+def sh(cmd, env=None, **kw):
+    """Runs `cmd`, returns its stdout; its stderr is kept for the error message."""
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, **kw)
+    if out.returncode != 0:
+        sys.exit(f"{' '.join(map(str, cmd))} failed ({out.returncode}):\n{out.stderr[-4000:]}")
+    return out
+
+
+def cpu_model():
+    with open("/proc/cpuinfo") as f:
+        return next(l.split(":", 1)[1].strip() for l in f if l.startswith("model name"))
+
+
+def files(args):
+    """The GGUF pair of each format (text model, projector), made when missing."""
+    work, k = args.work, args.kvlens
+    ckpt = work / "ckpt"
+    if not (ckpt / "config.json").is_file():
+        sh([k, "random-checkpoint", "--config", "Qwen3-VL-2B-Instruct", "--out", ckpt, "--dtype", "bf16",
+            "--seed", "0", "--force"])
+    f16 = work / "F16" / "ckpt-F16.gguf"
+    mmproj = work / "F16" / "mmproj-ckpt-F16.gguf"
+    if not f16.is_file():
+        sh([k, "to-gguf", "--model", ckpt, "--outtype", "f16", "--out", work / "F16"])
+    pairs = {"F16": (f16, mmproj)}
+    for fmt in FORMATS[1:]:
+        out = work / fmt / f"ckpt-{fmt}.gguf"
+        if not out.is_file():
+            out.parent.mkdir(parents=True, exist_ok=True)
+            sh([args.llama_bin / "llama-quantize", f16, out, fmt, str(args.threads)])
+        pairs[fmt] = (out, mmproj)
+    return pairs
+
+
+def make_image(path, width=1024, height=768):
+    """A deterministic photo-like test image (gradients plus a pattern) as a 24-bit BMP, a format
+    both engines read (stb_image in llama.cpp, image-rs in kvlens) and Python writes unaided."""
+    if path.is_file():
+        return
+    pad = (4 - width * 3 % 4) % 4
+    pixels = bytearray()
+    for y in reversed(range(height)):
+        for x in range(width):
+            n = (x * 7919 + y * 104729) % 23
+            b, g, r = (x + y) * 255 // (width + height), min(255, y * 255 // height + n), min(255, x * 255 // width + n)
+            pixels += bytes((b, g, r))
+        pixels += bytes(pad)
+    header = b"BM" + (54 + len(pixels)).to_bytes(4, "little") + bytes(4) + (54).to_bytes(4, "little")
+    info = (40).to_bytes(4, "little") + width.to_bytes(4, "little") + height.to_bytes(4, "little") + \
+        (1).to_bytes(2, "little") + (24).to_bytes(2, "little") + bytes(4) + len(pixels).to_bytes(4, "little") + bytes(16)
+    path.write_bytes(header + info + bytes(pixels))
+
+
+def kvlens_generate(args, pair, prompt, max_tokens, image=None):
+    cmd = [args.kvlens, "generate", "--model", pair[0], "--mmproj", pair[1], "--prompt", prompt,
+           "--max-tokens", str(max_tokens), "--ignore-eos", "--json"]
+    if image:
+        cmd += ["--image", image]
+    env = dict(os.environ)
+    if args.cpu_isa:
+        env["KVLENS_CPU_ISA"] = args.cpu_isa
+    return json.loads(sh(cmd, env=env).stdout.strip().splitlines()[-1])
+
+
+def llama_bench(args, pair, prompt_tokens):
+    out = sh([args.llama_bin / "llama-bench", "-m", pair[0], "-p", str(prompt_tokens), "-n", str(args.decode_tokens),
+              "-t", str(args.threads), "-r", str(args.reps), "-o", "json"])
+    rows = json.loads(out.stdout)
+    pp = next(r for r in rows if r["n_prompt"] > 0)
+    tg = next(r for r in rows if r["n_gen"] > 0)
+    return pp, tg
+
+
+def mtmd_first_token(args, pair, image):
+    """`llama-mtmd-cli` on one image, one new token: (encode ms, time to first token ms)."""
+    out = sh([args.llama_bin / "llama-mtmd-cli", "-m", pair[0], "--mmproj", pair[1], "--image", image,
+              "-p", IMAGE_PROMPT, "-n", "1", "--temp", "0", "-t", str(args.threads)])
+    log = out.stdout + out.stderr
+    encode = sum(float(m) for m in re.findall(r"image slice encoded in (\d+) ms", log))
+    decoded = sum(float(m) for m in re.findall(r"image decoded \(batch \d+/\d+\) in (\d+) ms", log))
+    text = re.search(r"prompt eval time =\s+([\d.]+) ms", log)
+    return encode, encode + decoded + (float(text.group(1)) if text else 0.0), log
+
+
+def greedy_tokens_llama(args, pair, prompt_ids, n):
+    """llama-server's greedy tokens for `prompt_ids` (top-k 1, no template)."""
+    port = 18931
+    server = subprocess.Popen([args.llama_bin / "llama-server", "-m", pair[0], "--port", str(port), "-t",
+                               str(args.threads), "-c", "2048", "--parallel", "1"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 300
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.time() > deadline or server.poll() is not None:
+                sys.exit("llama-server did not become healthy")
+            time.sleep(0.5)
+        body = json.dumps({"prompt": prompt_ids, "n_predict": n, "samplers": ["top_k"], "top_k": 1,
+                           "return_tokens": True, "cache_prompt": False}).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/completion", body,
+                                     {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=600) as r:
+            return json.load(r)["tokens"]
+    finally:
+        server.terminate()
+        server.wait()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--kvlens", type=Path, required=True)
+    ap.add_argument("--llama-bin", type=Path, required=True, help="llama.cpp's build/bin")
+    ap.add_argument("--llama-commit", default="unknown")
+    ap.add_argument("--work", type=Path, required=True)
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--formats", default=",".join(FORMATS))
+    ap.add_argument("--reps", type=int, default=2, help="llama-bench repetitions")
+    ap.add_argument("--decode-tokens", type=int, default=128)
+    ap.add_argument("--image", action="store_true", help="also the image prompt (slow on 2 cores)")
+    ap.add_argument("--cpu-isa", help="KVLENS_CPU_ISA for the kvlens runs (avx2, portable)")
+    args = ap.parse_args()
+    args.work.mkdir(parents=True, exist_ok=True)
+    pairs = files(args)
+    image = args.work / "bench-1024x768.bmp"
+    if args.image:
+        make_image(image)
+    long_prompt = PROMPT_SENTENCE * 30
+    bandwidth = json.loads(sh([args.kvlens, "bench", "bandwidth", "--json"]).stdout)
+    rows = []
+    for fmt in args.formats.split(","):
+        pair = pairs[fmt]
+        pre = kvlens_generate(args, pair, long_prompt, 1)
+        n_prompt = len(pre["prompt_token_ids"])
+        dec = kvlens_generate(args, pair, SHORT_PROMPT, args.decode_tokens)
+        pp, tg = llama_bench(args, pair, n_prompt)
+        row = {
+            "format": fmt,
+            "prompt_tokens": n_prompt,
+            "kvlens_pp": pre["timing"]["prefill_tokens_per_s"],
+            "llama_pp": pp["avg_ts"],
+            "kvlens_tg": dec["timing"]["decode_tokens_per_s"],
+            "llama_tg": tg["avg_ts"],
+            "cpu_kernels": dec["timing"].get("cpu_kernels"),
+            # The decode roofline: the read bandwidth over the bytes one step reads.
+            "kvlens_tg_roofline": bandwidth["read_gb_s"] * 1e9
+            / (dec["weights"]["decode_read_bytes_per_token"] + dec["weights"]["decode_kv_read_bytes_per_token"]),
+            "llama_cpu_info": tg.get("cpu_info"),
+            "llama_build": tg.get("build_commit"),
+        }
+        if args.image:
+            ours = kvlens_generate(args, pair, IMAGE_PROMPT, 1, image)
+            encode, first, _ = mtmd_first_token(args, pair, image)
+            row.update(kvlens_image_first_token_ms=ours["timing"]["prefill_s"] * 1000, llama_image_encode_ms=encode,
+                       llama_image_first_token_ms=first)
+        if fmt == "F16":
+            ours = kvlens_generate(args, pair, SHORT_PROMPT, 16)
+            theirs = greedy_tokens_llama(args, pair, ours["prompt_token_ids"], 16)
+            agree = next((i for i, (a, b) in enumerate(zip(ours["token_ids"], theirs)) if a != b), len(theirs))
+            row.update(greedy_kvlens=ours["token_ids"], greedy_llama=theirs, greedy_agree=agree)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    report = {
+        "date": time.strftime("%Y-%m-%d"),
+        "cpu": cpu_model(),
+        "threads": args.threads,
+        "llama_cpp_commit": args.llama_commit,
+        "kvlens_cpu_isa": args.cpu_isa or "detected",
+        "read_gb_s": bandwidth["read_gb_s"],
+        "rows": rows,
+    }
+    name = f"peers-cpu-{args.cpu_isa}.json" if args.cpu_isa else "peers-cpu.json"
+    (args.work / name).write_text(json.dumps(report, indent=1))
+    print(f"\n{report['cpu']}, {args.threads} threads, llama.cpp {args.llama_commit[:10]}, kvlens kernels: "
+          f"{rows[0]['cpu_kernels']}")
+    print(f"read bandwidth {bandwidth['read_gb_s']:.1f} GB/s")
+    print("| format | prompt tok/s kvlens | llama.cpp | ratio | decode tok/s kvlens | llama.cpp | ratio "
+          "| kvlens decode / roofline |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['format']} | {r['kvlens_pp']:.1f} | {r['llama_pp']:.1f} | {r['kvlens_pp'] / r['llama_pp']:.2f}× "
+              f"| {r['kvlens_tg']:.2f} | {r['llama_tg']:.2f} | {r['kvlens_tg'] / r['llama_tg']:.2f}× "
+              f"| {100 * r['kvlens_tg'] / r['kvlens_tg_roofline']:.0f} % |")
+    for r in rows:
+        if "kvlens_image_first_token_ms" in r:
+            print(f"{r['format']} image: first token kvlens {r['kvlens_image_first_token_ms']:.0f} ms, llama-mtmd-cli "
+                  f"{r['llama_image_first_token_ms']:.0f} ms (encode {r['llama_image_encode_ms']:.0f} ms): "
+                  f"{r['llama_image_first_token_ms'] / r['kvlens_image_first_token_ms']:.2f}× faster")
+        if "greedy_agree" in r:
+            print(f"{r['format']} greedy: {r['greedy_agree']} of 16 tokens agree "
+                  f"(kvlens {r['greedy_kvlens']}, llama.cpp {r['greedy_llama']})")
+
+
+if __name__ == "__main__":
+    main()
