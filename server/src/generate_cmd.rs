@@ -145,10 +145,15 @@ pub fn run(a: &GenerateArgs) -> Result<()> {
     // prompt in one step, its images as the largest the profile runs.
     let cfg = runner.model_config().clone();
     // What one decode step reads: the decoder and the output head (the embedding when tied), as
-    // a GGUF file stores them, else at the bytes per unquantized value the backend keeps (half
-    // precision with --dtype).
+    // a GGUF file stores them where the CPU keeps them so, else at the bytes per unquantized value
+    // the backend keeps (half precision with --dtype).
     let elem_bytes = choice.weights_dtype().size_bytes();
-    let decode_read_bytes: u64 = match gguf_decode_read_bytes(&a.model, a.mmproj.as_deref()) {
+    let as_stored = a.backend == BackendKind::Cpu && a.quantization == WeightFormat::Unquantized;
+    let bf16_widened = elem_bytes == 4;
+    let stored = as_stored
+        .then(|| gguf_decode_read_bytes(&a.model, a.mmproj.as_deref(), bf16_widened))
+        .flatten();
+    let decode_read_bytes: u64 = match stored {
         Some(bytes) => bytes,
         None => weight_bytes_per_rank(&cfg, 1, elem_bytes, a.quantization)
             .iter()
@@ -255,10 +260,10 @@ pub fn run(a: &GenerateArgs) -> Result<()> {
 
 /// [`GgufModel::decode_read_bytes`](kvlens_engine::arch::gguf_model::GgufModel::decode_read_bytes)
 /// of a GGUF model, None for a Hugging Face checkpoint.
-fn gguf_decode_read_bytes(model: &Path, mmproj: Option<&Path>) -> Option<u64> {
+fn gguf_decode_read_bytes(model: &Path, mmproj: Option<&Path>, bf16_widened: bool) -> Option<u64> {
     let ckpt = Checkpoint::open(model, mmproj).ok()?;
     match &ckpt.weights {
-        WeightFiles::Gguf(pair) => Some(pair.model().ok()?.decode_read_bytes()),
+        WeightFiles::Gguf(pair) => Some(pair.model().ok()?.decode_read_bytes(bf16_widened)),
         _ => None,
     }
 }

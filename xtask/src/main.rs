@@ -876,7 +876,12 @@ fn ensure_llama_cpp(avx2_only: bool) -> Result<(PathBuf, String)> {
             .filter_map(|h| h.split('"').next())
             .find(|h| h.contains(&format!("/{name}")))
             .context("the PyPI index lists no llama-cpp-python sdist of that version")?;
+        let (url, sha256) = url.split_once("#sha256=").context("the index gives no sha256")?;
         run(Command::new("curl").args(["-sfLo", &name, url]).current_dir(&src))?;
+        let sum = Command::new("sha256sum").arg(&name).current_dir(&src).output()?;
+        if !String::from_utf8_lossy(&sum.stdout).starts_with(sha256) {
+            bail!("{name}'s sha256 is not the index's {sha256}");
+        }
         run(Command::new("tar").args(["xzf", &name]).current_dir(&src))?;
     }
     let python = ensure_venv(
@@ -930,7 +935,8 @@ fn ensure_llama_cpp(avx2_only: bool) -> Result<(PathBuf, String)> {
 fn bench_peers(script_args: &[String]) -> Result<()> {
     ensure_tokenizer()?;
     // `--cpu-isa avx2` measures both engines on their AVX2 code.
-    let avx2_only = script_args.windows(2).any(|w| w[0] == "--cpu-isa" && w[1] == "avx2");
+    let avx2_only = script_args.iter().any(|a| a == "--cpu-isa=avx2")
+        || script_args.windows(2).any(|w| w[0] == "--cpu-isa" && w[1] == "avx2");
     let (llama_bin, commit) = ensure_llama_cpp(avx2_only)?;
     run(cargo().args(["build", "--release", "-p", "kvlens"]))?;
     run(Command::new("python3")

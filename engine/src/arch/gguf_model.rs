@@ -11,6 +11,7 @@
 //! embedding into two 2-D ones along time; [`Assembly`] undoes both.
 
 use super::config::{Family, ModelConfig};
+use super::ggml::GgmlType;
 use super::gguf::{Gguf, GgufError, GgufTensor, MetaValue};
 use serde_json::{json, Value};
 use std::collections::BTreeMap;
@@ -453,15 +454,19 @@ impl<'a> GgufModel<'a> {
             .sum()
     }
 
-    /// Bytes one decode step reads as stored: every tensor of the text file, less the token
-    /// embedding when a separate `output.weight` is the head (a lookup reads one row of it).
-    pub fn decode_read_bytes(&self) -> u64 {
+    /// Bytes one decode step reads: every tensor of the text file as stored (BF16 ones twice over
+    /// when `bf16_widened`, as a backend computing in f32 keeps them), less the token embedding
+    /// when a separate `output.weight` is the head (a lookup reads one row of it).
+    pub fn decode_read_bytes(&self, bf16_widened: bool) -> u64 {
         let tensors = &self.text.tensors;
         let untied = tensors.iter().any(|t| t.name == "output.weight");
         tensors
             .iter()
             .filter(|t| !(untied && t.name == "token_embd.weight"))
-            .map(|t| t.bytes)
+            .map(|t| match t.ggml_type {
+                GgmlType::Bf16 if bf16_widened => 2 * t.bytes,
+                _ => t.bytes,
+            })
             .sum()
     }
 
@@ -773,7 +778,6 @@ pub(crate) fn tokenizer_json(g: &Gguf) -> Result<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::arch::ggml::GgmlType;
     use crate::arch::gguf_write::GgufWriter;
 
     fn parsed(w: &GgufWriter) -> Gguf {
@@ -850,13 +854,19 @@ mod tests {
         let embedding = GgmlType::Q8_0.quantize(&[0.5; 32 * 8]).unwrap();
         t.tensor("token_embd.weight", &[8, 32], GgmlType::Q8_0, embedding.clone());
         let (text, mmproj) = (parsed(&t), parsed(&m));
-        let tied = GgufModel::new(&text, Some(&mmproj)).unwrap().decode_read_bytes();
+        let tied = GgufModel::new(&text, Some(&mmproj)).unwrap().decode_read_bytes(false);
         // The norm (32 f32) and the embedding (8 rows of one q8_0 block, 34 bytes each).
         assert_eq!(tied, 32 * 4 + 8 * 34);
         t.tensor("output.weight", &[8, 32], GgmlType::Q8_0, embedding);
         let text = parsed(&t);
-        let untied = GgufModel::new(&text, Some(&mmproj)).unwrap().decode_read_bytes();
+        let untied = GgufModel::new(&text, Some(&mmproj)).unwrap().decode_read_bytes(false);
         assert_eq!(untied, tied);
+        let (mut t, _) = writers(1, 1);
+        t.tensor("blk.0.ffn_up.weight", &[2, 32], GgmlType::Bf16, vec![0; 2 * 32 * 2]);
+        let model_bf16 = parsed(&t);
+        let bf16 = GgufModel::new(&model_bf16, Some(&mmproj)).unwrap();
+        assert_eq!(bf16.decode_read_bytes(false), 32 * 4 + 128);
+        assert_eq!(bf16.decode_read_bytes(true), 32 * 4 + 256);
         assert!(GgufModel::new(&text, Some(&mmproj)).unwrap().stored_bytes() > untied + 8 * 34);
     }
 

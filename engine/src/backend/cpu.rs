@@ -85,16 +85,21 @@ pub struct CpuPaged {
     tables: Arc<Vec<u32>>,
 }
 
-/// The instructions the CPU kernels run on this machine (after `KVLENS_CPU_ISA`), one phrase per
-/// kind of product, for benchmarks to print beside their figures.
+/// The instructions our CPU kernels run on this machine (after `KVLENS_CPU_ISA`), one phrase per
+/// kind of product, for benchmarks to print beside their figures. candle's kernels (the K-quants)
+/// and the gemm crate's pick their own at run time.
 pub fn kernel_paths() -> String {
-    let isa = isa::isa().name();
+    let isa = isa::isa();
+    let pick = |sets: &[(bool, &'static str)]| sets.iter().find(|s| s.0).map_or("portable", |s| s.1);
+    let blocks = pick(&[(isa.avx512_vnni, "avx512-vnni"), (isa.avx2_fma, "avx2")]);
+    let bf16 = pick(&[(isa.avx512_fma, "avx512"), (isa.avx2_fma, "avx2")]);
+    let f16 = pick(&[(isa.avx2_fma, "avx2+f16c")]);
     let gemm = if bf16_gemm::available() {
         "bfloat16 GEMM (AVX-512 BF16)"
     } else {
-        "f32 GEMM (the gemm crate's widest)"
+        "f32 GEMM (the gemm crate's)"
     };
-    format!("q8_0/q4_0 and bf16/f16 rows: {isa}; prefill of packed weights: {gemm}")
+    format!("q8_0/q4_0 rows: {blocks}; bf16 rows: {bf16}; f16 rows: {f16}; prefill of packed weights: {gemm}")
 }
 
 /// The CPU backend.

@@ -139,9 +139,10 @@ fn dot_portable(kind: BlockKind, scales: &[u16], quants: &[u8], x: &ActRow<'_>) 
 /// products summed in pairs by `vpmaddubsw` (unsigned times signed, saturating at ±32,767) and in
 /// fours by `vpmaddwd`, then scaled per block in f32. `q4_0`'s nibbles (0..=15) stay unsigned;
 /// `q8_0`'s stored quants are flipped back to signed and multiplied as `|w| · (x · sign w)`, as
-/// GGML's AVX2 code does, so a pair sums at most 2 · 128 · 127 and cannot saturate (an activation
-/// quant of −128 comes only from a block of subnormal values, whose product is zero to f32 anyway).
-/// `q8_0` then needs no correction. Scales are widened eight at a time with F16C.
+/// GGML's AVX2 code does, so a pair sums at most 2 · 128 · 127 and cannot saturate. (An activation
+/// quant of −128, which only a block of values below about 4e−37 gets, times a negative weight
+/// wraps to the wrong sign; that block's product is below 1e−32.) `q8_0` then needs no
+/// correction. Scales are widened eight at a time with F16C.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 #[allow(unsafe_code)]
@@ -374,6 +375,30 @@ mod tests {
             }
         }
         got
+    }
+
+    /// `q8_0` quants of −128 and 127 (GGML's files may hold −128, though its quantizer never
+    /// writes one) against full-scale activations of either sign: no path saturates or flips a
+    /// sign.
+    #[test]
+    fn extreme_q8_0_quants() {
+        let cols = 64;
+        let mut data = Vec::new();
+        for quant in [i8::MIN, i8::MAX] {
+            data.extend(f16::from_f32(0.01).to_bits().to_le_bytes());
+            data.extend([quant as u8; BLOCK]);
+        }
+        let w = BlockRows::from_ggml(BlockKind::Q8_0, &data, cols).unwrap();
+        let mut wide = vec![0f32; cols];
+        w.dequantize_row(0, &mut wide);
+        for sign in [1.0f32, -1.0] {
+            let x = vec![sign; cols];
+            let acts = Activations::quantize(BlockKind::Q8_0, &x, cols);
+            let want: f32 = wide.iter().map(|w| w * sign).sum();
+            for (name, got) in every_path(BlockKind::Q8_0, w.row_scales(0), w.row_quants(0), &acts.row(0)) {
+                assert!((got - want).abs() <= 1e-3, "{name} {sign}: {got} vs {want}");
+            }
+        }
     }
 
     /// The activations' rounding is `round_ties_even` over the range the quantization gives it.

@@ -31,8 +31,8 @@ pub(super) fn isa() -> Isa {
 }
 
 impl Isa {
-    /// These sets less those above `cap`: `avx2` keeps AVX2 and FMA, `portable` none; any other
-    /// value (or none) keeps all.
+    /// These sets less those above `cap`: `avx2` keeps AVX2, FMA and F16C, `portable` none;
+    /// `native` (or no value) keeps all, and any other value too, with a warning.
     fn capped(self, cap: Option<&str>) -> Isa {
         match cap {
             Some("avx2") => Isa {
@@ -40,21 +40,11 @@ impl Isa {
                 ..Isa::default()
             },
             Some("portable") => Isa::default(),
-            _ => self,
-        }
-    }
-
-    /// The widest set the block products and f32 dot products use: `avx512-vnni`, `avx512`,
-    /// `avx2` or `portable`.
-    pub fn name(self) -> &'static str {
-        if self.avx512_vnni {
-            "avx512-vnni"
-        } else if self.avx512_fma {
-            "avx512"
-        } else if self.avx2_fma {
-            "avx2"
-        } else {
-            "portable"
+            None | Some("native") => self,
+            Some(other) => {
+                eprintln!("KVLENS_CPU_ISA={other} is not avx2, portable or native: the CPU's own sets are used");
+                self
+            }
         }
     }
 }
@@ -114,7 +104,7 @@ pub(super) use fastest;
 mod tests {
     use super::*;
 
-    /// `KVLENS_CPU_ISA` caps what is found, never adds to it; an unknown value caps nothing.
+    /// `KVLENS_CPU_ISA` caps what is found, never adds to it; `native` caps nothing.
     #[test]
     fn caps_only_remove_sets() {
         let all = Isa {
@@ -123,12 +113,11 @@ mod tests {
             avx512_vnni: true,
             avx512_bf16: true,
         };
-        assert_eq!(all.capped(None).name(), "avx512-vnni");
-        assert_eq!(all.capped(Some("avx512")).name(), "avx512-vnni");
-        let avx2 = all.capped(Some("avx2"));
-        assert!(avx2.avx2_fma && !avx2.avx512_fma && !avx2.avx512_vnni && !avx2.avx512_bf16);
-        assert_eq!(avx2.name(), "avx2");
-        assert_eq!(all.capped(Some("portable")).name(), "portable");
-        assert_eq!(Isa::default().capped(Some("avx2")).name(), "portable");
+        let sets = |i: Isa| [i.avx2_fma, i.avx512_fma, i.avx512_vnni, i.avx512_bf16];
+        assert_eq!(sets(all.capped(None)), [true; 4]);
+        assert_eq!(sets(all.capped(Some("native"))), [true; 4]);
+        assert_eq!(sets(all.capped(Some("avx2"))), [true, false, false, false]);
+        assert_eq!(sets(all.capped(Some("portable"))), [false; 4]);
+        assert_eq!(sets(Isa::default().capped(Some("avx2"))), [false; 4]);
     }
 }

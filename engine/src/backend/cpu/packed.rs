@@ -126,12 +126,16 @@ fn dot_rows_fastest<T: Widen>(w: &[T], xs: &[f32], out: &mut [f32]) {
 fn dot_rows_f16(w: &[f16], xs: &[f32], out: &mut [f32]) {
     fastest!(
         avx2_fma => dot_rows_f16_avx2(w, xs, out),
-        _ => WIDE_ROW.with_borrow_mut(|wide| {
-            wide.resize(w.len(), 0.0);
-            w.convert_to_f32_slice(wide);
-            dot_rows::<false, f32>(wide.as_slice(), xs, out)
-        }),
+        _ => dot_rows_f16_portable(w, xs, out),
     )
+}
+
+fn dot_rows_f16_portable(w: &[f16], xs: &[f32], out: &mut [f32]) {
+    WIDE_ROW.with_borrow_mut(|wide| {
+        wide.resize(w.len(), 0.0);
+        w.convert_to_f32_slice(wide);
+        dot_rows::<false, f32>(wide.as_slice(), xs, out)
+    })
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -628,6 +632,35 @@ mod tests {
                         "[{i},{j}] {} vs {want}",
                         got[i * rows + j]
                     );
+                }
+            }
+        }
+    }
+
+    /// Both half-precision row products (widened in registers, and into a row first) give the
+    /// f64 product of the widened values, for lengths off the vector step.
+    #[test]
+    #[allow(unsafe_code)]
+    fn f16_row_products_agree() {
+        for cols in [8, 32, 200, 2048 + 24] {
+            let w: Vec<f16> = matrix(1, cols).iter().map(|&v| f16::from_f32(v)).collect();
+            let xs = matrix(3, cols).iter().map(|v| v * 3.0 - 0.1).collect::<Vec<_>>();
+            let want: Vec<f64> = xs
+                .chunks_exact(cols)
+                .map(|x| x.iter().zip(&w).map(|(&x, w)| x as f64 * w.to_f32() as f64).sum())
+                .collect();
+            let mut got = vec![("portable", vec![0f32; 3])];
+            dot_rows_f16_portable(&w, &xs, &mut got[0].1);
+            #[cfg(target_arch = "x86_64")]
+            if super::super::isa::detected().avx2_fma {
+                let mut out = vec![0f32; 3];
+                // SAFETY: the CPU has the instructions the function was compiled for.
+                unsafe { dot_rows_f16_avx2(&w, &xs, &mut out) };
+                got.push(("avx2", out));
+            }
+            for (name, out) in got {
+                for (g, w) in out.iter().zip(&want) {
+                    assert!((*g as f64 - w).abs() <= 1e-4, "{name} {cols}: {g} vs {w}");
                 }
             }
         }
