@@ -350,28 +350,17 @@ mod tests {
         ];
         #[cfg(target_arch = "x86_64")]
         {
-            let (found, q4) = (super::super::isa::detected(), kind == BlockKind::Q4_0);
-            if found.avx2_fma {
+            /// One block format's product, compiled for some instruction set.
+            type Dot = unsafe fn(&[u16], &[u8], &ActRow<'_>) -> f32;
+            let found = super::super::isa::detected();
+            let paths: [(&str, bool, Dot, Dot); 2] = [
+                ("avx2", found.avx2_fma, dot_avx2::<false>, dot_avx2::<true>),
+                ("avx512-vnni", found.avx512_vnni, dot_vnni::<false>, dot_vnni::<true>),
+            ];
+            for (name, _, q8, q4) in paths.into_iter().filter(|p| p.1) {
+                let dot = if kind == BlockKind::Q4_0 { q4 } else { q8 };
                 // SAFETY: the CPU has the instructions the function was compiled for.
-                let v = unsafe {
-                    if q4 {
-                        dot_avx2::<true>(s, q, row)
-                    } else {
-                        dot_avx2::<false>(s, q, row)
-                    }
-                };
-                got.push(("avx2", v));
-            }
-            if found.avx512_vnni {
-                // SAFETY: as above.
-                let v = unsafe {
-                    if q4 {
-                        dot_vnni::<true>(s, q, row)
-                    } else {
-                        dot_vnni::<false>(s, q, row)
-                    }
-                };
-                got.push(("avx512-vnni", v));
+                got.push((name, unsafe { dot(s, q, row) }));
             }
         }
         got
