@@ -163,6 +163,9 @@ pub struct EngineSnapshot {
     pub num_waiting: usize,
     /// Work counters so far.
     pub counters: EngineCounters,
+    /// A hybrid model's state slots and the running requests holding them.
+    #[serde(default)]
+    pub states: Option<crate::runner::StateSlots>,
 }
 
 /// Why the engine refused or failed.
@@ -283,11 +286,15 @@ impl Engine {
             max_blocks: cfg.max_model_len.div_ceil(cfg.block_size.max(1)),
         };
         runner.allocate_kv(cfg.num_blocks, cfg.block_size, tables)?;
+        // A prefix hit skips computing tokens whose Gated DeltaNet state kvlens does not keep
+        // (vLLM keeps states at block boundaries only in its "align" mode), so hybrid models
+        // run without prefix caching, as vLLM 0.17 runs them by default.
+        let hybrid = runner.model_config().text.linear.is_some();
         let kv = KvCacheManager::new(
             cfg.num_blocks,
             cfg.block_size,
             cfg.max_model_len,
-            cfg.enable_prefix_caching,
+            cfg.enable_prefix_caching && !hybrid,
         )?;
         let mut enc = EncoderCacheManager::new(cfg.encoder_cache_tokens);
         enc.set_bytes_per_token(runner.encoder_bytes_per_token());
@@ -384,6 +391,11 @@ impl Engine {
             num_running: self.num_running(),
             num_waiting: self.num_waiting(),
             counters: self.counters,
+            // Rows of requests that left are freed with the next step: they hold no state now.
+            states: self.runner.state_slots().map(|mut s| {
+                s.held_by.retain(|(_, id)| !self.released.contains(id));
+                s
+            }),
         }
     }
 

@@ -295,6 +295,10 @@ macro_rules! golden_suite {
     ($make:expr) => {
         $crate::golden_suite!(@tests $make; qwen2_vl, qwen2_5_vl, qwen3_vl);
     };
+    // Backends with Gated DeltaNet kernels also run Qwen3.5.
+    ($make:expr, hybrid) => {
+        $crate::golden_suite!(@tests $make; qwen2_vl, qwen2_5_vl, qwen3_vl, qwen3_5);
+    };
     (@tests $make:expr; $($family:ident),*) => {
         mod golden {
             #[allow(unused_imports)]

@@ -98,8 +98,9 @@ fn request(cfg: &ModelConfig, id: &str, len: usize, image: Option<(usize, &str)>
     let images = image
         .map(|(offset, hash)| {
             prompt[offset..offset + 4].fill(cfg.tokens.image);
+            let patch_dim = cfg.vision.as_ref().map_or(0, |v| v.patch_dim());
             ImageInput {
-                pixel_values: random_f32(hash.len() as u64 + 7, 16 * 3 * 2 * 14 * 14).into(),
+                pixel_values: random_f32(hash.len() as u64 + 7, 16 * patch_dim).into(),
                 grid_thw: [1, 4, 4],
                 mm_hash: hash.into(),
                 offset,
@@ -183,6 +184,101 @@ fn greedy_tokens_with_preemption_match_each_request_alone() {
     assert!(tight.counters().num_preemptions > 0, "{:?}", tight.counters());
     assert_eq!(together, alone);
     assert!(alone.values().all(|t| t.len() == 10));
+}
+
+fn qwen3_5_config() -> ModelConfig {
+    ModelConfig::from_json(include_str!("../../tools/golden/configs/qwen3_5_tiny.json")).unwrap()
+}
+
+/// The tiny Qwen3.5 in an engine whose steps compute at most 8 tokens, so that prompts are
+/// prefilled in chunks and each chunk continues the Gated DeltaNet states of the one before.
+fn qwen3_5_engine(num_blocks: usize, max_num_seqs: usize) -> Engine {
+    let be = CpuBackend::new(MemoryLedger::new());
+    let model = random_model(qwen3_5_config(), &be);
+    let cfg = EngineConfig {
+        num_blocks,
+        block_size: 4,
+        max_model_len: 64,
+        enable_prefix_caching: true,
+        encoder_cache_tokens: 16,
+        max_num_seqs,
+        max_num_batched_tokens: 8,
+        vocab_size: 0,
+        long_prefill_token_threshold: 0,
+    };
+    Engine::new(Box::new(ModelRunner::new(be, model)), cfg).unwrap()
+}
+
+/// The state slots held now.
+fn states_held(e: &Engine) -> usize {
+    e.snapshot()
+        .states
+        .expect("a hybrid model has state slots")
+        .held_by
+        .len()
+}
+
+#[test]
+fn qwen3_5_preempted_and_chunked_requests_give_the_tokens_of_undisturbed_runs() {
+    let _serial = serial();
+    let cfg = qwen3_5_config();
+    let reqs = [
+        request(&cfg, "a", 10, Some((2, "img-a")), 10),
+        request(&cfg, "b", 11, None, 10),
+        request(&cfg, "c", 12, Some((5, "img-c")), 10),
+    ];
+    let mut alone = HashMap::new();
+    let mut roomy = qwen3_5_engine(64, 1);
+    for r in &reqs {
+        roomy.add_request(r.clone()).unwrap();
+        alone.extend(drain(&mut roomy));
+    }
+    assert_eq!(roomy.counters().num_preemptions, 0);
+    let mut tight = qwen3_5_engine(13, 4);
+    for r in &reqs {
+        tight.add_request(r.clone()).unwrap();
+    }
+    let together = drain(&mut tight);
+    assert!(tight.counters().num_preemptions > 0, "{:?}", tight.counters());
+    assert_eq!(together, alone);
+    assert!(alone.values().all(|t| t.len() == 10));
+    assert_eq!(states_held(&tight), 0);
+}
+
+#[test]
+fn sixty_four_qwen3_5_requests_leave_no_kv_block_and_no_state_held() {
+    let _serial = serial();
+    let cfg = qwen3_5_config();
+    let reqs: Vec<Request> = (0..64)
+        .map(|i| request(&cfg, &format!("r{i}"), 6 + i % 9, None, 4 + i % 5))
+        .collect();
+    let mut e = qwen3_5_engine(40, 16);
+    let slots = e.snapshot().states.unwrap();
+    assert_eq!(slots.total, 16);
+    assert_eq!(
+        e.ledger().bytes(Category::StateCache),
+        slots.total as u64 * slots.bytes_per_slot,
+        "the ledger holds every slot's state"
+    );
+    for r in &reqs {
+        e.add_request(r.clone()).unwrap();
+    }
+    let mut most = 0;
+    let tokens = drain_with(&mut e, |e| {
+        let events = e.step().unwrap();
+        let held = states_held(e);
+        assert!(
+            held <= e.num_running(),
+            "{held} states held by {} running requests",
+            e.num_running()
+        );
+        most = most.max(held);
+        events
+    });
+    assert!(most > 1, "requests ran side by side");
+    assert_eq!(tokens.len(), 64);
+    assert_eq!(states_held(&e), 0);
+    assert_eq!(e.kv().summary().num_in_use, 0);
 }
 
 /// Eight requests, five with images (two sharing one), in a KV cache too small for all of them.

@@ -379,10 +379,18 @@ fn published_layout(mut root: Value, family: Family, dtype: WeightDtype) -> Valu
                 text.entry(key.to_string()).or_insert(v);
             }
         }
-        published_rope(&mut text, family);
+        // Qwen3.5 was published with transformers 5's `rope_parameters`.
+        if family != Family::Qwen35 {
+            published_rope(&mut text, family);
+        }
         text.remove("torch_dtype");
         text.insert("dtype".into(), json!(dtype.config_name()));
-        text.entry("model_type").or_insert_with(|| json!("qwen3_vl_text"));
+        let text_type = if family == Family::Qwen35 {
+            "qwen3_5_text"
+        } else {
+            "qwen3_vl_text"
+        };
+        text.entry("model_type").or_insert_with(|| json!(text_type));
         if let Some(tie) = obj.get("tie_word_embeddings") {
             text.entry("tie_word_embeddings").or_insert_with(|| tie.clone());
         }
@@ -439,7 +447,7 @@ fn preprocessor_config(family: Family, v: &VisionConfig, limits: ImageLimits) ->
         "image_processor_type": "Qwen2VLImageProcessor",
     });
     let (processor, extra) = match family {
-        Family::Qwen3Vl | Family::Qwen3VlMoe => (
+        Family::Qwen3Vl | Family::Qwen3VlMoe | Family::Qwen35 => (
             "Qwen3VLProcessor",
             json!({
                 "size": {"shortest_edge": limits.min_pixels, "longest_edge": limits.max_pixels},

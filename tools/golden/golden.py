@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Golden reference outputs of Hugging Face transformers for kvlens' tiny random Qwen-VL checkpoints.
 
-For each family (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) this script
+For each family (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5) this script
 
 1. writes a tiny checkpoint with kvlens' own `random-checkpoint` (float32, seed 0, small image limits), so that
    transformers and the Rust engine see bit-identical weights;
@@ -65,7 +65,23 @@ FAMILIES = {
     "qwen2_vl": ("qwen2_vl_tiny.json", (3136, 28 * 28 * 64), "fixed_84x56.png"),
     "qwen2_5_vl": ("qwen2_5_vl_tiny.json", (3136, 28 * 28 * 64), "fixed_84x56.png"),
     "qwen3_vl": ("qwen3_vl_tiny.json", (1024, 32 * 32 * 64), "fixed_96x64.png"),
+    # With the Qwen3 tokenizer and its special-token ids (the real Qwen3.5 tokenizer comes with real checkpoints).
+    "qwen3_5": ("qwen3_5_tiny.json", (1024, 32 * 32 * 64), "fixed_96x64.png"),
 }
+
+# Families with a recurrent state (Gated DeltaNet) also run prompts long enough to cross several of
+# transformers' 64-token chunks of the chunked delta rule and several KV blocks.
+LONG_PROMPT_FAMILIES = {"qwen3_5"}
+LONG_TEXT = (
+    "Key-value caches hold the keys and values of every token a transformer has seen, so that each new "
+    "token attends to them without recomputing the prompt. Their size grows with the context: layers times "
+    "heads times the head width times two, for every token of every running request. Linear attention keeps "
+    "a state of fixed size instead, updated token by token with a decay and a delta rule, so a long document "
+    "costs it no more memory than a short one. Hybrid models put a few layers of full attention between "
+    "many layers of linear attention and so keep a little of both. Explain, in three short paragraphs, which "
+    "of the two a serving engine should budget for first when the context reaches a hundred thousand tokens, "
+    "and why the answer changes when many requests run at once."
+)
 
 
 def make_image(width: int, height: int, seed: int) -> np.ndarray:
@@ -92,7 +108,7 @@ def write_images() -> None:
         Image.fromarray(pixels, mode="RGB").save(path, optimize=True)
 
 
-def cases(fixed_image: str) -> list[tuple[str, list[dict]]]:
+def cases(fixed_image: str, long_prompts: bool = False) -> list[tuple[str, list[dict]]]:
     """(case name, OpenAI-style messages with image paths relative to the fixtures directory)."""
 
     def image(name: str) -> dict:
@@ -126,7 +142,14 @@ def cases(fixed_image: str) -> list[tuple[str, list[dict]]]:
             ],
         ),
         ("fixed_size_image", [{"role": "user", "content": [image(fixed_image), text("Describe this image.")]}]),
-    ]
+    ] + (
+        [
+            ("long_text", [{"role": "user", "content": [text(LONG_TEXT)]}]),
+            ("long_text_and_image", [{"role": "user", "content": [image("c_150x150.png"), text(LONG_TEXT)]}]),
+        ]
+        if long_prompts
+        else []
+    )
 
 
 def to_hf_messages(messages: list[dict]) -> list[dict]:
@@ -299,7 +322,7 @@ def main() -> None:
                 },
                 "cases": [
                     run_case(model, processor, tv_image_processor, name, messages)
-                    for name, messages in cases(fixed_image)
+                    for name, messages in cases(fixed_image, family in LONG_PROMPT_FAMILIES)
                 ],
             }
             path = FIXTURES / f"{family}.json"

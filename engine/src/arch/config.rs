@@ -1,4 +1,5 @@
-//! Hugging Face `config.json` -> [`ModelConfig`] for Qwen2-VL, Qwen2.5-VL and Qwen3-VL (dense and MoE).
+//! Hugging Face `config.json` -> [`ModelConfig`] for Qwen2-VL, Qwen2.5-VL, Qwen3-VL (dense and MoE)
+//! and Qwen3.5 (Gated DeltaNet layers beside gated full attention).
 //!
 //! Both spellings seen in the wild are accepted: the published layouts (Qwen2/2.5-VL flat with
 //! `rope_scaling`, Qwen3-VL nested `text_config`) and the transformers 5 layout (`rope_parameters`).
@@ -19,6 +20,8 @@ pub enum Family {
     Qwen3Vl,
     /// `qwen3_vl_moe` (planner only for now)
     Qwen3VlMoe,
+    /// `qwen3_5`: Qwen3-VL's vision tower before a hybrid decoder ([`LinearAttention`]).
+    Qwen35,
 }
 
 impl Family {
@@ -29,6 +32,7 @@ impl Family {
             Family::Qwen25Vl => "qwen2_5_vl",
             Family::Qwen3Vl => "qwen3_vl",
             Family::Qwen3VlMoe => "qwen3_vl_moe",
+            Family::Qwen35 => "qwen3_5",
         }
     }
 
@@ -38,13 +42,15 @@ impl Family {
             "qwen2_5_vl" => Family::Qwen25Vl,
             "qwen3_vl" => Family::Qwen3Vl,
             "qwen3_vl_moe" => Family::Qwen3VlMoe,
+            "qwen3_5" => Family::Qwen35,
             _ => return None,
         })
     }
 
-    /// Qwen3-VL and Qwen3-VL-MoE share the vision tower and the Qwen3 decoder attention.
+    /// Qwen3-VL, Qwen3-VL-MoE and Qwen3.5 share the vision tower, the nested checkpoint layout,
+    /// interleaved M-RoPE and the per-head q/k norms.
     pub fn is_qwen3(self) -> bool {
-        matches!(self, Family::Qwen3Vl | Family::Qwen3VlMoe)
+        matches!(self, Family::Qwen3Vl | Family::Qwen3VlMoe | Family::Qwen35)
     }
 }
 
@@ -179,6 +185,71 @@ pub struct MoeConfig {
     pub moe_intermediate_size: usize,
 }
 
+/// What one decoder layer of a hybrid model computes (`layer_types`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LayerKind {
+    /// Softmax attention over the paged KV cache.
+    FullAttention,
+    /// Gated DeltaNet: a causal conv1d and a gated delta-rule recurrent state per request.
+    LinearAttention,
+}
+
+/// Qwen3.5's Gated DeltaNet layers (transformers' `Qwen3_5GatedDeltaNet`).
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct LinearAttention {
+    /// What each decoder layer is, in order.
+    pub layer_types: Vec<LayerKind>,
+    /// Width of the causal conv1d (`linear_conv_kernel_dim`).
+    pub conv_kernel: usize,
+    /// Query/key heads (`linear_num_key_heads`).
+    pub num_key_heads: usize,
+    /// Value heads (`linear_num_value_heads`), a multiple of the key heads.
+    pub num_value_heads: usize,
+    /// Per-head query/key width (`linear_key_head_dim`).
+    pub key_head_dim: usize,
+    /// Per-head value width (`linear_value_head_dim`).
+    pub value_head_dim: usize,
+    /// The recurrent state's dtype on vLLM (`mamba_ssm_dtype`: float32 in every published
+    /// Qwen3.5); None keeps it in the model's dtype, as the conv window always is.
+    pub ssm_dtype: Option<DType>,
+}
+
+impl LinearAttention {
+    /// Query and key width: `num_key_heads · key_head_dim`.
+    pub fn key_dim(&self) -> usize {
+        self.num_key_heads * self.key_head_dim
+    }
+
+    /// Value width: `num_value_heads · value_head_dim`.
+    pub fn value_dim(&self) -> usize {
+        self.num_value_heads * self.value_head_dim
+    }
+
+    /// Channels of the conv1d: q, k and v side by side.
+    pub fn conv_dim(&self) -> usize {
+        2 * self.key_dim() + self.value_dim()
+    }
+
+    /// Gated DeltaNet layers.
+    pub fn layers(&self) -> usize {
+        self.layer_types
+            .iter()
+            .filter(|k| **k == LayerKind::LinearAttention)
+            .count()
+    }
+
+    /// Values of one request's state in one layer: the conv window (`conv_dim · (conv_kernel −
+    /// 1)`, as vLLM keeps it) and the recurrent state (`num_value_heads · key_head_dim ·
+    /// value_head_dim`).
+    pub fn state_values(&self) -> (usize, usize) {
+        (
+            self.conv_dim() * (self.conv_kernel - 1),
+            self.num_value_heads * self.key_head_dim * self.value_head_dim,
+        )
+    }
+}
+
 /// The language model half.
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct TextConfig {
@@ -212,6 +283,25 @@ pub struct TextConfig {
     pub qk_norm: bool,
     /// Set for Qwen3-VL-MoE.
     pub moe: Option<MoeConfig>,
+    /// Rotated width of each head (`head_dim · partial_rotary_factor`; Qwen3.5 rotates a quarter).
+    pub rotary_dim: usize,
+    /// Qwen3.5's Gated DeltaNet layers; None where every layer is full attention.
+    pub linear: Option<LinearAttention>,
+}
+
+impl TextConfig {
+    /// What decoder layer `i` computes.
+    pub fn layer_kind(&self, i: usize) -> LayerKind {
+        self.linear
+            .as_ref()
+            .and_then(|l| l.layer_types.get(i).copied())
+            .unwrap_or(LayerKind::FullAttention)
+    }
+
+    /// Layers with a KV cache: all of them but the Gated DeltaNet ones.
+    pub fn attention_layers(&self) -> usize {
+        self.num_hidden_layers - self.linear.as_ref().map_or(0, LinearAttention::layers)
+    }
 }
 
 /// Why a text model alone (no vision tower) refuses a request with images.
@@ -377,6 +467,13 @@ pub const BUNDLED_CONFIGS: &[(&str, &str)] = &[
         "Qwen3-VL-235B-A22B-Instruct",
         include_str!("../../configs/Qwen3-VL-235B-A22B-Instruct.json"),
     ),
+    // 0.8B and 2B as published; 4B, 9B and 27B rebuilt from their published per-size values on
+    // the 0.8B file's template (engine/configs/README.md).
+    ("Qwen3.5-0.8B", include_str!("../../configs/Qwen3.5-0.8B.json")),
+    ("Qwen3.5-2B", include_str!("../../configs/Qwen3.5-2B.json")),
+    ("Qwen3.5-4B", include_str!("../../configs/Qwen3.5-4B.json")),
+    ("Qwen3.5-9B", include_str!("../../configs/Qwen3.5-9B.json")),
+    ("Qwen3.5-27B", include_str!("../../configs/Qwen3.5-27B.json")),
 ];
 
 /// Looks up a bundled config by name, case-insensitively, with or without the `Qwen/` prefix.
@@ -597,11 +694,13 @@ impl ModelConfig {
         if eos.is_empty() {
             eos.push(151645);
         }
+        // Qwen3.5's tokenizer numbers its special tokens after a larger vocabulary.
+        let base = if family == Family::Qwen35 { 248053 } else { 151652 };
         let tokens = TokenIds {
-            image: id("image_token_id", 151655),
-            video: id("video_token_id", 151656),
-            vision_start: id("vision_start_token_id", 151652),
-            vision_end: id("vision_end_token_id", 151653),
+            image: id("image_token_id", base + 3),
+            video: id("video_token_id", base + 4),
+            vision_start: id("vision_start_token_id", base),
+            vision_end: id("vision_end_token_id", base + 1),
             eos,
         };
         let layout = if family.is_qwen3() {
@@ -651,43 +750,124 @@ impl ModelConfig {
                 t.num_attention_heads, t.num_key_value_heads
             )));
         }
-        let half = t.head_dim / 2;
+        if t.rotary_dim == 0 || !t.rotary_dim.is_multiple_of(2) || t.rotary_dim > t.head_dim {
+            return Err(ConfigError::Invalid(format!(
+                "the rotary width {} (head_dim × partial_rotary_factor) must be even and in 2..=head_dim ({})",
+                t.rotary_dim, t.head_dim
+            )));
+        }
+        let half = t.rotary_dim / 2;
         let sum = t.mrope_section.iter().try_fold(0usize, |sum, &s| sum.checked_add(s));
         let longest = t.mrope_section.iter().copied().max().unwrap_or(0);
         if longest > half || (sum != Some(half) && !t.mrope_interleaved) {
             return Err(ConfigError::Invalid(format!(
-                "mrope_section {:?} does not sum to head_dim/2 = {half}",
+                "mrope_section {:?} does not sum to rotary_dim/2 = {half}",
                 t.mrope_section
             )));
+        }
+        if let Some(l) = &t.linear {
+            must_be_positive(&[
+                ("linear_conv_kernel_dim", l.conv_kernel),
+                ("linear_num_key_heads", l.num_key_heads),
+                ("linear_num_value_heads", l.num_value_heads),
+                ("linear_key_head_dim", l.key_head_dim),
+                ("linear_value_head_dim", l.value_head_dim),
+            ])?;
+            if !l.num_value_heads.is_multiple_of(l.num_key_heads) {
+                return Err(ConfigError::Invalid(format!(
+                    "linear_num_value_heads ({}) is not a multiple of linear_num_key_heads ({})",
+                    l.num_value_heads, l.num_key_heads
+                )));
+            }
         }
         self.vision.as_ref().map_or(Ok(()), VisionConfig::validate)
     }
 }
 
+/// M-RoPE settings of a decoder.
+struct Rope {
+    theta: f64,
+    section: Vec<usize>,
+    interleaved: bool,
+    partial_rotary_factor: f64,
+}
+
 /// Reads the M-RoPE settings from `rope_scaling` (published) or `rope_parameters` (transformers 5).
-fn rope_settings(t: &Fields<'_>, family: Family) -> Result<(f64, Vec<usize>, bool), ConfigError> {
+fn rope_settings(t: &Fields<'_>, family: Family) -> Result<Rope, ConfigError> {
     let rope = t.get("rope_parameters").or_else(|| t.get("rope_scaling"));
-    let default_section: &[usize] = if family.is_qwen3() {
-        &[24, 20, 20]
-    } else {
-        &[16, 24, 24]
+    let (default_section, default_theta): (&[usize], f64) = match family {
+        Family::Qwen35 => (&[11, 11, 10], 10_000_000.0),
+        f if f.is_qwen3() => (&[24, 20, 20], 5_000_000.0),
+        _ => (&[16, 24, 24], 1_000_000.0),
     };
-    let mut theta = t.f64_or("rope_theta", if family.is_qwen3() { 5_000_000.0 } else { 1_000_000.0 })?;
-    let mut section = default_section.to_vec();
-    let mut interleaved = family.is_qwen3();
-    if let Some(r) = rope {
-        if let Some(th) = r.get("rope_theta").and_then(Value::as_f64) {
-            theta = th;
+    let mut r = Rope {
+        theta: t.f64_or("rope_theta", default_theta)?,
+        section: default_section.to_vec(),
+        interleaved: family.is_qwen3(),
+        partial_rotary_factor: t.f64_or(
+            "partial_rotary_factor",
+            if family == Family::Qwen35 { 0.25 } else { 1.0 },
+        )?,
+    };
+    if let Some(p) = rope {
+        if let Some(th) = p.get("rope_theta").and_then(Value::as_f64) {
+            r.theta = th;
         }
-        if let Some(s) = r.get("mrope_section") {
-            section =
+        if let Some(s) = p.get("mrope_section") {
+            r.section =
                 usize_list(s).ok_or_else(|| ConfigError::Field("rope mrope_section".into(), "list of integers"))?;
         }
-        if let Some(b) = r.get("mrope_interleaved").and_then(Value::as_bool) {
-            interleaved = b;
+        if let Some(b) = p.get("mrope_interleaved").and_then(Value::as_bool) {
+            r.interleaved = b;
+        }
+        if let Some(f) = p.get("partial_rotary_factor").and_then(Value::as_f64) {
+            r.partial_rotary_factor = f;
         }
     }
-    Ok((theta, section, interleaved))
+    Ok(r)
+}
+
+/// Qwen3.5's `layer_types` (or, without them, every `full_attention_interval`-th layer full
+/// attention, as transformers fills them in) and Gated DeltaNet sizes.
+fn linear_attention(t: &Fields<'_>, layers: usize) -> Result<LinearAttention, ConfigError> {
+    let layer_types = match t.get("layer_types") {
+        Some(Value::Array(kinds)) => kinds
+            .iter()
+            .map(|k| match k.as_str() {
+                Some("full_attention") => Ok(LayerKind::FullAttention),
+                Some("linear_attention") => Ok(LayerKind::LinearAttention),
+                _ => Err(ConfigError::Field(
+                    "text_config.layer_types".into(),
+                    "list of \"full_attention\" / \"linear_attention\"",
+                )),
+            })
+            .collect::<Result<Vec<_>, _>>()?,
+        Some(_) => return Err(ConfigError::Field("text_config.layer_types".into(), "list of strings")),
+        None => {
+            let interval = t.usize_or("full_attention_interval", 4)?.max(1);
+            (0..layers)
+                .map(|i| match (i + 1) % interval {
+                    0 => LayerKind::FullAttention,
+                    _ => LayerKind::LinearAttention,
+                })
+                .collect()
+        }
+    };
+    if layer_types.len() != layers {
+        return Err(ConfigError::Invalid(format!(
+            "layer_types lists {} layers, num_hidden_layers is {layers}",
+            layer_types.len()
+        )));
+    }
+    Ok(LinearAttention {
+        layer_types,
+        conv_kernel: t.usize_or("linear_conv_kernel_dim", 4)?,
+        num_key_heads: t.usize_or("linear_num_key_heads", 16)?,
+        num_value_heads: t.usize_or("linear_num_value_heads", 32)?,
+        key_head_dim: t.usize_or("linear_key_head_dim", 128)?,
+        value_head_dim: t.usize_or("linear_value_head_dim", 128)?,
+        ssm_dtype: t.get("mamba_ssm_dtype").and_then(Value::as_str).and_then(DType::parse),
+    })
 }
 
 fn parse_text(family: Family, t: &Fields<'_>) -> Result<TextConfig, ConfigError> {
@@ -699,7 +879,13 @@ fn parse_text(family: Family, t: &Fields<'_>) -> Result<TextConfig, ConfigError>
         None if num_attention_heads > 0 => hidden_size / num_attention_heads,
         None => 0,
     };
-    let (rope_theta, mrope_section, mrope_interleaved) = rope_settings(t, family)?;
+    let rope = rope_settings(t, family)?;
+    if !(rope.partial_rotary_factor > 0.0 && rope.partial_rotary_factor <= 1.0) {
+        return Err(ConfigError::Invalid(format!(
+            "partial_rotary_factor {} is not in (0, 1]",
+            rope.partial_rotary_factor
+        )));
+    }
     let moe = if family == Family::Qwen3VlMoe {
         Some(MoeConfig {
             num_experts: t.usize("num_experts")?,
@@ -709,22 +895,30 @@ fn parse_text(family: Family, t: &Fields<'_>) -> Result<TextConfig, ConfigError>
     } else {
         None
     };
+    let num_hidden_layers = t.usize("num_hidden_layers")?;
+    let linear = match family {
+        Family::Qwen35 => Some(linear_attention(t, num_hidden_layers)?),
+        _ => None,
+    };
     Ok(TextConfig {
         hidden_size,
         intermediate_size: t.usize("intermediate_size")?,
-        num_hidden_layers: t.usize("num_hidden_layers")?,
+        num_hidden_layers,
         num_attention_heads,
         num_key_value_heads,
         head_dim,
         vocab_size: t.usize("vocab_size")?,
         max_position_embeddings: t.usize("max_position_embeddings")?,
         rms_norm_eps: t.f64_or("rms_norm_eps", 1e-6)?,
-        rope_theta,
-        mrope_section,
-        mrope_interleaved,
+        rope_theta: rope.theta,
+        mrope_section: rope.section,
+        mrope_interleaved: rope.interleaved,
         attention_bias: t.bool_or("attention_bias", !family.is_qwen3())?,
         qk_norm: family.is_qwen3(),
         moe,
+        // transformers: `int(head_dim * partial_rotary_factor)`.
+        rotary_dim: (head_dim as f64 * rope.partial_rotary_factor) as usize,
+        linear,
     })
 }
 
@@ -774,7 +968,7 @@ fn parse_vision(family: Family, v: &Fields<'_>, text_hidden: usize) -> Result<Vi
             merger: VisionMerger::Sequential,
             patch_bias: false,
         },
-        Family::Qwen3Vl | Family::Qwen3VlMoe => VisionConfig {
+        Family::Qwen3Vl | Family::Qwen3VlMoe | Family::Qwen35 => VisionConfig {
             depth: v.usize_or("depth", 27)?,
             hidden_size: v.usize_or("hidden_size", 1152)?,
             intermediate_size: v.usize_or("intermediate_size", 4304)?,
@@ -786,7 +980,11 @@ fn parse_vision(family: Family, v: &Fields<'_>, text_hidden: usize) -> Result<Vi
             in_channels: v.usize_or("in_channels", 3)?,
             window_size: 0,
             fullatt_block_indexes: Vec::new(),
-            deepstack_visual_indexes: v.usize_list_or("deepstack_visual_indexes", &[8, 16, 24])?,
+            // Qwen3.5's tower has no deepstack mergers.
+            deepstack_visual_indexes: match family {
+                Family::Qwen35 => Vec::new(),
+                _ => v.usize_list_or("deepstack_visual_indexes", &[8, 16, 24])?,
+            },
             num_position_embeddings: v.usize_or("num_position_embeddings", 2304)?,
             tokens_per_second: 0,
             norm: VisionNorm::LayerNorm,
@@ -924,7 +1122,8 @@ mod tests {
     fn every_bundled_config_parses() {
         for (name, _) in BUNDLED_CONFIGS {
             let cfg = bundled_config(name).unwrap_or_else(|e| panic!("{name}: {e}"));
-            assert_eq!(cfg.text.head_dim, 128, "{name}");
+            let head_dim = if cfg.family == Family::Qwen35 { 256 } else { 128 };
+            assert_eq!(cfg.text.head_dim, head_dim, "{name}");
             assert_eq!(cfg.dtype, DType::Bf16, "{name}");
         }
     }
@@ -1010,7 +1209,7 @@ mod tests {
             serde_json::json!([u64::MAX, 2]),
         )
         .unwrap_err();
-        assert!(err.contains("does not sum to head_dim/2"), "{err}");
+        assert!(err.contains("does not sum to rotary_dim/2"), "{err}");
         for (pointer, value, needle) in [
             (
                 "/vision_config/patch_size",

@@ -74,6 +74,9 @@ pub fn export(
         ));
     }
     let cfg = ModelConfig::from_value(ckpt.config).map_err(|e| GgufError(format!("config.json: {e}")))?;
+    if cfg.text.linear.is_some() {
+        return err("Qwen3.5 (qwen3_5) checkpoints are not written as GGUF yet: convert them with llama.cpp's convert_hf_to_gguf.py");
+    }
     let vision = cfg.vision.as_ref().ok_or_else(|| {
         GgufError("config.json has no vision_config: kvlens writes a text model with its projector".into())
     })?;
@@ -247,7 +250,7 @@ fn mmproj_metadata(
             w.meta("clip.vision.n_wa_pattern", u32_of(pattern));
             w.meta("clip.vision.attention.layer_norm_epsilon", eps);
         }
-        Family::Qwen3Vl | Family::Qwen3VlMoe => {
+        Family::Qwen3Vl | Family::Qwen3VlMoe | Family::Qwen35 => {
             w.meta("clip.projector_type", s("qwen3vl_merger"));
             w.meta("clip.use_gelu", MetaValue::Bool(true));
             w.meta("clip.vision.spatial_merge_size", u32_of(v.spatial_merge_size));

@@ -12,7 +12,9 @@
 //! layers split by input columns with their biases replicated, K/V heads replicated when there are
 //! fewer than ranks, norms and the patch embedding replicated.
 
-use crate::arch::config::{DType, ModelConfig, VisionConfig, VisionMerger, VisionMlp, VisionNorm};
+use crate::arch::config::{
+    DType, Family, LayerKind, LinearAttention, ModelConfig, VisionConfig, VisionMerger, VisionMlp, VisionNorm,
+};
 
 /// Which part of the model a tensor belongs to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
@@ -47,6 +49,11 @@ pub enum Init {
     Normal,
     /// `1 + small noise`: norm weights.
     NormWeight,
+    /// Small noise around 0: Qwen3.5's zero-centred norm weights, which scale by `1 + w`.
+    ZeroCenteredNorm,
+    /// `ln U(0.01, 0.5)`: a Gated DeltaNet's `A_log`, so that its state decays slowly enough to
+    /// carry a random model's tokens across many positions.
+    DecayLog,
 }
 
 /// One tensor of the checkpoint.
@@ -200,12 +207,11 @@ pub enum TextMlpSpec {
     },
 }
 
-/// One decoder layer.
+/// Softmax attention of a decoder layer.
 #[derive(Debug, Clone)]
-pub struct LayerSpec {
-    /// RMSNorm before attention.
-    pub input_layernorm: TensorSpec,
-    /// Query projection.
+pub struct AttentionSpec {
+    /// Query projection; Qwen3.5's holds each head's query and its output gate side by side
+    /// (`[heads · 2 · head_dim, H]`).
     pub q: Projection,
     /// Key projection.
     pub k: Projection,
@@ -215,6 +221,47 @@ pub struct LayerSpec {
     pub o: TensorSpec,
     /// Per-head RMSNorm weights of q and k, when the decoder has them.
     pub qk_norm: Option<(TensorSpec, TensorSpec)>,
+}
+
+/// A Gated DeltaNet layer (Qwen3.5's `linear_attn`).
+#[derive(Debug, Clone)]
+pub struct DeltaNetSpec {
+    /// `in_proj_qkv [2·key_dim + value_dim, H]`.
+    pub in_proj_qkv: TensorSpec,
+    /// `in_proj_z [value_dim, H]`: the output gate.
+    pub in_proj_z: TensorSpec,
+    /// `in_proj_b [value_heads, H]`: the write strength β (after a sigmoid).
+    pub in_proj_b: TensorSpec,
+    /// `in_proj_a [value_heads, H]`: the decay's input.
+    pub in_proj_a: TensorSpec,
+    /// Depthwise causal conv1d `[conv_dim, 1, kernel]`, read on the host.
+    pub conv1d: TensorSpec,
+    /// `dt_bias [value_heads]`.
+    pub dt_bias: TensorSpec,
+    /// `A_log [value_heads]`.
+    pub a_log: TensorSpec,
+    /// Gated RMSNorm `[value_head_dim]` over each head's output.
+    pub norm: TensorSpec,
+    /// `out_proj [H, value_dim]`.
+    pub out_proj: TensorSpec,
+}
+
+/// What mixes tokens in a decoder layer.
+#[derive(Debug, Clone)]
+pub enum MixerSpec {
+    /// Attention over the KV cache.
+    Attention(AttentionSpec),
+    /// A Gated DeltaNet with a recurrent state.
+    DeltaNet(DeltaNetSpec),
+}
+
+/// One decoder layer.
+#[derive(Debug, Clone)]
+pub struct LayerSpec {
+    /// RMSNorm before the mixer.
+    pub input_layernorm: TensorSpec,
+    /// Attention or Gated DeltaNet.
+    pub mixer: MixerSpec,
     /// The MLP.
     pub mlp: TextMlpSpec,
     /// RMSNorm before the MLP.
@@ -265,6 +312,8 @@ struct Builder<'a> {
     part: Part,
     /// Whether the tensors created now are read to the host ([`TensorSpec::host`]).
     host: bool,
+    /// How the decoder's RMSNorm weights are drawn (Qwen3.5's scale by `1 + w`).
+    norm_init: Init,
 }
 
 impl<'a> Builder<'a> {
@@ -274,6 +323,10 @@ impl<'a> Builder<'a> {
             dtype: cfg.dtype,
             part,
             host: false,
+            norm_init: match cfg.family {
+                Family::Qwen35 => Init::ZeroCenteredNorm,
+                _ => Init::NormWeight,
+            },
         }
     }
 
@@ -298,6 +351,12 @@ impl<'a> Builder<'a> {
     }
 
     /// A norm weight `[dim]`, replicated.
+    /// A decoder RMSNorm weight `[dim]`, replicated, drawn as the family's norms are.
+    fn decoder_norm(&mut self, prefix: &str, dim: usize, group: &'static str) -> TensorSpec {
+        let init = self.norm_init;
+        self.tensor(format!("{prefix}.weight"), &[dim], Shard::Replicated, group, init)
+    }
+
     fn norm_weight(&mut self, prefix: &str, dim: usize, group: &'static str) -> TensorSpec {
         self.tensor(
             format!("{prefix}.weight"),
@@ -494,34 +553,49 @@ fn text(cfg: &ModelConfig, out: &mut Vec<TensorSpec>) -> TextSpec {
     let mut layers = Vec::with_capacity(t.num_hidden_layers);
     for n in 0..t.num_hidden_layers {
         let k = format!("{p}.layers.{n}");
-        let a = format!("{k}.self_attn");
-        let bias = t.attention_bias;
+        let input_layernorm = b.decoder_norm(&format!("{k}.input_layernorm"), h, "layers.norm");
+        let mixer = match (t.layer_kind(n), &t.linear) {
+            (LayerKind::LinearAttention, Some(l)) => MixerSpec::DeltaNet(delta_net(&mut b, &k, h, l)),
+            _ => {
+                let a = format!("{k}.self_attn");
+                let bias = t.attention_bias;
+                // Qwen3.5's query projection also yields each head's output gate.
+                let q_rows = if cfg.family == Family::Qwen35 {
+                    2 * nq * hd
+                } else {
+                    nq * hd
+                };
+                MixerSpec::Attention(AttentionSpec {
+                    q: b.projection(&format!("{a}.q_proj"), q_rows, h, bias, Split(0), "layers.q_proj"),
+                    k: b.projection(
+                        &format!("{a}.k_proj"),
+                        nkv * hd,
+                        h,
+                        bias,
+                        KvHeads(nkv),
+                        "layers.kv_proj",
+                    ),
+                    v: b.projection(
+                        &format!("{a}.v_proj"),
+                        nkv * hd,
+                        h,
+                        bias,
+                        KvHeads(nkv),
+                        "layers.kv_proj",
+                    ),
+                    o: b.weight(&format!("{a}.o_proj"), &[h, nq * hd], Split(1), "layers.o_proj"),
+                    qk_norm: t.qk_norm.then(|| {
+                        (
+                            b.decoder_norm(&format!("{a}.q_norm"), hd, "layers.qk_norm"),
+                            b.decoder_norm(&format!("{a}.k_norm"), hd, "layers.qk_norm"),
+                        )
+                    }),
+                })
+            }
+        };
         layers.push(LayerSpec {
-            input_layernorm: b.norm_weight(&format!("{k}.input_layernorm"), h, "layers.norm"),
-            q: b.projection(&format!("{a}.q_proj"), nq * hd, h, bias, Split(0), "layers.q_proj"),
-            k: b.projection(
-                &format!("{a}.k_proj"),
-                nkv * hd,
-                h,
-                bias,
-                KvHeads(nkv),
-                "layers.kv_proj",
-            ),
-            v: b.projection(
-                &format!("{a}.v_proj"),
-                nkv * hd,
-                h,
-                bias,
-                KvHeads(nkv),
-                "layers.kv_proj",
-            ),
-            o: b.weight(&format!("{a}.o_proj"), &[h, nq * hd], Split(1), "layers.o_proj"),
-            qk_norm: t.qk_norm.then(|| {
-                (
-                    b.norm_weight(&format!("{a}.q_norm"), hd, "layers.qk_norm"),
-                    b.norm_weight(&format!("{a}.k_norm"), hd, "layers.qk_norm"),
-                )
-            }),
+            input_layernorm,
+            mixer,
             mlp: match &t.moe {
                 None => TextMlpSpec::Dense {
                     gate: b.weight(&format!("{k}.mlp.gate_proj"), &[i, h], Split(0), "layers.mlp"),
@@ -550,10 +624,10 @@ fn text(cfg: &ModelConfig, out: &mut Vec<TensorSpec>) -> TextSpec {
                     }
                 }
             },
-            post_attention_layernorm: b.norm_weight(&format!("{k}.post_attention_layernorm"), h, "layers.norm"),
+            post_attention_layernorm: b.decoder_norm(&format!("{k}.post_attention_layernorm"), h, "layers.norm"),
         });
     }
-    let norm = b.norm_weight(&format!("{p}.norm"), h, "norm");
+    let norm = b.decoder_norm(&format!("{p}.norm"), h, "norm");
     b.part = Part::LmHead;
     let lm_head = (!cfg.tie_word_embeddings).then(|| b.weight("lm_head", &[t.vocab_size, h], Split(0), "lm_head"));
     TextSpec {
@@ -561,6 +635,58 @@ fn text(cfg: &ModelConfig, out: &mut Vec<TensorSpec>) -> TextSpec {
         layers,
         norm,
         lm_head,
+    }
+}
+
+/// The tensors of Gated DeltaNet layer `k` (vLLM splits its projections by output rows, and
+/// `out_proj` by input columns, as it does attention's).
+fn delta_net(b: &mut Builder<'_>, k: &str, h: usize, l: &LinearAttention) -> DeltaNetSpec {
+    use Shard::Split;
+    let a = format!("{k}.linear_attn");
+    let (nv, vd) = (l.num_value_heads, l.value_dim());
+    let in_proj_qkv = b.weight(
+        &format!("{a}.in_proj_qkv"),
+        &[l.conv_dim(), h],
+        Split(0),
+        "layers.gdn_in",
+    );
+    let in_proj_z = b.weight(&format!("{a}.in_proj_z"), &[vd, h], Split(0), "layers.gdn_in");
+    let in_proj_b = b.weight(&format!("{a}.in_proj_b"), &[nv, h], Split(0), "layers.gdn_in");
+    let in_proj_a = b.weight(&format!("{a}.in_proj_a"), &[nv, h], Split(0), "layers.gdn_in");
+    b.host = true;
+    let conv1d = b.weight(
+        &format!("{a}.conv1d"),
+        &[l.conv_dim(), 1, l.conv_kernel],
+        Split(0),
+        "layers.gdn_in",
+    );
+    b.host = false;
+    let dt_bias = b.tensor(
+        format!("{a}.dt_bias"),
+        &[nv],
+        Split(0),
+        "layers.gdn_heads",
+        Init::Normal,
+    );
+    let a_log = b.tensor(
+        format!("{a}.A_log"),
+        &[nv],
+        Split(0),
+        "layers.gdn_heads",
+        Init::DecayLog,
+    );
+    let norm = b.norm_weight(&format!("{a}.norm"), l.value_head_dim, "layers.gdn_norm");
+    let out_proj = b.weight(&format!("{a}.out_proj"), &[h, vd], Split(1), "layers.gdn_out");
+    DeltaNetSpec {
+        in_proj_qkv,
+        in_proj_z,
+        in_proj_b,
+        in_proj_a,
+        conv1d,
+        dt_bias,
+        a_log,
+        norm,
+        out_proj,
     }
 }
 

@@ -5,13 +5,15 @@
 mod attention;
 mod bf16_gemm;
 mod block_dot;
+mod delta_net;
 mod isa;
 mod packed;
 mod segment_attention;
 mod vector_math;
 
 use super::{
-    ready, Activation, BResult, Backend, BackendError, KvLayout, PagedBatch, RawDType, RawTensor, Readback, TableWrite,
+    ready, Activation, BResult, Backend, BackendError, DeltaNetInput, KvLayout, PagedBatch, RawDType, RawTensor,
+    Readback, StateLayout, StateSeq, TableWrite,
 };
 use crate::arch::weight_format::WeightFormat;
 use crate::memory::ledger::{Category, Held, MemoryLedger};
@@ -284,6 +286,7 @@ impl Backend for CpuBackend {
     type BlockTables = CpuBlockTables;
     type Paged = CpuPaged;
     type Segments = Vec<(usize, usize)>;
+    type StateCache = delta_net::CpuStates;
 
     const CAPABILITIES: super::Capabilities = super::Capabilities {
         compute: crate::arch::config::DType::F32,
@@ -534,6 +537,57 @@ impl Backend for CpuBackend {
         self.act(f())
     }
 
+    fn rope_partial(&self, x: &CpuTensor, cos: &CpuTensor, sin: &CpuTensor, head_dim: usize) -> BResult<CpuTensor> {
+        let (n, cols) = dims2(&x.t)?;
+        let (rows, r) = dims2(&cos.t)?;
+        if rows != n
+            || dims2(&sin.t)? != (rows, r)
+            || r % 2 != 0
+            || r > head_dim
+            || head_dim == 0
+            || cols % head_dim != 0
+        {
+            return Err(BackendError::Shape(format!(
+                "partial rotary of width {r} over {n}×{cols} in heads of {head_dim}"
+            )));
+        }
+        let mut values = Self::host(x)?;
+        delta_net::rope_partial(&mut values, &Self::host(cos)?, &Self::host(sin)?, n, head_dim);
+        self.upload(values, &[n, cols])
+    }
+
+    fn sigmoid_mul(&self, gate: &CpuTensor, x: &CpuTensor) -> BResult<CpuTensor> {
+        self.elementwise(Elementwise::SigmoidTimes, gate, Some(x))
+    }
+
+    fn alloc_states(&self, layout: StateLayout) -> BResult<delta_net::CpuStates> {
+        Ok(delta_net::CpuStates::new(layout, &self.ledger))
+    }
+
+    fn gated_delta_net(
+        &self,
+        states: &mut delta_net::CpuStates,
+        layer: usize,
+        input: DeltaNetInput<'_, CpuTensor>,
+        seqs: &[StateSeq],
+    ) -> BResult<CpuTensor> {
+        let [qkv, a, b, conv, a_log, dt_bias] =
+            [input.qkv, input.a, input.b, input.conv, input.a_log, input.dt_bias].map(Self::host);
+        let (qkv, a, b, conv, a_log, dt_bias) = (qkv?, a?, b?, conv?, a_log?, dt_bias?);
+        let inputs = delta_net::Inputs {
+            qkv: &qkv,
+            a: &a,
+            b: &b,
+            conv: &conv,
+            a_log: &a_log,
+            dt_bias: &dt_bias,
+        };
+        let rows = qkv.len() / states.layout.conv_dim.max(1);
+        let width = states.layout.heads * states.layout.value_dim;
+        let out = delta_net::run(states, layer, &inputs, seqs).map_err(BackendError::Shape)?;
+        self.upload(out, &[rows, width])
+    }
+
     fn narrow_cols(&self, x: &CpuTensor, start: usize, len: usize) -> BResult<CpuTensor> {
         self.act(x.t.narrow(1, start, len).and_then(|t| t.contiguous()))
     }
@@ -713,5 +767,5 @@ impl Backend for CpuBackend {
 #[cfg(test)]
 mod tests {
     crate::backend_suite!(super::CpuBackend::default());
-    crate::golden_suite!(crate::backend::cpu::CpuBackend::default());
+    crate::golden_suite!(crate::backend::cpu::CpuBackend::default(), hybrid);
 }

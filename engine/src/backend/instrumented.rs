@@ -2,7 +2,10 @@
 //! every read back until the test releases it, the way a GPU read completes only when the browser's
 //! event loop runs. Every operation is the wrapped backend's.
 
-use super::{Activation, BResult, Backend, KvLayout, PagedBatch, RawTensor, Readback, TableWrite};
+use super::{
+    Activation, BResult, Backend, DeltaNetInput, KvLayout, PagedBatch, RawTensor, Readback, StateLayout, StateSeq,
+    TableWrite,
+};
 use crate::memory::ledger::{Category, MemoryLedger};
 use crate::sample::DeviceSampling;
 use std::future::Future;
@@ -118,6 +121,7 @@ impl<B: Backend> Backend for Instrumented<B> {
     type BlockTables = B::BlockTables;
     type Paged = B::Paged;
     type Segments = B::Segments;
+    type StateCache = B::StateCache;
 
     const CAPABILITIES: super::Capabilities = B::CAPABILITIES;
 
@@ -208,6 +212,30 @@ impl<B: Backend> Backend for Instrumented<B> {
     }
     fn rope(&self, x: &Self::Tensor, cos: &Self::Tensor, sin: &Self::Tensor) -> BResult<Self::Tensor> {
         self.inner.rope(x, cos, sin)
+    }
+    fn rope_partial(
+        &self,
+        x: &Self::Tensor,
+        cos: &Self::Tensor,
+        sin: &Self::Tensor,
+        head_dim: usize,
+    ) -> BResult<Self::Tensor> {
+        self.inner.rope_partial(x, cos, sin, head_dim)
+    }
+    fn sigmoid_mul(&self, gate: &Self::Tensor, x: &Self::Tensor) -> BResult<Self::Tensor> {
+        self.inner.sigmoid_mul(gate, x)
+    }
+    fn alloc_states(&self, layout: StateLayout) -> BResult<Self::StateCache> {
+        self.inner.alloc_states(layout)
+    }
+    fn gated_delta_net(
+        &self,
+        states: &mut Self::StateCache,
+        layer: usize,
+        input: DeltaNetInput<'_, Self::Tensor>,
+        seqs: &[StateSeq],
+    ) -> BResult<Self::Tensor> {
+        self.inner.gated_delta_net(states, layer, input, seqs)
     }
     fn narrow_cols(&self, x: &Self::Tensor, start: usize, len: usize) -> BResult<Self::Tensor> {
         self.inner.narrow_cols(x, start, len)

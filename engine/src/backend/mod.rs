@@ -41,6 +41,16 @@ pub enum BackendError {
         /// What reads it instead.
         what: &'static str,
     },
+    /// An operation this backend has no kernel for yet.
+    #[error("the {backend} backend has no {op} kernel yet ({what})")]
+    Missing {
+        /// The backend's name.
+        backend: &'static str,
+        /// The operation.
+        op: &'static str,
+        /// What runs it instead.
+        what: &'static str,
+    },
     /// A failure planted by [`crate::fault`].
     #[error("injected fault: {0}")]
     Injected(String),
@@ -212,6 +222,93 @@ impl KvLayout {
     }
 }
 
+/// Geometry of a hybrid model's state cache: per Gated DeltaNet layer and slot, a conv window
+/// `[conv_len, conv_dim]` and a recurrent state `[heads, key_dim, value_dim]` (vLLM's
+/// `gated_delta_net_state_shape`, both kept in f32 here).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StateLayout {
+    /// Gated DeltaNet layers.
+    pub layers: usize,
+    /// Slots: requests that can run at once (one per block-table row).
+    pub slots: usize,
+    /// Conv channels: q, k and v side by side.
+    pub conv_dim: usize,
+    /// Past inputs the conv keeps: its kernel width less one.
+    pub conv_len: usize,
+    /// Query/key heads.
+    pub key_heads: usize,
+    /// Value heads (each key head serves `heads / key_heads` of them).
+    pub heads: usize,
+    /// Per-head query/key width.
+    pub key_dim: usize,
+    /// Per-head value width.
+    pub value_dim: usize,
+}
+
+impl StateLayout {
+    /// The layout of `linear` for `slots` requests.
+    pub fn of(linear: &crate::arch::config::LinearAttention, slots: usize) -> Self {
+        StateLayout {
+            layers: linear.layers(),
+            slots,
+            conv_dim: linear.conv_dim(),
+            conv_len: linear.conv_kernel - 1,
+            key_heads: linear.num_key_heads,
+            heads: linear.num_value_heads,
+            key_dim: linear.key_head_dim,
+            value_dim: linear.value_head_dim,
+        }
+    }
+
+    /// Values of one slot in one layer: (conv window, recurrent state).
+    pub fn slot_values(&self) -> (usize, usize) {
+        (
+            self.conv_len * self.conv_dim,
+            self.heads * self.key_dim * self.value_dim,
+        )
+    }
+
+    /// Bytes of every layer's slots at `elem_bytes` per value.
+    pub fn bytes(&self, elem_bytes: u64) -> u64 {
+        let (conv, rec) = self.slot_values();
+        (self.layers * self.slots * (conv + rec)) as u64 * elem_bytes
+    }
+}
+
+/// One sequence's rows in a [`Backend::gated_delta_net`] call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StateSeq {
+    /// First row of the sequence in the inputs.
+    pub start: usize,
+    /// Its rows (new tokens this step).
+    pub len: usize,
+    /// Its slot in the state cache.
+    pub slot: usize,
+    /// The sequence starts here (its first token is position 0): its slot is zeroed first.
+    pub fresh: bool,
+}
+
+/// The inputs of one Gated DeltaNet layer, after its projections.
+#[derive(Debug, Clone, Copy)]
+pub struct DeltaNetInput<'a, T> {
+    /// `in_proj_qkv`'s output `[n, conv_dim]`, before the conv.
+    pub qkv: &'a T,
+    /// `in_proj_a`'s output `[n, heads]`.
+    pub a: &'a T,
+    /// `in_proj_b`'s output `[n, heads]`.
+    pub b: &'a T,
+    /// The depthwise conv kernel `[conv_dim, conv_len + 1]`.
+    pub conv: &'a T,
+    /// `A_log [heads]`.
+    pub a_log: &'a T,
+    /// `dt_bias [heads]`.
+    pub dt_bias: &'a T,
+}
+
+/// The state cache of a backend without Gated DeltaNet kernels.
+#[derive(Debug)]
+pub struct NoStates;
+
 /// A compute backend by name, as `--backend` takes it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "lowercase")]
@@ -356,6 +453,9 @@ pub trait Backend: std::fmt::Debug + 'static {
     type Paged: std::fmt::Debug;
     /// The vision tower's attention segments as the backend's kernels read them.
     type Segments: std::fmt::Debug;
+    /// Hybrid models' per-request states ([`StateLayout`]); [`NoStates`] on a backend without
+    /// Gated DeltaNet kernels.
+    type StateCache: std::fmt::Debug;
 
     /// What this backend can do.
     const CAPABILITIES: Capabilities;
@@ -470,6 +570,52 @@ pub trait Backend: std::fmt::Debug + 'static {
         heads: usize,
         batch: &Self::Paged,
     ) -> BResult<Self::Tensor>;
+
+    /// Rotary embedding of the first `cos.cols` values of each head of `head_dim` in
+    /// `x [n, heads·head_dim]` (rotate-half over those values; the rest pass unchanged), as
+    /// Qwen3.5's partial rotary does.
+    fn rope_partial(
+        &self,
+        x: &Self::Tensor,
+        cos: &Self::Tensor,
+        sin: &Self::Tensor,
+        head_dim: usize,
+    ) -> BResult<Self::Tensor> {
+        match self.shape(cos).get(1) {
+            Some(&d) if d == head_dim => self.rope(x, cos, sin),
+            _ => Err(self.missing("partial rotary")),
+        }
+    }
+    /// `x ⊙ σ(gate)` (same shape): Qwen3.5's attention output gate.
+    fn sigmoid_mul(&self, _gate: &Self::Tensor, _x: &Self::Tensor) -> BResult<Self::Tensor> {
+        Err(self.missing("sigmoid gate"))
+    }
+    /// Allocates a zeroed state cache (recorded as state_cache).
+    fn alloc_states(&self, _layout: StateLayout) -> BResult<Self::StateCache> {
+        Err(self.missing("Gated DeltaNet state"))
+    }
+    /// One Gated DeltaNet layer's recurrence over each sequence's rows, continuing from and
+    /// updating its slot of `states`: the causal conv1d over the slot's window and the new rows,
+    /// SiLU, q/k L2-normalised, the decay `g = −exp(A_log)·softplus(a + dt_bias)` and write strength
+    /// `β = σ(b)`, then per value head `S ← exp(g)·S; S ← S + k ⊗ β(v − Sᵀk); o = Sᵀq/√key_dim`
+    /// (transformers' `torch_recurrent_gated_delta_rule`). Returns `o [n, heads·value_dim]`.
+    fn gated_delta_net(
+        &self,
+        _states: &mut Self::StateCache,
+        _layer: usize,
+        _input: DeltaNetInput<'_, Self::Tensor>,
+        _seqs: &[StateSeq],
+    ) -> BResult<Self::Tensor> {
+        Err(self.missing("Gated DeltaNet"))
+    }
+    /// The error of an operation this backend has no kernel for.
+    fn missing(&self, op: &'static str) -> BackendError {
+        BackendError::Missing {
+            backend: self.name(),
+            op,
+            what: "Qwen3.5 runs on the CPU backend for now",
+        }
+    }
 
     /// Samples one token per row of `logits [rows, vocab]` as `rows[i]` says, where the logits
     /// are: `[rows, 2]` holding the token id (as f32, exact below 2²⁴) and its log-probability

@@ -145,7 +145,28 @@ pub async fn build_engine(
             log_lines,
         });
     }
-    let num_blocks = usize::try_from(p.num_gpu_blocks).map_err(|_| BuildError::Plan("KV cache too large".into()))?;
+    let mut num_blocks =
+        usize::try_from(p.num_gpu_blocks).map_err(|_| BuildError::Plan("KV cache too large".into()))?;
+    if let Some(h) = &p.hybrid {
+        // vLLM hands a request's states blocks from the KV pool; kvlens keeps them in a pool of
+        // `max_num_seqs` slots and gives up the KV blocks whose memory that pool takes.
+        let reserved = h.blocks_for_states(p.max_num_seqs, p.page_size_bytes) as usize;
+        log_lines.push(format!(
+            "kvlens keeps the Gated DeltaNet states of {} requests in a pool of their own: {} GiB, the memory of {reserved} of the {num_blocks} KV cache blocks",
+            p.max_num_seqs,
+            gib(h.state_pool_bytes(p.max_num_seqs))
+        ));
+        num_blocks = num_blocks.saturating_sub(reserved);
+        if num_blocks < 2 {
+            return Err(BuildError::Budget {
+                error: format!(
+                    "No available memory for the cache blocks once the states of {} requests are kept. Try decreasing `max_num_seqs` or increasing `gpu_memory_utilization`.",
+                    p.max_num_seqs
+                ),
+                log_lines,
+            });
+        }
+    }
     let cfg = EngineConfig {
         num_blocks,
         block_size: p.block_size,

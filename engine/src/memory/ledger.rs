@@ -13,6 +13,9 @@ pub enum Category {
     Weights,
     /// The paged KV cache.
     KvCache,
+    /// Hybrid models' per-request recurrent states (Qwen3.5's Gated DeltaNet conv windows and
+    /// delta-rule states), one slot per request that can run at once.
+    StateCache,
     /// Vision-encoder outputs kept for reuse.
     EncoderCache,
     /// Transient tensors of a forward pass.
@@ -26,9 +29,10 @@ pub enum Category {
 
 impl Category {
     /// Every category, in display order.
-    pub const ALL: [Category; 6] = [
+    pub const ALL: [Category; 7] = [
         Category::Weights,
         Category::KvCache,
+        Category::StateCache,
         Category::EncoderCache,
         Category::Activations,
         Category::Staging,

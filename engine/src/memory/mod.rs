@@ -2,6 +2,7 @@
 //! and readers of what vLLM prints: its start-up log and its `/metrics`.
 
 pub mod device;
+pub mod hybrid;
 pub mod ledger;
 pub mod log_budget;
 pub mod plan_inputs;

@@ -8,6 +8,7 @@
 //! estimates when given.
 
 use super::device::DeviceProfile;
+use super::hybrid::HybridLayout;
 use super::weights::weight_bytes_per_rank;
 use crate::arch::config::{DType, Family, ImageLimits, ModelConfig};
 use crate::arch::weight_format::WeightFormat;
@@ -236,6 +237,9 @@ pub struct Plan {
     pub max_num_seqs: usize,
     /// Effective block size.
     pub block_size: usize,
+    /// `--block-size` as given (None: the device's default, or for a hybrid model the smallest
+    /// block whose page holds a state).
+    pub requested_block_size: Option<usize>,
     /// Weights dtype.
     pub dtype: DType,
     /// KV cache dtype.
@@ -310,6 +314,8 @@ pub struct Plan {
     pub total_source: Option<Source>,
     /// Where the requested figure came from (normally derived: `total × util`).
     pub requested_source: Source,
+    /// A hybrid model's state layout (Qwen3.5); None when every layer is full attention.
+    pub hybrid: Option<HybridLayout>,
 }
 
 /// `ceil(a / b)`.
@@ -332,7 +338,7 @@ pub fn max_tokens_per_video(model: &ModelConfig, limits: ImageLimits, max_model_
     let Some(v) = &model.vision else { return 0 };
     let f = v.image_factor() as u64;
     match model.family {
-        Family::Qwen3Vl | Family::Qwen3VlMoe => {
+        Family::Qwen3Vl | Family::Qwen3VlMoe | Family::Qwen35 => {
             (QWEN3_VIDEO_MAX_PIXELS / v.temporal_patch_size as u64 / (f * f)) as usize
         }
         Family::Qwen2Vl | Family::Qwen25Vl => {
@@ -457,9 +463,8 @@ pub fn plan(req: &PlanRequest) -> Result<Plan, PlanError> {
         ));
     }
     req.image_limits.check().map_err(PlanError::Invalid)?;
-    let block_size = req.block_size.unwrap_or_else(|| req.device.default_block_size());
-    if block_size == 0 || block_size > 1024 {
-        return invalid(format!("--block-size must be between 1 and 1024, got {block_size}"));
+    if let Some(b) = req.block_size.filter(|&b| b == 0 || b > 1024) {
+        return invalid(format!("--block-size must be between 1 and 1024, got {b}"));
     }
     let (default_mnbt, default_mns) = req.device.default_scheduler_limits();
     let mnbt = req.max_num_batched_tokens.unwrap_or(default_mnbt);
@@ -487,10 +492,21 @@ pub fn plan(req: &PlanRequest) -> Result<Plan, PlanError> {
     }
     let kv_dtype = req.kv_cache_dtype.unwrap_or(dtype);
     let act_bytes = dtype.size_bytes();
+    // A hybrid model's block holds a Gated DeltaNet state: vLLM raises the block size to fit it.
+    let hybrid = HybridLayout::of(t, tp, dtype, kv_dtype);
+    let block_size = match &hybrid {
+        Some(h) => h.block_size(req.block_size),
+        None => req.block_size.unwrap_or_else(|| req.device.default_block_size()),
+    };
 
     let kv_heads_per_rank = (nkv / tp).max(1);
     let page = 2 * block_size as u64 * kv_heads_per_rank as u64 * t.head_dim as u64 * kv_dtype.size_bytes();
-    let layers = t.num_hidden_layers;
+    // Blocks are counted per page in every layer of a KV cache group (all layers, without hybrid).
+    let layers = hybrid.as_ref().map_or(t.num_hidden_layers, |h| h.layers_per_group);
+    let needed_kv_bytes = match &hybrid {
+        Some(h) => h.bytes_per_request(max_len, block_size, page),
+        None => layers as u64 * cdiv(max_len as u64, block_size as u64) * page,
+    };
     let image_tokens = max_tokens_per_image(m, req.image_limits);
     let limits = req.limit_mm_per_prompt;
     let video_tokens = if limits.video > 0 {
@@ -518,6 +534,7 @@ pub fn plan(req: &PlanRequest) -> Result<Plan, PlanError> {
         max_num_batched_tokens: mnbt,
         max_num_seqs: mns,
         block_size,
+        requested_block_size: req.block_size,
         dtype,
         kv_cache_dtype: kv_dtype,
         quantization: req.quantization,
@@ -531,13 +548,13 @@ pub fn plan(req: &PlanRequest) -> Result<Plan, PlanError> {
         non_kv_bytes: 0,
         available_kv_bytes: 0,
         page_size_bytes: page,
-        kv_bytes_per_token: page / block_size as u64 * layers as u64,
+        kv_bytes_per_token: page / block_size as u64 * t.attention_layers() as u64,
         num_layers: layers,
         kv_heads_per_rank,
         num_gpu_blocks: 0,
         kv_cache_tokens: 0,
         max_concurrency: 0.0,
-        needed_kv_bytes: layers as u64 * cdiv(max_len as u64, block_size as u64) * page,
+        needed_kv_bytes,
         max_tokens_per_image: image_tokens,
         max_tokens_per_video: video_tokens,
         encoder_profile_modality: modality,
@@ -571,6 +588,7 @@ pub fn plan(req: &PlanRequest) -> Result<Plan, PlanError> {
         },
         total_source: None,
         requested_source: Source::Derived,
+        hybrid,
     };
     p.activation_peak_bytes = req
         .activation_peak_bytes
@@ -605,15 +623,29 @@ pub fn finish_kv(p: &mut Plan) {
     }
     let avail = p.available_kv_bytes as u64;
     p.num_gpu_blocks = avail / p.page_size_bytes / p.num_layers as u64;
-    p.kv_cache_tokens = p.num_gpu_blocks * bs;
-    p.max_concurrency = p.num_gpu_blocks as f64 / cdiv(p.max_model_len as u64, bs) as f64;
+    match &p.hybrid {
+        // vLLM 0.17 divides the pool by its groups as if each took a block per token, and counts
+        // a request's state blocks in its concurrency.
+        Some(h) => {
+            p.kv_cache_tokens = p.num_gpu_blocks / h.groups as u64 * bs;
+            p.max_concurrency = p.num_gpu_blocks as f64 / h.blocks_per_request(p.max_model_len, p.block_size) as f64;
+        }
+        None => {
+            p.kv_cache_tokens = p.num_gpu_blocks * bs;
+            p.max_concurrency = p.num_gpu_blocks as f64 / cdiv(p.max_model_len as u64, bs) as f64;
+        }
+    }
     p.fits = p.needed_kv_bytes <= avail;
     if p.fits {
         p.estimated_max_model_len = None;
         p.error = None;
         return;
     }
-    let w = ((avail / per_block_all_layers) * bs).min(p.max_model_len as u64) as usize;
+    let state_pages = p
+        .hybrid
+        .as_ref()
+        .map_or(0, |h| h.state_layers as u64 * p.page_size_bytes);
+    let w = ((avail.saturating_sub(state_pages) / per_block_all_layers) * bs).min(p.max_model_len as u64) as usize;
     p.estimated_max_model_len = Some(w);
     let based_on = if w > 0 {
         format!(" Based on the available memory, the estimated maximum model length is {w}.")
@@ -707,6 +739,9 @@ impl Plan {
             "Loading model weights took {:.4} GiB",
             self.weights_bytes as f64 / GIB
         )];
+        if let Some(h) = &self.hybrid {
+            lines.extend(h.log_lines(self.block_size, self.requested_block_size, self.page_size_bytes));
+        }
         match self.encoder_profile_modality {
             Some(m) => lines.push(format!(
                 "Encoder cache will be initialized with a budget of {} tokens, and profiled with {} {} items of the maximum feature size.",
@@ -867,6 +902,36 @@ mod tests {
             lines.contains(&"Maximum concurrency for 262,144 tokens per request: 2.46x".to_string()),
             "{lines:?}"
         );
+    }
+
+    #[test]
+    fn qwen3_5_27b_plans_states_and_kv_as_vllm_0_17() {
+        // 40 GiB for the cache on one H100, 262,144 tokens: 784-token blocks of 16 attention
+        // layers' pages (3,211,264 B each); 48 Gated DeltaNet layers dealt into 3 state groups.
+        let mut r = request("Qwen3.5-27B", "h100-80g");
+        r.kv_cache_memory_bytes = Some(40 << 30);
+        let p = plan(&r).unwrap();
+        assert_eq!((p.block_size, p.page_size_bytes, p.num_layers), (784, 3_211_264, 16));
+        assert_eq!(p.num_gpu_blocks, 835);
+        assert_eq!(p.kv_bytes_per_token, 16 * 4096);
+        let h = p.hybrid.as_ref().unwrap();
+        assert_eq!((h.groups, h.state_groups(), h.state_bytes()), (4, 3, 3_207_168));
+        // One request: 335 blocks in each attention layer and a padded page in each state layer.
+        assert_eq!(p.needed_kv_bytes, (16 * 335 + 48) * 3_211_264);
+        let lines = p.vllm_log_lines();
+        for want in [
+            "Setting attention block size to 784 tokens to ensure that attention page size is >= mamba page size.",
+            "Padding mamba page size by 0.13% to ensure that mamba page size and attention page size are exactly equal.",
+            "GPU KV cache size: 163,072 tokens",
+            "Maximum concurrency for 262,144 tokens per request: 2.47x",
+        ] {
+            assert!(lines.iter().any(|l| l == want), "{want:?} not in {lines:?}");
+        }
+        // Too little memory for one request: the estimate leaves room for the states.
+        r.kv_cache_memory_bytes = Some(8 << 30);
+        let p = plan(&r).unwrap();
+        let blocks = ((8u64 << 30) - 48 * 3_211_264) / (16 * 3_211_264);
+        assert_eq!(p.estimated_max_model_len, Some(blocks as usize * 784));
     }
 
     #[test]

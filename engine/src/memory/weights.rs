@@ -245,6 +245,28 @@ mod tests {
             622_329_856,
             235_670_022_896,
         ),
+        // Qwen3.5: transformers 5.24's `Qwen3_5ForConditionalGeneration` built from each config on
+        // the meta device (the checkpoints' multi-token-prediction layer, which vLLM loads only for
+        // speculative decoding, is not part of it).
+        ("Qwen3.5-0.8B", 100_592_896, 752_393_024, 254_279_680, 0, 852_985_920),
+        ("Qwen3.5-2B", 331_416_576, 1_881_825_088, 508_559_360, 0, 2_213_241_664),
+        ("Qwen3.5-4B", 333_514_240, 4_205_751_296, 635_699_200, 0, 4_539_265_536),
+        (
+            "Qwen3.5-9B",
+            456_010_480,
+            8_953_803_264,
+            1_017_118_720,
+            1_017_118_720,
+            9_409_813_744,
+        ),
+        (
+            "Qwen3.5-27B",
+            460_730_096,
+            26_895_998_464,
+            1_271_398_400,
+            1_271_398_400,
+            27_356_728_560,
+        ),
     ];
 
     #[test]

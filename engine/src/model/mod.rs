@@ -62,7 +62,7 @@ impl<B: Backend> QwenVl<B> {
             .transpose()?;
         let (n, bytes) = loader.progress();
         progress(n, bytes);
-        let text = TextModel::load(&cfg, &loader)?;
+        let text = TextModel::load(&cfg, &loader, be)?;
         let (n, bytes) = loader.progress();
         progress(n, bytes);
         Ok(QwenVl { cfg, vision, text })

@@ -106,6 +106,7 @@ impl RandomInit {
     fn write_tensor(&self, w: &mut impl Write, spec: &TensorSpec, progress: &mut impl FnMut(u64)) -> io::Result<()> {
         safetensors_dtype(spec.dtype)?;
         let mut normal = Normal::new(SplitMix64::for_tensor(self.seed, &spec.name));
+        let mut uniform = SplitMix64::for_tensor(self.seed ^ 0x5eed, &spec.name);
         let mut buf = Vec::with_capacity((CHUNK * spec.dtype.size_bytes()) as usize);
         let mut values = Vec::with_capacity(CHUNK as usize);
         let snap = self.exact_in.quantizes(&spec.shape);
@@ -115,10 +116,11 @@ impl RandomInit {
             buf.clear();
             values.clear();
             values.extend((0..n).map(|_| {
-                let z = normal.sample();
                 (match spec.init {
-                    Init::Normal => self.std * z,
-                    Init::NormWeight => 1.0 + NORM_NOISE * z,
+                    Init::Normal => self.std * normal.sample(),
+                    Init::NormWeight => 1.0 + NORM_NOISE * normal.sample(),
+                    Init::ZeroCenteredNorm => NORM_NOISE * normal.sample(),
+                    Init::DecayLog => (0.01 + 0.49 * uniform.uniform()).ln(),
                 }) as f32
             }));
             // Whole blocks: a chunk is a multiple of 32 values and so are the matrices' rows.

@@ -48,9 +48,10 @@ pub fn mrope_positions(len: usize, images: &[ImageSpan]) -> (Vec<[i64; 3]>, i64)
     (pos, max + 1 - len as i64)
 }
 
-/// cos/sin `[tokens, head_dim]` for the given position ids.
+/// cos/sin `[tokens, rotary_dim]` for the given position ids (the rotated part of each head:
+/// all of it but for Qwen3.5, which rotates a quarter).
 pub fn mrope_tables(cfg: &TextConfig, positions: &[[i64; 3]]) -> (Vec<f32>, Vec<f32>) {
-    let hd = cfg.head_dim;
+    let hd = cfg.rotary_dim;
     let half = hd / 2;
     let inv: Vec<f64> = (0..half)
         .map(|j| 1.0 / cfg.rope_theta.powf((2 * j) as f64 / hd as f64))

@@ -2,23 +2,60 @@
 //! transformers writes them: `Qwen2_5_VLTextModel` in
 //! <https://github.com/huggingface/transformers/blob/main/src/transformers/models/qwen2_5_vl/modeling_qwen2_5_vl.py>
 //! and `Qwen3VLTextModel` in
-//! <https://github.com/huggingface/transformers/blob/main/src/transformers/models/qwen3_vl/modeling_qwen3_vl.py>.
+//! <https://github.com/huggingface/transformers/blob/main/src/transformers/models/qwen3_vl/modeling_qwen3_vl.py>,
+//! and Qwen3.5's hybrid decoder (`Qwen3_5TextModel` in
+//! <https://github.com/huggingface/transformers/blob/main/src/transformers/models/qwen3_5/modular_qwen3_5.py>):
+//! Gated DeltaNet layers with a state per request, and every fourth layer gated full attention.
 
 use super::weights::{Loader, TensorSource};
 use super::ModelError;
-use crate::arch::config::{ModelConfig, TextConfig};
-use crate::arch::spec::{Projection, TextMlpSpec, TextSpec};
-use crate::backend::{Backend, BackendError};
+use crate::arch::config::{Family, ModelConfig, TextConfig};
+use crate::arch::spec::{AttentionSpec, DeltaNetSpec, MixerSpec, Projection, TensorSpec, TextMlpSpec, TextSpec};
+use crate::backend::{Backend, BackendError, DeltaNetInput, StateSeq};
+use crate::memory::ledger::Category;
 
+/// Softmax attention over the paged KV cache.
 #[derive(Debug)]
-struct Layer<B: Backend> {
-    input_norm: B::Tensor,
-    post_norm: B::Tensor,
+struct Attention<B: Backend> {
     q: (B::Weight, Option<B::Tensor>),
     k: (B::Weight, Option<B::Tensor>),
     v: (B::Weight, Option<B::Tensor>),
     o: B::Weight,
     qk_norm: Option<(B::Tensor, B::Tensor)>,
+    /// Qwen3.5: the query projection also yields a sigmoid gate on each head's output.
+    output_gate: bool,
+    /// Its layer in the KV cache (attention layers counted alone).
+    kv_layer: usize,
+}
+
+/// A Gated DeltaNet layer (Qwen3.5's `linear_attn`).
+#[derive(Debug)]
+struct DeltaNet<B: Backend> {
+    in_qkv: B::Weight,
+    in_z: B::Weight,
+    in_b: B::Weight,
+    in_a: B::Weight,
+    /// The conv kernel `[conv_dim, kernel]`.
+    conv: B::Tensor,
+    a_log: B::Tensor,
+    dt_bias: B::Tensor,
+    norm: B::Tensor,
+    out: B::Weight,
+    /// Its layer in the state cache (Gated DeltaNet layers counted alone).
+    state_layer: usize,
+}
+
+#[derive(Debug)]
+enum Mixer<B: Backend> {
+    Attention(Attention<B>),
+    DeltaNet(DeltaNet<B>),
+}
+
+#[derive(Debug)]
+struct Layer<B: Backend> {
+    input_norm: B::Tensor,
+    post_norm: B::Tensor,
+    mixer: Mixer<B>,
     gate: B::Weight,
     up: B::Weight,
     down: B::Weight,
@@ -29,7 +66,7 @@ struct Layer<B: Backend> {
 pub struct DecoderInput<'a, B: Backend> {
     /// Input embeddings `[tokens, H]` (token embeddings with image rows merged in).
     pub embeds: B::Tensor,
-    /// cos/sin `[tokens, head_dim]` from the M-RoPE positions.
+    /// cos/sin `[tokens, rotary_dim]` from the M-RoPE positions.
     pub cos: B::Tensor,
     /// See `cos`.
     pub sin: B::Tensor,
@@ -37,6 +74,8 @@ pub struct DecoderInput<'a, B: Backend> {
     pub paged: &'a B::Paged,
     /// Qwen3-VL deepstack features with the rows they are added to (prefill only).
     pub deepstack: Option<(&'a [B::Tensor], &'a [usize])>,
+    /// Each sequence's rows and state slot, for the Gated DeltaNet layers (empty without them).
+    pub state_seqs: &'a [StateSeq],
 }
 
 /// The language model.
@@ -51,11 +90,19 @@ pub struct TextModel<B: Backend> {
 
 impl<B: Backend> TextModel<B> {
     /// Loads the decoder's weights, named and shaped by its [`TextSpec`].
-    pub fn load<S: TensorSource<B>>(cfg: &ModelConfig, l: &Loader<'_, '_, S, B>) -> Result<Self, ModelError> {
+    pub fn load<S: TensorSource<B>>(cfg: &ModelConfig, l: &Loader<'_, '_, S, B>, be: &B) -> Result<Self, ModelError> {
         let spec = TextSpec::new(cfg);
-        let proj = |p: &Projection| -> Result<(B::Weight, Option<B::Tensor>), ModelError> {
-            Ok((l.matrix(&p.weight)?, p.bias.as_ref().map(|b| l.load(b)).transpose()?))
+        let qwen35 = cfg.family == Family::Qwen35;
+        // Qwen3.5's RMSNorms scale by `1 + w` (zero-centred weights).
+        let norm = |t: &TensorSpec| -> Result<B::Tensor, ModelError> {
+            let w = l.load(t)?;
+            if !qwen35 {
+                return Ok(w);
+            }
+            let ones = be.upload(vec![1.0; t.numel() as usize], &t.shape)?;
+            Ok(be.keep(&be.add(&w, &ones)?, Category::Weights))
         };
+        let (mut kv_layers, mut state_layers) = (0, 0);
         let mut layers = Vec::with_capacity(spec.layers.len());
         for s in &spec.layers {
             let TextMlpSpec::Dense { gate, up, down } = &s.mlp else {
@@ -63,18 +110,20 @@ impl<B: Backend> TextModel<B> {
                     "mixture-of-experts decoders are not supported yet".into(),
                 ));
             };
-            let qk_norm = match &s.qk_norm {
-                Some((q, k)) => Some((l.load(q)?, l.load(k)?)),
-                None => None,
+            let mixer = match &s.mixer {
+                MixerSpec::Attention(a) => {
+                    kv_layers += 1;
+                    Mixer::Attention(Attention::load(a, l, &norm, qwen35, kv_layers - 1)?)
+                }
+                MixerSpec::DeltaNet(d) => {
+                    state_layers += 1;
+                    Mixer::DeltaNet(DeltaNet::load(d, l, be, state_layers - 1)?)
+                }
             };
             layers.push(Layer {
-                input_norm: l.load(&s.input_layernorm)?,
-                post_norm: l.load(&s.post_attention_layernorm)?,
-                q: proj(&s.q)?,
-                k: proj(&s.k)?,
-                v: proj(&s.v)?,
-                o: l.matrix(&s.o)?,
-                qk_norm,
+                input_norm: norm(&s.input_layernorm)?,
+                post_norm: norm(&s.post_attention_layernorm)?,
+                mixer,
                 gate: l.matrix(gate)?,
                 up: l.matrix(up)?,
                 down: l.matrix(down)?,
@@ -89,7 +138,7 @@ impl<B: Backend> TextModel<B> {
             cfg: cfg.text.clone(),
             embed: l.matrix(&spec.embed_tokens)?,
             layers,
-            norm: l.load(&spec.norm)?,
+            norm: norm(&spec.norm)?,
             lm_head,
         })
     }
@@ -99,32 +148,29 @@ impl<B: Backend> TextModel<B> {
         Ok(be.embedding(&self.embed, ids)?)
     }
 
-    /// Runs every layer, writing K/V into `cache`; returns the final hidden states `[tokens, H]`.
-    pub fn forward(&self, be: &B, cache: &mut B::KvCache, inp: DecoderInput<'_, B>) -> Result<B::Tensor, ModelError> {
-        let t = &self.cfg;
-        let (hd, nq, nkv) = (t.head_dim, t.num_attention_heads, t.num_key_value_heads);
-        let eps = t.rms_norm_eps;
-        let mut x = inp.embeds;
-        let rows = be.shape(&x).first().copied().unwrap_or(0);
+    /// Runs every layer, writing K/V into `cache` and updating the Gated DeltaNet layers'
+    /// `states` (None for a model without them); returns the final hidden states `[tokens, H]`.
+    pub fn forward(
+        &self,
+        be: &B,
+        cache: &mut B::KvCache,
+        mut states: Option<&mut B::StateCache>,
+        inp: DecoderInput<'_, B>,
+    ) -> Result<B::Tensor, ModelError> {
+        let eps = self.cfg.rms_norm_eps;
+        let mut x = inp.embeds.clone();
         for (i, layer) in self.layers.iter().enumerate() {
             let h = be.rms_norm(&x, &layer.input_norm, eps)?;
-            let [mut q, mut k, v] = products(be.linears(
-                &h,
-                &[
-                    (&layer.q.0, layer.q.1.as_ref()),
-                    (&layer.k.0, layer.k.1.as_ref()),
-                    (&layer.v.0, layer.v.1.as_ref()),
-                ],
-            )?)?;
-            if let Some((qn, kn)) = &layer.qk_norm {
-                q = be.reshape(&be.rms_norm(&be.reshape(&q, rows * nq, hd)?, qn, eps)?, rows, nq * hd)?;
-                k = be.reshape(&be.rms_norm(&be.reshape(&k, rows * nkv, hd)?, kn, eps)?, rows, nkv * hd)?;
-            }
-            let q = be.rope(&q, &inp.cos, &inp.sin)?;
-            let k = be.rope(&k, &inp.cos, &inp.sin)?;
-            be.write_kv(cache, i, &k, &v, inp.paged)?;
-            let a = be.paged_attention(cache, i, &q, nq, inp.paged)?;
-            x = be.add(&x, &be.linear(&a, &layer.o, None)?)?;
+            let mixed = match &layer.mixer {
+                Mixer::Attention(a) => a.forward(be, &self.cfg, cache, &h, &inp)?,
+                Mixer::DeltaNet(d) => {
+                    let states = states
+                        .as_deref_mut()
+                        .ok_or_else(|| ModelError::Input("a Gated DeltaNet layer ran without a state cache".into()))?;
+                    d.forward(be, &self.cfg, states, &h, inp.state_seqs)?
+                }
+            };
+            x = be.add(&x, &mixed)?;
             let h = be.rms_norm(&x, &layer.post_norm, eps)?;
             let [gate, up] = products(be.linears(&h, &[(&layer.gate, None), (&layer.up, None)])?)?;
             let m = be.silu_mul(&gate, &up)?;
@@ -141,6 +187,144 @@ impl<B: Backend> TextModel<B> {
     /// Logits `[rows, vocab]` of the given hidden rows.
     pub fn logits(&self, be: &B, hidden: &B::Tensor) -> Result<B::Tensor, ModelError> {
         Ok(be.linear(hidden, self.lm_head.as_ref().unwrap_or(&self.embed), None)?)
+    }
+}
+
+impl<B: Backend> Attention<B> {
+    fn load<S: TensorSource<B>>(
+        a: &AttentionSpec,
+        l: &Loader<'_, '_, S, B>,
+        norm: &impl Fn(&TensorSpec) -> Result<B::Tensor, ModelError>,
+        output_gate: bool,
+        kv_layer: usize,
+    ) -> Result<Self, ModelError> {
+        let proj = |p: &Projection| -> Result<(B::Weight, Option<B::Tensor>), ModelError> {
+            Ok((l.matrix(&p.weight)?, p.bias.as_ref().map(|b| l.load(b)).transpose()?))
+        };
+        let qk_norm = match &a.qk_norm {
+            Some((q, k)) => Some((norm(q)?, norm(k)?)),
+            None => None,
+        };
+        Ok(Attention {
+            q: proj(&a.q)?,
+            k: proj(&a.k)?,
+            v: proj(&a.v)?,
+            o: l.matrix(&a.o)?,
+            qk_norm,
+            output_gate,
+            kv_layer,
+        })
+    }
+
+    /// The attention block's output `[rows, H]` for normed input `h`.
+    fn forward(
+        &self,
+        be: &B,
+        t: &TextConfig,
+        cache: &mut B::KvCache,
+        h: &B::Tensor,
+        inp: &DecoderInput<'_, B>,
+    ) -> Result<B::Tensor, ModelError> {
+        let (hd, nq, nkv) = (t.head_dim, t.num_attention_heads, t.num_key_value_heads);
+        let rows = be.shape(h).first().copied().unwrap_or(0);
+        let [mut q, mut k, v] = products(be.linears(
+            h,
+            &[
+                (&self.q.0, self.q.1.as_ref()),
+                (&self.k.0, self.k.1.as_ref()),
+                (&self.v.0, self.v.1.as_ref()),
+            ],
+        )?)?;
+        // Qwen3.5 lays out each head's query and gate side by side: `[rows·heads, 2·head_dim]`.
+        let gate = if self.output_gate {
+            let per_head = be.reshape(&q, rows * nq, 2 * hd)?;
+            q = be.reshape(&be.narrow_cols(&per_head, 0, hd)?, rows, nq * hd)?;
+            Some(be.reshape(&be.narrow_cols(&per_head, hd, hd)?, rows, nq * hd)?)
+        } else {
+            None
+        };
+        if let Some((qn, kn)) = &self.qk_norm {
+            let eps = t.rms_norm_eps;
+            q = be.reshape(&be.rms_norm(&be.reshape(&q, rows * nq, hd)?, qn, eps)?, rows, nq * hd)?;
+            k = be.reshape(&be.rms_norm(&be.reshape(&k, rows * nkv, hd)?, kn, eps)?, rows, nkv * hd)?;
+        }
+        let (q, k) = if t.rotary_dim < hd {
+            (
+                be.rope_partial(&q, &inp.cos, &inp.sin, hd)?,
+                be.rope_partial(&k, &inp.cos, &inp.sin, hd)?,
+            )
+        } else {
+            (be.rope(&q, &inp.cos, &inp.sin)?, be.rope(&k, &inp.cos, &inp.sin)?)
+        };
+        be.write_kv(cache, self.kv_layer, &k, &v, inp.paged)?;
+        let mut a = be.paged_attention(cache, self.kv_layer, &q, nq, inp.paged)?;
+        if let Some(gate) = gate {
+            a = be.sigmoid_mul(&gate, &a)?;
+        }
+        Ok(be.linear(&a, &self.o, None)?)
+    }
+}
+
+impl<B: Backend> DeltaNet<B> {
+    fn load<S: TensorSource<B>>(
+        d: &DeltaNetSpec,
+        l: &Loader<'_, '_, S, B>,
+        be: &B,
+        state_layer: usize,
+    ) -> Result<Self, ModelError> {
+        let (channels, kernel) = (d.conv1d.shape[0], d.conv1d.shape[2]);
+        let conv = be.upload(l.host(&d.conv1d)?, &[channels, kernel])?;
+        Ok(DeltaNet {
+            in_qkv: l.matrix(&d.in_proj_qkv)?,
+            in_z: l.matrix(&d.in_proj_z)?,
+            in_b: l.matrix(&d.in_proj_b)?,
+            in_a: l.matrix(&d.in_proj_a)?,
+            conv: be.keep(&conv, Category::Weights),
+            a_log: l.load(&d.a_log)?,
+            dt_bias: l.load(&d.dt_bias)?,
+            norm: l.load(&d.norm)?,
+            out: l.matrix(&d.out_proj)?,
+            state_layer,
+        })
+    }
+
+    /// The Gated DeltaNet block's output `[rows, H]` for normed input `h`: the recurrence, each
+    /// head's output RMS-normed and gated by `silu(z)`, then `out_proj`.
+    fn forward(
+        &self,
+        be: &B,
+        t: &TextConfig,
+        states: &mut B::StateCache,
+        h: &B::Tensor,
+        seqs: &[StateSeq],
+    ) -> Result<B::Tensor, ModelError> {
+        let lin = t
+            .linear
+            .as_ref()
+            .ok_or_else(|| ModelError::Input("a Gated DeltaNet layer in a model without linear attention".into()))?;
+        let (heads, dv) = (lin.num_value_heads, lin.value_head_dim);
+        let rows = be.shape(h).first().copied().unwrap_or(0);
+        let [qkv, z, b, a] = products(be.linears(
+            h,
+            &[
+                (&self.in_qkv, None),
+                (&self.in_z, None),
+                (&self.in_b, None),
+                (&self.in_a, None),
+            ],
+        )?)?;
+        let input = DeltaNetInput {
+            qkv: &qkv,
+            a: &a,
+            b: &b,
+            conv: &self.conv,
+            a_log: &self.a_log,
+            dt_bias: &self.dt_bias,
+        };
+        let o = be.gated_delta_net(states, self.state_layer, input, seqs)?;
+        let o = be.rms_norm(&be.reshape(&o, rows * heads, dv)?, &self.norm, t.rms_norm_eps)?;
+        let gated = be.silu_mul(&be.reshape(&z, rows * heads, dv)?, &o)?;
+        Ok(be.linear(&be.reshape(&gated, rows, heads * dv)?, &self.out, None)?)
     }
 }
 

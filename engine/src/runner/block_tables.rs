@@ -29,6 +29,11 @@ impl BlockTables {
         }
     }
 
+    /// Each occupied row with the request in it.
+    pub fn holders(&self) -> Vec<(usize, RequestId)> {
+        self.row_of.iter().map(|(id, &row)| (row, id.clone())).collect()
+    }
+
     /// Frees the row of a request that finished, was aborted or was preempted (none: nothing).
     pub fn release(&mut self, id: &RequestId) {
         if let Some(row) = self.row_of.remove(id) {

@@ -8,7 +8,8 @@ mod block_tables;
 
 use crate::arch::config::{ModelConfig, NO_VISION_TOWER};
 use crate::backend::{
-    Backend, BackendError, Capabilities, DeviceMemory, KvLayout, PagedBatch, PagedSeq, Readback, TableShape,
+    Backend, BackendError, Capabilities, DeviceMemory, KvLayout, PagedBatch, PagedSeq, Readback, StateLayout, StateSeq,
+    TableShape,
 };
 use crate::cache::{MmHash, RequestId};
 use crate::memory::ledger::{Category, MemoryLedger};
@@ -56,6 +57,17 @@ pub struct BatchSeq {
     /// the device only when every sequence with logits rows has this; otherwise it reads the
     /// logits back for the host.
     pub sampling: Option<DeviceSampling>,
+}
+
+/// A hybrid model's state cache: one slot per block-table row, held by the request in that row.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct StateSlots {
+    /// Slots in all (`max_num_seqs`).
+    pub total: usize,
+    /// Bytes of one slot: every Gated DeltaNet layer's conv window and recurrent state.
+    pub bytes_per_slot: u64,
+    /// The requests holding a slot, by slot.
+    pub held_by: Vec<(usize, RequestId)>,
 }
 
 /// What one step computes, in batch order.
@@ -109,11 +121,13 @@ pub struct ModelRunner<B: Backend> {
     encoder_outputs: HashMap<MmHash, VisionOutput<B>>,
 }
 
-/// The KV cache, the block tables beside it on the device and their rows on the host.
+/// The KV cache, the block tables beside it on the device and their rows on the host, and a
+/// hybrid model's state cache with one slot per block-table row.
 #[derive(Debug)]
 pub(crate) struct KvState<B: Backend> {
     layout: KvLayout,
     cache: B::KvCache,
+    states: Option<B::StateCache>,
     tables: B::BlockTables,
     rows: block_tables::BlockTables,
 }
@@ -144,7 +158,7 @@ impl<B: Backend> ModelRunner<B> {
     pub fn kv_layout(&self, num_blocks: usize, block_size: usize, tables: TableShape) -> KvLayout {
         let t = &self.model.cfg.text;
         KvLayout {
-            layers: t.num_hidden_layers,
+            layers: t.attention_layers(),
             num_blocks,
             block_size,
             kv_heads: t.num_key_value_heads,
@@ -179,6 +193,8 @@ pub trait StepRunner: std::fmt::Debug {
     fn describe(&self) -> String;
     /// The largest buffer one kernel can bind, where the backend has such a limit.
     fn max_binding_bytes(&self) -> Option<u64>;
+    /// The state slots and who holds them (None for a model without Gated DeltaNet layers).
+    fn state_slots(&self) -> Option<StateSlots>;
     /// Runs the profile pass and queues its read (see [`ModelRunner::profile`]).
     fn profile(&mut self, spec: ProfileSpec) -> Result<(ProfileResult, Option<Readback>), ModelError>;
     /// Bytes per element of the backend's activations and KV cache.
@@ -227,6 +243,19 @@ impl<B: Backend> StepRunner for ModelRunner<B> {
         self.be.max_binding_bytes()
     }
 
+    fn state_slots(&self) -> Option<StateSlots> {
+        let linear = self.model.cfg.text.linear.as_ref()?;
+        let kv = self.kv.as_ref()?;
+        let layout = StateLayout::of(linear, kv.layout.tables.rows);
+        let mut held_by = kv.rows.holders();
+        held_by.sort();
+        Some(StateSlots {
+            total: layout.slots,
+            bytes_per_slot: layout.bytes(self.be.elem_bytes()) / layout.slots.max(1) as u64,
+            held_by,
+        })
+    }
+
     fn profile(&mut self, spec: ProfileSpec) -> Result<(ProfileResult, Option<Readback>), ModelError> {
         ModelRunner::profile(self, spec)
     }
@@ -247,9 +276,14 @@ impl<B: Backend> StepRunner for ModelRunner<B> {
     ) -> Result<KvLayout, ModelError> {
         self.kv = None;
         let layout = self.kv_layout(num_blocks, block_size, tables);
+        let states = match &self.model.cfg.text.linear {
+            Some(linear) => Some(self.be.alloc_states(StateLayout::of(linear, tables.rows))?),
+            None => None,
+        };
         self.kv = Some(KvState {
             layout,
             cache: self.be.alloc_kv(layout)?,
+            states,
             tables: self.be.alloc_block_tables(layout)?,
             rows: block_tables::BlockTables::new(tables),
         });
@@ -307,6 +341,7 @@ impl<B: Backend> StepRunner for ModelRunner<B> {
         let (mut image_rows, mut image_parts) = (Vec::new(), Vec::new());
         let mut deep_parts: Vec<Vec<B::Tensor>> = vec![Vec::new(); deep_levels];
         let (mut logit_rows, mut row_ids, mut sampling) = (Vec::new(), Vec::new(), Vec::new());
+        let mut state_seqs = Vec::new();
         for s in batch.seqs {
             let row0 = ids.len();
             let n = s.tokens.len();
@@ -341,6 +376,14 @@ impl<B: Backend> StepRunner for ModelRunner<B> {
             logit_rows.extend(row0 + n - k..row0 + n);
             row_ids.extend(std::iter::repeat_n(s.id.clone(), k));
             sampling.extend(std::iter::repeat_n(s.sampling, k));
+            // A request's state lives in the slot of its block-table row; a request that starts
+            // at position 0 (new, or recomputed after preemption) starts from a zeroed state.
+            state_seqs.push(StateSeq {
+                start: row0,
+                len: n,
+                slot: row,
+                fresh: start == 0,
+            });
             paged.seqs.push(PagedSeq {
                 query_start: row0,
                 query_len: n,
@@ -361,20 +404,22 @@ impl<B: Backend> StepRunner for ModelRunner<B> {
         }
         let t = &self.model.cfg.text;
         let (cos, sin) = mrope_tables(t, &positions);
-        let cos = be.upload(cos, &[ids.len(), t.head_dim])?;
-        let sin = be.upload(sin, &[ids.len(), t.head_dim])?;
+        let cos = be.upload(cos, &[ids.len(), t.rotary_dim])?;
+        let sin = be.upload(sin, &[ids.len(), t.rotary_dim])?;
         writes.retain(|w| !w.blocks.is_empty());
         be.write_block_tables(&mut kv.tables, &writes)?;
         let paged = be.upload_paged(paged, &kv.tables)?;
         let hidden = self.model.text.forward(
             be,
             &mut kv.cache,
+            kv.states.as_mut(),
             DecoderInput {
                 embeds,
                 cos,
                 sin,
                 paged: &paged,
                 deepstack: (!deep.is_empty()).then_some((&deep[..], &image_rows[..])),
+                state_seqs: &state_seqs,
             },
         )?;
         let device: Option<Vec<DeviceSampling>> = sampling.into_iter().collect();

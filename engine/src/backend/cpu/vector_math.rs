@@ -54,6 +54,8 @@ pub(super) enum Elementwise {
     QuickGelu,
     /// `silu(a) · b`.
     SiluTimes,
+    /// `σ(a) · b`.
+    SigmoidTimes,
 }
 
 impl Elementwise {
@@ -67,7 +69,7 @@ impl Elementwise {
         }
     }
 
-    /// `out[i] = self(a[i], b[i])`; `b` is read only by [`Elementwise::SiluTimes`].
+    /// `out[i] = self(a[i], b[i])`; `b` is read only by the two-input steps.
     #[inline(always)]
     fn run(self, a: &[f32], b: &[f32], out: &mut [f32]) {
         fn each(a: &[f32], out: &mut [f32], f: impl Fn(f32) -> f32) {
@@ -80,6 +82,11 @@ impl Elementwise {
             Elementwise::SiluTimes => {
                 for ((o, &x), &y) in out.iter_mut().zip(a).zip(b) {
                     *o = times_sigmoid(x, x) * y;
+                }
+            }
+            Elementwise::SigmoidTimes => {
+                for ((o, &x), &y) in out.iter_mut().zip(a).zip(b) {
+                    *o = times_sigmoid(y, x);
                 }
             }
         }

@@ -404,6 +404,7 @@ impl Backend for CudaBackend {
     type KvCache = CudaKvCache;
     type Paged = CudaPaged;
     type Segments = CudaSegments;
+    type StateCache = crate::backend::NoStates;
 
     const CAPABILITIES: super::Capabilities = super::Capabilities {
         compute: crate::arch::config::DType::F32,

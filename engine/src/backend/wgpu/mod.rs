@@ -536,6 +536,7 @@ impl Backend for WgpuBackend {
     type BlockTables = WgpuBlockTables;
     type Paged = WgpuPaged;
     type Segments = WgpuSegments;
+    type StateCache = crate::backend::NoStates;
 
     const CAPABILITIES: super::Capabilities = super::Capabilities {
         compute: crate::arch::config::DType::F32,
