@@ -77,6 +77,13 @@ pub fn run(a: &LessonArgs) -> Result<()> {
     if !a.json {
         steps.iter().enumerate().for_each(|(i, s)| print_step(i, s));
     }
+    if !l.has_live_steps() {
+        if a.json {
+            let out = serde_json::json!({"name": l.name, "title": l.title, "incident": l.incident, "steps": steps});
+            println!("{}", serde_json::to_string_pretty(&out)?);
+        }
+        return Ok(());
+    }
     let mut args = a.engine.clone();
     args.mm_processor_kwargs.get_or_insert_with(|| LESSON_MAX_PIXELS.into());
     args.kv_cache_memory_bytes.get_or_insert(LESSON_KV_BYTES);

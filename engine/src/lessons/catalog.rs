@@ -230,6 +230,29 @@ pub const LESSONS: &[Lesson] = &[
             },
         ],
     },
+    Lesson {
+        name: "hybrid-state",
+        title: "Why a long context costs Qwen3.5 so little KV, and what it costs instead",
+        incident: "Qwen3.5-2B and Qwen3-VL-2B at a 32,768-token context on one H100: the new model needs under an eighth of the KV per request, yet vLLM logs 544-token blocks and a padded \"mamba page\" for it.",
+        planned: &[
+            StepSpec {
+                say: "Qwen3-VL-2B attends over every token it has seen in all 28 of its layers: each token keeps 114,688 bytes of keys and values (28 layers × 2 × 8 KV heads × 128 values × 2 bytes), so one request of 32,768 tokens needs 3.5 GiB of KV cache, and the cache grows with every token.",
+                query: "model=Qwen3-VL-2B-Instruct&device=h100-80g&max_model_len=32768",
+                figures: &[Fig::KvPerToken, Fig::NeededKv, Fig::BlockSize, Fig::Concurrency],
+            },
+            StepSpec {
+                say: "Qwen3.5-2B keeps full attention in only 6 of its 24 layers: 12,288 bytes per token. Its other 18 layers are Gated DeltaNet: each keeps a fixed-size state per request (a conv window and a 16 × 128 × 128 float32 matrix per layer), 18.6 MiB whatever the length. vLLM stores those states in the same block pool as the KV cache, one state per block, so it raises the block size to 544 tokens, until a block's page holds a state. One request of 32,768 tokens now needs 0.40 GiB: its attention blocks plus one padded page per state layer.",
+                query: "model=Qwen3.5-2B&device=h100-80g&max_model_len=32768",
+                figures: &[Fig::KvPerToken, Fig::StatePerRequest, Fig::BlockSize, Fig::NeededKv, Fig::Concurrency],
+            },
+            StepSpec {
+                say: "The state is paid per request, not per token. Cut the requests to 2,048 tokens, 16 times shorter: a Qwen3-VL request would shrink 16 times, but each Qwen3.5 request still holds its 18 state pages beside 4 blocks of tokens, so 1443.14x such requests fit where 157.84x did: 9 times as many, not 16. With many short requests, the states decide the concurrency; with one long one, the attention layers do.",
+                query: "model=Qwen3.5-2B&device=h100-80g&max_model_len=2048",
+                figures: &[Fig::BlockSize, Fig::NeededKv, Fig::Concurrency],
+            },
+        ],
+        live: &[],
+    },
 ];
 
 /// Lesson 3's figures, at both batch sizes.

@@ -96,6 +96,11 @@ impl Lesson {
         self.planned.len()
     }
 
+    /// Whether it has steps that run on a loaded engine.
+    pub fn has_live_steps(&self) -> bool {
+        !self.live.is_empty()
+    }
+
     /// The live steps' sentences, before they run.
     pub fn live_sentences(&self) -> impl Iterator<Item = &'static str> {
         self.live.iter().map(|s| s.say)

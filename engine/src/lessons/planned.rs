@@ -33,6 +33,10 @@ pub(super) enum Fig {
     EncoderBudget,
     EncoderItems,
     EncoderCache,
+    BlockSize,
+    KvPerToken,
+    StatePerRequest,
+    Concurrency,
 }
 
 fn gib(bytes: f64) -> String {
@@ -120,6 +124,32 @@ impl Fig {
                 "encoder cache when full",
                 gib(p.encoder_cache_bytes as f64),
                 planner("budget × output width × dtype"),
+            ),
+            Fig::BlockSize => (
+                "KV block size",
+                format!("{} tokens", p.block_size),
+                planner(match p.hybrid {
+                    Some(_) => "raised until one block's page holds a state",
+                    None => "--block-size",
+                }),
+            ),
+            Fig::KvPerToken => (
+                "KV per token",
+                format!("{} B", thousands(p.kv_bytes_per_token)),
+                planner("full-attention layers × 2 × KV heads × head width × dtype"),
+            ),
+            Fig::StatePerRequest => {
+                let state = p.hybrid.as_ref().map_or(0, |h| h.state_layers as u64 * h.state_bytes());
+                (
+                    "state per request",
+                    format!("{:.1} MiB", state as f64 / (1u64 << 20) as f64),
+                    planner("Gated DeltaNet layers × (conv window + recurrent state)"),
+                )
+            }
+            Fig::Concurrency => (
+                "requests of --max-model-len at once",
+                format!("{:.2}x", p.max_concurrency),
+                planner("blocks ÷ blocks per request"),
             ),
         };
         Figure {
@@ -218,6 +248,39 @@ mod tests {
             );
         }
         assert_eq!(value(&s, 2, "images in the profile run"), "0");
+    }
+
+    #[test]
+    fn the_hybrid_lesson_quotes_its_figures() {
+        let s = lesson("hybrid-state").unwrap().run_planned().unwrap();
+        assert_eq!(value(&s, 0, "KV per token"), "114,688 B");
+        assert_eq!(value(&s, 0, "KV one request of --max-model-len needs"), "3.50 GiB");
+        assert_eq!(value(&s, 1, "KV per token"), "12,288 B");
+        assert_eq!(value(&s, 1, "state per request"), "18.6 MiB");
+        assert_eq!(value(&s, 1, "KV block size"), "544 tokens");
+        assert_eq!(value(&s, 1, "KV one request of --max-model-len needs"), "0.40 GiB");
+        for (step, quotes) in [
+            (0, &["114,688 bytes", "3.5 GiB"][..]),
+            (1, &["12,288 bytes", "18.6 MiB", "544 tokens", "0.40 GiB"][..]),
+        ] {
+            for q in quotes {
+                assert!(s[step].say.contains(q), "step {step} quotes {q}: {}", s[step].say);
+            }
+        }
+        // Short requests: the states, not the tokens, decide how many fit.
+        let short: f64 = value(&s, 2, "requests of --max-model-len at once")
+            .trim_end_matches('x')
+            .parse()
+            .unwrap();
+        let long: f64 = value(&s, 1, "requests of --max-model-len at once")
+            .trim_end_matches('x')
+            .parse()
+            .unwrap();
+        assert!(
+            short < long * 10.0,
+            "{short} vs {long}: 16 times shorter requests, far fewer than 16 times as many"
+        );
+        assert!(s[2].say.contains(&value(&s, 2, "requests of --max-model-len at once")));
     }
 
     #[test]

@@ -857,6 +857,41 @@ impl Plan {
                 Some(Source::Given),
             ),
         ];
+        if let Some(h) = &self.hybrid {
+            // After the KV page row: what a Gated DeltaNet layer keeps per request instead.
+            let at = rows
+                .iter()
+                .position(|r| r.0 == "KV page per layer")
+                .map_or(rows.len(), |i| i + 1);
+            let state_rows = [
+                (
+                    format!(
+                        "state per request and layer ({} of {} layers)",
+                        h.state_layers,
+                        h.state_layers + h.attention_layers
+                    ),
+                    format!("{} B", thousands(h.state_bytes())),
+                    Some(Source::Derived),
+                ),
+                (
+                    "state per request, all layers".into(),
+                    format!(
+                        "{} MiB",
+                        format_args!(
+                            "{:.1}",
+                            (h.state_layers as u64 * h.state_bytes()) as f64 / (1u64 << 20) as f64
+                        )
+                    ),
+                    Some(Source::Derived),
+                ),
+                (
+                    "KV cache groups × layers".into(),
+                    format!("{} × {}", h.groups, h.layers_per_group),
+                    Some(Source::Derived),
+                ),
+            ];
+            rows.splice(at..at, state_rows);
+        }
         if let Some(w) = self.estimated_max_model_len {
             rows.push((
                 "estimated max model len".into(),
