@@ -77,6 +77,9 @@ pub struct TensorSpec {
     /// The model reads it into host floats instead of loading it onto the backend (Qwen3-VL's
     /// learned position table, which it interpolates per image on the host).
     pub host: bool,
+    /// A kernel the model applies element-wise (Qwen3.5's depthwise conv1d `[channels, 1, width]`):
+    /// loaded as a tensor on the backend whatever its rank, never as a weight matrix.
+    pub kernel: bool,
 }
 
 impl TensorSpec {
@@ -89,7 +92,7 @@ impl TensorSpec {
     /// matrix), so that the backend stores it as a weight matrix: every tensor of rank 2 or more
     /// the model does not read on the host.
     pub fn is_matrix(&self) -> bool {
-        !self.host && self.shape.len() >= 2
+        !self.host && !self.kernel && self.shape.len() >= 2
     }
 }
 
@@ -234,7 +237,7 @@ pub struct DeltaNetSpec {
     pub in_proj_b: TensorSpec,
     /// `in_proj_a [value_heads, H]`: the decay's input.
     pub in_proj_a: TensorSpec,
-    /// Depthwise causal conv1d `[conv_dim, 1, kernel]`, read on the host.
+    /// Depthwise causal conv1d `[conv_dim, 1, kernel]` ([`TensorSpec::kernel`]).
     pub conv1d: TensorSpec,
     /// `dt_bias [value_heads]`.
     pub dt_bias: TensorSpec,
@@ -340,6 +343,7 @@ impl<'a> Builder<'a> {
             group,
             init,
             host: self.host,
+            kernel: false,
         };
         self.out.push(t.clone());
         t
@@ -351,6 +355,16 @@ impl<'a> Builder<'a> {
     }
 
     /// A norm weight `[dim]`, replicated.
+    /// `{prefix}.weight` as a [`TensorSpec::kernel`].
+    fn kernel(&mut self, prefix: &str, shape: &[usize], shard: Shard, group: &'static str) -> TensorSpec {
+        let mut t = self.weight(prefix, shape, shard, group);
+        t.kernel = true;
+        if let Some(last) = self.out.last_mut() {
+            last.kernel = true;
+        }
+        t
+    }
+
     /// A decoder RMSNorm weight `[dim]`, replicated, drawn as the family's norms are.
     fn decoder_norm(&mut self, prefix: &str, dim: usize, group: &'static str) -> TensorSpec {
         let init = self.norm_init;
@@ -653,14 +667,12 @@ fn delta_net(b: &mut Builder<'_>, k: &str, h: usize, l: &LinearAttention) -> Del
     let in_proj_z = b.weight(&format!("{a}.in_proj_z"), &[vd, h], Split(0), "layers.gdn_in");
     let in_proj_b = b.weight(&format!("{a}.in_proj_b"), &[nv, h], Split(0), "layers.gdn_in");
     let in_proj_a = b.weight(&format!("{a}.in_proj_a"), &[nv, h], Split(0), "layers.gdn_in");
-    b.host = true;
-    let conv1d = b.weight(
+    let conv1d = b.kernel(
         &format!("{a}.conv1d"),
         &[l.conv_dim(), 1, l.conv_kernel],
         Split(0),
         "layers.gdn_in",
     );
-    b.host = false;
     let dt_bias = b.tensor(
         format!("{a}.dt_bias"),
         &[nv],

@@ -10,6 +10,7 @@ pub(crate) fn tiny_checkpoints() -> Vec<(crate::arch::config::ModelConfig, Vec<u
     [
         include_str!("../../../tools/golden/configs/qwen2_vl_tiny.json"),
         include_str!("../../../tools/golden/configs/qwen3_vl_tiny.json"),
+        include_str!("../../../tools/golden/configs/qwen3_5_tiny.json"),
     ]
     .into_iter()
     .map(|config| {

@@ -216,6 +216,74 @@ fn kv_binding_cap(binding: Option<u64>, p: &Plan) -> Option<u64> {
 mod tests {
     use super::*;
 
+    /// Qwen3.5-0.8B's decoder geometry (24 layers, 18 of them Gated DeltaNet with 16 heads of
+    /// 128, 6 of full attention with 2 KV heads of 256) with the widths the state and the KV cache
+    /// do not depend on shrunk: hidden size 64, MLP 64, a 2,048-token vocabulary, a 1-block vision
+    /// tower. Started through the builder, its ledger holds exactly the state and KV bytes the
+    /// plan gives it.
+    #[test]
+    fn a_qwen3_5_0_8b_shape_holds_the_planned_state_and_kv_bytes() {
+        use crate::arch::config::{bundled_config, DType, ModelConfig};
+        use crate::arch::spec::tensor_specs;
+        use crate::backend::{block_on, cpu::CpuBackend};
+        use crate::memory::ledger::MemoryLedger;
+        use crate::memory::{device_preset, PlanRequest};
+        use crate::model::{random_weights::RandomInit, weights::SafetensorsFiles, QwenVl};
+        use crate::runner::ModelRunner;
+
+        let published = bundled_config("Qwen3.5-0.8B").unwrap();
+        let mut cfg = ModelConfig {
+            dtype: DType::F32,
+            ..published.clone()
+        };
+        (cfg.text.hidden_size, cfg.text.intermediate_size, cfg.text.vocab_size) = (64, 64, 2048);
+        if let Some(v) = cfg.vision.as_mut() {
+            (
+                v.depth,
+                v.hidden_size,
+                v.intermediate_size,
+                v.num_heads,
+                v.out_hidden_size,
+            ) = (1, 32, 32, 2, 64);
+        }
+        assert_eq!(cfg.text.linear, published.text.linear);
+        let mut bytes = Vec::new();
+        RandomInit::new(3, 0.02)
+            .write_safetensors(&mut bytes, &tensor_specs(&cfg), |_| {})
+            .unwrap();
+        let shards = [("model.safetensors".to_string(), bytes.as_slice())];
+        let ledger = MemoryLedger::new();
+        let be = CpuBackend::new(ledger.clone());
+        let model = QwenVl::load(cfg.clone(), &SafetensorsFiles::parse(&shards).unwrap(), &be, |_, _| {}).unwrap();
+        let mut req = PlanRequest::new("Qwen3.5-0.8B (scaled)", cfg, device_preset("cpu").unwrap());
+        (req.max_model_len, req.max_num_seqs, req.max_num_batched_tokens) = (Some(1024), Some(4), Some(8));
+        req.kv_cache_memory_bytes = Some(512 << 20);
+        (req.limit_mm_per_prompt.image, req.limit_mm_per_prompt.video) = (0, 0);
+        let opts = EngineOptions {
+            enable_prefix_caching: true,
+            long_prefill_token_threshold: 0,
+            max_num_partial_prefills: 1,
+            vocab_size: 0,
+        };
+        let (engine, report) =
+            block_on(build_engine(Box::new(ModelRunner::new(be, model)), req, opts, &|| 0.0)).unwrap();
+        let p = &report.plan;
+        let h = p.hybrid.as_ref().unwrap();
+        // f32 on the CPU: conv window 3 × 6,144 and state 16 × 128 × 128, four bytes each.
+        assert_eq!(h.state_bytes(), (3 * 6_144 + 16 * 128 * 128) * 4);
+        assert_eq!(ledger.bytes(Category::StateCache), h.state_pool_bytes(4));
+        let reserved = h.blocks_for_states(4, p.page_size_bytes);
+        let blocks = engine.kv().summary().num_blocks as u64;
+        assert_eq!(blocks, p.num_gpu_blocks - reserved);
+        assert_eq!(ledger.bytes(Category::KvCache), blocks * p.page_size_bytes * 6);
+        // Together they stay inside what the plan gave the KV cache.
+        assert!(ledger.bytes(Category::KvCache) + ledger.bytes(Category::StateCache) <= p.available_kv_bytes as u64);
+        assert!(report
+            .log_lines
+            .iter()
+            .any(|l| l.starts_with("kvlens keeps the Gated DeltaNet states of 4 requests")));
+    }
+
     #[test]
     fn largest_grid_has_exactly_the_token_budget() {
         assert_eq!(largest_image_grid(16_384, 2), [1, 256, 256]);

@@ -272,14 +272,13 @@ impl<B: Backend> DeltaNet<B> {
         be: &B,
         state_layer: usize,
     ) -> Result<Self, ModelError> {
-        let (channels, kernel) = (d.conv1d.shape[0], d.conv1d.shape[2]);
-        let conv = be.upload(l.host(&d.conv1d)?, &[channels, kernel])?;
+        let (channels, width) = (d.conv1d.shape[0], d.conv1d.shape[2]);
         Ok(DeltaNet {
             in_qkv: l.matrix(&d.in_proj_qkv)?,
             in_z: l.matrix(&d.in_proj_z)?,
             in_b: l.matrix(&d.in_proj_b)?,
             in_a: l.matrix(&d.in_proj_a)?,
-            conv: be.keep(&conv, Category::Weights),
+            conv: be.reshape(&l.load(&d.conv1d)?, channels, width)?,
             a_log: l.load(&d.a_log)?,
             dt_bias: l.load(&d.dt_bias)?,
             norm: l.load(&d.norm)?,
