@@ -5,6 +5,7 @@
 use kvlens_engine::cache::{KvBlockState, KvSummary};
 use kvlens_engine::memory::ledger::Category;
 use kvlens_engine::occupancy::Occupancy;
+use kvlens_engine::runner::StateSlots;
 use leptos::prelude::*;
 use std::collections::{BTreeMap, HashMap};
 
@@ -68,6 +69,10 @@ fn segments(o: &Occupancy, budget: Option<&Budget>) -> (Vec<Segment>, u64) {
     let share = |n: usize| kv * n as u64 / kv_summary.num_blocks.max(1) as u64;
     let in_use = share(kv_summary.num_in_use);
     let cached = share(kv_summary.num_cached_free);
+    // A hybrid model's state slots (Qwen3.5), held ones apart.
+    let states_held = o.engine.states.as_ref().map_or(0, |st| {
+        bytes(Category::StateCache) * st.held_by.len() as u64 / st.total.max(1) as u64
+    });
     let mut s = vec![
         Segment {
             label: "weights",
@@ -88,6 +93,16 @@ fn segments(o: &Occupancy, budget: Option<&Budget>) -> (Vec<Segment>, u64) {
             label: "KV free",
             bytes: kv.saturating_sub(in_use + cached),
             colour: "#d3f9d8",
+        },
+        Segment {
+            label: "states in use",
+            bytes: states_held,
+            colour: "#0c8599",
+        },
+        Segment {
+            label: "states free",
+            bytes: bytes(Category::StateCache).saturating_sub(states_held),
+            colour: "#99e9f2",
         },
         Segment {
             label: "encoder cache",
@@ -259,6 +274,50 @@ fn kv_grid(kv: &KvSummary) -> impl IntoView {
         .into_any()
 }
 
+/// The state slots of a hybrid model, one cell per slot: held ones in their request's colour.
+fn state_cells(slots: &StateSlots) -> Vec<(String, String)> {
+    let held: HashMap<usize, &str> = slots.held_by.iter().map(|(slot, id)| (*slot, id.as_str())).collect();
+    (0..slots.total)
+        .map(|slot| match held.get(&slot) {
+            Some(id) => (
+                format!("background: {}", colour(id)),
+                format!(
+                    "slot {slot}: {id} · {} of conv windows and delta-rule states, the same at any context length",
+                    size(slots.bytes_per_slot)
+                ),
+            ),
+            None => (
+                String::new(),
+                format!("slot {slot}: free · {}", size(slots.bytes_per_slot)),
+            ),
+        })
+        .collect()
+}
+
+/// The state cache's heading text, its cells and its note; nothing for models without one.
+fn state_view(slots: Option<&StateSlots>) -> impl IntoView {
+    slots.map(|slots| {
+        let text = format!(
+            "{}/{} slots · {} each",
+            slots.held_by.len(),
+            slots.total,
+            size(slots.bytes_per_slot)
+        );
+        let cells = state_cells(slots)
+            .into_iter()
+            .map(|(style, title)| {
+                let class = if style.is_empty() { "cell free" } else { "cell used" };
+                view! { <span class=class style=style title=title></span> }
+            })
+            .collect_view();
+        view! {
+            <h3>"State cache " <span data-testid="state-usage">{text}</span></h3>
+            <p class="muted">"Gated DeltaNet layers keep one fixed-size state per running request instead of KV that grows with the context."</p>
+            <div class="kv-grid" data-testid="state-grid">{cells}</div>
+        }
+    })
+}
+
 /// The memory view of the latest occupancy (a waiting line until the first arrives).
 #[component]
 pub fn MemoryView(
@@ -375,6 +434,7 @@ pub fn MemoryView(
             <h3 class:lit=lit("kv")>"KV cache " <span data-testid="kv-usage">{kv_text}</span></h3>
             <p class="muted">{kv_detail}</p>
             <div class="kv-grid" data-testid="kv-grid">{kv_grid(kv)}</div>
+            {state_view(o.engine.states.as_ref())}
             <h3 class:lit=lit("encoder")>"Encoder cache " <span data-testid="encoder-cache-usage">{ec_text}</span></h3>
             <ul class="encoder-entries">{entries}</ul>
             <h3 class:lit=lit("processor")>"Processor cache"</h3>
@@ -422,6 +482,20 @@ mod tests {
             tables,
             hashes: BTreeMap::from([(1, "00112233445566ff".to_string())]),
         }
+    }
+
+    #[test]
+    fn state_cells_name_their_holders() {
+        let slots = StateSlots {
+            total: 3,
+            bytes_per_slot: 2 << 20,
+            held_by: vec![(2, RequestId::from("b"))],
+        };
+        let c = state_cells(&slots);
+        assert_eq!(c.len(), 3);
+        assert!(c[0].0.is_empty() && c[0].1.starts_with("slot 0: free · 2.00 MiB"));
+        assert_eq!(c[2].0, format!("background: {}", colour("b")));
+        assert!(c[2].1.starts_with("slot 2: b · 2.00 MiB"), "{}", c[2].1);
     }
 
     #[test]
