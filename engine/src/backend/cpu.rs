@@ -767,5 +767,6 @@ impl Backend for CpuBackend {
 #[cfg(test)]
 mod tests {
     crate::backend_suite!(super::CpuBackend::default());
+    crate::backend_suite!(hybrid; crate::backend::cpu::CpuBackend::default());
     crate::golden_suite!(crate::backend::cpu::CpuBackend::default(), hybrid);
 }

@@ -301,6 +301,7 @@ mod tests {
     use std::task::Waker;
 
     crate::backend_suite!(Instrumented::new(CpuBackend::default()));
+    crate::backend_suite!(hybrid; Instrumented::new(CpuBackend::default()));
 
     #[test]
     fn held_reads_wait_for_their_release() {

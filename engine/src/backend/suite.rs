@@ -48,6 +48,16 @@ macro_rules! backend_suite {
     ($make:expr) => {
         $crate::backend_suite!(@list [] $make);
     };
+    // The operations of hybrid models (Qwen3.5), for the backends that have their kernels.
+    (hybrid; $make:expr) => {
+        mod hybrid {
+            #[allow(unused_imports)]
+            use super::*;
+            $crate::backend_suite!(@tests [] $make;
+                gated_delta_net_matches_the_reference,
+                partial_rope_and_sigmoid_gate);
+        }
+    };
 }
 
 fn t<B: Backend>(b: &B, data: &[f32], rows: usize, cols: usize) -> B::Tensor {
@@ -248,6 +258,89 @@ pub fn rope_rotates_halves_and_segments_stay_apart<B: Backend>(b: &B) {
     let segs = b.upload_segments(&[(0, 2), (2, 1)]).unwrap();
     let out = host(b, &b.segment_attention(&q, &q, &v, 1, &segs).unwrap());
     close(&out, &[1.5, 1.5, 10.0], 1e-6);
+}
+
+/// Partial rotary (the first 2 of each head of 4 turn) and the sigmoid gate against
+/// hand-computed values.
+pub fn partial_rope_and_sigmoid_gate<B: Backend>(b: &B) {
+    let x = t(b, &[1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0], 1, 8);
+    let cos = t(b, &[0.0, 0.0], 1, 2);
+    let sin = t(b, &[1.0, 1.0], 1, 2);
+    close(
+        &host(b, &b.rope_partial(&x, &cos, &sin, 4).unwrap()),
+        &[-2.0, 1.0, 3.0, 4.0, -6.0, 5.0, 7.0, 8.0],
+        1e-6,
+    );
+    let gate = t(b, &[0.0, 2.0], 1, 2);
+    let y = t(b, &[4.0, -1.0], 1, 2);
+    close(
+        &host(b, &b.sigmoid_mul(&gate, &y).unwrap()),
+        &[2.0, -1.0 / (1.0 + (-2.0f32).exp())],
+        1e-6,
+    );
+}
+
+/// Gated DeltaNet over three sequences in two calls (one continuing its slot across both, one
+/// fresh in a used slot), against the reference backend on the same inputs.
+pub fn gated_delta_net_matches_the_reference<B: Backend>(b: &B) {
+    use super::{DeltaNetInput, StateLayout, StateSeq};
+    let l = StateLayout {
+        layers: 2,
+        slots: 3,
+        conv_dim: 2 * 2 * 8 + 4 * 6,
+        conv_len: 3,
+        key_heads: 2,
+        heads: 4,
+        key_dim: 8,
+        value_dim: 6,
+    };
+    fn run<C: Backend>(c: &C, l: StateLayout) -> Vec<f32> {
+        let mut states = c.alloc_states(l).unwrap();
+        let weights = [
+            c.upload(noise(l.conv_dim * (l.conv_len + 1), 1), &[l.conv_dim, l.conv_len + 1])
+                .unwrap(),
+            c.upload(noise(l.heads, 2), &[l.heads]).unwrap(),
+            c.upload(noise(l.heads, 3), &[l.heads]).unwrap(),
+        ];
+        let mut out = Vec::new();
+        for (call, seqs) in [[(0, 5, 1, true), (5, 2, 0, true)], [(0, 3, 1, false), (3, 4, 0, true)]]
+            .iter()
+            .enumerate()
+        {
+            let rows = 7;
+            let seed = 10 * call as u64;
+            let qkv = c
+                .upload(noise(rows * l.conv_dim, seed + 4), &[rows, l.conv_dim])
+                .unwrap();
+            let a = c.upload(noise(rows * l.heads, seed + 5), &[rows, l.heads]).unwrap();
+            let bb = c.upload(noise(rows * l.heads, seed + 6), &[rows, l.heads]).unwrap();
+            let seqs: Vec<StateSeq> = seqs
+                .iter()
+                .map(|&(start, len, slot, fresh)| StateSeq {
+                    start,
+                    len,
+                    slot,
+                    fresh,
+                })
+                .collect();
+            let input = DeltaNetInput {
+                qkv: &qkv,
+                a: &a,
+                b: &bb,
+                conv: &weights[0],
+                a_log: &weights[1],
+                dt_bias: &weights[2],
+            };
+            let o = c.gated_delta_net(&mut states, 1, input, &seqs).unwrap();
+            assert_eq!(c.shape(&o), [rows, l.heads * l.value_dim]);
+            out.extend(host(c, &o));
+        }
+        out
+    }
+    let want = run(&Reference::default(), l);
+    assert!(want.iter().any(|v| v.abs() > 1e-3));
+    let got = run(b, l);
+    assert!(max_err(&got, &want) < 1e-5, "{}", max_err(&got, &want));
 }
 
 /// Row gathers, scatters (replacing and adding), concatenation, column slices and embeddings.

@@ -18,6 +18,7 @@ pub(super) enum Kernel {
     Attention,
     KvWrite,
     Sample,
+    DeltaNet,
 }
 
 /// How stored weights are read by a kernel that reads them.
@@ -82,7 +83,7 @@ impl WeightElem {
 
 impl Kernel {
     /// Every kernel family (what [`check_all`] compiles).
-    pub const ALL: [Kernel; 9] = [
+    pub const ALL: [Kernel; 10] = [
         Kernel::Elementwise,
         Kernel::Rows,
         Kernel::Embedding,
@@ -92,6 +93,7 @@ impl Kernel {
         Kernel::Attention,
         Kernel::KvWrite,
         Kernel::Sample,
+        Kernel::DeltaNet,
     ];
 
     fn source(self) -> &'static str {
@@ -105,6 +107,7 @@ impl Kernel {
             Kernel::Attention => include_str!("kernels/attention.wgsl"),
             Kernel::KvWrite => include_str!("kernels/kv_write.wgsl"),
             Kernel::Sample => include_str!("kernels/sample.wgsl"),
+            Kernel::DeltaNet => include_str!("kernels/delta_net.wgsl"),
         }
     }
 

@@ -23,7 +23,8 @@ mod storage;
 pub use device::WgpuOptions;
 
 use super::{
-    Activation, BResult, Backend, BackendError, KvLayout, PagedBatch, RawDType, RawTensor, Readback, TableWrite,
+    Activation, BResult, Backend, BackendError, DeltaNetInput, KvLayout, PagedBatch, RawDType, RawTensor, Readback,
+    StateLayout, StateSeq, TableWrite,
 };
 use crate::arch::blocks::BlockKind;
 use crate::arch::ggml::GgmlType;
@@ -98,6 +99,15 @@ pub struct WgpuKvCache {
     layout: KvLayout,
     keys: Vec<Buf>,
     values: Vec<Buf>,
+}
+
+/// A hybrid model's states: per Gated DeltaNet layer, the conv windows `[slots, conv_len,
+/// conv_dim]` and the recurrent states `[slots, heads, key_dim, value_dim]`, f32.
+#[derive(Debug)]
+pub struct WgpuStates {
+    layout: StateLayout,
+    conv: Vec<Buf>,
+    recurrent: Vec<Buf>,
 }
 
 /// The block tables on the device: `rows × max_blocks` u32 block ids.
@@ -536,7 +546,7 @@ impl Backend for WgpuBackend {
     type BlockTables = WgpuBlockTables;
     type Paged = WgpuPaged;
     type Segments = WgpuSegments;
-    type StateCache = crate::backend::NoStates;
+    type StateCache = WgpuStates;
 
     const CAPABILITIES: super::Capabilities = super::Capabilities {
         compute: crate::arch::config::DType::F32,
@@ -866,20 +876,125 @@ impl Backend for WgpuBackend {
         self.binary(gate, up, 4)
     }
 
+    fn sigmoid_mul(&self, gate: &WgpuTensor, x: &WgpuTensor) -> BResult<WgpuTensor> {
+        self.binary(gate, x, 6)
+    }
+
+    fn alloc_states(&self, layout: StateLayout) -> BResult<WgpuStates> {
+        let (conv, rec) = layout.slot_values();
+        let [conv_bytes, rec_bytes] = [conv, rec].map(|v| (layout.slots * v * 4) as u64);
+        if rec_bytes > self.inner.gpu.max_binding {
+            return Err(shape_err(format!(
+                "one layer's Gated DeltaNet states take {rec_bytes} bytes, more than the device's \
+                 storage-binding limit of {} bytes: lower --max-num-seqs",
+                self.inner.gpu.max_binding
+            )));
+        }
+        let make = |bytes: u64| -> BResult<Vec<Buf>> {
+            (0..layout.layers)
+                .map(|_| self.owned(bytes.max(4), Category::StateCache, None))
+                .collect()
+        };
+        Ok(WgpuStates {
+            layout,
+            conv: make(conv_bytes)?,
+            recurrent: make(rec_bytes)?,
+        })
+    }
+
+    fn gated_delta_net(
+        &self,
+        states: &mut WgpuStates,
+        layer: usize,
+        input: DeltaNetInput<'_, WgpuTensor>,
+        seqs: &[StateSeq],
+    ) -> BResult<WgpuTensor> {
+        let l = states.layout;
+        let (rows, conv_dim) = dims2(input.qkv)?;
+        let fits = conv_dim == l.conv_dim
+            && input.a.shape == [rows, l.heads]
+            && input.b.shape == [rows, l.heads]
+            && input.conv.numel() == l.conv_dim * (l.conv_len + 1)
+            && input.a_log.numel() == l.heads
+            && input.dt_bias.numel() == l.heads
+            && layer < l.layers
+            && l.key_dim <= 256
+            && l.heads.is_multiple_of(l.key_heads.max(1))
+            && seqs.iter().all(|s| s.slot < l.slots && s.start + s.len <= rows);
+        if !fits {
+            return Err(shape_err(format!(
+                "gated delta net: inputs of {rows} rows or sequences {seqs:?} do not fit the state layout {l:?}"
+            )));
+        }
+        let meta = self.upload_u32(seqs.iter().flat_map(|s| [s.start, s.len, s.slot, usize::from(s.fresh)]))?;
+        let words = [
+            seqs.len() as u32,
+            l.conv_dim as u32,
+            l.conv_len as u32,
+            l.heads as u32,
+            l.key_heads as u32,
+            l.key_dim as u32,
+            l.value_dim as u32,
+            0,
+        ];
+        let mixed = self.scratch(rows * conv_dim)?;
+        let conv_binds = [
+            (1, &meta.buffer),
+            (2, input.qkv.buffer()?),
+            (3, input.conv.buffer()?),
+            (4, &states.conv[layer].buffer),
+            (5, &mixed.buffer),
+        ];
+        let threads = (seqs.len() * conv_dim) as u64;
+        self.dispatch(
+            Kernel::DeltaNet,
+            None,
+            "conv",
+            &words,
+            &conv_binds,
+            grid(threads.div_ceil(256)),
+        )?;
+        let out = self.scratch(rows * l.heads * l.value_dim)?;
+        let delta_binds = [
+            (1, &meta.buffer),
+            (2, &mixed.buffer),
+            (3, input.a.buffer()?),
+            (4, &states.recurrent[layer].buffer),
+            (5, &out.buffer),
+            (6, input.b.buffer()?),
+            (7, input.a_log.buffer()?),
+            (8, input.dt_bias.buffer()?),
+        ];
+        self.dispatch(
+            Kernel::DeltaNet,
+            None,
+            "delta",
+            &words,
+            &delta_binds,
+            grid((seqs.len() * l.heads) as u64),
+        )?;
+        Ok(self.tensor(out, vec![rows, l.heads * l.value_dim]))
+    }
+
     fn add(&self, a: &WgpuTensor, b: &WgpuTensor) -> BResult<WgpuTensor> {
         self.binary(a, b, 5)
     }
 
     fn rope(&self, x: &WgpuTensor, cos: &WgpuTensor, sin: &WgpuTensor) -> BResult<WgpuTensor> {
+        let d = dims2(cos)?.1;
+        self.rope_partial(x, cos, sin, d)
+    }
+
+    fn rope_partial(&self, x: &WgpuTensor, cos: &WgpuTensor, sin: &WgpuTensor, head: usize) -> BResult<WgpuTensor> {
         let (n, cols) = dims2(x)?;
         let (cn, d) = dims2(cos)?;
-        if d == 0 || cols % d != 0 || d % 2 != 0 || cn != n || sin.shape != cos.shape {
+        if d == 0 || head < d || cols % head != 0 || d % 2 != 0 || cn != n || sin.shape != cos.shape {
             return Err(shape_err(format!(
-                "rope: {cols} columns are not whole heads of {d} (cos {cn}×{d}, {n} rows)"
+                "rope: {cols} columns are not whole heads of {head} with {d} rotated (cos {cn}×{d}, {n} rows)"
             )));
         }
         let out = self.scratch(n * cols)?;
-        let words = [n as u32, cols as u32, d as u32, 0];
+        let words = [n as u32, cols as u32, d as u32, head as u32];
         let binds = [
             (1, x.buffer()?),
             (2, cos.buffer()?),

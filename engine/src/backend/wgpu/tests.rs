@@ -23,7 +23,8 @@ fn backend() -> WgpuBackend {
 }
 
 crate::backend_suite!(backend());
-crate::golden_suite!(backend());
+crate::backend_suite!(hybrid; backend());
+crate::golden_suite!(backend(), hybrid);
 
 /// Both kernel sets on this adapter: the barrier-free one and the workgroup-reduction one.
 fn both() -> [WgpuBackend; 2] {

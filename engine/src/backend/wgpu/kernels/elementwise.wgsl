@@ -44,6 +44,7 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) 
         case 2u: { r = 0.5 * a * (1.0 + erf(a * 0.7071067811865476)); }
         case 3u: { r = a * sigmoid(1.702 * a); }
         case 4u: { r = a * sigmoid(a) * y[i]; }
+        case 6u: { r = y[i] * sigmoid(a); }
         default: { r = a + y[i]; }
     }
     out[i] = r;

@@ -1,10 +1,11 @@
 // Rotary embedding, rotate-half convention, with host-computed cos/sin rows (M-RoPE's sections
-// are already folded into them): x [rows, heads·d], cos/sin [rows, d].
+// are already folded into them): x [rows, heads·head], cos/sin [rows, d]; the first d values of
+// each head rotate (d = head but for Qwen3.5's partial rotary), the rest pass unchanged.
 struct Params {
     rows: u32,
     cols: u32,
     d: u32,
-    _pad: u32,
+    head: u32,
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
@@ -20,7 +21,11 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) 
         return;
     }
     let r = i / p.cols;
-    let j = (i % p.cols) % p.d;
+    let j = (i % p.cols) % p.head;
+    if (j >= p.d) {
+        out[i] = x[i];
+        return;
+    }
     let half = p.d / 2u;
     var rotated: f32;
     if (j < half) {
