@@ -189,7 +189,10 @@ pub fn run(args: &RandomCheckpointArgs) -> Result<()> {
     prepare_out_dir(out, args.force)?;
 
     let std = init_std(&raw);
-    let config = published_layout(raw, cfg.family, args.dtype);
+    let mut config = published_layout(raw, cfg.family, args.dtype);
+    if cfg.family == Family::Qwen35 {
+        with_qwen3_token_ids(&mut config);
+    }
     write_json(&out.join("config.json"), &config)?;
     write_json(&out.join("generation_config.json"), &generation_config())?;
     let limits = args.image_limits.unwrap_or(if args.config == DEMO {
@@ -408,6 +411,26 @@ fn published_layout(mut root: Value, family: Family, dtype: WeightDtype) -> Valu
         obj.insert("torch_dtype".into(), json!(dtype.config_name()));
     }
     root
+}
+
+/// Qwen3.5's special tokens renumbered to those of the Qwen3 tokenizer the checkpoint ships with
+/// (Qwen3.5's own tokenizer, with its larger vocabulary, comes only with real checkpoints).
+fn with_qwen3_token_ids(config: &mut Value) {
+    let ids = [
+        ("vision_start_token_id", 151_652),
+        ("vision_end_token_id", 151_653),
+        ("image_token_id", 151_655),
+        ("video_token_id", 151_656),
+    ];
+    if let Some(obj) = config.as_object_mut() {
+        for (key, id) in ids {
+            obj.insert(key.into(), json!(id));
+        }
+    }
+    if let Some(text) = config.get_mut("text_config").and_then(Value::as_object_mut) {
+        text.insert("bos_token_id".into(), json!(151_643));
+        text.insert("eos_token_id".into(), json!(151_645));
+    }
 }
 
 /// transformers 5's `rope_parameters` → the published `rope_theta` + `rope_scaling`.
@@ -720,5 +743,25 @@ mod tests {
         let mut expected = q3;
         expected["text_config"]["dtype"] = json!("float16");
         assert_eq!(nested, expected);
+    }
+
+    #[test]
+    fn qwen3_5_keeps_its_layout_and_takes_the_qwen3_tokenizer_s_ids() {
+        let (_, text) = BUNDLED_CONFIGS.iter().find(|(n, _)| *n == "Qwen3.5-2B").unwrap();
+        let published: Value = serde_json::from_str(text).unwrap();
+        let mut config = published_layout(published.clone(), Family::Qwen35, WeightDtype::Bf16);
+        with_qwen3_token_ids(&mut config);
+        assert_eq!(
+            config["text_config"]["rope_parameters"],
+            published["text_config"]["rope_parameters"]
+        );
+        let cfg = ModelConfig::from_value(&config).unwrap();
+        let before = ModelConfig::from_value(&published).unwrap();
+        assert_eq!((before.tokens.image, cfg.tokens.image), (248_056, 151_655));
+        assert_eq!(
+            (cfg.tokens.vision_start, cfg.tokens.eos.clone()),
+            (151_652, vec![151_645])
+        );
+        assert_eq!(cfg.text, before.text, "only the token ids change");
     }
 }

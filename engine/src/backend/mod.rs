@@ -305,10 +305,6 @@ pub struct DeltaNetInput<'a, T> {
     pub dt_bias: &'a T,
 }
 
-/// The state cache of a backend without Gated DeltaNet kernels.
-#[derive(Debug)]
-pub struct NoStates;
-
 /// A compute backend by name, as `--backend` takes it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "lowercase")]
@@ -453,8 +449,7 @@ pub trait Backend: std::fmt::Debug + 'static {
     type Paged: std::fmt::Debug;
     /// The vision tower's attention segments as the backend's kernels read them.
     type Segments: std::fmt::Debug;
-    /// Hybrid models' per-request states ([`StateLayout`]); [`NoStates`] on a backend without
-    /// Gated DeltaNet kernels.
+    /// Hybrid models' per-request states ([`StateLayout`]).
     type StateCache: std::fmt::Debug;
 
     /// What this backend can do.

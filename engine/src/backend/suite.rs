@@ -48,12 +48,18 @@ macro_rules! backend_suite {
     ($make:expr) => {
         $crate::backend_suite!(@list [] $make);
     };
-    // The operations of hybrid models (Qwen3.5), for the backends that have their kernels.
+    // The operations of hybrid models (Qwen3.5).
     (hybrid; $make:expr) => {
+        $crate::backend_suite!(@hybrid [] $make);
+    };
+    (hybrid ignored $why:literal; $make:expr) => {
+        $crate::backend_suite!(@hybrid [$why] $make);
+    };
+    (@hybrid [$($why:literal)?] $make:expr) => {
         mod hybrid {
             #[allow(unused_imports)]
             use super::*;
-            $crate::backend_suite!(@tests [] $make;
+            $crate::backend_suite!(@tests [$($why)?] $make;
                 gated_delta_net_matches_the_reference,
                 partial_rope_and_sigmoid_gate);
         }

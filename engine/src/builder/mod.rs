@@ -147,25 +147,38 @@ pub async fn build_engine(
     }
     let mut num_blocks =
         usize::try_from(p.num_gpu_blocks).map_err(|_| BuildError::Plan("KV cache too large".into()))?;
+    let mut max_num_seqs = p.max_num_seqs;
     if let Some(h) = &p.hybrid {
-        // vLLM hands a request's states blocks from the KV pool; kvlens keeps them in a pool of
-        // `max_num_seqs` slots and gives up the KV blocks whose memory that pool takes.
-        let reserved = h.blocks_for_states(p.max_num_seqs, p.page_size_bytes) as usize;
-        log_lines.push(format!(
-            "kvlens keeps the Gated DeltaNet states of {} requests in a pool of their own: {} GiB, the memory of {reserved} of the {num_blocks} KV cache blocks",
-            p.max_num_seqs,
-            gib(h.state_pool_bytes(p.max_num_seqs))
-        ));
-        num_blocks = num_blocks.saturating_sub(reserved);
-        if num_blocks < 2 {
+        // vLLM hands a request's states blocks from the KV pool as it runs; kvlens keeps them in a
+        // pool of one slot per request that can run at once and gives up the KV blocks whose memory
+        // that pool takes, leaving at least one request of max_model_len its KV (fewer slots than
+        // max_num_seqs where the memory holds fewer).
+        let kv_blocks = p.max_model_len.div_ceil(p.block_size.max(1)) as u64 + 1;
+        let spare = p.num_gpu_blocks.saturating_sub(kv_blocks) * p.page_size_bytes * h.layers_per_group as u64;
+        let per_request = h.state_pool_bytes(1).max(1);
+        let slots = (spare / per_request).min(p.max_num_seqs as u64) as usize;
+        if slots == 0 {
             return Err(BuildError::Budget {
                 error: format!(
-                    "No available memory for the cache blocks once the states of {} requests are kept. Try decreasing `max_num_seqs` or increasing `gpu_memory_utilization`.",
-                    p.max_num_seqs
+                    "No available memory for the Gated DeltaNet states of one request ({} GiB) beside the KV cache of one request of max_model_len ({}). Try decreasing `max_model_len` or increasing `gpu_memory_utilization`.",
+                    gib(per_request),
+                    p.max_model_len
                 ),
                 log_lines,
             });
         }
+        let reserved = h.blocks_for_states(slots, p.page_size_bytes) as usize;
+        log_lines.push(format!(
+            "kvlens keeps the Gated DeltaNet states of {slots} requests in a pool of their own: {} GiB, the memory of {reserved} of the {num_blocks} KV cache blocks{}",
+            gib(h.state_pool_bytes(slots)),
+            if slots < p.max_num_seqs {
+                format!(" (max_num_seqs lowered from {}: the memory holds no more states)", p.max_num_seqs)
+            } else {
+                String::new()
+            }
+        ));
+        num_blocks -= reserved;
+        max_num_seqs = slots;
     }
     let cfg = EngineConfig {
         num_blocks,
@@ -173,7 +186,7 @@ pub async fn build_engine(
         max_model_len: p.max_model_len,
         enable_prefix_caching: opts.enable_prefix_caching,
         encoder_cache_tokens: p.encoder_budget_tokens.max(1),
-        max_num_seqs: p.max_num_seqs,
+        max_num_seqs,
         max_num_batched_tokens: p.max_num_batched_tokens,
         vocab_size: opts.vocab_size,
         long_prefill_token_threshold: if opts.long_prefill_token_threshold == 0 && opts.max_num_partial_prefills > 1 {
@@ -255,6 +268,7 @@ mod tests {
         let ledger = MemoryLedger::new();
         let be = CpuBackend::new(ledger.clone());
         let model = QwenVl::load(cfg.clone(), &SafetensorsFiles::parse(&shards).unwrap(), &be, |_, _| {}).unwrap();
+        let small = cfg.clone();
         let mut req = PlanRequest::new("Qwen3.5-0.8B (scaled)", cfg, device_preset("cpu").unwrap());
         (req.max_model_len, req.max_num_seqs, req.max_num_batched_tokens) = (Some(1024), Some(4), Some(8));
         req.kv_cache_memory_bytes = Some(512 << 20);
@@ -282,6 +296,34 @@ mod tests {
             .log_lines
             .iter()
             .any(|l| l.starts_with("kvlens keeps the Gated DeltaNet states of 4 requests")));
+        drop(engine);
+
+        // 64 MiB: 9 blocks of 288 tokens; one request of 1,024 tokens keeps 5 (the null block
+        // included), and the other 4 hold the states of one request (20.2 MiB), not four.
+        let be = CpuBackend::new(MemoryLedger::new());
+        let model = QwenVl::load(
+            small.clone(),
+            &SafetensorsFiles::parse(&shards).unwrap(),
+            &be,
+            |_, _| {},
+        )
+        .unwrap();
+        let mut req = PlanRequest::new("Qwen3.5-0.8B (scaled)", small, device_preset("cpu").unwrap());
+        (req.max_model_len, req.max_num_seqs, req.max_num_batched_tokens) = (Some(1024), Some(4), Some(8));
+        req.kv_cache_memory_bytes = Some(64 << 20);
+        (req.limit_mm_per_prompt.image, req.limit_mm_per_prompt.video) = (0, 0);
+        let (engine, report) =
+            block_on(build_engine(Box::new(ModelRunner::new(be, model)), req, opts, &|| 0.0)).unwrap();
+        assert_eq!((report.plan.num_gpu_blocks, report.plan.block_size), (9, 288));
+        assert_eq!(engine.snapshot().states.unwrap().total, 1);
+        assert!(
+            report
+                .log_lines
+                .iter()
+                .any(|l| l.contains("max_num_seqs lowered from 4")),
+            "{:?}",
+            report.log_lines
+        );
     }
 
     #[test]

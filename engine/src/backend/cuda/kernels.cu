@@ -120,14 +120,101 @@ extern "C" __global__ void add(const float* a, const float* b, float* out, unsig
     if (i < n) out[i] = a[i] + b[i];
 }
 
-// Rotate-half rotary embedding: x [n, cols] in heads of d, cos/sin [n, d].
+extern "C" __global__ void sigmoid_mul(const float* g, const float* x, float* out, unsigned int n) {
+    unsigned int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = x[i] / (1.0f + expf(-g[i]));
+}
+
+// Rotate-half rotary embedding: x [n, cols] in heads of `head`, cos/sin [n, d]; the first d values
+// of each head rotate (d = head but for Qwen3.5's partial rotary), the rest pass unchanged.
 extern "C" __global__ void rope(const float* x, const float* cos_t, const float* sin_t, float* out,
-                                unsigned int n, unsigned int cols, unsigned int d) {
+                                unsigned int n, unsigned int cols, unsigned int d, unsigned int head) {
     unsigned int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n * cols) return;
-    unsigned int r = i / cols, c = i % cols, j = c % d, half = d / 2;
+    unsigned int r = i / cols, c = i % cols, j = c % head, half = d / 2;
+    if (j >= d) {
+        out[i] = x[i];
+        return;
+    }
     float rot = j < half ? -x[i + half] : x[i - half];
     out[i] = x[i] * cos_t[r * d + j] + rot * sin_t[r * d + j];
+}
+
+// Qwen3.5's Gated DeltaNet, recurrent form (as backend/cpu/delta_net.rs). `seqs` holds per
+// sequence: first row, rows, slot, fresh. geo: conv_dim, conv_len, heads, key_heads, key_dim,
+// value_dim. delta_conv: one thread per sequence and channel, over the rows in order.
+extern "C" __global__ void delta_conv(const float* x, const float* w, float* window, float* out,
+                                      const unsigned int* seqs, unsigned int n_seqs, unsigned int conv_dim,
+                                      unsigned int conv_len) {
+    unsigned int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n_seqs * conv_dim) return;
+    unsigned int s = i / conv_dim, c = i % conv_dim;
+    unsigned int start = seqs[4 * s], rows = seqs[4 * s + 1];
+    float* win = window + (size_t)seqs[4 * s + 2] * conv_len * conv_dim;
+    unsigned int width = conv_len + 1;
+    if (seqs[4 * s + 3]) {
+        for (unsigned int j = 0; j < conv_len; j++) win[j * conv_dim + c] = 0.0f;
+    }
+    for (unsigned int t = start; t < start + rows; t++) {
+        float v = x[(size_t)t * conv_dim + c];
+        float acc = w[c * width + conv_len] * v;
+        for (unsigned int j = 0; j < conv_len; j++) acc += w[c * width + j] * win[j * conv_dim + c];
+        out[(size_t)t * conv_dim + c] = acc / (1.0f + expf(-acc));
+        for (unsigned int j = 0; j + 1 < conv_len; j++) win[j * conv_dim + c] = win[(j + 1) * conv_dim + c];
+        if (conv_len > 0) win[(conv_len - 1) * conv_dim + c] = v;
+    }
+}
+
+#define DELTA_MAX_KEY_DIM 256
+// delta_rule: one block per sequence (grid x) and value head (grid y), threads over value columns.
+extern "C" __global__ void delta_rule(const float* y, const float* a, const float* b, const float* a_log,
+                                      const float* dt_bias, float* state, float* out, const unsigned int* seqs,
+                                      unsigned int conv_dim, unsigned int heads, unsigned int key_heads,
+                                      unsigned int dk, unsigned int dv) {
+    __shared__ float qs[DELTA_MAX_KEY_DIM];
+    __shared__ float ks[DELTA_MAX_KEY_DIM];
+    unsigned int s = blockIdx.x, h = blockIdx.y;
+    unsigned int start = seqs[4 * s], rows = seqs[4 * s + 1];
+    float* st = state + ((size_t)seqs[4 * s + 2] * heads + h) * dk * dv;
+    unsigned int kh = h / (heads / key_heads), key_width = key_heads * dk;
+    if (seqs[4 * s + 3]) {
+        for (unsigned int e = threadIdx.x; e < dk * dv; e += blockDim.x) st[e] = 0.0f;
+    }
+    float rate = expf(a_log[h]), scale = rsqrtf((float)dk);
+    for (unsigned int t = start; t < start + rows; t++) {
+        __syncthreads();
+        const float* row = y + (size_t)t * conv_dim;
+        for (unsigned int i = threadIdx.x; i < dk; i += blockDim.x) {
+            qs[i] = row[kh * dk + i];
+            ks[i] = row[key_width + kh * dk + i];
+        }
+        __syncthreads();
+        float qq = 0.0f, kk = 0.0f;
+        for (unsigned int i = 0; i < dk; i++) {
+            qq += qs[i] * qs[i];
+            kk += ks[i] * ks[i];
+        }
+        float qn = scale / sqrtf(qq + 1e-6f), kn = 1.0f / sqrtf(kk + 1e-6f);
+        float z = a[(size_t)t * heads + h] + dt_bias[h];
+        float decay = expf(-rate * (z > 20.0f ? z : log1pf(expf(z))));
+        float beta = 1.0f / (1.0f + expf(-b[(size_t)t * heads + h]));
+        for (unsigned int j = threadIdx.x; j < dv; j += blockDim.x) {
+            float mem = 0.0f;
+            for (unsigned int i = 0; i < dk; i++) {
+                float v = st[i * dv + j] * decay;
+                st[i * dv + j] = v;
+                mem += v * ks[i] * kn;
+            }
+            float d = (row[2 * key_width + h * dv + j] - mem) * beta;
+            float o = 0.0f;
+            for (unsigned int i = 0; i < dk; i++) {
+                float v = st[i * dv + j] + ks[i] * kn * d;
+                st[i * dv + j] = v;
+                o += v * qs[i] * qn;
+            }
+            out[(size_t)t * heads * dv + h * dv + j] = o;
+        }
+    }
 }
 
 extern "C" __global__ void narrow_cols(const float* x, float* out, unsigned int rows, unsigned int cols,

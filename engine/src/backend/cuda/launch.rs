@@ -8,7 +8,7 @@ use crate::backend::{Activation, BResult, BackendError};
 pub const SOURCE: &str = include_str!("kernels.cu");
 
 /// Every `extern "C" __global__` function of [`SOURCE`], loaded once per process.
-pub const KERNELS: [&str; 18] = [
+pub const KERNELS: [&str; 21] = [
     "to_bf16",
     "bf16_to_f32s",
     "add_bias",
@@ -18,6 +18,9 @@ pub const KERNELS: [&str; 18] = [
     "layer_norm",
     "activate",
     "silu_mul",
+    "sigmoid_mul",
+    "delta_conv",
+    "delta_rule",
     "add",
     "rope",
     "narrow_cols",
@@ -81,6 +84,17 @@ pub fn attention(rows: usize, heads: usize, head_dim: usize) -> BResult<Geometry
     Ok(Geometry {
         grid: (count(rows, "rows")?.max(1), heads as u32, 1),
         block: (32 * ATTENTION_WARPS, 1, 1),
+    })
+}
+
+/// One block of 64 threads per sequence (x) and value head (y), for `delta_rule`.
+pub fn delta_rule(seqs: usize, heads: usize) -> BResult<Geometry> {
+    if heads > 65_535 {
+        return Err(BackendError::Shape(format!("{heads} value heads: at most 65535")));
+    }
+    Ok(Geometry {
+        grid: (count(seqs, "sequences")?.max(1), heads.max(1) as u32, 1),
+        block: (64, 1, 1),
     })
 }
 

@@ -14,8 +14,8 @@ mod launch;
 mod tests;
 
 use super::{
-    ready, Activation, BResult, Backend, BackendError, DeviceMemory, KvLayout, PagedBatch, RawDType, RawTensor,
-    Readback, TableWrite,
+    ready, Activation, BResult, Backend, BackendError, DeltaNetInput, DeviceMemory, KvLayout, PagedBatch, RawDType,
+    RawTensor, Readback, StateLayout, StateSeq, TableWrite,
 };
 use crate::fault::ledger_summary;
 use crate::memory::ledger::{Category, Held, MemoryLedger};
@@ -102,6 +102,16 @@ pub struct CudaKvCache {
     layout: KvLayout,
     keys: Vec<CudaSlice<f32>>,
     values: Vec<CudaSlice<f32>>,
+    _held: Held,
+}
+
+/// A hybrid model's states: per Gated DeltaNet layer, the conv windows `[slots, conv_len,
+/// conv_dim]` and the recurrent states `[slots, heads, key_dim, value_dim]`, f32.
+#[derive(Debug)]
+pub struct CudaStates {
+    layout: StateLayout,
+    conv: Vec<CudaSlice<f32>>,
+    recurrent: Vec<CudaSlice<f32>>,
     _held: Held,
 }
 
@@ -404,7 +414,7 @@ impl Backend for CudaBackend {
     type KvCache = CudaKvCache;
     type Paged = CudaPaged;
     type Segments = CudaSegments;
-    type StateCache = crate::backend::NoStates;
+    type StateCache = CudaStates;
 
     const CAPABILITIES: super::Capabilities = super::Capabilities {
         compute: crate::arch::config::DType::F32,
@@ -683,19 +693,99 @@ impl Backend for CudaBackend {
     }
 
     fn rope(&self, x: &CudaTensor, cos: &CudaTensor, sin: &CudaTensor) -> BResult<CudaTensor> {
+        let d = cos.dims2()?.1;
+        self.rope_partial(x, cos, sin, d)
+    }
+
+    fn rope_partial(&self, x: &CudaTensor, cos: &CudaTensor, sin: &CudaTensor, head: usize) -> BResult<CudaTensor> {
         let (n, cols) = x.dims2()?;
         let (cn, d) = cos.dims2()?;
-        if d == 0 || !d.is_multiple_of(2) || !cols.is_multiple_of(d) || cn != n || sin.shape != cos.shape {
+        if d == 0 || head < d || !d.is_multiple_of(2) || !cols.is_multiple_of(head) || cn != n || sin.shape != cos.shape
+        {
             return Err(BackendError::Shape(format!(
-                "rope: x {:?}, cos {:?}, sin {:?}",
+                "rope: x {:?}, cos {:?}, sin {:?}, heads of {head}",
                 x.shape, cos.shape, sin.shape
             )));
         }
         let (xs, cs, ss) = (x.f32(), cos.f32(), sin.f32());
-        let (n32, c32, d32) = (n as u32, cols as u32, d as u32);
+        let (n32, c32, d32, h32) = (n as u32, cols as u32, d as u32, head as u32);
         let mut out = self.alloc_f32(n * cols)?;
-        launch!(self, "rope", launch::elementwise(n * cols)?; xs, cs, ss, &mut out, &n32, &c32, &d32)?;
+        launch!(self, "rope", launch::elementwise(n * cols)?; xs, cs, ss, &mut out, &n32, &c32, &d32, &h32)?;
         Ok(self.activation(out, x.shape.clone()))
+    }
+
+    fn sigmoid_mul(&self, gate: &CudaTensor, x: &CudaTensor) -> BResult<CudaTensor> {
+        Self::same_shape(gate, x, "sigmoid_mul")?;
+        let (g, v, n) = (gate.f32(), x.f32(), gate.numel() as u32);
+        let mut out = self.alloc_f32(gate.numel())?;
+        launch!(self, "sigmoid_mul", launch::elementwise(gate.numel())?; g, v, &mut out, &n)?;
+        Ok(self.activation(out, gate.shape.clone()))
+    }
+
+    fn alloc_states(&self, layout: StateLayout) -> BResult<CudaStates> {
+        let (conv, rec) = layout.slot_values();
+        let bytes = layout.bytes(4);
+        let mut make = |per_slot: usize| -> BResult<Vec<CudaSlice<f32>>> {
+            (0..layout.layers)
+                .map(|_| {
+                    self.stream
+                        .alloc_zeros::<f32>((layout.slots * per_slot).max(1))
+                        .map_err(self.alloc_err(bytes))
+                })
+                .collect()
+        };
+        Ok(CudaStates {
+            layout,
+            conv: make(conv)?,
+            recurrent: make(rec)?,
+            _held: self.ledger.hold(Category::StateCache, bytes),
+        })
+    }
+
+    fn gated_delta_net(
+        &self,
+        states: &mut CudaStates,
+        layer: usize,
+        input: DeltaNetInput<'_, CudaTensor>,
+        seqs: &[StateSeq],
+    ) -> BResult<CudaTensor> {
+        let l = states.layout;
+        let (rows, conv_dim) = input.qkv.dims2()?;
+        let fits = conv_dim == l.conv_dim
+            && input.a.shape == [rows, l.heads]
+            && input.b.shape == [rows, l.heads]
+            && input.conv.numel() == l.conv_dim * (l.conv_len + 1)
+            && input.a_log.numel() == l.heads
+            && input.dt_bias.numel() == l.heads
+            && layer < l.layers
+            && l.key_dim <= 256
+            && l.heads.is_multiple_of(l.key_heads.max(1))
+            && seqs.iter().all(|s| s.slot < l.slots && s.start + s.len <= rows);
+        if !fits {
+            return Err(BackendError::Shape(format!(
+                "gated delta net: inputs of {rows} rows or sequences {seqs:?} do not fit the state layout {l:?}"
+            )));
+        }
+        let meta: Vec<u32> = seqs
+            .iter()
+            .flat_map(|s| [s.start, s.len, s.slot, usize::from(s.fresh)].map(|v| v as u32))
+            .collect();
+        let meta = self.upload_u32(&meta)?;
+        let mut mixed = self.alloc_f32(rows * conv_dim)?;
+        let mut out = self.alloc_f32(rows * l.heads * l.value_dim)?;
+        let (n_seqs, cd, len) = (seqs.len() as u32, conv_dim as u32, l.conv_len as u32);
+        let (heads, key_heads, dk, dv) = (l.heads as u32, l.key_heads as u32, l.key_dim as u32, l.value_dim as u32);
+        if !seqs.is_empty() {
+            let (x, w) = (input.qkv.f32(), input.conv.f32());
+            let window = &mut states.conv[layer];
+            launch!(self, "delta_conv", launch::elementwise(seqs.len() * conv_dim)?;
+                x, w, window, &mut mixed, &meta, &n_seqs, &cd, &len)?;
+            let (a, b, a_log, dt) = (input.a.f32(), input.b.f32(), input.a_log.f32(), input.dt_bias.f32());
+            let state = &mut states.recurrent[layer];
+            launch!(self, "delta_rule", launch::delta_rule(seqs.len(), l.heads)?;
+                &mixed, a, b, a_log, dt, state, &mut out, &meta, &cd, &heads, &key_heads, &dk, &dv)?;
+        }
+        Ok(self.activation(out, vec![rows, l.heads * l.value_dim]))
     }
 
     fn narrow_cols(&self, x: &CudaTensor, start: usize, len: usize) -> BResult<CudaTensor> {

@@ -25,6 +25,7 @@ fn backend() -> CudaBackend {
 }
 
 crate::backend_suite!(ignored "needs an NVIDIA GPU: cargo xtask gpu-check runs it there"; backend());
+crate::backend_suite!(hybrid ignored "needs an NVIDIA GPU: cargo xtask gpu-check runs it there"; backend());
 
 /// NVRTC compiles every kernel for the H100 (9.0) and the oldest architecture CUDA 13 targets
 /// (7.5). Needs only the NVRTC library: `cargo xtask test` installs PyPI's `nvidia-cuda-nvrtc`
