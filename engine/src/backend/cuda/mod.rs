@@ -725,7 +725,7 @@ impl Backend for CudaBackend {
     fn alloc_states(&self, layout: StateLayout) -> BResult<CudaStates> {
         let (conv, rec) = layout.slot_values();
         let bytes = layout.bytes(4);
-        let mut make = |per_slot: usize| -> BResult<Vec<CudaSlice<f32>>> {
+        let make = |per_slot: usize| -> BResult<Vec<CudaSlice<f32>>> {
             (0..layout.layers)
                 .map(|_| {
                     self.stream
