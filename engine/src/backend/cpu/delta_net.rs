@@ -4,8 +4,10 @@
 //! `6 · heads · key_dim · value_dim` flops per token and layer (1.6 M for Qwen3.5-2B's shape), under
 //! 1 % of the token's matrix products, so one form serves both.
 
+use super::isa::fastest;
 use crate::backend::{StateLayout, StateSeq};
 use crate::memory::ledger::{Category, Held, MemoryLedger};
+use crate::parallel::for_each_piece;
 
 /// Every Gated DeltaNet layer's slots: conv windows `[slots, conv_len, conv_dim]` (oldest input
 /// first, vLLM's "SD" layout) and recurrent states `[slots, heads, key_dim, value_dim]`.
@@ -86,7 +88,6 @@ pub(super) fn run(states: &mut CpuStates, layer: usize, x: &Inputs<'_>, seqs: &[
     }
     let (conv_values, rec_values) = l.slot_values();
     let mut out = vec![0f32; n * heads * dv];
-    let (mut y, mut kv_mem) = (vec![0f32; conv_dim], vec![0f32; dv]);
     let scale = 1.0 / (dk as f32).sqrt();
     for s in seqs {
         let window = &mut states.conv[layer][s.slot * conv_values..(s.slot + 1) * conv_values];
@@ -95,10 +96,12 @@ pub(super) fn run(states: &mut CpuStates, layer: usize, x: &Inputs<'_>, seqs: &[
             window.fill(0.0);
             state.fill(0.0);
         }
-        for t in s.start..s.start + s.len {
-            let row = &x.qkv[t * conv_dim..(t + 1) * conv_dim];
-            // Depthwise causal conv over the window and this row, then SiLU.
-            for (c, yc) in y.iter_mut().enumerate() {
+        // The conv over the sequence's rows (SiLU after it), then q and k L2-normalised and q
+        // scaled, token by token: cheap beside the delta rule, which then runs per head.
+        let rows = &x.qkv[s.start * conv_dim..(s.start + s.len) * conv_dim];
+        let mut y = vec![0f32; rows.len()];
+        for (row, yrow) in rows.chunks_exact(conv_dim).zip(y.chunks_exact_mut(conv_dim)) {
+            for (c, yc) in yrow.iter_mut().enumerate() {
                 let w = &x.conv[c * kernel..(c + 1) * kernel];
                 let mut acc = w[len] * row[c];
                 for j in 0..len {
@@ -110,41 +113,106 @@ pub(super) fn run(states: &mut CpuStates, layer: usize, x: &Inputs<'_>, seqs: &[
                 window.copy_within(conv_dim.., 0);
                 window[(len - 1) * conv_dim..].copy_from_slice(row);
             }
-            let (q, rest) = y.split_at_mut(key_width);
-            let (k, v) = rest.split_at_mut(key_width);
+            let (q, k) = yrow[..2 * key_width].split_at_mut(key_width);
             for h in 0..l.key_heads {
                 l2_normalize(&mut q[h * dk..(h + 1) * dk]);
                 l2_normalize(&mut k[h * dk..(h + 1) * dk]);
             }
             q.iter_mut().for_each(|v| *v *= scale);
-            for h in 0..heads {
-                let kh = h / group;
-                let (qh, kh) = (&q[kh * dk..(kh + 1) * dk], &k[kh * dk..(kh + 1) * dk]);
-                let vh = &v[h * dv..(h + 1) * dv];
-                let decay = (-x.a_log[h].exp() * softplus(x.a[t * heads + h] + x.dt_bias[h])).exp();
-                let beta = 1.0 / (1.0 + (-x.b[t * heads + h]).exp());
-                let sh = &mut state[h * dk * dv..(h + 1) * dk * dv];
-                kv_mem.fill(0.0);
-                for (i, srow) in sh.chunks_exact_mut(dv).enumerate() {
-                    for (m, sv) in kv_mem.iter_mut().zip(srow.iter_mut()) {
-                        *sv *= decay;
-                        *m += *sv * kh[i];
-                    }
-                }
-                for (m, &vv) in kv_mem.iter_mut().zip(vh) {
-                    *m = (vv - *m) * beta;
-                }
-                let o = &mut out[(t * heads + h) * dv..(t * heads + h + 1) * dv];
-                for (i, srow) in sh.chunks_exact_mut(dv).enumerate() {
-                    for ((sv, &d), ov) in srow.iter_mut().zip(kv_mem.iter()).zip(o.iter_mut()) {
-                        *sv += kh[i] * d;
-                        *ov += *sv * qh[i];
-                    }
-                }
+        }
+        // Heads are independent over the whole sequence: each takes its state and its outputs.
+        let mut head_out = vec![0f32; heads * s.len * dv];
+        let mut work: Vec<(&mut [f32], &mut [f32])> = state
+            .chunks_exact_mut(dk * dv)
+            .zip(head_out.chunks_exact_mut(s.len * dv))
+            .collect();
+        let head = Head {
+            y: &y,
+            a: &x.a[s.start * heads..(s.start + s.len) * heads],
+            b: &x.b[s.start * heads..(s.start + s.len) * heads],
+            a_log: x.a_log,
+            dt_bias: x.dt_bias,
+            heads,
+            group,
+            conv_dim,
+            key_width,
+            dk,
+            dv,
+        };
+        for_each_piece(&mut work, 1, |h, piece| {
+            for (sh, oh) in piece.iter_mut() {
+                head.run_fastest(h, sh, oh);
+            }
+        });
+        for (h, oh) in head_out.chunks_exact(s.len * dv).enumerate() {
+            for (t, o) in oh.chunks_exact(dv).enumerate() {
+                let at = ((s.start + t) * heads + h) * dv;
+                out[at..at + dv].copy_from_slice(o);
             }
         }
     }
     Ok(out)
+}
+
+/// One value head's delta rule over a sequence's rows (its conv outputs `y`, q and k normalised).
+struct Head<'a> {
+    y: &'a [f32],
+    a: &'a [f32],
+    b: &'a [f32],
+    a_log: &'a [f32],
+    dt_bias: &'a [f32],
+    heads: usize,
+    group: usize,
+    conv_dim: usize,
+    key_width: usize,
+    dk: usize,
+    dv: usize,
+}
+
+impl Head<'_> {
+    /// Head `h`: `state [dk, dv]` carried through the rows, `out [rows, dv]` written.
+    #[inline(always)]
+    fn run(&self, h: usize, state: &mut [f32], out: &mut [f32]) {
+        let (dk, dv) = (self.dk, self.dv);
+        let kh = h / self.group;
+        let mut kv_mem = vec![0f32; dv];
+        for (t, o) in out.chunks_exact_mut(dv).enumerate() {
+            let row = &self.y[t * self.conv_dim..(t + 1) * self.conv_dim];
+            let q = &row[kh * dk..(kh + 1) * dk];
+            let k = &row[self.key_width + kh * dk..self.key_width + (kh + 1) * dk];
+            let v = &row[2 * self.key_width + h * dv..2 * self.key_width + (h + 1) * dv];
+            let decay = (-self.a_log[h].exp() * softplus(self.a[t * self.heads + h] + self.dt_bias[h])).exp();
+            let beta = 1.0 / (1.0 + (-self.b[t * self.heads + h]).exp());
+            kv_mem.fill(0.0);
+            for (i, srow) in state.chunks_exact_mut(dv).enumerate() {
+                for (m, sv) in kv_mem.iter_mut().zip(srow.iter_mut()) {
+                    *sv *= decay;
+                    *m += *sv * k[i];
+                }
+            }
+            for (m, &vv) in kv_mem.iter_mut().zip(v) {
+                *m = (vv - *m) * beta;
+            }
+            o.fill(0.0);
+            for (i, srow) in state.chunks_exact_mut(dv).enumerate() {
+                for ((sv, &d), ov) in srow.iter_mut().zip(kv_mem.iter()).zip(o.iter_mut()) {
+                    *sv += k[i] * d;
+                    *ov += *sv * q[i];
+                }
+            }
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    fn run_avx2(&self, h: usize, state: &mut [f32], out: &mut [f32]) {
+        self.run(h, state, out)
+    }
+
+    /// [`Head::run`] compiled for the widest instructions this CPU has.
+    fn run_fastest(&self, h: usize, state: &mut [f32], out: &mut [f32]) {
+        fastest!(avx2_fma => self.run_avx2(h, state, out), _ => self.run(h, state, out))
+    }
 }
 
 /// Rotate-half rotary over the first `cos.len() / rows` values of each head of `head_dim` in
