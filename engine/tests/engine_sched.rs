@@ -159,24 +159,23 @@ fn drain_with(
     out
 }
 
-#[test]
-fn greedy_tokens_with_preemption_match_each_request_alone() {
-    let _serial = serial();
-    let cfg = tiny_config();
+/// Three greedy requests (two with an image) run together in 12 usable blocks of 4, where the
+/// prompts take 9 and all three grow to 5 blocks each, so some are preempted: each gets the tokens
+/// it gets alone in a roomy engine. Returns the tight engine.
+fn preempted_requests_match_each_alone(cfg: &ModelConfig, make: impl Fn(usize, usize) -> Engine) -> Engine {
     let reqs = [
-        request(&cfg, "a", 10, Some((2, "img-a")), 10),
-        request(&cfg, "b", 11, None, 10),
-        request(&cfg, "c", 12, Some((5, "img-c")), 10),
+        request(cfg, "a", 10, Some((2, "img-a")), 10),
+        request(cfg, "b", 11, None, 10),
+        request(cfg, "c", 12, Some((5, "img-c")), 10),
     ];
     let mut alone = HashMap::new();
-    let mut roomy = engine(64, 1);
+    let mut roomy = make(64, 1);
     for r in &reqs {
         roomy.add_request(r.clone()).unwrap();
         alone.extend(drain(&mut roomy));
     }
     assert_eq!(roomy.counters().num_preemptions, 0);
-    // 12 usable blocks of 4: the prompts take 9, and all three grow to 5 blocks each.
-    let mut tight = engine(13, 4);
+    let mut tight = make(13, 4);
     for r in &reqs {
         tight.add_request(r.clone()).unwrap();
     }
@@ -184,6 +183,13 @@ fn greedy_tokens_with_preemption_match_each_request_alone() {
     assert!(tight.counters().num_preemptions > 0, "{:?}", tight.counters());
     assert_eq!(together, alone);
     assert!(alone.values().all(|t| t.len() == 10));
+    tight
+}
+
+#[test]
+fn greedy_tokens_with_preemption_match_each_request_alone() {
+    let _serial = serial();
+    preempted_requests_match_each_alone(&tiny_config(), engine);
 }
 
 fn qwen3_5_config() -> ModelConfig {
@@ -221,27 +227,7 @@ fn states_held(e: &Engine) -> usize {
 #[test]
 fn qwen3_5_preempted_and_chunked_requests_give_the_tokens_of_undisturbed_runs() {
     let _serial = serial();
-    let cfg = qwen3_5_config();
-    let reqs = [
-        request(&cfg, "a", 10, Some((2, "img-a")), 10),
-        request(&cfg, "b", 11, None, 10),
-        request(&cfg, "c", 12, Some((5, "img-c")), 10),
-    ];
-    let mut alone = HashMap::new();
-    let mut roomy = qwen3_5_engine(64, 1);
-    for r in &reqs {
-        roomy.add_request(r.clone()).unwrap();
-        alone.extend(drain(&mut roomy));
-    }
-    assert_eq!(roomy.counters().num_preemptions, 0);
-    let mut tight = qwen3_5_engine(13, 4);
-    for r in &reqs {
-        tight.add_request(r.clone()).unwrap();
-    }
-    let together = drain(&mut tight);
-    assert!(tight.counters().num_preemptions > 0, "{:?}", tight.counters());
-    assert_eq!(together, alone);
-    assert!(alone.values().all(|t| t.len() == 10));
+    let tight = preempted_requests_match_each_alone(&qwen3_5_config(), qwen3_5_engine);
     assert_eq!(states_held(&tight), 0);
 }
 

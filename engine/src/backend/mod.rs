@@ -268,6 +268,30 @@ impl StateLayout {
         )
     }
 
+    /// Checks one [`Backend::gated_delta_net`] call's input shapes (`qkv`, `a`, `b`, the conv
+    /// kernel, `A_log`, `dt_bias`) and sequences against the layout; returns the rows.
+    pub fn check_input(&self, layer: usize, shapes: [&[usize]; 6], seqs: &[StateSeq]) -> BResult<usize> {
+        let numel = |s: &[usize]| s.iter().product::<usize>();
+        let [qkv, a, b, conv, a_log, dt_bias] = shapes;
+        let rows = qkv.first().copied().unwrap_or(0);
+        let fits = qkv == [rows, self.conv_dim]
+            && a == [rows, self.heads]
+            && b == [rows, self.heads]
+            && numel(conv) == self.conv_dim * (self.conv_len + 1)
+            && numel(a_log) == self.heads
+            && numel(dt_bias) == self.heads
+            && layer < self.layers
+            && self.key_dim <= 256
+            && self.heads.is_multiple_of(self.key_heads.max(1))
+            && seqs.iter().all(|s| s.slot < self.slots && s.start + s.len <= rows);
+        if !fits {
+            return Err(BackendError::Shape(format!(
+                "gated delta net: inputs {shapes:?} or sequences {seqs:?} do not fit the state layout {self:?} (layer {layer})"
+            )));
+        }
+        Ok(rows)
+    }
+
     /// Bytes of every layer's slots at `elem_bytes` per value.
     pub fn bytes(&self, elem_bytes: u64) -> u64 {
         let (conv, rec) = self.slot_values();

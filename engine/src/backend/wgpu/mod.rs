@@ -910,22 +910,9 @@ impl Backend for WgpuBackend {
         seqs: &[StateSeq],
     ) -> BResult<WgpuTensor> {
         let l = states.layout;
-        let (rows, conv_dim) = dims2(input.qkv)?;
-        let fits = conv_dim == l.conv_dim
-            && input.a.shape == [rows, l.heads]
-            && input.b.shape == [rows, l.heads]
-            && input.conv.numel() == l.conv_dim * (l.conv_len + 1)
-            && input.a_log.numel() == l.heads
-            && input.dt_bias.numel() == l.heads
-            && layer < l.layers
-            && l.key_dim <= 256
-            && l.heads.is_multiple_of(l.key_heads.max(1))
-            && seqs.iter().all(|s| s.slot < l.slots && s.start + s.len <= rows);
-        if !fits {
-            return Err(shape_err(format!(
-                "gated delta net: inputs of {rows} rows or sequences {seqs:?} do not fit the state layout {l:?}"
-            )));
-        }
+        let shapes = [input.qkv, input.a, input.b, input.conv, input.a_log, input.dt_bias].map(|t| t.shape.as_slice());
+        let rows = l.check_input(layer, shapes, seqs)?;
+        let conv_dim = l.conv_dim;
         let meta = self.upload_u32(seqs.iter().flat_map(|s| [s.start, s.len, s.slot, usize::from(s.fresh)]))?;
         let words = [
             seqs.len() as u32,
