@@ -76,7 +76,16 @@ fn engine_over<B: Backend>(
     max_num_seqs: usize,
     vocab_size: usize,
 ) -> Engine {
-    let cfg = EngineConfig {
+    Engine::new(
+        Box::new(ModelRunner::new(be, model)),
+        small_config(num_blocks, max_num_seqs, vocab_size),
+    )
+    .unwrap()
+}
+
+/// Blocks of 4 tokens, 64 per request, 64 per step, the prefix cache on.
+fn small_config(num_blocks: usize, max_num_seqs: usize, vocab_size: usize) -> EngineConfig {
+    EngineConfig {
         num_blocks,
         block_size: 4,
         max_model_len: 64,
@@ -86,8 +95,7 @@ fn engine_over<B: Backend>(
         max_num_batched_tokens: 64,
         vocab_size,
         long_prefill_token_threshold: 0,
-    };
-    Engine::new(Box::new(ModelRunner::new(be, model)), cfg).unwrap()
+    }
 }
 
 /// A greedy request of `len` prompt tokens, with a 4-token image (a 4×4 patch grid) at `image`.
@@ -202,15 +210,8 @@ fn qwen3_5_engine(num_blocks: usize, max_num_seqs: usize) -> Engine {
     let be = CpuBackend::new(MemoryLedger::new());
     let model = random_model(qwen3_5_config(), &be);
     let cfg = EngineConfig {
-        num_blocks,
-        block_size: 4,
-        max_model_len: 64,
-        enable_prefix_caching: true,
-        encoder_cache_tokens: 16,
-        max_num_seqs,
         max_num_batched_tokens: 8,
-        vocab_size: 0,
-        long_prefill_token_threshold: 0,
+        ..small_config(num_blocks, max_num_seqs, 0)
     };
     Engine::new(Box::new(ModelRunner::new(be, model)), cfg).unwrap()
 }
