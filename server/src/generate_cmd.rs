@@ -76,6 +76,10 @@ pub struct GenerateArgs {
     /// Turn off prefix caching (as vLLM's flag), so repeats show encoder-cache hits alone.
     #[arg(long)]
     pub no_enable_prefix_caching: bool,
+    /// Memory of the CPU "device" in GiB, for the cpu and wgpu backends, as `kvlens serve`
+    /// takes it [default: 40% of the machine's RAM]: a 2B model in float32 needs about 10.
+    #[arg(long)]
+    pub cpu_memory_gib: Option<f64>,
     /// Image processor overrides as JSON, as `kvlens serve` and vLLM take them, e.g.
     /// '{"min_pixels": 3136, "max_pixels": 1003520}'.
     #[arg(long)]
@@ -165,7 +169,7 @@ pub fn run(a: &GenerateArgs) -> Result<()> {
             .map(|(_, b)| b)
             .sum(),
     };
-    let (device, non_torch) = device_of(&*runner, None)?;
+    let (device, non_torch) = device_of(&*runner, a.cpu_memory_gib)?;
     let mut plan_req = PlanRequest::new("generate", cfg.clone(), device);
     let patch = cfg.vision.as_ref().map_or(1, |v| v.patch_size) as u64;
     let largest = grids.iter().map(|g| u64::from(g[1] * g[2]) * patch * patch).max();

@@ -220,6 +220,23 @@ fn weights_exact_in_a_block_format_lose_nothing_when_quantized_on_load() {
 }
 
 #[test]
+fn the_cpu_device_takes_its_size_from_cpu_memory_gib() {
+    assert_usage_error(
+        &generate(checkpoint(), &["--prompt", "hi", "--cpu-memory-gib", "0"]),
+        "--cpu-memory-gib must be positive",
+    );
+    // A few MiB hold the tiny model's weights but not its KV cache (the default, 40% of the
+    // machine's RAM, holds both).
+    assert_usage_error(
+        &generate(checkpoint(), &["--prompt", "hi", "--cpu-memory-gib", "0.002"]),
+        "memory",
+    );
+    assert!(generate(checkpoint(), &["--prompt", "hi", "--cpu-memory-gib", "1"])
+        .status
+        .success());
+}
+
+#[test]
 fn a_backend_that_cannot_run_here_and_tensor_parallelism_are_one_line_errors() {
     // Without `--features cuda` the build says it has no CUDA backend; with it, a machine without
     // an NVIDIA driver says what is missing. Neither panics.
