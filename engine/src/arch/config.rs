@@ -238,16 +238,6 @@ impl LinearAttention {
             .filter(|k| **k == LayerKind::LinearAttention)
             .count()
     }
-
-    /// Values of one request's state in one layer: the conv window (`conv_dim · (conv_kernel −
-    /// 1)`, as vLLM keeps it) and the recurrent state (`num_value_heads · key_head_dim ·
-    /// value_head_dim`).
-    pub fn state_values(&self) -> (usize, usize) {
-        (
-            self.conv_dim() * (self.conv_kernel - 1),
-            self.num_value_heads * self.key_head_dim * self.value_head_dim,
-        )
-    }
 }
 
 /// The language model half.
