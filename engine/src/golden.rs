@@ -293,11 +293,11 @@ pub fn run_family<B: crate::backend::Backend + 'static>(name: &str, be: B) {
 #[macro_export]
 macro_rules! golden_suite {
     ($make:expr) => {
-        $crate::golden_suite!(@tests $make; qwen2_vl, qwen2_5_vl, qwen3_vl);
+        $crate::golden_suite!(@tests $make; qwen2_vl, qwen2_5_vl, qwen3_vl, qwen3_vl_moe);
     };
-    // Backends with Gated DeltaNet kernels also run Qwen3.5.
+    // Backends with Gated DeltaNet kernels also run Qwen3.5, dense and MoE.
     ($make:expr, hybrid) => {
-        $crate::golden_suite!(@tests $make; qwen2_vl, qwen2_5_vl, qwen3_vl, qwen3_5);
+        $crate::golden_suite!(@tests $make; qwen2_vl, qwen2_5_vl, qwen3_vl, qwen3_vl_moe, qwen3_5, qwen3_5_moe);
     };
     (@tests $make:expr; $($family:ident),*) => {
         mod golden {

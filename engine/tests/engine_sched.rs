@@ -204,16 +204,22 @@ fn qwen3_5_config() -> ModelConfig {
     ModelConfig::from_json(include_str!("../../tools/golden/configs/qwen3_5_tiny.json")).unwrap()
 }
 
-/// The tiny Qwen3.5 in an engine whose steps compute at most 8 tokens, so that prompts are
+fn qwen3_5_moe_config() -> ModelConfig {
+    ModelConfig::from_json(include_str!("../../tools/golden/configs/qwen3_5_moe_tiny.json")).unwrap()
+}
+
+/// A tiny Qwen3.5 in an engine whose steps compute at most 8 tokens, so that prompts are
 /// prefilled in chunks and each chunk continues the Gated DeltaNet states of the one before.
-fn qwen3_5_engine(num_blocks: usize, max_num_seqs: usize) -> Engine {
-    let be = CpuBackend::new(MemoryLedger::new());
-    let model = random_model(qwen3_5_config(), &be);
-    let cfg = EngineConfig {
-        max_num_batched_tokens: 8,
-        ..small_config(num_blocks, max_num_seqs, 0)
-    };
-    Engine::new(Box::new(ModelRunner::new(be, model)), cfg).unwrap()
+fn hybrid_engine(model_cfg: ModelConfig) -> impl Fn(usize, usize) -> Engine {
+    move |num_blocks, max_num_seqs| {
+        let be = CpuBackend::new(MemoryLedger::new());
+        let model = random_model(model_cfg.clone(), &be);
+        let cfg = EngineConfig {
+            max_num_batched_tokens: 8,
+            ..small_config(num_blocks, max_num_seqs, 0)
+        };
+        Engine::new(Box::new(ModelRunner::new(be, model)), cfg).unwrap()
+    }
 }
 
 /// The state slots held now.
@@ -228,7 +234,17 @@ fn states_held(e: &Engine) -> usize {
 #[test]
 fn qwen3_5_preempted_and_chunked_requests_give_the_tokens_of_undisturbed_runs() {
     let _serial = serial();
-    let tight = preempted_requests_match_each_alone(&qwen3_5_config(), qwen3_5_engine);
+    let tight = preempted_requests_match_each_alone(&qwen3_5_config(), hybrid_engine(qwen3_5_config()));
+    assert_eq!(states_held(&tight), 0);
+}
+
+/// The same for the mixture of experts: a step's rows route to their experts independently of
+/// which other requests share the step.
+#[test]
+fn qwen3_5_moe_preempted_and_chunked_requests_give_the_tokens_of_undisturbed_runs() {
+    let _serial = serial();
+    let cfg = qwen3_5_moe_config();
+    let tight = preempted_requests_match_each_alone(&cfg, hybrid_engine(cfg.clone()));
     assert_eq!(states_held(&tight), 0);
 }
 
@@ -239,7 +255,7 @@ fn sixty_four_qwen3_5_requests_leave_no_kv_block_and_no_state_held() {
     let reqs: Vec<Request> = (0..64)
         .map(|i| request(&cfg, &format!("r{i}"), 6 + i % 9, None, 4 + i % 5))
         .collect();
-    let mut e = qwen3_5_engine(40, 16);
+    let mut e = hybrid_engine(cfg.clone())(40, 16);
     let slots = e.snapshot().states.unwrap();
     assert_eq!(slots.total, 16);
     assert_eq!(

@@ -159,12 +159,6 @@ pub fn run(args: &RandomCheckpointArgs) -> Result<()> {
         .vision
         .clone()
         .ok_or_else(|| usage(format!("{name}: the config has no vision_config")))?;
-    if cfg.text.moe.is_some() {
-        return Err(usage(format!(
-            "{name}: qwen3_vl_moe checkpoints are not supported yet (expert tensors); \
-             use a dense Qwen2-VL, Qwen2.5-VL or Qwen3-VL config"
-        )));
-    }
     if args.exact_in != WeightFormat::Unquantized && args.dtype != WeightDtype::F32 {
         return Err(usage(format!(
             "--exact-in {}: the format's values are exact only in f32 (--dtype f32)",
@@ -190,7 +184,7 @@ pub fn run(args: &RandomCheckpointArgs) -> Result<()> {
 
     let std = init_std(&raw);
     let mut config = published_layout(raw, cfg.family, args.dtype);
-    if cfg.family == Family::Qwen35 {
+    if cfg.family.is_qwen35() {
         with_qwen3_token_ids(&mut config);
     }
     write_json(&out.join("config.json"), &config)?;
@@ -383,15 +377,16 @@ fn published_layout(mut root: Value, family: Family, dtype: WeightDtype) -> Valu
             }
         }
         // Qwen3.5 was published with transformers 5's `rope_parameters`.
-        if family != Family::Qwen35 {
+        if !family.is_qwen35() {
             published_rope(&mut text, family);
         }
         text.remove("torch_dtype");
         text.insert("dtype".into(), json!(dtype.config_name()));
-        let text_type = if family == Family::Qwen35 {
-            "qwen3_5_text"
-        } else {
-            "qwen3_vl_text"
+        let text_type = match family {
+            Family::Qwen35 => "qwen3_5_text",
+            Family::Qwen35Moe => "qwen3_5_moe_text",
+            Family::Qwen3VlMoe => "qwen3_vl_moe_text",
+            _ => "qwen3_vl_text",
         };
         text.entry("model_type").or_insert_with(|| json!(text_type));
         if let Some(tie) = obj.get("tie_word_embeddings") {
@@ -470,7 +465,7 @@ fn preprocessor_config(family: Family, v: &VisionConfig, limits: ImageLimits) ->
         "image_processor_type": "Qwen2VLImageProcessor",
     });
     let (processor, extra) = match family {
-        Family::Qwen3Vl | Family::Qwen3VlMoe | Family::Qwen35 => (
+        Family::Qwen3Vl | Family::Qwen3VlMoe | Family::Qwen35 | Family::Qwen35Moe => (
             "Qwen3VLProcessor",
             json!({
                 "size": {"shortest_edge": limits.min_pixels, "longest_edge": limits.max_pixels},

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Golden reference outputs of Hugging Face transformers for kvlens' tiny random Qwen-VL checkpoints.
 
-For each family (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5) this script
+For each family (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, Qwen3.5, Qwen3.5-MoE) this script
 
 1. writes a tiny checkpoint with kvlens' own `random-checkpoint` (float32, seed 0, small image limits), so that
    transformers and the Rust engine see bit-identical weights;
@@ -65,13 +65,17 @@ FAMILIES = {
     "qwen2_vl": ("qwen2_vl_tiny.json", (3136, 28 * 28 * 64), "fixed_84x56.png"),
     "qwen2_5_vl": ("qwen2_5_vl_tiny.json", (3136, 28 * 28 * 64), "fixed_84x56.png"),
     "qwen3_vl": ("qwen3_vl_tiny.json", (1024, 32 * 32 * 64), "fixed_96x64.png"),
+    # 8 experts, 2 per token, stored transposed as Qwen3-VL-MoE was published.
+    "qwen3_vl_moe": ("qwen3_vl_moe_tiny.json", (1024, 32 * 32 * 64), "fixed_96x64.png"),
     # With the Qwen3 tokenizer and its special-token ids (the real Qwen3.5 tokenizer comes with real checkpoints).
     "qwen3_5": ("qwen3_5_tiny.json", (1024, 32 * 32 * 64), "fixed_96x64.png"),
+    # 8 experts, 2 per token, and the shared expert.
+    "qwen3_5_moe": ("qwen3_5_moe_tiny.json", (1024, 32 * 32 * 64), "fixed_96x64.png"),
 }
 
 # Families with a recurrent state (Gated DeltaNet) also run prompts long enough to cross several of
 # transformers' 64-token chunks of the chunked delta rule and several KV blocks.
-LONG_PROMPT_FAMILIES = {"qwen3_5"}
+LONG_PROMPT_FAMILIES = {"qwen3_5", "qwen3_5_moe"}
 LONG_TEXT = (
     "Key-value caches hold the keys and values of every token a transformer has seen, so that each new "
     "token attends to them without recomputing the prompt. Their size grows with the context: layers times "

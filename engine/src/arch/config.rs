@@ -22,6 +22,8 @@ pub enum Family {
     Qwen3VlMoe,
     /// `qwen3_5`: Qwen3-VL's vision tower before a hybrid decoder ([`LinearAttention`]).
     Qwen35,
+    /// `qwen3_5_moe`: Qwen3.5 with a mixture of experts and a shared expert in every layer.
+    Qwen35Moe,
 }
 
 impl Family {
@@ -33,6 +35,7 @@ impl Family {
             Family::Qwen3Vl => "qwen3_vl",
             Family::Qwen3VlMoe => "qwen3_vl_moe",
             Family::Qwen35 => "qwen3_5",
+            Family::Qwen35Moe => "qwen3_5_moe",
         }
     }
 
@@ -43,6 +46,7 @@ impl Family {
             "qwen3_vl" => Family::Qwen3Vl,
             "qwen3_vl_moe" => Family::Qwen3VlMoe,
             "qwen3_5" => Family::Qwen35,
+            "qwen3_5_moe" => Family::Qwen35Moe,
             _ => return None,
         })
     }
@@ -50,7 +54,12 @@ impl Family {
     /// Qwen3-VL, Qwen3-VL-MoE and Qwen3.5 share the vision tower, the nested checkpoint layout,
     /// interleaved M-RoPE and the per-head q/k norms.
     pub fn is_qwen3(self) -> bool {
-        matches!(self, Family::Qwen3Vl | Family::Qwen3VlMoe | Family::Qwen35)
+        matches!(self, Family::Qwen3Vl | Family::Qwen3VlMoe) || self.is_qwen35()
+    }
+
+    /// Qwen3.5, dense or MoE: the hybrid decoder, zero-centred norms and gated attention.
+    pub fn is_qwen35(self) -> bool {
+        matches!(self, Family::Qwen35 | Family::Qwen35Moe)
     }
 }
 
@@ -174,7 +183,8 @@ impl DType {
     }
 }
 
-/// Mixture-of-experts settings of the decoder (Qwen3-VL-MoE).
+/// Mixture-of-experts settings of the decoder (Qwen3-VL-MoE, Qwen3.5-MoE). Every layer routes
+/// each token to its `num_experts_per_tok` most probable experts and renormalises their weights.
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct MoeConfig {
     /// Experts per layer.
@@ -183,6 +193,8 @@ pub struct MoeConfig {
     pub num_experts_per_tok: usize,
     /// Intermediate width of one expert.
     pub moe_intermediate_size: usize,
+    /// Qwen3.5-MoE's shared expert (every token, scaled by a sigmoid gate): its intermediate width.
+    pub shared_expert_intermediate_size: Option<usize>,
 }
 
 /// What one decoder layer of a hybrid model computes (`layer_types`).
@@ -382,7 +394,7 @@ pub enum ConfigError {
     #[error("config.json is not valid JSON: {0}")]
     Json(#[from] serde_json::Error),
     /// A model type kvlens does not know.
-    #[error("model_type {0:?} is not a Qwen-VL model (expected qwen2_vl, qwen2_5_vl, qwen3_vl or qwen3_vl_moe)")]
+    #[error("model_type {0:?} is not a Qwen-VL model (expected qwen2_vl, qwen2_5_vl, qwen3_vl, qwen3_vl_moe, qwen3_5 or qwen3_5_moe)")]
     UnknownModelType(String),
     /// A required field is missing or has the wrong type.
     #[error("config.json: field {0} is missing or not a {1}")]
@@ -464,6 +476,16 @@ pub const BUNDLED_CONFIGS: &[(&str, &str)] = &[
     ("Qwen3.5-4B", include_str!("../../configs/Qwen3.5-4B.json")),
     ("Qwen3.5-9B", include_str!("../../configs/Qwen3.5-9B.json")),
     ("Qwen3.5-27B", include_str!("../../configs/Qwen3.5-27B.json")),
+    // The mixtures of experts, rebuilt the same way.
+    ("Qwen3.5-35B-A3B", include_str!("../../configs/Qwen3.5-35B-A3B.json")),
+    (
+        "Qwen3.5-122B-A10B",
+        include_str!("../../configs/Qwen3.5-122B-A10B.json"),
+    ),
+    (
+        "Qwen3.5-397B-A17B",
+        include_str!("../../configs/Qwen3.5-397B-A17B.json"),
+    ),
 ];
 
 /// Looks up a bundled config by name, case-insensitively, with or without the `Qwen/` prefix.
@@ -685,7 +707,7 @@ impl ModelConfig {
             eos.push(151645);
         }
         // Qwen3.5's tokenizer numbers its special tokens after a larger vocabulary.
-        let base = if family == Family::Qwen35 { 248053 } else { 151652 };
+        let base = if family.is_qwen35() { 248053 } else { 151652 };
         let tokens = TokenIds {
             image: id("image_token_id", base + 3),
             video: id("video_token_id", base + 4),
@@ -786,7 +808,7 @@ struct Rope {
 fn rope_settings(t: &Fields<'_>, family: Family) -> Result<Rope, ConfigError> {
     let rope = t.get("rope_parameters").or_else(|| t.get("rope_scaling"));
     let (default_section, default_theta): (&[usize], f64) = match family {
-        Family::Qwen35 => (&[11, 11, 10], 10_000_000.0),
+        f if f.is_qwen35() => (&[11, 11, 10], 10_000_000.0),
         f if f.is_qwen3() => (&[24, 20, 20], 5_000_000.0),
         _ => (&[16, 24, 24], 1_000_000.0),
     };
@@ -794,10 +816,7 @@ fn rope_settings(t: &Fields<'_>, family: Family) -> Result<Rope, ConfigError> {
         theta: t.f64_or("rope_theta", default_theta)?,
         section: default_section.to_vec(),
         interleaved: family.is_qwen3(),
-        partial_rotary_factor: t.f64_or(
-            "partial_rotary_factor",
-            if family == Family::Qwen35 { 0.25 } else { 1.0 },
-        )?,
+        partial_rotary_factor: t.f64_or("partial_rotary_factor", if family.is_qwen35() { 0.25 } else { 1.0 })?,
     };
     if let Some(p) = rope {
         if let Some(th) = p.get("rope_theta").and_then(Value::as_f64) {
@@ -876,23 +895,48 @@ fn parse_text(family: Family, t: &Fields<'_>) -> Result<TextConfig, ConfigError>
             rope.partial_rotary_factor
         )));
     }
-    let moe = if family == Family::Qwen3VlMoe {
-        Some(MoeConfig {
-            num_experts: t.usize("num_experts")?,
-            num_experts_per_tok: t.usize("num_experts_per_tok")?,
-            moe_intermediate_size: t.usize("moe_intermediate_size")?,
-        })
-    } else {
-        None
+    let moe = match family {
+        Family::Qwen3VlMoe | Family::Qwen35Moe => {
+            let m = MoeConfig {
+                num_experts: t.usize("num_experts")?,
+                num_experts_per_tok: t.usize("num_experts_per_tok")?,
+                moe_intermediate_size: t.usize("moe_intermediate_size")?,
+                shared_expert_intermediate_size: match family {
+                    Family::Qwen35Moe => Some(t.usize("shared_expert_intermediate_size")?),
+                    _ => None,
+                },
+            };
+            // Qwen3-VL-MoE can keep dense MLPs in some layers; every published size routes all.
+            let sparse_step = t.usize_or("decoder_sparse_step", 1)?;
+            let dense_layers = t.usize_list_or("mlp_only_layers", &[])?;
+            if sparse_step != 1 || !dense_layers.is_empty() {
+                return Err(ConfigError::Invalid(format!(
+                    "decoder_sparse_step {sparse_step} and mlp_only_layers {dense_layers:?}: kvlens reads models \
+                     whose every layer is a mixture of experts (decoder_sparse_step 1, no mlp_only_layers)"
+                )));
+            }
+            if m.num_experts_per_tok == 0 || m.num_experts_per_tok > m.num_experts {
+                return Err(ConfigError::Invalid(format!(
+                    "num_experts_per_tok {} is not in 1..={}",
+                    m.num_experts_per_tok, m.num_experts
+                )));
+            }
+            Some(m)
+        }
+        _ => None,
     };
     let num_hidden_layers = t.usize("num_hidden_layers")?;
     let linear = match family {
-        Family::Qwen35 => Some(linear_attention(t, num_hidden_layers)?),
+        Family::Qwen35 | Family::Qwen35Moe => Some(linear_attention(t, num_hidden_layers)?),
         _ => None,
     };
     Ok(TextConfig {
         hidden_size,
-        intermediate_size: t.usize("intermediate_size")?,
+        // Qwen3.5-MoE has no dense MLP, and its config no `intermediate_size`.
+        intermediate_size: match family {
+            Family::Qwen35Moe => t.usize_or("intermediate_size", 0)?,
+            _ => t.usize("intermediate_size")?,
+        },
         num_hidden_layers,
         num_attention_heads,
         num_key_value_heads,
@@ -958,7 +1002,7 @@ fn parse_vision(family: Family, v: &Fields<'_>, text_hidden: usize) -> Result<Vi
             merger: VisionMerger::Sequential,
             patch_bias: false,
         },
-        Family::Qwen3Vl | Family::Qwen3VlMoe | Family::Qwen35 => VisionConfig {
+        Family::Qwen3Vl | Family::Qwen3VlMoe | Family::Qwen35 | Family::Qwen35Moe => VisionConfig {
             depth: v.usize_or("depth", 27)?,
             hidden_size: v.usize_or("hidden_size", 1152)?,
             intermediate_size: v.usize_or("intermediate_size", 4304)?,
@@ -972,7 +1016,7 @@ fn parse_vision(family: Family, v: &Fields<'_>, text_hidden: usize) -> Result<Vi
             fullatt_block_indexes: Vec::new(),
             // Qwen3.5's tower has no deepstack mergers.
             deepstack_visual_indexes: match family {
-                Family::Qwen35 => Vec::new(),
+                f if f.is_qwen35() => Vec::new(),
                 _ => v.usize_list_or("deepstack_visual_indexes", &[8, 16, 24])?,
             },
             num_position_embeddings: v.usize_or("num_position_embeddings", 2304)?,
@@ -1112,7 +1156,7 @@ mod tests {
     fn every_bundled_config_parses() {
         for (name, _) in BUNDLED_CONFIGS {
             let cfg = bundled_config(name).unwrap_or_else(|e| panic!("{name}: {e}"));
-            let head_dim = if cfg.family == Family::Qwen35 { 256 } else { 128 };
+            let head_dim = if cfg.family.is_qwen35() { 256 } else { 128 };
             assert_eq!(cfg.text.head_dim, head_dim, "{name}");
             assert_eq!(cfg.dtype, DType::Bf16, "{name}");
         }

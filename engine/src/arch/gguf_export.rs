@@ -74,8 +74,11 @@ pub fn export(
         ));
     }
     let cfg = ModelConfig::from_value(ckpt.config).map_err(|e| GgufError(format!("config.json: {e}")))?;
-    if cfg.text.linear.is_some() {
-        return err("Qwen3.5 (qwen3_5) checkpoints are not written as GGUF yet: convert them with llama.cpp's convert_hf_to_gguf.py");
+    if cfg.text.linear.is_some() || cfg.text.moe.is_some() {
+        return err(format!(
+            "{} checkpoints are not written as GGUF yet: convert them with llama.cpp's convert_hf_to_gguf.py",
+            cfg.family.model_type()
+        ));
     }
     let vision = cfg.vision.as_ref().ok_or_else(|| {
         GgufError("config.json has no vision_config: kvlens writes a text model with its projector".into())
@@ -250,7 +253,7 @@ fn mmproj_metadata(
             w.meta("clip.vision.n_wa_pattern", u32_of(pattern));
             w.meta("clip.vision.attention.layer_norm_epsilon", eps);
         }
-        Family::Qwen3Vl | Family::Qwen3VlMoe | Family::Qwen35 => {
+        Family::Qwen3Vl | Family::Qwen3VlMoe | Family::Qwen35 | Family::Qwen35Moe => {
             w.meta("clip.projector_type", s("qwen3vl_merger"));
             w.meta("clip.use_gelu", MetaValue::Bool(true));
             w.meta("clip.vision.spatial_merge_size", u32_of(v.spatial_merge_size));

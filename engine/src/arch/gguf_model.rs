@@ -312,7 +312,7 @@ impl<'a> GgufModel<'a> {
                     "temporal_patch_size": 2, "window_size": 112, "fullatt_block_indexes": full, "tokens_per_second": 2,
                 })
             }
-            Family::Qwen3Vl | Family::Qwen3VlMoe | Family::Qwen35 => {
+            Family::Qwen3Vl | Family::Qwen3VlMoe | Family::Qwen35 | Family::Qwen35Moe => {
                 let deepstack = deepstack_layers(m);
                 let positions = Self::vision_shape(m, "v.position_embd.weight")?[0];
                 json!({
@@ -578,7 +578,7 @@ fn vision_layer(family: Family) -> Vec<(&'static str, &'static str)> {
             ("ffn_gate", "mlp.gate_proj"),
             ("ffn_down", "mlp.down_proj"),
         ],
-        Family::Qwen3Vl | Family::Qwen3VlMoe | Family::Qwen35 => &[
+        Family::Qwen3Vl | Family::Qwen3VlMoe | Family::Qwen35 | Family::Qwen35Moe => &[
             ("attn_qkv", "attn.qkv"),
             ("ffn_up", "mlp.linear_fc1"),
             ("ffn_down", "mlp.linear_fc2"),

@@ -13,7 +13,7 @@
 //! fewer than ranks, norms and the patch embedding replicated.
 
 use crate::arch::config::{
-    DType, Family, LayerKind, LinearAttention, ModelConfig, VisionConfig, VisionMerger, VisionMlp, VisionNorm,
+    DType, LayerKind, LinearAttention, ModelConfig, VisionConfig, VisionMerger, VisionMlp, VisionNorm,
 };
 
 /// Which part of the model a tensor belongs to.
@@ -80,6 +80,18 @@ pub struct TensorSpec {
     /// A kernel the model applies element-wise (Qwen3.5's depthwise conv1d `[channels, 1, width]`):
     /// loaded as a tensor on the backend whatever its rank, never as a weight matrix.
     pub kernel: bool,
+    /// Every expert's matrix of one projection, stacked `[experts, …]`: loaded as one weight
+    /// matrix per expert.
+    pub experts: Option<ExpertLayout>,
+}
+
+/// How a stacked expert tensor holds each expert's matrix.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ExpertLayout {
+    /// `[experts, out, in]`, each matrix as a linear layer stores it (Qwen3.5-MoE).
+    OutputMajor,
+    /// `[experts, in, out]`, each matrix transposed (Qwen3-VL-MoE as published).
+    InputMajor,
 }
 
 impl TensorSpec {
@@ -92,7 +104,7 @@ impl TensorSpec {
     /// matrix), so that the backend stores it as a weight matrix: every tensor of rank 2 or more
     /// the model does not read on the host.
     pub fn is_matrix(&self) -> bool {
-        !self.host && !self.kernel && self.shape.len() >= 2
+        !self.host && !self.kernel && self.experts.is_none() && self.shape.len() >= 2
     }
 }
 
@@ -187,26 +199,33 @@ pub struct VisionSpec {
     pub deepstack: Vec<MergerSpec>,
 }
 
+/// A SwiGLU MLP: `down(silu(gate·x) ⊙ up·x)`.
+#[derive(Debug, Clone)]
+pub struct SwigluSpec {
+    /// `gate_proj [I, H]`.
+    pub gate: TensorSpec,
+    /// `up_proj [I, H]`.
+    pub up: TensorSpec,
+    /// `down_proj [H, I]`.
+    pub down: TensorSpec,
+}
+
 /// The MLP of a decoder layer.
 #[derive(Debug, Clone)]
 pub enum TextMlpSpec {
-    /// SwiGLU: gate, up, down.
-    Dense {
-        /// `gate_proj [I, H]`.
-        gate: TensorSpec,
-        /// `up_proj [I, H]`.
-        up: TensorSpec,
-        /// `down_proj [H, I]`.
-        down: TensorSpec,
-    },
-    /// Mixture of experts with fused expert weights.
+    /// One SwiGLU.
+    Dense(SwigluSpec),
+    /// A mixture of experts: Qwen3-VL-MoE's, or Qwen3.5-MoE's with a shared expert scaled by a
+    /// sigmoid gate. The expert weights are stacked, as the published checkpoints store them.
     Experts {
-        /// Router `[experts, H]`.
+        /// Router `mlp.gate [experts, H]`.
         router: TensorSpec,
-        /// Gate and up projections of every expert `[experts, H, 2·I]`.
+        /// Gate and up projections of every expert, gate first (`2·I` outputs each).
         gate_up: TensorSpec,
-        /// Down projections of every expert `[experts, I, H]`.
+        /// Down projections of every expert.
         down: TensorSpec,
+        /// `mlp.shared_expert` and its gate `mlp.shared_expert_gate [1, H]`.
+        shared: Option<Box<(SwigluSpec, TensorSpec)>>,
     },
 }
 
@@ -327,7 +346,7 @@ impl<'a> Builder<'a> {
             part,
             host: false,
             norm_init: match cfg.family {
-                Family::Qwen35 => Init::ZeroCenteredNorm,
+                f if f.is_qwen35() => Init::ZeroCenteredNorm,
                 _ => Init::NormWeight,
             },
         }
@@ -344,6 +363,7 @@ impl<'a> Builder<'a> {
             init,
             host: self.host,
             kernel: false,
+            experts: None,
         };
         self.out.push(t.clone());
         t
@@ -354,13 +374,22 @@ impl<'a> Builder<'a> {
         self.tensor(format!("{prefix}.weight"), shape, shard, group, Init::Normal)
     }
 
-    /// A norm weight `[dim]`, replicated.
     /// `{prefix}.weight` as a [`TensorSpec::kernel`].
     fn kernel(&mut self, prefix: &str, shape: &[usize], shard: Shard, group: &'static str) -> TensorSpec {
         let mut t = self.weight(prefix, shape, shard, group);
         t.kernel = true;
         if let Some(last) = self.out.last_mut() {
             last.kernel = true;
+        }
+        t
+    }
+
+    /// Stacked expert matrices `name [experts, …]` ([`TensorSpec::experts`]).
+    fn experts(&mut self, name: String, shape: &[usize], layout: ExpertLayout, shard: Shard) -> TensorSpec {
+        let mut t = self.tensor(name, shape, shard, "layers.experts", Init::Normal);
+        t.experts = Some(layout);
+        if let Some(last) = self.out.last_mut() {
+            last.experts = Some(layout);
         }
         t
     }
@@ -574,11 +603,7 @@ fn text(cfg: &ModelConfig, out: &mut Vec<TensorSpec>) -> TextSpec {
                 let a = format!("{k}.self_attn");
                 let bias = t.attention_bias;
                 // Qwen3.5's query projection also yields each head's output gate.
-                let q_rows = if cfg.family == Family::Qwen35 {
-                    2 * nq * hd
-                } else {
-                    nq * hd
-                };
+                let q_rows = if cfg.family.is_qwen35() { 2 * nq * hd } else { nq * hd };
                 MixerSpec::Attention(AttentionSpec {
                     q: b.projection(&format!("{a}.q_proj"), q_rows, h, bias, Split(0), "layers.q_proj"),
                     k: b.projection(
@@ -611,30 +636,57 @@ fn text(cfg: &ModelConfig, out: &mut Vec<TensorSpec>) -> TextSpec {
             input_layernorm,
             mixer,
             mlp: match &t.moe {
-                None => TextMlpSpec::Dense {
-                    gate: b.weight(&format!("{k}.mlp.gate_proj"), &[i, h], Split(0), "layers.mlp"),
-                    up: b.weight(&format!("{k}.mlp.up_proj"), &[i, h], Split(0), "layers.mlp"),
-                    down: b.weight(&format!("{k}.mlp.down_proj"), &[h, i], Split(1), "layers.mlp"),
-                },
+                None => TextMlpSpec::Dense(swiglu(&mut b, &format!("{k}.mlp"), h, i, "layers.mlp")),
                 Some(m) => {
                     let (n_e, mi) = (m.num_experts, m.moe_intermediate_size);
                     let experts = format!("{k}.mlp.experts");
+                    // Qwen3.5-MoE stores each expert as a linear layer does; Qwen3-VL-MoE transposed.
+                    let (gate_up, down) = if cfg.family.is_qwen35() {
+                        (
+                            b.experts(
+                                format!("{experts}.gate_up_proj"),
+                                &[n_e, 2 * mi, h],
+                                ExpertLayout::OutputMajor,
+                                Split(1),
+                            ),
+                            b.experts(
+                                format!("{experts}.down_proj"),
+                                &[n_e, h, mi],
+                                ExpertLayout::OutputMajor,
+                                Split(2),
+                            ),
+                        )
+                    } else {
+                        (
+                            b.experts(
+                                format!("{experts}.gate_up_proj"),
+                                &[n_e, h, 2 * mi],
+                                ExpertLayout::InputMajor,
+                                Split(2),
+                            ),
+                            b.experts(
+                                format!("{experts}.down_proj"),
+                                &[n_e, mi, h],
+                                ExpertLayout::InputMajor,
+                                Split(1),
+                            ),
+                        )
+                    };
                     TextMlpSpec::Experts {
                         router: b.weight(&format!("{k}.mlp.gate"), &[n_e, h], Replicated, "layers.router"),
-                        gate_up: b.tensor(
-                            format!("{experts}.gate_up_proj"),
-                            &[n_e, h, 2 * mi],
-                            Split(2),
-                            "layers.experts",
-                            Init::Normal,
-                        ),
-                        down: b.tensor(
-                            format!("{experts}.down_proj"),
-                            &[n_e, mi, h],
-                            Split(1),
-                            "layers.experts",
-                            Init::Normal,
-                        ),
+                        gate_up,
+                        down,
+                        shared: m.shared_expert_intermediate_size.map(|si| {
+                            Box::new((
+                                swiglu(&mut b, &format!("{k}.mlp.shared_expert"), h, si, "layers.mlp"),
+                                b.weight(
+                                    &format!("{k}.mlp.shared_expert_gate"),
+                                    &[1, h],
+                                    Replicated,
+                                    "layers.router",
+                                ),
+                            ))
+                        }),
                     }
                 }
             },
@@ -649,6 +701,17 @@ fn text(cfg: &ModelConfig, out: &mut Vec<TensorSpec>) -> TextSpec {
         layers,
         norm,
         lm_head,
+    }
+}
+
+/// The SwiGLU under `prefix` (`{prefix}.gate_proj` …), `i` wide; vLLM splits gate and up by
+/// output rows and down by input columns.
+fn swiglu(b: &mut Builder<'_>, prefix: &str, h: usize, i: usize, group: &'static str) -> SwigluSpec {
+    use Shard::Split;
+    SwigluSpec {
+        gate: b.weight(&format!("{prefix}.gate_proj"), &[i, h], Split(0), group),
+        up: b.weight(&format!("{prefix}.up_proj"), &[i, h], Split(0), group),
+        down: b.weight(&format!("{prefix}.down_proj"), &[h, i], Split(1), group),
     }
 }
 

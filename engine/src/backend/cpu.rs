@@ -602,6 +602,18 @@ impl Backend for CpuBackend {
         self.act(x.t.index_select(&idx, 0))
     }
 
+    fn scale_rows(&self, x: &CpuTensor, scales: &[f32]) -> BResult<CpuTensor> {
+        let (rows, cols) = dims2(&x.t)?;
+        if scales.len() != rows {
+            return Err(BackendError::Shape(format!("{} scales for {rows} rows", scales.len())));
+        }
+        let mut data = Self::host(x)?;
+        for (row, s) in data.chunks_mut(cols.max(1)).zip(scales) {
+            row.iter_mut().for_each(|v| *v *= s);
+        }
+        self.upload(data, &[rows, cols])
+    }
+
     fn scatter_rows(&self, x: &CpuTensor, idx: &[usize], src: &CpuTensor, add: bool) -> BResult<CpuTensor> {
         let (rows, cols) = dims2(&x.t)?;
         let (srows, scols) = dims2(&src.t)?;

@@ -247,6 +247,10 @@ impl<B: Backend> Backend for Instrumented<B> {
         self.index_list();
         self.inner.gather_rows(x, idx)
     }
+    fn scale_rows(&self, x: &Self::Tensor, scales: &[f32]) -> BResult<Self::Tensor> {
+        self.upload_counted();
+        self.inner.scale_rows(x, scales)
+    }
     fn scatter_rows(&self, x: &Self::Tensor, idx: &[usize], src: &Self::Tensor, add: bool) -> BResult<Self::Tensor> {
         self.index_list();
         self.inner.scatter_rows(x, idx, src, add)

@@ -557,6 +557,8 @@ pub trait Backend: std::fmt::Debug + 'static {
     fn gather_rows(&self, x: &Self::Tensor, idx: &[usize]) -> BResult<Self::Tensor>;
     /// `x` with rows `idx[i]` replaced by row `i` of `src` (`add`: added instead).
     fn scatter_rows(&self, x: &Self::Tensor, idx: &[usize], src: &Self::Tensor, add: bool) -> BResult<Self::Tensor>;
+    /// `x [rows, cols]` with row `r` multiplied by `scales[r]` (a mixture of experts' routing weights).
+    fn scale_rows(&self, x: &Self::Tensor, scales: &[f32]) -> BResult<Self::Tensor>;
     /// Stacks tensors with equal column counts.
     fn concat_rows(&self, parts: &[Self::Tensor]) -> BResult<Self::Tensor>;
     /// Bidirectional attention within segments (`(start, len)` in rows): `q,k,v [n, heads·d]`.

@@ -349,7 +349,8 @@ pub fn gated_delta_net_matches_the_reference<B: Backend>(b: &B) {
     assert!(max_err(&got, &want) < 1e-5, "{}", max_err(&got, &want));
 }
 
-/// Row gathers, scatters (replacing and adding), concatenation, column slices and embeddings.
+/// Row gathers, scatters (replacing and adding), concatenation, column slices, embeddings and
+/// row scaling.
 pub fn rows_gather_scatter_and_concat<B: Backend>(b: &B) {
     let x = t(b, &[0.0, 1.0, 2.0, 3.0, 4.0, 5.0], 3, 2);
     close(
@@ -384,6 +385,12 @@ pub fn rows_gather_scatter_and_concat<B: Backend>(b: &B) {
         0.0,
     );
     assert_eq!(b.shape(&b.reshape(&x, 2, 3).unwrap()), vec![2, 3]);
+    close(
+        &host(b, &b.scale_rows(&x, &[2.0, -1.0, 0.5]).unwrap()),
+        &[0.0, 2.0, -2.0, -3.0, 2.0, 2.5],
+        0.0,
+    );
+    assert!(b.scale_rows(&x, &[1.0]).is_err(), "a scale per row");
 }
 
 /// `(temperature, top_k, top_p, min_p)`: greedy, temperature alone, and the cut-offs alone and

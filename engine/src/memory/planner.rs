@@ -338,7 +338,7 @@ pub fn max_tokens_per_video(model: &ModelConfig, limits: ImageLimits, max_model_
     let Some(v) = &model.vision else { return 0 };
     let f = v.image_factor() as u64;
     match model.family {
-        Family::Qwen3Vl | Family::Qwen3VlMoe | Family::Qwen35 => {
+        Family::Qwen3Vl | Family::Qwen3VlMoe | Family::Qwen35 | Family::Qwen35Moe => {
             (QWEN3_VIDEO_MAX_PIXELS / v.temporal_patch_size as u64 / (f * f)) as usize
         }
         Family::Qwen2Vl | Family::Qwen25Vl => {

@@ -245,7 +245,8 @@ mod tests {
             622_329_856,
             235_670_022_896,
         ),
-        // Qwen3.5: transformers 5.24's `Qwen3_5ForConditionalGeneration` built from each config on
+        // Qwen3.5: transformers 5.24's `Qwen3_5ForConditionalGeneration` (`…Moe…` for the
+        // mixtures of experts) built from each config on
         // the meta device (the checkpoints' multi-token-prediction layer, which vLLM loads only for
         // speculative decoding, is not part of it).
         ("Qwen3.5-0.8B", 100_592_896, 752_393_024, 254_279_680, 0, 852_985_920),
@@ -266,6 +267,30 @@ mod tests {
             1_271_398_400,
             1_271_398_400,
             27_356_728_560,
+        ),
+        (
+            "Qwen3.5-35B-A3B",
+            446_571_248,
+            34_660_610_688,
+            508_559_360,
+            508_559_360,
+            35_107_181_936,
+        ),
+        (
+            "Qwen3.5-122B-A10B",
+            451_290_864,
+            122_111_526_912,
+            762_839_040,
+            762_839_040,
+            122_562_817_776,
+        ),
+        (
+            "Qwen3.5-397B-A17B",
+            456_010_480,
+            396_346_350_336,
+            1_017_118_720,
+            1_017_118_720,
+            396_802_360_816,
         ),
     ];
 

@@ -2,6 +2,7 @@
 
 pub mod checkpoint_files;
 pub mod gguf_tensors;
+mod mlp;
 pub mod random_weights;
 pub mod rope;
 pub mod stream;
@@ -71,9 +72,11 @@ impl<B: Backend> QwenVl<B> {
 
 /// Refuses the models the forward pass cannot run, before any weight is read.
 fn check_supported(cfg: &ModelConfig) -> Result<(), ModelError> {
-    if cfg.text.moe.is_some() {
+    // The experts' routing reads the router's scores back mid-step, which a browser's GPU
+    // answers only once the page's event loop runs again.
+    if cfg!(target_arch = "wasm32") && cfg.text.moe.is_some() {
         return Err(ModelError::Unsupported(
-            "Qwen3-VL-MoE (qwen3_vl_moe) inference is not supported yet; `kvlens plan` supports it".into(),
+            "mixture-of-experts models run natively only (`kvlens serve`), not in the browser".into(),
         ));
     }
     Ok(())

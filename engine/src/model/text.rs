@@ -7,10 +7,11 @@
 //! <https://github.com/huggingface/transformers/blob/main/src/transformers/models/qwen3_5/modular_qwen3_5.py>):
 //! Gated DeltaNet layers with a state per request, and every fourth layer gated full attention.
 
+use super::mlp::Mlp;
 use super::weights::{Loader, TensorSource};
 use super::ModelError;
-use crate::arch::config::{Family, ModelConfig, TextConfig};
-use crate::arch::spec::{AttentionSpec, DeltaNetSpec, MixerSpec, Projection, TensorSpec, TextMlpSpec, TextSpec};
+use crate::arch::config::{ModelConfig, TextConfig};
+use crate::arch::spec::{AttentionSpec, DeltaNetSpec, MixerSpec, Projection, TensorSpec, TextSpec};
 use crate::backend::{Backend, BackendError, DeltaNetInput, StateSeq};
 use crate::memory::ledger::Category;
 
@@ -56,9 +57,7 @@ struct Layer<B: Backend> {
     input_norm: B::Tensor,
     post_norm: B::Tensor,
     mixer: Mixer<B>,
-    gate: B::Weight,
-    up: B::Weight,
-    down: B::Weight,
+    mlp: Mlp<B>,
 }
 
 /// What one forward pass over the decoder needs besides the weights.
@@ -92,7 +91,7 @@ impl<B: Backend> TextModel<B> {
     /// Loads the decoder's weights, named and shaped by its [`TextSpec`].
     pub fn load<S: TensorSource<B>>(cfg: &ModelConfig, l: &Loader<'_, '_, S, B>, be: &B) -> Result<Self, ModelError> {
         let spec = TextSpec::new(cfg);
-        let qwen35 = cfg.family == Family::Qwen35;
+        let qwen35 = cfg.family.is_qwen35();
         // Qwen3.5's RMSNorms scale by `1 + w` (zero-centred weights).
         let norm = |t: &TensorSpec| -> Result<B::Tensor, ModelError> {
             let w = l.load(t)?;
@@ -105,11 +104,6 @@ impl<B: Backend> TextModel<B> {
         let (mut kv_layers, mut state_layers) = (0, 0);
         let mut layers = Vec::with_capacity(spec.layers.len());
         for s in &spec.layers {
-            let TextMlpSpec::Dense { gate, up, down } = &s.mlp else {
-                return Err(ModelError::Unsupported(
-                    "mixture-of-experts decoders are not supported yet".into(),
-                ));
-            };
             let mixer = match &s.mixer {
                 MixerSpec::Attention(a) => {
                     kv_layers += 1;
@@ -124,9 +118,7 @@ impl<B: Backend> TextModel<B> {
                 input_norm: norm(&s.input_layernorm)?,
                 post_norm: norm(&s.post_attention_layernorm)?,
                 mixer,
-                gate: l.matrix(gate)?,
-                up: l.matrix(up)?,
-                down: l.matrix(down)?,
+                mlp: Mlp::load(&s.mlp, cfg.text.moe.as_ref(), l)?,
             });
         }
         // Tied models ship no lm_head; a missing lm_head is treated as tied too.
@@ -172,9 +164,7 @@ impl<B: Backend> TextModel<B> {
             };
             x = be.add(&x, &mixed)?;
             let h = be.rms_norm(&x, &layer.post_norm, eps)?;
-            let [gate, up] = products(be.linears(&h, &[(&layer.gate, None), (&layer.up, None)])?)?;
-            let m = be.silu_mul(&gate, &up)?;
-            x = be.add(&x, &be.linear(&m, &layer.down, None)?)?;
+            x = be.add(&x, &layer.mlp.forward(be, &h)?)?;
             if let Some((features, rows_at)) = inp.deepstack {
                 if let Some(f) = features.get(i) {
                     x = be.scatter_rows(&x, rows_at, f, true)?;
@@ -328,7 +318,7 @@ impl<B: Backend> DeltaNet<B> {
 }
 
 /// The `N` products [`Backend::linears`] returned, as an array.
-fn products<T, const N: usize>(ys: Vec<T>) -> Result<[T; N], ModelError> {
+pub(super) fn products<T, const N: usize>(ys: Vec<T>) -> Result<[T; N], ModelError> {
     ys.try_into()
         .map_err(|ys: Vec<T>| BackendError::Shape(format!("{} products where {N} were asked for", ys.len())).into())
 }

@@ -5,7 +5,7 @@
 
 use super::ModelError;
 use crate::arch::config::CheckpointLayout;
-use crate::arch::spec::TensorSpec;
+use crate::arch::spec::{ExpertLayout, TensorSpec};
 use crate::backend::{Backend, RawDType, RawTensor};
 use std::collections::HashMap;
 
@@ -34,6 +34,8 @@ pub struct Loaded<B: Backend> {
 pub enum Converted<B: Backend> {
     /// A weight matrix on the backend ([`TensorSpec::is_matrix`], [`Backend::load_weight`]).
     Matrix(B::Weight),
+    /// One weight matrix `[out, in]` per expert of a stacked expert tensor ([`TensorSpec::experts`]).
+    Experts(Vec<B::Weight>),
     /// A vector on the backend ([`Backend::load_tensor`]).
     Tensor(B::Tensor),
     /// Host floats, for the tensors the model reads on the host ([`TensorSpec::host`]).
@@ -43,7 +45,9 @@ pub enum Converted<B: Backend> {
 impl<B: Backend> Converted<B> {
     /// Converts `raw` as the model reads `spec`.
     pub(super) fn of(backend: &B, spec: &TensorSpec, raw: RawTensor<'_>) -> Result<Self, ModelError> {
-        Ok(if spec.host {
+        Ok(if let Some(layout) = spec.experts {
+            Converted::Experts(expert_matrices(&raw, layout, |m| Ok(backend.load_weight(m)?))?)
+        } else if spec.host {
             Converted::Host(host_f32(&raw))
         } else if spec.is_matrix() {
             Converted::Matrix(backend.load_weight(raw)?)
@@ -55,6 +59,7 @@ impl<B: Backend> Converted<B> {
     fn kind(&self) -> &'static str {
         match self {
             Converted::Matrix(_) => "a weight matrix",
+            Converted::Experts(_) => "one weight matrix per expert",
             Converted::Tensor(_) => "a tensor on the backend",
             Converted::Host(_) => "host floats",
         }
@@ -167,6 +172,64 @@ pub(super) fn check_shape(name: &str, found: &[usize], want: &[usize]) -> Result
     )))
 }
 
+/// Each expert's matrix `[out, in]` of a stacked expert tensor `[experts, …]`, handed to `load`
+/// in expert order: a slice of the stored bytes, or a transposed copy for
+/// [`ExpertLayout::InputMajor`].
+fn expert_matrices<W>(
+    raw: &RawTensor<'_>,
+    layout: ExpertLayout,
+    mut load: impl FnMut(RawTensor<'_>) -> Result<W, ModelError>,
+) -> Result<Vec<W>, ModelError> {
+    let [experts, rows, cols] = raw.shape[..] else {
+        return Err(ModelError::Checkpoint(format!(
+            "stacked expert weights of shape {:?} are not [experts, rows, cols]",
+            raw.shape
+        )));
+    };
+    let elem = match raw.dtype {
+        RawDType::F32 => 4,
+        RawDType::F16 | RawDType::Bf16 => 2,
+        RawDType::Blocks(t) => {
+            return Err(ModelError::Unsupported(format!(
+                "stacked expert weights in {t:?} blocks (f32, f16 and bf16 are read)"
+            )))
+        }
+    };
+    let size = rows * cols * elem;
+    if raw.data.len() != experts * size {
+        return Err(ModelError::Checkpoint(format!(
+            "stacked expert weights of shape {:?} have {} bytes",
+            raw.shape,
+            raw.data.len()
+        )));
+    }
+    raw.data
+        .chunks_exact(size.max(1))
+        .take(experts)
+        .map(|m| {
+            let (shape, data) = match layout {
+                ExpertLayout::OutputMajor => (vec![rows, cols], std::borrow::Cow::Borrowed(m)),
+                ExpertLayout::InputMajor => {
+                    // Stored [in = rows, out = cols]: out row o takes column o.
+                    let mut t = Vec::with_capacity(m.len());
+                    for o in 0..cols {
+                        for i in 0..rows {
+                            let at = (i * cols + o) * elem;
+                            t.extend_from_slice(&m[at..at + elem]);
+                        }
+                    }
+                    (vec![cols, rows], std::borrow::Cow::Owned(t))
+                }
+            };
+            load(RawTensor {
+                dtype: raw.dtype,
+                shape,
+                data,
+            })
+        })
+        .collect()
+}
+
 /// Converts checkpoint bytes to host floats (f16 and bf16 widen exactly, GGML blocks dequantize
 /// to GGML's values).
 pub(crate) fn host_f32(raw: &RawTensor<'_>) -> Vec<f32> {
@@ -234,6 +297,14 @@ impl<'s, 'b, S: TensorSource<B>, B: Backend> Loader<'s, 'b, S, B> {
         match self.convert(spec)? {
             Converted::Matrix(w) => Ok(w),
             other => Err(misplaced(&spec.name, other.kind(), "a weight matrix")),
+        }
+    }
+
+    /// Loads stacked expert tensor `spec` (any spelling) as one weight matrix per expert.
+    pub fn experts(&self, spec: &TensorSpec) -> Result<Vec<B::Weight>, ModelError> {
+        match self.convert(spec)? {
+            Converted::Experts(w) => Ok(w),
+            other => Err(misplaced(&spec.name, other.kind(), "one weight matrix per expert")),
         }
     }
 
@@ -325,6 +396,33 @@ mod tests {
         let source = SafetensorsFiles::parse(&shards).unwrap();
         let be = CpuBackend::new(MemoryLedger::new());
         QwenVl::load(cfg, &source, &be, |_, _| {}).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn stacked_experts_split_into_output_major_matrices() {
+        let values: Vec<f32> = (0..12).map(|v| v as f32).collect();
+        let raw = RawTensor {
+            dtype: RawDType::F32,
+            shape: vec![2, 2, 3],
+            data: bytemuck::cast_slice(&values).to_vec().into(),
+        };
+        let split = |layout| expert_matrices(&raw, layout, |m| Ok((m.shape.clone(), host_f32(&m)))).unwrap();
+        assert_eq!(
+            split(ExpertLayout::OutputMajor),
+            vec![
+                (vec![2, 3], vec![0.0, 1.0, 2.0, 3.0, 4.0, 5.0]),
+                (vec![2, 3], vec![6.0, 7.0, 8.0, 9.0, 10.0, 11.0])
+            ]
+        );
+        assert_eq!(
+            split(ExpertLayout::InputMajor),
+            vec![
+                (vec![3, 2], vec![0.0, 3.0, 1.0, 4.0, 2.0, 5.0]),
+                (vec![3, 2], vec![6.0, 9.0, 7.0, 10.0, 8.0, 11.0])
+            ]
+        );
+        let flat = RawTensor { shape: vec![12], ..raw };
+        assert!(expert_matrices(&flat, ExpertLayout::OutputMajor, |_| Ok(())).is_err());
     }
 
     #[test]

@@ -229,6 +229,13 @@ extern "C" __global__ void gather_rows(const float* x, const unsigned int* idx, 
     if (i < n * cols) out[i] = x[(unsigned long long)idx[i / cols] * cols + i % cols];
 }
 
+// out = x [n / cols, cols] with each row multiplied by its scale.
+extern "C" __global__ void scale_rows(const float* x, const float* scales, float* out, unsigned int n,
+                                      unsigned int cols) {
+    unsigned int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = x[i] * scales[i / cols];
+}
+
 // out already holds x; rows idx[i] get row i of src (added when add != 0). Indices are distinct
 // or, when repeated, written by one launch in an unspecified order (as the CPU's last-wins for
 // copies; additions of repeated indices are not used by the model).

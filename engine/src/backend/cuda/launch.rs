@@ -8,7 +8,7 @@ use crate::backend::{Activation, BResult, BackendError};
 pub const SOURCE: &str = include_str!("kernels.cu");
 
 /// Every `extern "C" __global__` function of [`SOURCE`], loaded once per process.
-pub const KERNELS: [&str; 21] = [
+pub const KERNELS: [&str; 22] = [
     "to_bf16",
     "bf16_to_f32s",
     "add_bias",
@@ -26,6 +26,7 @@ pub const KERNELS: [&str; 21] = [
     "narrow_cols",
     "gather_rows",
     "scatter_rows",
+    "scale_rows",
     "write_kv",
     "segment_attention",
     "paged_attention",

@@ -810,6 +810,18 @@ impl Backend for CudaBackend {
         Ok(self.activation(out, vec![idx.len(), cols]))
     }
 
+    fn scale_rows(&self, x: &CudaTensor, scales: &[f32]) -> BResult<CudaTensor> {
+        let (rows, cols) = x.dims2()?;
+        if scales.len() != rows {
+            return Err(BackendError::Shape(format!("{} scales for {rows} rows", scales.len())));
+        }
+        let s = self.upload(scales.to_vec(), &[rows])?;
+        let (xs, ss, n, c) = (x.f32(), s.f32(), (rows * cols) as u32, cols as u32);
+        let mut out = self.alloc_f32(rows * cols)?;
+        launch!(self, "scale_rows", launch::elementwise(rows * cols)?; xs, ss, &mut out, &n, &c)?;
+        Ok(self.activation(out, vec![rows, cols]))
+    }
+
     fn scatter_rows(&self, x: &CudaTensor, idx: &[usize], src: &CudaTensor, add: bool) -> BResult<CudaTensor> {
         let (rows, cols) = x.dims2()?;
         let (srows, scols) = src.dims2()?;

@@ -1035,6 +1035,19 @@ impl Backend for WgpuBackend {
         Ok(self.tensor(out, vec![idx.len(), cols]))
     }
 
+    fn scale_rows(&self, x: &WgpuTensor, scales: &[f32]) -> BResult<WgpuTensor> {
+        let (rows, cols) = dims2(x)?;
+        if scales.len() != rows {
+            return Err(shape_err(format!("{} scales for {rows} rows", scales.len())));
+        }
+        let s = self.upload(scales.to_vec(), &[rows])?;
+        let n = rows * cols;
+        let out = self.scratch(n)?;
+        let binds = [(1, x.buffer()?), (2, s.buffer()?), (3, &out.buffer)];
+        self.elementwise(Kernel::Elementwise, &[n as u32, 7, cols as u32], &binds, n)?;
+        Ok(self.tensor(out, vec![rows, cols]))
+    }
+
     fn scatter_rows(&self, x: &WgpuTensor, idx: &[usize], src: &WgpuTensor, add: bool) -> BResult<WgpuTensor> {
         let (rows, cols) = dims2(x)?;
         let (srows, scols) = dims2(src)?;

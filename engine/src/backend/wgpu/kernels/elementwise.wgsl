@@ -2,7 +2,8 @@
 struct Params {
     n: u32,
     op: u32,
-    _pad0: u32,
+    // Row width for op 7 (rows scaled by y[row]).
+    cols: u32,
     _pad1: u32,
 }
 
@@ -45,6 +46,7 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) 
         case 3u: { r = a * sigmoid(1.702 * a); }
         case 4u: { r = a * sigmoid(a) * y[i]; }
         case 6u: { r = y[i] * sigmoid(a); }
+        case 7u: { r = a * y[i / p.cols]; }
         default: { r = a + y[i]; }
     }
     out[i] = r;
