@@ -439,10 +439,12 @@ fn ensure_lavapipe() -> Result<()> {
     Ok(())
 }
 
-/// The checkpoint of the browser test: the smallest tiny config of the tests.
-const BROWSER_CONFIG: &str = "tools/golden/configs/qwen2_vl_tiny.json";
-/// Its image: 84×56 is 3×2 of Qwen2-VL's 28-pixel factor, so no resize is involved.
-const BROWSER_IMAGE: &str = "engine/tests/fixtures/input/rgb_84x56.png";
+/// The checkpoint of the browser test: the tiny Qwen3.5, whose hybrid decoder runs every kind of
+/// kernel (attention over the paged KV cache, the Gated DeltaNet over its state slots) and whose
+/// vision tower is Qwen3-VL's.
+const BROWSER_CONFIG: &str = "tools/golden/configs/qwen3_5_tiny.json";
+/// Its image: 96×64 is 3×2 of Qwen3's 32-pixel factor, so no resize is involved.
+const BROWSER_IMAGE: &str = "engine/tests/fixtures/golden/images/fixed_96x64.png";
 const BROWSER_PROMPT: &str = "Describe this image.";
 const BROWSER_MAX_TOKENS: &str = "12";
 
