@@ -11,6 +11,9 @@ pub(crate) fn tiny_checkpoints() -> Vec<(crate::arch::config::ModelConfig, Vec<u
         include_str!("../../../tools/golden/configs/qwen2_vl_tiny.json"),
         include_str!("../../../tools/golden/configs/qwen3_vl_tiny.json"),
         include_str!("../../../tools/golden/configs/qwen3_5_tiny.json"),
+        // Stacked experts, output-major and transposed; their 12-wide down projections keep f32.
+        include_str!("../../../tools/golden/configs/qwen3_5_moe_tiny.json"),
+        include_str!("../../../tools/golden/configs/qwen3_vl_moe_tiny.json"),
     ]
     .into_iter()
     .map(|config| {
@@ -81,7 +84,14 @@ fn the_cpu_backend_allocates_what_the_planner_counts() {
         let want: u64 = specs
             .iter()
             .filter(|t| !t.host)
-            .map(|t| t.numel() * if t.shape.len() == 2 { 2 } else { 4 })
+            .map(|t| {
+                t.numel()
+                    * if t.shape.len() == 2 || t.experts.is_some() {
+                        2
+                    } else {
+                        4
+                    }
+            })
             .sum();
         assert_eq!(ledger.bytes(Category::Weights), want);
         assert!(want * 10 < (totals[0] - host) * 6, "{want} vs f32 {}", totals[0] - host);

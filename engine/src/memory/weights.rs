@@ -4,7 +4,7 @@
 //! are fewer than ranks).
 
 use crate::arch::config::ModelConfig;
-use crate::arch::spec::{tensor_specs, TensorSpec};
+use crate::arch::spec::{tensor_specs, ExpertLayout, TensorSpec};
 pub use crate::arch::spec::{Part, Shard};
 use crate::arch::weight_format::WeightFormat;
 
@@ -95,6 +95,19 @@ pub fn param_counts(cfg: &ModelConfig) -> ParamCounts {
     c
 }
 
+/// The matrices a backend stores for the slice of `t` one of `tp` ranks holds: how many, and the
+/// shape of each. One, or one `[out, in]` per expert of a stacked expert tensor, as the loader
+/// splits it.
+fn rank_matrices(t: &TensorSpec, tp: usize) -> (u64, Vec<usize>) {
+    let shape = rank_shape(t, tp);
+    match (t.experts, &shape[..]) {
+        (Some(ExpertLayout::OutputMajor), &[n, out, inp]) | (Some(ExpertLayout::InputMajor), &[n, inp, out]) => {
+            (n as u64, vec![out, inp])
+        }
+        _ => (1, shape),
+    }
+}
+
 /// The shape of the slice of `t` one of `tp` ranks holds.
 fn rank_shape(t: &TensorSpec, tp: usize) -> Vec<usize> {
     let mut shape = t.shape.clone();
@@ -115,13 +128,14 @@ fn rank_shape(t: &TensorSpec, tp: usize) -> Vec<usize> {
 pub fn weight_bytes_per_rank(cfg: &ModelConfig, tp: usize, dtype_bytes: u64, format: WeightFormat) -> Vec<(Part, u64)> {
     let (quantized, kept): (Vec<TensorSpec>, Vec<TensorSpec>) = tensor_specs(cfg)
         .into_iter()
-        .partition(|t| !t.host && format.quantizes(&rank_shape(t, tp)));
+        .partition(|t| !t.host && format.quantizes(&rank_matrices(t, tp).1));
     let kept = groups_of(kept)
         .into_iter()
         .map(|grp| (grp.part, grp.numel_per_rank(tp) * dtype_bytes));
-    let quantized = quantized
-        .iter()
-        .map(|t| (t.part, format.tensor_bytes(&rank_shape(t, tp), dtype_bytes)));
+    let quantized = quantized.iter().map(|t| {
+        let (n, shape) = rank_matrices(t, tp);
+        (t.part, n * format.tensor_bytes(&shape, dtype_bytes))
+    });
     let mut out: Vec<(Part, u64)> = Vec::new();
     for (part, bytes) in kept.chain(quantized) {
         match out.iter_mut().find(|(p, _)| *p == part) {
