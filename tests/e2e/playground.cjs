@@ -43,6 +43,8 @@ const CHROMIUM = env('CHROMIUM');
 const CHROMIUM_ARGS = JSON.parse(env('CHROMIUM_ARGS'));
 const PYTHON = env('PYTHON');
 const CLIENT_PYTHON = env('CLIENT_PYTHON');
+// A tiny random Qwen3.5 checkpoint (Gated DeltaNet layers with a state slot per request).
+const HYBRID = env('KVLENS_E2E_HYBRID');
 const HERE = __dirname;
 // A 512×512 image (256 image tokens for the demo model), for the main-thread measurement.
 const LARGE_IMAGE = path.join(HERE, 'fixtures', 'wave_512x512.png');
@@ -102,10 +104,10 @@ async function waitHttp(url, child, name) {
   throw new Error(`${name} did not answer ${url}`);
 }
 
-async function kvlensServe(name) {
+async function kvlensServe(name, extra = []) {
   const { port, child } = await startListening(
     KVLENS,
-    ['serve', '--playground-dir', DIST, '--host', '127.0.0.1', '--port', '0'],
+    ['serve', '--playground-dir', DIST, '--host', '127.0.0.1', '--port', '0', ...extra],
     name,
     /Starting vLLM API server on http:\/\/[^\s]*:(\d+)\s/,
   );
@@ -721,6 +723,54 @@ async function serverModeOnKvlens(site, served) {
   }
 }
 
+// Server mode on a hybrid model: the state slots are drawn beside the KV grid, one is held while a
+// request streams, and it comes back when the client goes away mid-stream.
+async function serverModeOnHybrid(site, served) {
+  const b = await browser(true);
+  let page;
+  const stateUsage = (re) => page.waitForFunction(
+    (src) => new RegExp(src).test(document.querySelector('.server-mode [data-testid="state-usage"]')?.textContent || ''),
+    re.source,
+    { timeout: LONG },
+  );
+  try {
+    page = await newPage(b, 'server-hybrid');
+    await page.goto(`${site}/`);
+    await watch(page, served, 'connected to kvlens serve');
+    await stateUsage(/^0\/\d+ slots · /);
+    const models = await (await fetch(`${served}/v1/models`)).json();
+    const abort = new AbortController();
+    const r = await fetch(`${served}/v1/chat/completions`, {
+      method: 'POST',
+      headers: { 'content-type': 'application/json' },
+      signal: abort.signal,
+      body: JSON.stringify({
+        model: models.data[0].id,
+        messages: [{ role: 'user', content: PROMPT }],
+        max_tokens: 3000,
+        ignore_eos: true,
+        temperature: 0,
+        stream: true,
+      }),
+    });
+    assert(r.status === 200, `the streaming request answered ${r.status}`);
+    const reader = r.body.getReader();
+    await reader.read();
+    await stateUsage(/^1\/\d+ slots · /);
+    await screenshot(page, 'server-mode-hybrid.png');
+    abort.abort();
+    await reader.cancel().catch(() => {});
+    await stateUsage(/^0\/\d+ slots · /);
+    await page.waitForFunction(
+      () => /^0\/\d+ blocks$/.test(document.querySelector('.server-mode [data-testid="kv-usage"]')?.textContent || ''),
+      null,
+      { timeout: LONG },
+    );
+  } finally {
+    await b.close();
+  }
+}
+
 async function fakeVllm() {
   const { port, child } = await startListening(
     PYTHON,
@@ -881,6 +931,8 @@ async function watchOnVllmEvents() {
     await check('playground on the CPU backend with q4_0 weights', () => playgroundQuantized(site, false));
     await check('playground on the CPU backend, a GGUF pair by URL (a server without ranges)', () => playgroundGguf(site, false));
     await check('server mode: a kvlens serve on another origin', () => serverModeOnKvlens(site, served));
+    const hybrid = await kvlensServe('kvlens-serve-hybrid', ['--model', HYBRID]);
+    await check('server mode: a hybrid model\'s state slots fill while a request streams and empty when its client leaves', () => serverModeOnHybrid(site, hybrid));
     const vllm = await fakeVllm();
     await check('server mode: a vLLM /metrics endpoint', () => serverModeOnVllm(site, vllm));
     await check('kvlens watch: a vLLM KV event stream (replay, restart) and the plan beside it', watchOnVllmEvents);

@@ -662,6 +662,13 @@ fn e2e(build_kvlens: bool) -> Result<(u64, u64)> {
         "generate-gguf.json",
     )?;
     let expected_gguf_text = generate(&[&gguf.join("demo-model-F16.gguf")], false, "generate-gguf-text.json")?;
+    let hybrid = work.join("qwen3_5");
+    run(Command::new(&kvlens)
+        .args(["random-checkpoint", "--config", BROWSER_CONFIG, "--image-limits", "1024,65536"])
+        .args(["--force", "--tokenizer"])
+        .arg(ensure_tokenizer()?)
+        .arg("--out")
+        .arg(&hybrid))?;
     let python = if have("python3", "--version", "Python 3") {
         "python3"
     } else {
@@ -679,6 +686,7 @@ fn e2e(build_kvlens: bool) -> Result<(u64, u64)> {
         .env("KVLENS_E2E_EXPECTED", &expected)
         .env("KVLENS_E2E_EXPECTED_GGUF", &expected_gguf)
         .env("KVLENS_E2E_EXPECTED_GGUF_TEXT", &expected_gguf_text)
+        .env("KVLENS_E2E_HYBRID", &hybrid)
         .env("KVLENS_E2E_ARTIFACTS", &artifacts)
         .env("CHROMIUM", CHROMIUM)
         .env("CHROMIUM_ARGS", serde_json::to_string(CHROMIUM_ARGS)?)
