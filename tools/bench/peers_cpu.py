@@ -153,8 +153,8 @@ def main():
         if fmt == "F16":
             ours = kvlens_generate(args, pair, SHORT_PROMPT, 16)
             theirs = greedy_tokens_llama(args, pair, ours["prompt_token_ids"], 16)
-            pairs = list(zip(ours["token_ids"], theirs))
-            agree = next((i for i, (a, b) in enumerate(pairs) if a != b), len(pairs))
+            both = list(zip(ours["token_ids"], theirs))
+            agree = next((i for i, (a, b) in enumerate(both) if a != b), len(both))
             row.update(greedy_kvlens=ours["token_ids"], greedy_llama=theirs, greedy_agree=agree)
         rows.append(row)
         print(json.dumps(row), flush=True)

@@ -664,7 +664,13 @@ fn e2e(build_kvlens: bool) -> Result<(u64, u64)> {
     let expected_gguf_text = generate(&[&gguf.join("demo-model-F16.gguf")], false, "generate-gguf-text.json")?;
     let hybrid = work.join("qwen3_5");
     run(Command::new(&kvlens)
-        .args(["random-checkpoint", "--config", BROWSER_CONFIG, "--image-limits", "1024,65536"])
+        .args([
+            "random-checkpoint",
+            "--config",
+            BROWSER_CONFIG,
+            "--image-limits",
+            "1024,65536",
+        ])
         .args(["--force", "--tokenizer"])
         .arg(ensure_tokenizer()?)
         .arg("--out")

@@ -13,6 +13,13 @@ use half::f16;
 /// Blocks whose scales one step of the vectorised product reads (one 512-bit register of f32).
 const SCALE_GROUP: usize = 16;
 
+/// Weight rows one register of [`gemm`]'s tiles holds: one i32 lane per row.
+const TILE_ROWS: usize = 16;
+
+/// Activation rows one call of [`gemm`]'s VNNI kernel takes: they share each unpacked register of
+/// weights.
+const TILE: usize = 4;
+
 /// `y` rounded to the nearest integer, ties to even, for |y| < 2²²: adding 1.5 · 2²³ leaves no
 /// fraction bits (infinities and NaN pass through, as `f32::round` leaves them). Plain float
 /// arithmetic, so a block of them vectorises where `roundf` is a libm call per value on baseline
@@ -36,6 +43,107 @@ pub fn dot_row(w: &BlockRows, row: usize, acts: &Activations, cold: bool, out: &
     }
 }
 
+/// `x · wᵀ` `[m, rows]` for the `m` activation rows of `acts` (prefill). Each thread of candle's
+/// pool takes a run of weight rows, 16 at a time; where the CPU has AVX-512 VNNI it repacks them
+/// so that one register holds four bytes of each of the 16 rows (as llama.cpp repacks these
+/// formats for its GEMM) and multiplies them by each activation row's bytes broadcast: every i32
+/// lane sums a whole block of one (row, activation row) pair, and the f32 scaling is done once
+/// per 16 products and block instead of once per 8 lanes of one product. Elsewhere it takes the
+/// row products one by one.
+pub fn gemm(w: &BlockRows, acts: &Activations) -> Vec<f32> {
+    debug_assert_eq!(acts.kind, w.kind());
+    let (m, nb) = (acts.rows, w.blocks_per_row());
+    let rows = w.scales().len().checked_div(nb).unwrap_or(0);
+    if m == 0 || rows == 0 {
+        return vec![0.0; m * rows];
+    }
+    let threads = candle_core::utils::barrier_pool().n_workers() + 1;
+    let per_thread = rows.div_ceil(threads).div_ceil(TILE_ROWS) * TILE_ROWS;
+    // Group by group of 16 weight rows, each `[m, its rows]`, so that each thread writes one
+    // contiguous run and each tile contiguous rows of 16.
+    let mut grouped = vec![0f32; rows * m];
+    crate::parallel::for_each_piece(&mut grouped, per_thread * m, |t, run| {
+        let first_row = t * per_thread;
+        #[cfg(target_arch = "x86_64")]
+        if super::isa::isa().avx512_vnni {
+            let mut packed = RepackedRows::default();
+            for (g, block) in run.chunks_mut(TILE_ROWS * m).enumerate() {
+                let row0 = first_row + g * TILE_ROWS;
+                packed.repack(w, row0, block.len() / m);
+                let mut i = 0;
+                while i < m {
+                    // Whole tiles of activation rows, then the rest one at a time.
+                    let n = if m - i >= TILE { TILE } else { 1 };
+                    let mut sums = [[0f32; TILE_ROWS]; TILE];
+                    // SAFETY: the CPU has AVX-512 VNNI with BW and VL (checked above).
+                    #[allow(unsafe_code)]
+                    unsafe {
+                        match (w.kind(), n) {
+                            (BlockKind::Q8_0, TILE) => sums = tile_vnni::<false, TILE>(&packed, acts, i),
+                            (BlockKind::Q4_0, TILE) => sums = tile_vnni::<true, TILE>(&packed, acts, i),
+                            (BlockKind::Q8_0, _) => sums[0] = tile_vnni::<false, 1>(&packed, acts, i)[0],
+                            (BlockKind::Q4_0, _) => sums[0] = tile_vnni::<true, 1>(&packed, acts, i)[0],
+                        }
+                    }
+                    let width = block.len() / m;
+                    for (k, sum) in sums.iter().enumerate().take(n) {
+                        block[(i + k) * width..][..width].copy_from_slice(&sum[..width]);
+                    }
+                    i += n;
+                }
+            }
+            return;
+        }
+        for (g, block) in run.chunks_mut(TILE_ROWS * m).enumerate() {
+            let (row0, width) = (first_row + g * TILE_ROWS, block.len() / m);
+            for (i, out) in block.chunks_mut(width).enumerate() {
+                for (r, o) in out.iter_mut().enumerate() {
+                    *o = dot_fastest(w.kind(), w.row_scales(row0 + r), w.row_quants(row0 + r), &acts.row(i));
+                }
+            }
+        }
+    });
+    let mut out = vec![0f32; m * rows];
+    for (g, block) in grouped.chunks(TILE_ROWS * m).enumerate() {
+        let (row0, width) = (g * TILE_ROWS, block.len() / m);
+        for (i, from) in block.chunks_exact(width).enumerate() {
+            out[i * rows + row0..][..width].copy_from_slice(from);
+        }
+    }
+    out
+}
+
+/// Sixteen weight rows as [`tile_vnni`] reads them: per block, its scales widened to f32 (one per
+/// row), then its quants in runs of four bytes, each run holding the same four bytes of the 16
+/// rows. Rows past the matrix's end are zeros.
+#[derive(Debug, Default)]
+struct RepackedRows {
+    blocks: usize,
+    scales: Vec<f32>,
+    quants: Vec<u8>,
+}
+
+impl RepackedRows {
+    /// Repacks rows `row0..row0 + n` (`n` ≤ 16) of `w`.
+    fn repack(&mut self, w: &BlockRows, row0: usize, n: usize) {
+        let (nb, qb) = (w.blocks_per_row(), w.kind().quant_bytes());
+        self.blocks = nb;
+        self.scales.clear();
+        self.scales.resize(nb * TILE_ROWS, 0.0);
+        self.quants.clear();
+        self.quants.resize(nb * qb * TILE_ROWS, 0);
+        for r in 0..n.min(TILE_ROWS) {
+            let (s, q) = (w.row_scales(row0 + r), w.row_quants(row0 + r));
+            for b in 0..nb {
+                self.scales[b * TILE_ROWS + r] = f16::from_bits(s[b]).to_f32();
+                for k in 0..qb / 4 {
+                    let at = (b * qb + 4 * k) * TILE_ROWS + 4 * r;
+                    self.quants[at..at + 4].copy_from_slice(&q[b * qb + 4 * k..][..4]);
+                }
+            }
+        }
+    }
+}
 /// Activation rows quantized for one product, padded to whole groups of [`SCALE_GROUP`] blocks
 /// (zeros): per block the scale `d_x`, the correction `offset · d_x · Σ q_x`, and the i8 values,
 /// in the order the vectorised product reads them (for `q4_0`, per pair of blocks A, B:
@@ -43,6 +151,7 @@ pub fn dot_row(w: &BlockRows, row: usize, acts: &Activations, cold: bool, out: &
 #[derive(Debug)]
 pub struct Activations {
     kind: BlockKind,
+    rows: usize,
     padded_blocks: usize,
     scales: Vec<f32>,
     corrections: Vec<f32>,
@@ -69,6 +178,7 @@ impl Activations {
         let m = x.len() / cols;
         let mut acts = Activations {
             kind,
+            rows: m,
             padded_blocks,
             scales: vec![0.0; m * padded_blocks],
             corrections: vec![0.0; m * padded_blocks],
@@ -321,6 +431,80 @@ fn dot_vnni<const Q4: bool>(scales: &[u16], quants: &[u8], x: &ActRow<'_>) -> f3
     _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1])) - _mm512_reduce_add_ps(corr)
 }
 
+/// The products of 16 repacked weight rows with activation rows `first..first + T`: per block and
+/// run of four weight bytes, one `vpdpbusd` per activation row against its four matching bytes
+/// broadcast; per block, each row's sums scaled by `d_w · d_x` and its correction subtracted.
+/// For `q4_0` a run of four bytes holds elements `4k..4k+4` (low nibbles) and `16+4k..16+4k+4`
+/// (high nibbles), which sit in the activations' pair order (see [`Activations`]).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
+#[allow(unsafe_code)]
+fn tile_vnni<const Q4: bool, const T: usize>(
+    w: &RepackedRows,
+    acts: &Activations,
+    first: usize,
+) -> [[f32; TILE_ROWS]; T] {
+    use std::arch::x86_64::*;
+    let nb = w.blocks;
+    let qb = if Q4 { BLOCK / 2 } else { BLOCK };
+    let xs: [ActRow<'_>; T] = std::array::from_fn(|t| acts.row(first + t));
+    // The reads below stay inside these lengths.
+    assert!(w.scales.len() == nb * TILE_ROWS && w.quants.len() == nb * qb * TILE_ROWS);
+    for x in &xs {
+        assert!(x.scales.len() >= nb && x.corrections.len() >= nb && x.quants.len() >= nb * BLOCK);
+    }
+    let low_nibbles = _mm512_set1_epi8(0x0F);
+    let mut acc = [_mm512_setzero_ps(); T];
+    let mut corr = [_mm512_setzero_ps(); T];
+    // The four activation bytes at `at` of row `t`, in every lane.
+    let word = |t: usize, at: usize| -> __m512i {
+        // SAFETY: `at + 4` ≤ the row's quants (asserted above for every `at` used below).
+        _mm512_set1_epi32(unsafe { (xs[t].quants.as_ptr().add(at) as *const i32).read_unaligned() })
+    };
+    for b in 0..nb {
+        // SAFETY: block `b`'s 16 scales and `qb · 16` quant bytes are inside the repacked rows.
+        let (dw, wq) = unsafe {
+            (
+                _mm512_loadu_ps(w.scales.as_ptr().add(b * TILE_ROWS)),
+                w.quants.as_ptr().add(b * qb * TILE_ROWS),
+            )
+        };
+        let mut sums = [_mm512_setzero_si512(); T];
+        if Q4 {
+            // The block's values in the activations' pair order: low halves, then high halves.
+            let base = (b / 2) * 2 * BLOCK + (b % 2) * BLOCK / 2;
+            for k in 0..4 {
+                // SAFETY: run `k` of block `b`.
+                let v = unsafe { _mm512_loadu_si512(wq.add(64 * k) as *const _) };
+                let lo = _mm512_and_si512(v, low_nibbles);
+                let hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low_nibbles);
+                for (t, sum) in sums.iter_mut().enumerate() {
+                    *sum = _mm512_dpbusd_epi32(*sum, lo, word(t, base + 4 * k));
+                    *sum = _mm512_dpbusd_epi32(*sum, hi, word(t, base + BLOCK + 4 * k));
+                }
+            }
+        } else {
+            for k in 0..8 {
+                // SAFETY: run `k` of block `b`.
+                let v = unsafe { _mm512_loadu_si512(wq.add(64 * k) as *const _) };
+                for (t, sum) in sums.iter_mut().enumerate() {
+                    *sum = _mm512_dpbusd_epi32(*sum, v, word(t, b * BLOCK + 4 * k));
+                }
+            }
+        }
+        for t in 0..T {
+            let dx = _mm512_set1_ps(xs[t].scales[b]);
+            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[t]), _mm512_mul_ps(dw, dx), acc[t]);
+            corr[t] = _mm512_fmadd_ps(dw, _mm512_set1_ps(xs[t].corrections[b]), corr[t]);
+        }
+    }
+    std::array::from_fn(|t| {
+        let mut out = [0f32; TILE_ROWS];
+        // SAFETY: 16 floats.
+        unsafe { _mm512_storeu_ps(out.as_mut_ptr(), _mm512_sub_ps(acc[t], corr[t])) };
+        out
+    })
+}
 /// [`dot_portable`] with the widest instructions this CPU has.
 fn dot_fastest(kind: BlockKind, scales: &[u16], quants: &[u8], x: &ActRow<'_>) -> f32 {
     fastest!(
@@ -431,6 +615,33 @@ mod tests {
                         let (s, q) = (w.row_scales(r), w.row_quants(r));
                         for (name, g) in every_path(kind, s, q, &row) {
                             assert!((g as f64 - want).abs() <= 1e-4, "{kind:?} {cols} {name}: {g} vs {want}");
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// The GEMM's tiles give each activation row's product with each weight row, for row and
+    /// activation counts off the tiles' sizes.
+    #[test]
+    fn gemm_is_every_row_s_product() {
+        for kind in [BlockKind::Q8_0, BlockKind::Q4_0] {
+            for (cols, rows) in [(32, 5), (17 * 32, 2 * TILE_ROWS + 3)] {
+                let w = BlockRows::quantize(kind, &values(rows * cols, 3), cols);
+                for m in [1, TILE + 3, 37] {
+                    let x = values(m * cols, 11);
+                    let acts = Activations::quantize(kind, &x, cols);
+                    let got = gemm(&w, &acts);
+                    assert_eq!(got.len(), m * rows);
+                    for i in 0..m {
+                        for r in 0..rows {
+                            let want = dot_portable(kind, w.row_scales(r), w.row_quants(r), &acts.row(i));
+                            let g = got[i * rows + r];
+                            assert!(
+                                (g - want).abs() <= 1e-4 * want.abs().max(1.0),
+                                "{kind:?} {cols} {m} ({i}, {r}): {g} vs {want}"
+                            );
                         }
                     }
                 }

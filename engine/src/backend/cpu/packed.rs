@@ -9,7 +9,7 @@
 //! against activations quantized once per product.
 
 use super::bf16_gemm::round_bf16;
-use super::block_dot::{dot_row, Activations};
+use super::block_dot::{self, dot_row, Activations};
 use super::isa::fastest;
 use crate::arch::blocks::{BlockKind, BlockRows, BLOCK};
 use crate::arch::ggml::GgmlType;
@@ -430,6 +430,17 @@ impl PackedMatrix {
         }
         let parts: Vec<(usize, &RowDot<'_>)> = mats.iter().zip(&dots).map(|(w, d)| (w.rows, d.as_ref())).collect();
         Ok(by_weight_rows(&parts, m))
+    }
+
+    /// `x · selfᵀ` `[m, rows]` for many activation rows through [`block_dot::gemm`]'s integer
+    /// tiles: for a `q8_0`/`q4_0` matrix on a CPU with AVX-512 VNNI, None otherwise.
+    pub fn integer_gemm(&self, x: &[f32], m: usize) -> Option<Vec<f32>> {
+        match &self.packing {
+            Packing::Blocks(b) if super::isa::isa().avx512_vnni && x.len() == m * self.cols => {
+                Some(block_dot::gemm(b, &Activations::quantize(b.kind(), x, self.cols)))
+            }
+            _ => None,
+        }
     }
 
     /// The whole matrix in f32 (row-major).
