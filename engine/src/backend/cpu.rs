@@ -101,11 +101,11 @@ pub fn kernel_paths() -> String {
     } else {
         "f32 GEMM (the gemm crate's)"
     };
-    let blocks_gemm = if isa.avx512_vnni {
-        "integer GEMM tiles (AVX-512 VNNI)"
-    } else {
-        gemm
-    };
+    let blocks_gemm = pick(&[
+        (isa.avx512_vnni, "integer GEMM tiles (AVX-512 VNNI)"),
+        (isa.avx2_fma, "integer GEMM tiles for q4_0 (AVX2)"),
+        (true, gemm),
+    ]);
     format!(
         "q8_0/q4_0 rows: {blocks}; bf16 rows: {bf16}; f16 rows: {f16}; prefill of q8_0/q4_0: {blocks_gemm}; \
          of other packed weights: {gemm}"
@@ -232,7 +232,7 @@ impl CpuBackend {
 }
 
 /// Rows of activations from which a packed matrix goes through a GEMM (for `q8_0`/`q4_0` on a CPU
-/// with AVX-512 VNNI, integer tiles on the stored blocks; else the bfloat16 one where the CPU has
+/// with AVX-512 VNNI or AVX2, integer tiles on the stored blocks; else the bfloat16 one where the CPU has
 /// AVX-512 BF16, else widened to f32 for the f32 GEMM) instead of being multiplied row by row (measured on Qwen3-VL-2B, 2-core EPYC: `q8_0`'s row-by-row kernel
 /// prefilled at 17.3 tokens/s against 20.7 through the f32 GEMM with AVX2 kernels, 27.3 with its
 /// AVX-512 ones; decode's few rows are bound by the bytes read).
@@ -428,8 +428,8 @@ impl Backend for CpuBackend {
                     None
                 };
                 if let Some(y) = integer {
-                    // Many rows of a q8_0/q4_0 matrix on a CPU with AVX-512 VNNI: integer GEMM
-                    // tiles on the stored blocks, the activations quantized once.
+                    // Many rows of a q8_0/q4_0 matrix on a CPU with AVX-512 VNNI or AVX2: integer
+                    // GEMM tiles on the stored blocks, the activations quantized once.
                     Tensor::from_vec(y, (m, rows), &Device::Cpu).map_err(lib)?
                 } else if m >= DEQUANTIZE_FROM_ROWS && bf16_gemm::available() && !q.is_f16() {
                     // Many rows on a CPU with AVX-512 BF16: computed in bfloat16, bfloat16

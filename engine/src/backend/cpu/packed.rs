@@ -433,10 +433,10 @@ impl PackedMatrix {
     }
 
     /// `x · selfᵀ` `[m, rows]` for many activation rows through [`block_dot::gemm`]'s integer
-    /// tiles: for a `q8_0`/`q4_0` matrix on a CPU with AVX-512 VNNI, None otherwise.
+    /// tiles, where [`block_dot::tiles_for`] says the CPU has them for this format; None otherwise.
     pub fn integer_gemm(&self, x: &[f32], m: usize) -> Option<Vec<f32>> {
         match &self.packing {
-            Packing::Blocks(b) if super::isa::isa().avx512_vnni && x.len() == m * self.cols => {
+            Packing::Blocks(b) if block_dot::tiles_for(b.kind()) && x.len() == m * self.cols => {
                 Some(block_dot::gemm(b, &Activations::quantize(b.kind(), x, self.cols)))
             }
             _ => None,
