@@ -394,7 +394,13 @@ fn user_mistakes_exit_2_with_one_line() {
     let out = out.to_str().unwrap();
     let base = ["random-checkpoint", "--tokenizer", tok, "--out", out, "--config"];
     fails_with_usage(&with(&base, "Qwen9-VL-1B"), "Qwen3-VL-2B-Instruct");
-    fails_with_usage(&with(&base, "Qwen3-VL-30B-A3B-Instruct"), "qwen3_vl_moe");
+    // A mixture of experts with dense layers between its sparse ones, which no published size has.
+    let sparse_step = tmp.path().join("sparse_step.json");
+    let mut moe: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(tiny_config("qwen3_vl_moe")).unwrap()).unwrap();
+    moe["text_config"]["decoder_sparse_step"] = 2.into();
+    std::fs::write(&sparse_step, moe.to_string()).unwrap();
+    fails_with_usage(&with(&base, sparse_step.to_str().unwrap()), "decoder_sparse_step 2");
     fails_with_usage(&with(&base, "/nonexistent/config.json"), "/nonexistent/config.json");
 
     let cfg = tiny_config("qwen2_vl");
