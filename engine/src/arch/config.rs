@@ -1,5 +1,5 @@
 //! Hugging Face `config.json` -> [`ModelConfig`] for Qwen2-VL, Qwen2.5-VL, Qwen3-VL (dense and MoE)
-//! and Qwen3.5 (Gated DeltaNet layers beside gated full attention).
+//! and Qwen3.5 (Gated DeltaNet layers beside gated full attention; dense and MoE).
 //!
 //! Both spellings seen in the wild are accepted: the published layouts (Qwen2/2.5-VL flat with
 //! `rope_scaling`, Qwen3-VL nested `text_config`) and the transformers 5 layout (`rope_parameters`).
@@ -18,7 +18,7 @@ pub enum Family {
     Qwen25Vl,
     /// `qwen3_vl`
     Qwen3Vl,
-    /// `qwen3_vl_moe` (planner only for now)
+    /// `qwen3_vl_moe`: Qwen3-VL with a mixture of experts in every layer.
     Qwen3VlMoe,
     /// `qwen3_5`: Qwen3-VL's vision tower before a hybrid decoder ([`LinearAttention`]).
     Qwen35,
