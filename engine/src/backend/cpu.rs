@@ -422,14 +422,15 @@ impl Backend for CpuBackend {
             Matrix::Packed(q) => {
                 let (m, _) = dims2(&x.t)?;
                 let (rows, cols) = q.dims();
-                let integer = if m >= DEQUANTIZE_FROM_ROWS {
-                    q.integer_gemm(&Self::host(x)?, m)
-                } else {
-                    None
-                };
-                if let Some(y) = integer {
+                if m >= DEQUANTIZE_FROM_ROWS && q.has_integer_tiles() {
                     // Many rows of a q8_0/q4_0 matrix on a CPU with AVX-512 VNNI or AVX2: integer
                     // GEMM tiles on the stored blocks, the activations quantized once.
+                    let xs = x.t.contiguous().map_err(lib)?;
+                    let (storage, layout) = xs.storage_and_layout();
+                    let values = contiguous_values(&storage, layout)?;
+                    let y = q
+                        .integer_gemm(values, m)
+                        .ok_or_else(|| BackendError::Shape(format!("{m} rows for a {rows}×{cols} matrix")))?;
                     Tensor::from_vec(y, (m, rows), &Device::Cpu).map_err(lib)?
                 } else if m >= DEQUANTIZE_FROM_ROWS && bf16_gemm::available() && !q.is_f16() {
                     // Many rows on a CPU with AVX-512 BF16: computed in bfloat16, bfloat16

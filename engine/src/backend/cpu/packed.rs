@@ -432,11 +432,16 @@ impl PackedMatrix {
         Ok(by_weight_rows(&parts, m))
     }
 
+    /// Whether [`Self::integer_gemm`] multiplies this matrix on this CPU.
+    pub fn has_integer_tiles(&self) -> bool {
+        matches!(&self.packing, Packing::Blocks(b) if block_dot::tiles_for(b.kind()))
+    }
+
     /// `x · selfᵀ` `[m, rows]` for many activation rows through [`block_dot::gemm`]'s integer
     /// tiles, where [`block_dot::tiles_for`] says the CPU has them for this format; None otherwise.
     pub fn integer_gemm(&self, x: &[f32], m: usize) -> Option<Vec<f32>> {
         match &self.packing {
-            Packing::Blocks(b) if block_dot::tiles_for(b.kind()) && x.len() == m * self.cols => {
+            Packing::Blocks(b) if self.has_integer_tiles() && x.len() == m * self.cols => {
                 Some(block_dot::gemm(b, &Activations::quantize(b.kind(), x, self.cols)))
             }
             _ => None,
