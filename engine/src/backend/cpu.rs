@@ -7,6 +7,7 @@ mod bf16_gemm;
 mod block_dot;
 mod delta_net;
 mod isa;
+mod k_quant_dot;
 mod packed;
 mod segment_attention;
 mod vector_math;
@@ -88,8 +89,8 @@ pub struct CpuPaged {
 }
 
 /// The instructions our CPU kernels run on this machine (after `KVLENS_CPU_ISA`), one phrase per
-/// kind of product, for benchmarks to print beside their figures. candle's kernels (the K-quants)
-/// and the gemm crate's pick their own at run time.
+/// kind of product, for benchmarks to print beside their figures. candle's kernels (`q5_K`, the
+/// `_1` and `q5_0` types) and the gemm crate's pick their own at run time.
 pub fn kernel_paths() -> String {
     let isa = isa::isa();
     let pick = |sets: &[(bool, &'static str)]| sets.iter().find(|s| s.0).map_or("portable", |s| s.1);
@@ -107,7 +108,7 @@ pub fn kernel_paths() -> String {
         (true, gemm),
     ]);
     format!(
-        "q8_0/q4_0 rows: {blocks}; bf16 rows: {bf16}; f16 rows: {f16}; prefill of q8_0/q4_0: {blocks_gemm}; \
+        "q8_0/q4_0/q4_K/q6_K rows: {blocks}; bf16 rows: {bf16}; f16 rows: {f16}; prefill of q8_0/q4_0: {blocks_gemm}; \
          of other packed weights: {gemm}"
     )
 }

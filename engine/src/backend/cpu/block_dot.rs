@@ -18,6 +18,7 @@ const TILE_ROWS: usize = 16;
 
 /// Activation rows one call of [`gemm`]'s VNNI kernel takes: they share each unpacked register of
 /// weights.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 const TILE: usize = 4;
 
 /// `y` rounded to the nearest integer, ties to even, for |y| < 2²²: adding 1.5 · 2²³ leaves no
@@ -25,7 +26,7 @@ const TILE: usize = 4;
 /// arithmetic, so a block of them vectorises where `roundf` is a libm call per value on baseline
 /// x86_64.
 #[inline(always)]
-fn round_small_to_even(y: f32) -> f32 {
+pub(super) fn round_small_to_even(y: f32) -> f32 {
     const SHIFTER: f32 = 12_582_912.0;
     (y + SHIFTER) - SHIFTER
 }
@@ -127,6 +128,7 @@ pub fn tiles_for(kind: BlockKind) -> bool {
 /// Sixteen weight rows as [`tile_vnni`] reads them: per block, its scales widened to f32 (one per
 /// row), then its quants in runs of four bytes, each run holding the same four bytes of the 16
 /// rows. Rows past the matrix's end are zeros.
+#[cfg(target_arch = "x86_64")]
 #[derive(Debug, Default)]
 struct RepackedRows {
     blocks: usize,
@@ -134,6 +136,7 @@ struct RepackedRows {
     quants: Vec<u8>,
 }
 
+#[cfg(target_arch = "x86_64")]
 impl RepackedRows {
     /// Repacks rows `row0..row0 + n` (`n` ≤ 16) of `w`.
     fn repack(&mut self, w: &BlockRows, row0: usize, n: usize) {

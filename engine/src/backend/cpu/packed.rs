@@ -11,6 +11,7 @@
 use super::bf16_gemm::round_bf16;
 use super::block_dot::{self, dot_row, Activations};
 use super::isa::fastest;
+use super::k_quant_dot::{self, KActivations, KQuant, KRows};
 use crate::arch::blocks::{BlockKind, BlockRows, BLOCK};
 use crate::arch::ggml::GgmlType;
 use crate::arch::weight_format::WeightFormat;
@@ -30,9 +31,11 @@ enum Packing {
     /// to f32 for the product.
     F16(Vec<f16>),
     Blocks(BlockRows),
-    /// Any other GGML block type as a GGUF file stores it (the K-quants, `q4_1`, `q5_0`,
-    /// `q5_1`), multiplied by candle's `k_quants` (the activations quantized to `q8_K` or
-    /// `q8_0`/`q8_1` per block, as llama.cpp's CPU code does).
+    /// `q4_K` or `q6_K` super-blocks as a GGUF file stores them ([`k_quant_dot`]).
+    KQuants(KRows),
+    /// Any other GGML block type as a GGUF file stores it (`q5_K`, `q4_1`, `q5_0`, `q5_1`),
+    /// multiplied by candle's `k_quants` (the activations quantized to `q8_K` or `q8_0`/`q8_1`
+    /// per block, as llama.cpp's CPU code does).
     Ggml(GgmlType, Arc<QTensor>),
 }
 
@@ -291,17 +294,23 @@ impl PackedMatrix {
         })
     }
 
-    /// A matrix of any other GGML block type candle multiplies (the K-quants, `q4_1`, `q5_0`,
-    /// `q5_1`) from a GGUF tensor's bytes, or None for another type, bytes that are not `rows`
-    /// rows, or `q4_1`/`q5_*` rows of an odd number of blocks (which candle cannot multiply).
+    /// A matrix of any other GGML block type from a GGUF tensor's bytes: `q4_K` and `q6_K` for
+    /// [`k_quant_dot`]'s products, the rest for candle's (`q5_K`, `q4_1`, `q5_0`, `q5_1`). None
+    /// for another type, bytes that are not `rows` rows, or `q4_1`/`q5_*` rows of an odd number of
+    /// blocks (which candle cannot multiply).
     pub fn ggml(ggml: GgmlType, data: &[u8], rows: usize, cols: usize) -> Option<Self> {
+        if let Some(kind) = KQuant::from_ggml(ggml) {
+            return KRows::new(kind, data, rows, cols).map(|k| PackedMatrix {
+                rows,
+                cols,
+                packing: Packing::KQuants(k),
+            });
+        }
         let dtype = match ggml {
             GgmlType::Q4_1 => GgmlDType::Q4_1,
             GgmlType::Q5_0 => GgmlDType::Q5_0,
             GgmlType::Q5_1 => GgmlDType::Q5_1,
-            GgmlType::Q4K => GgmlDType::Q4K,
             GgmlType::Q5K => GgmlDType::Q5K,
-            GgmlType::Q6K => GgmlDType::Q6K,
             _ => return None,
         };
         // candle's q4_1/q5_0/q5_1 products take rows of an even number of blocks.
@@ -371,6 +380,7 @@ impl PackedMatrix {
             Packing::Bf16(v) => std::mem::size_of_val(v.as_slice()),
             Packing::F16(v) => std::mem::size_of_val(v.as_slice()),
             Packing::Blocks(b) => b.bytes(),
+            Packing::KQuants(k) => k.bytes() as usize,
             Packing::Ggml(_, q) => q.storage_size_in_bytes(),
         }) as u64
     }
@@ -407,6 +417,10 @@ impl PackedMatrix {
                 }
             }
         }
+        let k_acts = mats
+            .iter()
+            .find(|w| matches!(w.packing, Packing::KQuants(_)))
+            .map(|w| KActivations::quantize(x, w.cols));
         let mut dots: Vec<Box<RowDot<'_>>> = Vec::with_capacity(mats.len());
         for w in mats {
             let cols = w.cols;
@@ -424,6 +438,12 @@ impl PackedMatrix {
                         candle_core::bail!("no {:?} activations", b.kind());
                     };
                     Box::new(move |row, cold, out| dot_row(b, row, a, cold, out))
+                }
+                Packing::KQuants(k) => {
+                    let Some(a) = &k_acts else {
+                        candle_core::bail!("no K-quant activations");
+                    };
+                    Box::new(move |row, cold, out| k_quant_dot::dot_row(k, row, a, cold, out))
                 }
                 Packing::Ggml(..) => candle_core::bail!("GGML block matrices are multiplied on their own"),
             });
@@ -460,14 +480,9 @@ impl PackedMatrix {
                     part.iter_mut().zip(v).for_each(|(o, &b)| *o = widen(b))
                 }
                 Packing::F16(v) => v[first * cols..][..part.len()].convert_to_f32_slice(part),
-                Packing::Blocks(b) => {
+                Packing::Blocks(_) | Packing::KQuants(_) | Packing::Ggml(..) => {
                     for (r, row) in part.chunks_exact_mut(cols).enumerate() {
-                        b.dequantize_row(first + r, row);
-                    }
-                }
-                Packing::Ggml(..) => {
-                    for (r, row) in part.chunks_exact_mut(cols).enumerate() {
-                        self.ggml_row(first + r, row);
+                        self.row_f32(first + r, row);
                     }
                 }
             }
@@ -490,7 +505,9 @@ impl PackedMatrix {
     pub fn bf16_rows_scratch_bytes(&self, count: usize) -> usize {
         match &self.packing {
             Packing::Bf16(_) => 0,
-            Packing::Blocks(_) | Packing::Ggml(..) | Packing::F16(_) => count * self.cols * 2 + self.cols * 4,
+            Packing::Blocks(_) | Packing::KQuants(_) | Packing::Ggml(..) | Packing::F16(_) => {
+                count * self.cols * 2 + self.cols * 4
+            }
         }
     }
 
@@ -500,7 +517,7 @@ impl PackedMatrix {
         let cols = self.cols;
         match &self.packing {
             Packing::Bf16(v) => Cow::Borrowed(&v[first * cols..(first + count) * cols]),
-            Packing::Blocks(_) | Packing::Ggml(..) | Packing::F16(_) => {
+            Packing::Blocks(_) | Packing::KQuants(_) | Packing::Ggml(..) | Packing::F16(_) => {
                 let mut wide = vec![0f32; cols];
                 let mut out = vec![0u16; count * cols];
                 for (r, row) in out.chunks_exact_mut(cols).enumerate() {
@@ -520,7 +537,7 @@ impl PackedMatrix {
                 .iter()
                 .flat_map(|&id| v[id * self.cols..(id + 1) * self.cols].iter().map(|&b| widen(b)))
                 .collect(),
-            Packing::Blocks(_) | Packing::Ggml(..) | Packing::F16(_) => {
+            Packing::Blocks(_) | Packing::KQuants(_) | Packing::Ggml(..) | Packing::F16(_) => {
                 let mut out = vec![0f32; ids.len() * self.cols];
                 for (&id, row) in ids.iter().zip(out.chunks_exact_mut(self.cols)) {
                     self.row_f32(id, row);
@@ -534,6 +551,7 @@ impl PackedMatrix {
     fn row_f32(&self, row: usize, out: &mut [f32]) {
         match &self.packing {
             Packing::Blocks(b) => b.dequantize_row(row, out),
+            Packing::KQuants(k) => k.dequantize_row(row, out),
             Packing::Ggml(..) => self.ggml_row(row, out),
             Packing::Bf16(v) => out
                 .iter_mut()
