@@ -10,9 +10,12 @@ projector stays F16.
 Per format: prompt processing (a 519-token text prompt; llama-bench's pp at that length) and decode
 (128 tokens after a short prompt; llama-bench's tg128), with kvlens's decode roofline (the read
 bandwidth over the bytes a step reads). For F16, the greedy tokens of both on the same prompt ids
-(llama-server's /completion, top-k 1). Prints one table with kvlens ÷ llama.cpp ratios and writes
-it, with the versions, as JSON under the work folder. Not here yet: the image prompt against
-llama-mtmd-cli (its log's timings overlap, so it needs timing from outside)."""
+(llama-server's /completion, top-k 1). For the `--image` formats (Q4_0 by default), one 1024×768
+image prompt through the projector to the first token: kvlens's own clock (`prefill_s`: the
+request's image encode, prefill and first token) against llama-mtmd-cli's, from its timestamped
+"encoding mtmd batch" line to its exit after one token (its log names no end of the prefill).
+Prints one table with kvlens ÷ llama.cpp ratios and writes it, with the versions, as JSON under
+the work folder."""
 
 import argparse
 import json
@@ -21,12 +24,36 @@ import socket
 import subprocess
 import sys
 import time
+import re
+import struct
 import urllib.request
+import zlib
 from pathlib import Path
 
 PROMPT_SENTENCE = "The quick brown fox jumps over the lazy dog while the farmer watches from the barn. "
 SHORT_PROMPT = "Write a long story about a lighthouse keeper."
 FORMATS = ["F16", "Q8_0", "Q4_0", "Q4_K_M"]
+IMAGE_PROMPT = "Describe this image."
+
+
+def write_image(path, width=1024, height=768):
+    """A deterministic photo-like PNG (gradients plus pseudo-random noise), with no imaging library."""
+    rows = bytearray()
+    state = 1
+    for y in range(height):
+        rows.append(0)
+        for x in range(width):
+            state = (state * 1103515245 + 12345) & 0x7FFFFFFF
+            noise = (state >> 16) % 25 - 12
+            for v in (x * 255 // width, y * 255 // height, (x + y) * 255 // (width + height)):
+                rows.append(min(255, max(0, v + noise)))
+
+    def chunk(kind, data):
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(bytes(rows)))
+                     + chunk(b"IEND", b""))
 
 
 def sh(cmd, env=None, **kw):
@@ -63,9 +90,11 @@ def files(args):
     return pairs
 
 
-def kvlens_generate(args, pair, prompt, max_tokens):
+def kvlens_generate(args, pair, prompt, max_tokens, image=None):
     cmd = [args.kvlens, "generate", "--model", pair[0], "--mmproj", pair[1], "--prompt", prompt,
            "--max-tokens", str(max_tokens), "--ignore-eos", "--json"]
+    if image:
+        cmd += ["--image", image]
     # candle's thread pool, which every CPU kernel of kvlens runs on, takes its size from here.
     env = dict(os.environ, RAYON_NUM_THREADS=str(args.threads))
     if args.cpu_isa:
@@ -80,6 +109,27 @@ def llama_bench(args, pair, prompt_tokens):
     pp = next(r for r in rows if r["n_prompt"] > 0)
     tg = next(r for r in rows if r["n_gen"] > 0)
     return pp, tg
+
+
+def image_first_token_llama(args, pair, image):
+    """llama-mtmd-cli on one image and one new token: seconds from its "encoding mtmd batch" line to
+    its exit, its own encode time, and the image's tokens."""
+    start = time.perf_counter()
+    out = sh([args.llama_bin / "llama-mtmd-cli", "-m", pair[0], "--mmproj", pair[1], "--image", image, "-p",
+              IMAGE_PROMPT, "-n", "1", "-t", str(args.threads), "--temp", "0", "-c", "4096", "-v"])
+    wall = time.perf_counter() - start
+    log = out.stderr
+
+    def stamp(pattern):
+        m = re.search(r"^(\d+)\.(\d+)\.(\d+)\.(\d+) I " + pattern, log, re.M)
+        if not m:
+            sys.exit(f"llama-mtmd-cli's log has no line {pattern!r}")
+        minutes, seconds, ms, us = map(int, m.groups())
+        return minutes * 60 + seconds + ms / 1e3 + us / 1e6
+
+    encode_ms = re.search(r"mtmd batch encoding done in (\d+) ms", log)
+    nx, ny = (int(re.search(rf"image_tokens->{k} = (\d+)", log).group(1)) for k in ("nx", "ny"))
+    return wall - stamp("encoding mtmd batch"), int(encode_ms.group(1)) / 1e3 if encode_ms else None, nx * ny
 
 
 def greedy_tokens_llama(args, pair, prompt_ids, n):
@@ -124,9 +174,14 @@ def main():
     ap.add_argument("--reps", type=int, default=2, help="llama-bench repetitions")
     ap.add_argument("--decode-tokens", type=int, default=128)
     ap.add_argument("--cpu-isa", help="KVLENS_CPU_ISA for the kvlens runs (avx2, portable)")
+    ap.add_argument("--image", default="Q4_0",
+                    help="formats to time a 1024x768 image prompt in, comma-separated, or none")
     args = ap.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     pairs = files(args)
+    image = args.work / "photo_1024x768.png"
+    if not image.exists():
+        write_image(image)
     long_prompt = PROMPT_SENTENCE * 30
     bandwidth = json.loads(sh([args.kvlens, "bench", "bandwidth", "--json"]).stdout)
     rows = []
@@ -156,6 +211,13 @@ def main():
             both = list(zip(ours["token_ids"], theirs))
             agree = next((i for i, (a, b) in enumerate(both) if a != b), len(both))
             row.update(greedy_kvlens=ours["token_ids"], greedy_llama=theirs, greedy_agree=agree)
+        if fmt in args.image.split(","):
+            ours = kvlens_generate(args, pair, IMAGE_PROMPT, 1, image)
+            theirs, encode_s, image_tokens = image_first_token_llama(args, pair, image)
+            grid = ours["image_grid_thw"][0]
+            row.update(image_kvlens_s=ours["timing"]["prefill_s"], image_llama_s=theirs,
+                       image_llama_encode_s=encode_s, image_tokens_llama=image_tokens,
+                       image_tokens_kvlens=grid[1] * grid[2] // 4, image_prompt_tokens=len(ours["prompt_token_ids"]))
         rows.append(row)
         print(json.dumps(row), flush=True)
     report = {
@@ -181,6 +243,11 @@ def main():
               f"| {r['kvlens_tg']:.2f} | {r['llama_tg']:.2f} | {r['kvlens_tg'] / r['llama_tg']:.2f}× "
               f"| {100 * r['kvlens_tg'] / r['kvlens_tg_roofline']:.0f} % |")
     for r in rows:
+        if "image_kvlens_s" in r:
+            print(f"{r['format']} image prompt (1024x768, {r['image_tokens_kvlens']} image tokens in kvlens, "
+                  f"{r['image_tokens_llama']} in llama.cpp), encode + prefill + first token: kvlens "
+                  f"{r['image_kvlens_s']:.1f} s, llama-mtmd-cli {r['image_llama_s']:.1f} s (its encode "
+                  f"{r['image_llama_encode_s']:.1f} s): {r['image_llama_s'] / r['image_kvlens_s']:.2f}× as fast")
         if "greedy_agree" in r:
             print(f"{r['format']} greedy: {r['greedy_agree']} of 16 tokens agree "
                   f"(kvlens {r['greedy_kvlens']}, llama.cpp {r['greedy_llama']})")
