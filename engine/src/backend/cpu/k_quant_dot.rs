@@ -212,49 +212,70 @@ fn half_at(block: &[u8], at: usize) -> f32 {
     f16::from_le_bytes([block[at], block[at + 1]]).to_f32()
 }
 
-/// `q6_K` value `e` (0..128) of one half of a super-block (`ql` 64 bytes, `qh` 32), unsigned
-/// (0..=63; the stored value less 32).
+/// `Σ w_i · x_i` over one run of unsigned weights and signed activations, written so the compiler
+/// vectorises it (wasm simd128, NEON, SSE2).
 #[inline(always)]
-fn q6_value(ql: &[u8], qh: &[u8], e: usize) -> u8 {
-    let low = (ql[e % 64] >> (4 * (e / 64))) & 0x0F;
-    let high = (qh[e % 32] >> (2 * (e / 32))) & 3;
-    low | (high << 4)
+fn int_dot(w: &[u8], x: &[i8]) -> i32 {
+    w.iter().zip(x).map(|(&a, &b)| a as i32 * b as i32).sum()
 }
 
-/// One row's product, in portable code.
+/// 32 unsigned 6-bit `q6_K` values: the nibbles of `ql` at `LOW`, the bit pairs of `qh` at `HIGH`.
+#[inline(always)]
+fn unpack_q6<const LOW: u32, const HIGH: u32>(ql: &[u8], qh: &[u8], out: &mut [u8; 32]) {
+    for ((o, &l), &h) in out.iter_mut().zip(ql).zip(qh) {
+        *o = ((l >> LOW) & 0x0F) | (((h >> HIGH) & 3) << 4);
+    }
+}
+
+/// One row's product, in portable code: each run of 32 weights unpacked into an array, then
+/// [`int_dot`] per sub-block (`q4_K`) or per 16 values (`q6_K`).
 fn dot_portable(kind: KQuant, row: &[u8], x: &KRow<'_>) -> f32 {
     let mut sum = 0f32;
+    let mut q = [0u8; 32];
     match kind {
         KQuant::Q4K => {
             for (b, block) in row.chunks_exact(Q4K_BYTES).enumerate() {
                 let sm = scale_min_bytes(&block[4..16]);
                 let (d, dmin) = (half_at(block, 0), half_at(block, 2));
-                for sub in 0..8 {
-                    let bytes = &block[16 + sub / 2 * 32..][..32];
-                    let shift = 4 * (sub % 2);
-                    let xq = &x.quants[b * QK_K + sub * 32..][..32];
-                    let isum: i32 = bytes
-                        .iter()
-                        .zip(xq)
-                        .map(|(&q, &v)| ((q >> shift) & 0x0F) as i32 * v as i32)
-                        .sum();
-                    let xsum = x.sums[16 * b + 2 * sub] + x.sums[16 * b + 2 * sub + 1];
-                    sum += d * sm[sub] as f32 * x.scales[8 * b + sub] * isum as f32 - dmin * sm[8 + sub] as f32 * xsum;
+                let (xq, xs) = (&x.quants[b * QK_K..][..QK_K], &x.scales[8 * b..][..8]);
+                let sums = &x.sums[16 * b..][..16];
+                for pair in 0..4 {
+                    let bytes = &block[16 + 32 * pair..][..32];
+                    // Sub-block 2·pair in the low nibbles, 2·pair + 1 in the high (constant shifts,
+                    // which vectorise where a variable one does not).
+                    for (sub, high) in [(2 * pair, false), (2 * pair + 1, true)] {
+                        for (o, &byte) in q.iter_mut().zip(bytes) {
+                            *o = if high { byte >> 4 } else { byte & 0x0F };
+                        }
+                        let isum = int_dot(&q, &xq[32 * sub..][..32]);
+                        let xsum = sums[2 * sub] + sums[2 * sub + 1];
+                        sum += d * sm[sub] as f32 * xs[sub] * isum as f32 - dmin * sm[8 + sub] as f32 * xsum;
+                    }
                 }
             }
         }
         KQuant::Q6K => {
             for (b, block) in row.chunks_exact(Q6K_BYTES).enumerate() {
                 let d = half_at(block, 208);
-                for k in 0..16 {
-                    let (half, within) = (k / 8, (k % 8) * 16);
-                    let (ql, qh) = (&block[64 * half..][..64], &block[128 + 32 * half..][..32]);
-                    let xq = &x.quants[b * QK_K + 16 * k..][..16];
-                    let isum: i32 = (0..16)
-                        .map(|e| q6_value(ql, qh, within + e) as i32 * xq[e] as i32)
-                        .sum();
-                    let scale = d * block[192 + k] as i8 as f32;
-                    sum += scale * (x.scales[8 * b + k / 2] * isum as f32 - 32.0 * x.sums[16 * b + k]);
+                let (xq, xs) = (&x.quants[b * QK_K..][..QK_K], &x.scales[8 * b..][..8]);
+                let sums = &x.sums[16 * b..][..16];
+                // 32 values at a time: run `t` of half `h` is values 128h + 32t.., its low nibbles
+                // in bytes 32(t % 2).. of the half's 64 (the high nibbles for t ≥ 2), its high bit
+                // pairs at bit 2t of the half's 32 bytes.
+                for run in 0..8 {
+                    let (h, t) = (run / 4, run % 4);
+                    let (ql, qh) = (&block[64 * h + 32 * (t % 2)..][..32], &block[128 + 32 * h..][..32]);
+                    match t {
+                        0 => unpack_q6::<0, 0>(ql, qh, &mut q),
+                        1 => unpack_q6::<0, 2>(ql, qh, &mut q),
+                        2 => unpack_q6::<4, 4>(ql, qh, &mut q),
+                        _ => unpack_q6::<4, 6>(ql, qh, &mut q),
+                    }
+                    for k in 2 * run..2 * run + 2 {
+                        let isum = int_dot(&q[16 * (k % 2)..][..16], &xq[16 * k..][..16]);
+                        let scale = d * block[192 + k] as i8 as f32;
+                        sum += scale * (xs[k / 2] * isum as f32 - 32.0 * sums[k]);
+                    }
                 }
             }
         }
