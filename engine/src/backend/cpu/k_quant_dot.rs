@@ -111,6 +111,17 @@ struct KRow<'a> {
     quants: &'a [i8],
 }
 
+impl KRow<'_> {
+    /// Panics unless `row` is whole super-blocks of `block_bytes` and this activation row holds
+    /// as many super-blocks' values, scales and sums: the SIMD products read within those lengths.
+    #[cfg(target_arch = "x86_64")]
+    fn check(&self, row: &[u8], block_bytes: usize) {
+        let n = row.len() / block_bytes;
+        assert!(row.len() == n * block_bytes && self.quants.len() == n * QK_K);
+        assert!(self.scales.len() == 8 * n && self.sums.len() == 16 * n);
+    }
+}
+
 impl KActivations {
     /// Quantizes the rows of `x` (`cols`, a multiple of 256, per row).
     pub fn quantize(x: &[f32], cols: usize) -> Self {
@@ -291,10 +302,8 @@ fn dot_portable(kind: KQuant, row: &[u8], x: &KRow<'_>) -> f32 {
 #[allow(unsafe_code)]
 fn q4k_vnni(row: &[u8], x: &KRow<'_>) -> f32 {
     use std::arch::x86_64::*;
-    let n = row.len() / Q4K_BYTES;
-    // The reads below stay inside these lengths.
-    assert!(row.len() == n * Q4K_BYTES && x.quants.len() == n * QK_K);
-    assert!(x.scales.len() == 8 * n && x.sums.len() == 16 * n);
+    // The reads below stay inside the lengths this checks.
+    x.check(row, Q4K_BYTES);
     let low = _mm512_set1_epi8(0x0F);
     let nibble_shift = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
     // Lanes 0–7 take sub-block 2c's scale, lanes 8–15 sub-block 2c + 1's.
@@ -343,32 +352,14 @@ fn q4k_vnni(row: &[u8], x: &KRow<'_>) -> f32 {
 #[allow(unsafe_code)]
 fn q6k_vnni(row: &[u8], x: &KRow<'_>) -> f32 {
     use std::arch::x86_64::*;
-    let n = row.len() / Q6K_BYTES;
-    // The reads below stay inside these lengths.
-    assert!(row.len() == n * Q6K_BYTES && x.quants.len() == n * QK_K);
-    assert!(x.scales.len() == 8 * n && x.sums.len() == 16 * n);
+    // The reads below stay inside the lengths this checks.
+    x.check(row, Q6K_BYTES);
     let (low, two_bits) = (_mm512_set1_epi8(0x0F), _mm512_set1_epi8(3));
     // Lane l of the 64 values from 64p holds values 64p + 4l ..: scale 4p + l / 4.
     let pick: [__m512i; 4] = std::array::from_fn(|p| {
-        let at = |l: i32| 4 * p as i32 + l / 4;
-        _mm512_setr_epi32(
-            at(0),
-            at(1),
-            at(2),
-            at(3),
-            at(4),
-            at(5),
-            at(6),
-            at(7),
-            at(8),
-            at(9),
-            at(10),
-            at(11),
-            at(12),
-            at(13),
-            at(14),
-            at(15),
-        )
+        let lanes: [i32; 16] = std::array::from_fn(|l| (4 * p + l / 4) as i32);
+        // SAFETY: 16 i32 in `lanes`.
+        unsafe { _mm512_loadu_si512(lanes.as_ptr() as *const _) }
     });
     let pairs = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
     let mut acc = [_mm512_setzero_ps(); 2];
@@ -425,10 +416,8 @@ fn horizontal_sum(v: std::arch::x86_64::__m256) -> f32 {
 #[allow(unsafe_code)]
 fn q4k_avx2(row: &[u8], x: &KRow<'_>) -> f32 {
     use std::arch::x86_64::*;
-    let n = row.len() / Q4K_BYTES;
-    // The reads below stay inside these lengths.
-    assert!(row.len() == n * Q4K_BYTES && x.quants.len() == n * QK_K);
-    assert!(x.scales.len() == 8 * n && x.sums.len() == 16 * n);
+    // The reads below stay inside the lengths this checks.
+    x.check(row, Q4K_BYTES);
     let (low, ones) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi16(1));
     let lane: [__m256i; 8] = std::array::from_fn(|k| _mm256_set1_epi32(k as i32));
     let (pairs_lo, pairs_hi) = (
@@ -481,10 +470,8 @@ fn q4k_avx2(row: &[u8], x: &KRow<'_>) -> f32 {
 #[allow(unsafe_code)]
 fn q6k_avx2(row: &[u8], x: &KRow<'_>) -> f32 {
     use std::arch::x86_64::*;
-    let n = row.len() / Q6K_BYTES;
-    // The reads below stay inside these lengths.
-    assert!(row.len() == n * Q6K_BYTES && x.quants.len() == n * QK_K);
-    assert!(x.scales.len() == 8 * n && x.sums.len() == 16 * n);
+    // The reads below stay inside the lengths this checks.
+    x.check(row, Q6K_BYTES);
     let (low, two_bits, ones) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(3), _mm256_set1_epi16(1));
     // Lanes 0–3 take scale 2k, lanes 4–7 scale 2k + 1 (k within a register of eight).
     let pick: [__m256i; 4] = std::array::from_fn(|k| {
