@@ -9,7 +9,7 @@
 use half::{bf16, f16};
 
 /// Values per K-quant super-block.
-const QK_K: usize = 256;
+pub(crate) const QK_K: usize = 256;
 
 /// A tensor type this reader supports, by GGML's id.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -220,7 +220,8 @@ impl std::fmt::Display for GgmlType {
 }
 
 /// The f16 at byte `at`, widened.
-fn half_at(block: &[u8], at: usize) -> f32 {
+#[inline(always)]
+pub(crate) fn half_at(block: &[u8], at: usize) -> f32 {
     f16::from_le_bytes([block[at], block[at + 1]]).to_f32()
 }
 

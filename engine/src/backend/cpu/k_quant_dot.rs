@@ -14,11 +14,7 @@ use super::block_dot::round_small_to_even;
 use super::isa::fastest;
 use super::packed::prefetch_ahead;
 use crate::arch::blocks::{quantize_q8, BLOCK};
-use crate::arch::ggml::GgmlType;
-use half::f16;
-
-/// Values per super-block.
-pub const QK_K: usize = 256;
+use crate::arch::ggml::{half_at, GgmlType, QK_K};
 
 /// Bytes of a `q4_K` super-block: d and dmin (f16), 12 bytes of 6-bit scales and minimums, 128 of
 /// nibbles.
@@ -215,12 +211,6 @@ fn halves_at<const TWO: bool>(block: &[u8], at: usize) -> std::arch::x86_64::__m
         first
     };
     _mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32))
-}
-
-/// The f16 at byte `at`, widened.
-#[inline(always)]
-fn half_at(block: &[u8], at: usize) -> f32 {
-    f16::from_le_bytes([block[at], block[at + 1]]).to_f32()
 }
 
 /// `Σ w_i · x_i` over one run of unsigned weights and signed activations, written so the compiler
@@ -555,6 +545,7 @@ fn dot_fastest(kind: KQuant, row: &[u8], x: &KRow<'_>) -> f32 {
 mod tests {
     use super::*;
     use crate::arch::blocks::tests::values;
+    use half::f16;
 
     /// The product by every path this CPU can run, named, whatever `KVLENS_CPU_ISA` asks for.
     #[allow(unsafe_code)]
