@@ -6,8 +6,8 @@ use super::dataset::BenchRequest;
 use crate::UsageError;
 use anyhow::{bail, Context, Result};
 use http_body_util::{BodyExt, Full};
-use hyper::body::Bytes;
-use hyper::{Method, Request, StatusCode, Uri};
+use hyper::body::{Bytes, Incoming};
+use hyper::{Method, Request, Response, StatusCode, Uri};
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
@@ -71,7 +71,13 @@ impl Http {
         format!("{}{path}", self.base)
     }
 
-    fn request(&self, method: Method, path: &str, body: Bytes) -> Result<Request<Full<Bytes>>> {
+    fn request(
+        &self,
+        method: Method,
+        path: &str,
+        body: Bytes,
+        request_id: Option<&str>,
+    ) -> Result<Request<Full<Bytes>>> {
         let mut req = Request::builder()
             .method(method)
             .uri(self.url(path))
@@ -79,7 +85,34 @@ impl Http {
         if let Some(auth) = &self.auth {
             req = req.header("authorization", auth);
         }
+        if let Some(id) = request_id {
+            req = req.header("x-request-id", id);
+        }
         Ok(req.body(Full::new(body))?)
+    }
+
+    /// Sends one request. A connection the server closed before any byte of the answer is tried
+    /// once more on a new one, as browsers do on a reused connection: llama-server closes its
+    /// connection after every streamed answer while it announces keep-alive, and the pooled
+    /// connection can be handed out before the close is seen.
+    async fn send(
+        &self,
+        method: Method,
+        path: &str,
+        body: Bytes,
+        request_id: Option<&str>,
+    ) -> Result<Response<Incoming>> {
+        let first = self
+            .client
+            .request(self.request(method.clone(), path, body.clone(), request_id)?)
+            .await;
+        let resp = match first {
+            Err(e) if closed_before_answer(&e) => {
+                self.client.request(self.request(method, path, body, request_id)?).await
+            }
+            other => other,
+        };
+        resp.with_context(|| format!("cannot reach {}", self.url(path)))
     }
 
     /// `GET path`: the status and the whole body. Fails only when the server cannot be reached.
@@ -98,23 +131,15 @@ impl Http {
     }
 
     async fn call(&self, method: Method, path: &str, body: Bytes) -> Result<(StatusCode, Bytes)> {
-        let resp = self
-            .client
-            .request(self.request(method, path, body)?)
-            .await
-            .with_context(|| format!("cannot reach {}", self.url(path)))?;
+        let resp = self.send(method, path, body, None).await?;
         let status = resp.status();
         let body = resp.into_body().collect().await?.to_bytes();
         Ok((status, body))
     }
 
     /// `POST path` with a JSON body: the status and the body, unread, to read as far as wanted.
-    pub async fn open(&self, path: &str, body: Bytes) -> Result<(StatusCode, hyper::body::Incoming)> {
-        let resp = self
-            .client
-            .request(self.request(Method::POST, path, body)?)
-            .await
-            .with_context(|| format!("cannot reach {}", self.url(path)))?;
+    pub async fn open(&self, path: &str, body: Bytes) -> Result<(StatusCode, Incoming)> {
+        let resp = self.send(Method::POST, path, body, None).await?;
         Ok((resp.status(), resp.into_body()))
     }
 
@@ -148,9 +173,7 @@ impl Http {
         st: Instant,
         rec: &mut Recorder,
     ) -> Result<()> {
-        let mut req = self.request(Method::POST, endpoint, payload)?;
-        req.headers_mut().insert("x-request-id", request_id.parse()?);
-        let resp = self.client.request(req).await?;
+        let resp = self.send(Method::POST, endpoint, payload, Some(request_id)).await?;
         let status = resp.status();
         let mut body = resp.into_body();
         if status != StatusCode::OK {
@@ -168,6 +191,13 @@ impl Http {
         }
         Ok(())
     }
+}
+
+/// Whether a request failed because the connection closed before any byte of the answer came.
+fn closed_before_answer(e: &hyper_util::client::legacy::Error) -> bool {
+    std::error::Error::source(e)
+        .and_then(|s| s.downcast_ref::<hyper::Error>())
+        .is_some_and(hyper::Error::is_incomplete_message)
 }
 
 /// vLLM's openai-chat payload: the text then the image, greedy, `max_completion_tokens`, streamed
@@ -279,6 +309,52 @@ impl Recorder {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Reads one request's head (the requests here have no body).
+    async fn read_head(conn: &mut tokio::net::TcpStream) {
+        use tokio::io::AsyncReadExt;
+        let mut head = Vec::new();
+        while !head.ends_with(b"\r\n\r\n") {
+            let mut byte = [0];
+            assert_eq!(conn.read(&mut byte).await.unwrap(), 1, "the client closed early");
+            head.push(byte[0]);
+        }
+    }
+
+    #[tokio::test]
+    async fn a_connection_closed_before_the_answer_is_tried_once_on_a_new_one() {
+        use tokio::io::AsyncWriteExt;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let http = Http::new(&format!("http://{}", listener.local_addr().unwrap())).unwrap();
+        let server = tokio::spawn(async move {
+            // As llama-server after a stream: keep-alive announced, the next request read and
+            // the connection closed without an answer.
+            let (mut first, _) = listener.accept().await.unwrap();
+            read_head(&mut first).await;
+            first
+                .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nkeep-alive: timeout=5\r\n\r\nok")
+                .await
+                .unwrap();
+            read_head(&mut first).await;
+            drop(first);
+            let (mut second, _) = listener.accept().await.unwrap();
+            read_head(&mut second).await;
+            second
+                .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\nconnection: close\r\n\r\nagain")
+                .await
+                .unwrap();
+            // A third connection that reads and closes, twice: the client gives up after one retry.
+            for _ in 0..2 {
+                let (mut conn, _) = listener.accept().await.unwrap();
+                read_head(&mut conn).await;
+            }
+        });
+        assert_eq!(http.get("/a").await.unwrap(), (StatusCode::OK, Bytes::from("ok")));
+        assert_eq!(http.get("/b").await.unwrap(), (StatusCode::OK, Bytes::from("again")));
+        let err = http.get("/c").await.unwrap_err();
+        assert!(format!("{err:#}").contains("cannot reach"), "{err:#}");
+        server.await.unwrap();
+    }
 
     #[test]
     fn sse_lines_across_frames_skip_comments() {
