@@ -18,6 +18,7 @@ Prints one table with kvlens ÷ llama.cpp ratios and writes it, with the version
 the work folder."""
 
 import argparse
+import contextlib
 import json
 import os
 import socket
@@ -132,16 +133,19 @@ def image_first_token_llama(args, pair, image):
     return wall - stamp("encoding mtmd batch"), int(encode_ms.group(1)) / 1e3 if encode_ms else None, nx * ny
 
 
-def greedy_tokens_llama(args, pair, prompt_ids, n):
-    """llama-server's greedy tokens for `prompt_ids` (top-k 1, no template)."""
+def free_port():
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    server = subprocess.Popen([args.llama_bin / "llama-server", "-m", pair[0], "--port", str(port), "-t",
-                               str(args.threads), "-c", "2048", "--parallel", "1"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        return probe.getsockname()[1]
+
+
+@contextlib.contextmanager
+def running(cmd, port, env=None, log=subprocess.DEVNULL, timeout=600):
+    """Starts a server and yields its process once GET /health on `port` answers 200 (both
+    llama-server and kvlens serve answer 503 while they load); stops it on the way out."""
+    server = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
-        deadline = time.time() + 300
+        deadline = time.time() + timeout
         while True:
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
@@ -150,17 +154,25 @@ def greedy_tokens_llama(args, pair, prompt_ids, n):
             except OSError:
                 pass
             if time.time() > deadline or server.poll() is not None:
-                sys.exit("llama-server did not become healthy")
+                sys.exit(f"{cmd[0]} did not become healthy on port {port}")
             time.sleep(0.5)
+        yield server
+    finally:
+        server.terminate()
+        server.wait()
+
+
+def greedy_tokens_llama(args, pair, prompt_ids, n):
+    """llama-server's greedy tokens for `prompt_ids` (top-k 1, no template)."""
+    port = free_port()
+    with running([args.llama_bin / "llama-server", "-m", pair[0], "--port", str(port), "-t", str(args.threads),
+                  "-c", "2048", "--parallel", "1"], port):
         body = json.dumps({"prompt": prompt_ids, "n_predict": n, "samplers": ["top_k"], "top_k": 1,
                            "ignore_eos": True, "return_tokens": True, "cache_prompt": False}).encode()
         req = urllib.request.Request(f"http://127.0.0.1:{port}/completion", body,
                                      {"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=600) as r:
             return json.load(r)["tokens"]
-    finally:
-        server.terminate()
-        server.wait()
 
 
 def main():

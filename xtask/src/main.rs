@@ -33,15 +33,20 @@ fn main() -> Result<()> {
         "bench" if env::args().nth(2).as_deref() == Some("kernels") => {
             bench_kernels(&env::args().skip(3).skip_while(|a| a == "--").collect::<Vec<_>>())
         }
-        "bench" if env::args().nth(2).as_deref() == Some("peers") => {
-            bench_peers(&env::args().skip(3).skip_while(|a| a == "--").collect::<Vec<_>>())
-        }
+        "bench" if env::args().nth(2).as_deref() == Some("peers") => bench_peers(
+            "tools/bench/peers_cpu.py",
+            &env::args().skip(3).skip_while(|a| a == "--").collect::<Vec<_>>(),
+        ),
+        "bench" if env::args().nth(2).as_deref() == Some("peers-serve") => bench_peers(
+            "tools/bench/peers_serve.py",
+            &env::args().skip(3).skip_while(|a| a == "--").collect::<Vec<_>>(),
+        ),
         "bench" => bench(&env::args().skip(2).collect::<Vec<_>>()),
         "soak" => soak(&env::args().skip(2).skip_while(|a| a == "--").collect::<Vec<_>>()),
         "fuzz" => fuzz(env::args().nth(2).as_deref()),
         "gpu-check" => gpu_check(),
         _ => {
-            eprintln!("usage: cargo xtask <task>\n\n  test   fmt check, clippy (warnings denied), all tests, the engine's wasm32 build, the engine and the playground in headless Chromium\n  browser-test  the engine in headless Chromium against native `kvlens generate`\n  e2e    the playground (trunk's build in cargo's release profile, without wasm-opt) in headless Chromium, driven by Playwright\n  demo   build the playground and serve it on http://127.0.0.1:8000/ (extra args go to `kvlens serve`)\n  golden regenerate engine/tests/fixtures/golden/ with Hugging Face transformers (extra args go to golden.py)\n  bench  kvlens generate vs transformers on a full-size random Qwen3-VL-2B (extra args go to the script)\n  bench kernels  the wgpu matmul kernels (decode GEMV, prefill GEMM) against the CPU backend (extra args go to `kvlens bench kernels`, e.g. --quick)\n  bench peers  kvlens against llama.cpp (built from the llama-cpp-python sdist) on the CPU, same GGUF files and threads (extra args go to tools/bench/peers_cpu.py, e.g. --image)\n  soak   kvlens serve on the demo model under 256 streaming clients for 10 minutes, then the leak checks (extra args go to `kvlens bench soak`)\n  fuzz [ITERATIONS]  every fuzz target in fuzz/ for ITERATIONS inputs each (default {DEFAULT_FUZZ_RUNS})\n  gpu-check  gpu-check/: the release kvlens with --features cuda, the engine's CUDA tests, the golden fixtures and tools/gpu_check/ (at most 64 MiB), to run on a GPU machine with gpu-check/run.sh OUT");
+            eprintln!("usage: cargo xtask <task>\n\n  test   fmt check, clippy (warnings denied), all tests, the engine's wasm32 build, the engine and the playground in headless Chromium\n  browser-test  the engine in headless Chromium against native `kvlens generate`\n  e2e    the playground (trunk's build in cargo's release profile, without wasm-opt) in headless Chromium, driven by Playwright\n  demo   build the playground and serve it on http://127.0.0.1:8000/ (extra args go to `kvlens serve`)\n  golden regenerate engine/tests/fixtures/golden/ with Hugging Face transformers (extra args go to golden.py)\n  bench  kvlens generate vs transformers on a full-size random Qwen3-VL-2B (extra args go to the script)\n  bench kernels  the wgpu matmul kernels (decode GEMV, prefill GEMM) against the CPU backend (extra args go to `kvlens bench kernels`, e.g. --quick)\n  bench peers  kvlens against llama.cpp (built from the llama-cpp-python sdist) on the CPU, same GGUF files and threads (extra args go to tools/bench/peers_cpu.py, e.g. --image)\n  bench peers-serve  kvlens serve against llama-server under `kvlens bench serve` at concurrency 1, 4 and 16, text and image prompts (extra args go to tools/bench/peers_serve.py)\n  soak   kvlens serve on the demo model under 256 streaming clients for 10 minutes, then the leak checks (extra args go to `kvlens bench soak`)\n  fuzz [ITERATIONS]  every fuzz target in fuzz/ for ITERATIONS inputs each (default {DEFAULT_FUZZ_RUNS})\n  gpu-check  gpu-check/: the release kvlens with --features cuda, the engine's CUDA tests, the golden fixtures and tools/gpu_check/ (at most 64 MiB), to run on a GPU machine with gpu-check/run.sh OUT");
             std::process::exit(2);
         }
     }
@@ -946,9 +951,9 @@ fn ensure_llama_cpp(avx2_only: bool) -> Result<(PathBuf, String)> {
     ))
 }
 
-/// `cargo xtask bench peers`: the release kvlens against llama.cpp on the CPU
-/// (tools/bench/peers_cpu.py).
-fn bench_peers(script_args: &[String]) -> Result<()> {
+/// `cargo xtask bench peers` and `bench peers-serve`: the release kvlens against llama.cpp on the
+/// CPU (`script`: tools/bench/peers_cpu.py, one request; peers_serve.py, `llama-server`).
+fn bench_peers(script: &str, script_args: &[String]) -> Result<()> {
     ensure_tokenizer()?;
     // `--cpu-isa avx2` measures both engines on their AVX2 code.
     let avx2_only = script_args.iter().any(|a| a == "--cpu-isa=avx2")
@@ -956,7 +961,7 @@ fn bench_peers(script_args: &[String]) -> Result<()> {
     let (llama_bin, commit) = ensure_llama_cpp(avx2_only)?;
     run(cargo().args(["build", "--release", "-p", "kvlens"]))?;
     run(Command::new("python3")
-        .arg("tools/bench/peers_cpu.py")
+        .arg(script)
         .arg("--kvlens")
         .arg(target_dir().join("release").join("kvlens"))
         .arg("--llama-bin")
