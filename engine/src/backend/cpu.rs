@@ -103,8 +103,14 @@ pub fn kernel_paths() -> String {
         "f32 GEMM (the gemm crate's)"
     };
     let blocks_gemm = pick(&[
-        (isa.avx512_vnni, "integer GEMM tiles (AVX-512 VNNI)"),
-        (isa.avx2_fma, "integer GEMM tiles for q4_0 (AVX2)"),
+        (
+            isa.avx512_vnni,
+            "integer GEMM tiles (AVX-512 VNNI), also for batches of 12 (q4_0) or 16 (q8_0) decodes and more",
+        ),
+        (
+            isa.avx2_fma,
+            "integer GEMM tiles for q4_0 (AVX2), also for batches of 12 decodes and more",
+        ),
         (true, gemm),
     ]);
     format!(
@@ -232,9 +238,10 @@ impl CpuBackend {
     }
 }
 
-/// Rows of activations from which a packed matrix goes through a GEMM (for `q8_0`/`q4_0` on a CPU
-/// with AVX-512 VNNI or AVX2, integer tiles on the stored blocks; else the bfloat16 one where the CPU has
-/// AVX-512 BF16, else widened to f32 for the f32 GEMM) instead of being multiplied row by row (measured on Qwen3-VL-2B, 2-core EPYC: `q8_0`'s row-by-row kernel
+/// Rows of activations from which a packed matrix goes through a GEMM (the bfloat16 one where the
+/// CPU has AVX-512 BF16, else widened to f32 for the f32 GEMM; `q8_0`/`q4_0` with integer tiles
+/// take them from fewer rows, [`PackedMatrix::integer_tiles_at`]) instead of being multiplied row
+/// by row (measured on Qwen3-VL-2B, 2-core EPYC: `q8_0`'s row-by-row kernel
 /// prefilled at 17.3 tokens/s against 20.7 through the f32 GEMM with AVX2 kernels, 27.3 with its
 /// AVX-512 ones; decode's few rows are bound by the bytes read).
 const DEQUANTIZE_FROM_ROWS: usize = 32;
@@ -423,9 +430,10 @@ impl Backend for CpuBackend {
             Matrix::Packed(q) => {
                 let (m, _) = dims2(&x.t)?;
                 let (rows, cols) = q.dims();
-                if m >= DEQUANTIZE_FROM_ROWS && q.has_integer_tiles() {
-                    // Many rows of a q8_0/q4_0 matrix on a CPU with AVX-512 VNNI or AVX2: integer
-                    // GEMM tiles on the stored blocks, the activations quantized once.
+                if q.integer_tiles_at(m) {
+                    // Many rows of a q8_0/q4_0 matrix on a CPU with AVX-512 VNNI or AVX2 (a
+                    // prefill, or a batch of a dozen decodes or more): integer GEMM tiles on the
+                    // stored blocks, the activations quantized once.
                     let xs = x.t.contiguous().map_err(lib)?;
                     let (storage, layout) = xs.storage_and_layout();
                     let values = contiguous_values(&storage, layout)?;
@@ -461,7 +469,8 @@ impl Backend for CpuBackend {
     }
 
     /// Few rows (decode) against packed matrices: every product in one pass over the pool, the
-    /// activations quantized once; otherwise one [`Backend::linear`] each.
+    /// activations quantized once; otherwise (a prefill, or a batch of decodes large enough for
+    /// the integer tiles) one [`Backend::linear`] each.
     fn linears(&self, x: &CpuTensor, ws: &[(&CpuWeight, Option<&CpuTensor>)]) -> BResult<Vec<CpuTensor>> {
         let (m, _) = dims2(&x.t)?;
         let packed: Option<Vec<&PackedMatrix>> = ws
@@ -471,7 +480,8 @@ impl Backend for CpuBackend {
                 Matrix::Dense(_) => None,
             })
             .collect();
-        let Some(packed) = packed.filter(|_| m < DEQUANTIZE_FROM_ROWS) else {
+        let Some(packed) = packed.filter(|p| m < DEQUANTIZE_FROM_ROWS && !p.iter().any(|w| w.integer_tiles_at(m)))
+        else {
             return ws.iter().map(|&(w, b)| self.linear(x, w, b)).collect();
         };
         let ys = PackedMatrix::matmul_many(&packed, &Self::host(x)?, m).map_err(lib)?;

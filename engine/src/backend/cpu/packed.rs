@@ -452,16 +452,18 @@ impl PackedMatrix {
         Ok(by_weight_rows(&parts, m))
     }
 
-    /// Whether [`Self::integer_gemm`] multiplies this matrix on this CPU.
-    pub fn has_integer_tiles(&self) -> bool {
-        matches!(&self.packing, Packing::Blocks(b) if block_dot::tiles_for(b.kind()))
+    /// Whether [`Self::integer_gemm`] is the faster product for `m` activation rows on this CPU:
+    /// it multiplies this matrix here, and `m` reaches [`block_dot::tiles_from_rows`].
+    pub fn integer_tiles_at(&self, m: usize) -> bool {
+        matches!(&self.packing, Packing::Blocks(b)
+            if block_dot::tiles_for(b.kind()) && m >= block_dot::tiles_from_rows(b.kind()))
     }
 
     /// `x · selfᵀ` `[m, rows]` for many activation rows through [`block_dot::gemm`]'s integer
     /// tiles, where [`block_dot::tiles_for`] says the CPU has them for this format; None otherwise.
     pub fn integer_gemm(&self, x: &[f32], m: usize) -> Option<Vec<f32>> {
         match &self.packing {
-            Packing::Blocks(b) if self.has_integer_tiles() && x.len() == m * self.cols => {
+            Packing::Blocks(b) if block_dot::tiles_for(b.kind()) && x.len() == m * self.cols => {
                 Some(block_dot::gemm(b, &Activations::quantize(b.kind(), x, self.cols)))
             }
             _ => None,
@@ -592,6 +594,34 @@ mod tests {
             let borrowed = matches!(w.packing, Packing::Bf16(_));
             assert_eq!(w.bf16_rows_scratch_bytes(5) == 0, borrowed);
         }
+    }
+
+    /// One decode row never takes the tiles; a batch of them does from the format's own size, where
+    /// the CPU has tiles for it; other packings never do.
+    #[test]
+    fn integer_tiles_start_at_a_batch_of_decodes() {
+        for format in [WeightFormat::Q8_0, WeightFormat::Q4_0] {
+            let q = PackedMatrix::quantize(format, &matrix(16, 64), 16, 64).unwrap();
+            let Packing::Blocks(b) = &q.packing else {
+                panic!("{format:?} is not stored as blocks")
+            };
+            let (kind, from) = (b.kind(), block_dot::tiles_from_rows(b.kind()));
+            assert!(!q.integer_tiles_at(1) && !q.integer_tiles_at(from - 1));
+            assert_eq!(q.integer_tiles_at(from), block_dot::tiles_for(kind));
+            let x = matrix(from, 64);
+            let (tiles, rows) = (q.integer_gemm(&x, from), q.matmul(&x, from).unwrap());
+            if let Some(tiles) = tiles {
+                assert!(tiles
+                    .iter()
+                    .zip(&rows)
+                    .all(|(a, b)| (a - b).abs() <= 1e-4 * b.abs().max(1.0)));
+            }
+        }
+        let bits = matrix(16, 64)
+            .iter()
+            .map(|&v| half::bf16::from_f32(v).to_bits())
+            .collect();
+        assert!(!PackedMatrix::bf16(bits, 16, 64).unwrap().integer_tiles_at(64));
     }
 
     #[test]
