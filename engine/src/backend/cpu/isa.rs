@@ -6,11 +6,14 @@
 
 use std::sync::LazyLock;
 
-/// The instruction sets the CPU kernels have versions for (all false off x86_64, where only
-/// `avx512_bf16` is read: the other versions are not compiled).
+/// The instruction sets the CPU kernels have versions for. Off x86_64 the x86 fields stay false
+/// (only `avx512_bf16` is read there: the other versions are not compiled); off aarch64,
+/// `neon`.
 #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 #[derive(Clone, Copy, Debug, Default)]
 pub(super) struct Isa {
+    /// NEON (Advanced SIMD), which every aarch64 CPU has.
+    pub neon: bool,
     /// AVX2, FMA and F16C.
     pub avx2_fma: bool,
     /// AVX-512F and FMA.
@@ -31,8 +34,8 @@ pub(super) fn isa() -> Isa {
 }
 
 impl Isa {
-    /// These sets less those above `cap`: `avx2` keeps AVX2, FMA and F16C, `portable` none;
-    /// `native` (or no value) keeps all, and any other value too, with a warning.
+    /// These sets less those above `cap`: `avx2` keeps AVX2, FMA and F16C (nothing on aarch64),
+    /// `portable` none; `native` (or no value) keeps all, and any other value too, with a warning.
     fn capped(self, cap: Option<&str>) -> Isa {
         match cap {
             Some("avx2") => Isa {
@@ -65,6 +68,7 @@ pub(super) fn detected() -> Isa {
         std::is_x86_feature_detected!("avx512bf16"),
     );
     Isa {
+        neon: false,
         avx2_fma: avx2 && fma && f16c,
         avx512_fma: avx512f && fma,
         avx512_vnni: avx512f && bw && vl && vnni,
@@ -72,16 +76,26 @@ pub(super) fn detected() -> Isa {
     }
 }
 
-#[cfg(not(target_arch = "x86_64"))]
+/// This CPU's instruction sets, whatever `KVLENS_CPU_ISA` says.
+#[cfg(target_arch = "aarch64")]
+pub(super) fn detected() -> Isa {
+    Isa {
+        neon: std::arch::is_aarch64_feature_detected!("neon"),
+        ..Isa::default()
+    }
+}
+
+#[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
 pub(super) fn detected() -> Isa {
     Isa::default()
 }
 
-/// `fastest!(feature => call, …, _ => portable)`: the first `call` whose [`Isa`] field is true on
-/// this CPU, else `portable`. Each `call` is to a function compiled with `#[target_feature]` for
+/// `fastest!(feature => call, …, [@aarch64 { feature => call, … }] _ => portable)`: the first
+/// `call` whose [`Isa`] field is true on this CPU (the first list on x86_64, the `@aarch64` one
+/// there), else `portable`. Each `call` is to a function compiled with `#[target_feature]` for
 /// exactly that field's instructions; this is the one place such calls are made.
 macro_rules! fastest {
-    ($($feature:ident => $fast:expr,)* _ => $portable:expr $(,)?) => {{
+    ($($feature:ident => $fast:expr,)* $(@aarch64 { $($arm:ident => $arm_fast:expr,)* })? _ => $portable:expr $(,)?) => {{
         #[cfg(target_arch = "x86_64")]
         {
             let isa = $crate::backend::cpu::isa::isa();
@@ -95,6 +109,20 @@ macro_rules! fastest {
                 }
             )*
         }
+        $(
+            #[cfg(target_arch = "aarch64")]
+            {
+                let isa = $crate::backend::cpu::isa::isa();
+                $(
+                    if isa.$arm {
+                        // SAFETY: as above, for `$arm`'s instructions.
+                        #[allow(unsafe_code)]
+                        let out = unsafe { $arm_fast };
+                        return out;
+                    }
+                )*
+            }
+        )?
         $portable
     }};
 }
@@ -108,6 +136,7 @@ mod tests {
     #[test]
     fn caps_only_remove_sets() {
         let all = Isa {
+            neon: false,
             avx2_fma: true,
             avx512_fma: true,
             avx512_vnni: true,
