@@ -175,13 +175,19 @@ def greedy_tokens_llama(args, pair, prompt_ids, n):
             return json.load(r)["tokens"]
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def peers_args(description):
+    """The arguments both peers benchmarks take (`cargo xtask bench peers` passes the first four)."""
+    ap = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--kvlens", type=Path, required=True)
     ap.add_argument("--llama-bin", type=Path, required=True, help="llama.cpp's build/bin")
     ap.add_argument("--llama-commit", default="unknown")
     ap.add_argument("--work", type=Path, required=True)
     ap.add_argument("--threads", type=int, default=os.cpu_count())
+    return ap
+
+
+def main():
+    ap = peers_args(__doc__)
     ap.add_argument("--formats", default=",".join(FORMATS))
     ap.add_argument("--reps", type=int, default=2, help="llama-bench repetitions")
     ap.add_argument("--decode-tokens", type=int, default=128)

@@ -16,14 +16,12 @@ Against each, `kvlens bench serve` (vLLM's `bench serve` client: streaming chat 
 peak, from /proc). Prints one table with kvlens ÷ llama-server ratios and writes it, with the
 versions, as JSON under the work folder."""
 
-import argparse
 import json
 import os
 import sys
 import time
-from pathlib import Path
 
-from peers_cpu import cpu_model, files, free_port, running, sh
+from peers_cpu import cpu_model, files, free_port, peers_args, running, sh
 
 SLOTS = 16
 SLOT_TOKENS = 2048
@@ -93,12 +91,7 @@ def run_engine(args, engine, pair):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--kvlens", type=Path, required=True)
-    ap.add_argument("--llama-bin", type=Path, required=True, help="llama.cpp's build/bin")
-    ap.add_argument("--llama-commit", default="unknown")
-    ap.add_argument("--work", type=Path, required=True)
-    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap = peers_args(__doc__)
     ap.add_argument("--format", default="Q4_0", choices=["F16", "Q8_0", "Q4_0", "Q4_K_M"])
     ap.add_argument("--concurrency", default="1,4,16", type=lambda s: [int(c) for c in s.split(",")])
     ap.add_argument("--datasets", default="text,vision")
