@@ -1,6 +1,6 @@
 """Benchmark: `kvlens serve` against `llama-server` on the CPU, the same GGUF pair, the same threads
-and the same KV memory, driven by the same client in the same run (`cargo xtask bench peers
---serve`, which builds llama.cpp from the llama-cpp-python sdist and passes its binaries here).
+and the same KV memory, driven by the same client in the same run (`cargo xtask bench
+peers-serve`, which builds llama.cpp from the llama-cpp-python sdist and passes its binaries here).
 
 The files are peers_cpu.py's (a Qwen3-VL-2B-shaped random checkpoint, quantized by llama.cpp's own
 `llama-quantize`; Q4_0 by default, the F16 projector). Each server is started once, as a
@@ -21,7 +21,7 @@ import os
 import sys
 import time
 
-from peers_cpu import cpu_model, files, free_port, peers_args, running, sh
+from peers_cpu import FORMATS, cpu_model, files, free_port, peers_args, running, sh
 
 SLOTS = 16
 SLOT_TOKENS = 2048
@@ -92,7 +92,7 @@ def run_engine(args, engine, pair):
 
 def main():
     ap = peers_args(__doc__)
-    ap.add_argument("--format", default="Q4_0", choices=["F16", "Q8_0", "Q4_0", "Q4_K_M"])
+    ap.add_argument("--format", default="Q4_0", choices=FORMATS)
     ap.add_argument("--concurrency", default="1,4,16", type=lambda s: [int(c) for c in s.split(",")])
     ap.add_argument("--datasets", default="text,vision")
     ap.add_argument("--prompts-per-slot", type=int, default=2, help="prompts per unit of concurrency")
