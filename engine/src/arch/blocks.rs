@@ -41,6 +41,20 @@ impl BlockKind {
             BlockKind::Q4_0 => 8.0,
         }
     }
+
+    /// One block's 32 values in f32 from its scale's f16 bits and its quants (in
+    /// [`BlockRows::quants`]' layout).
+    pub fn dequantize_block(self, scale: u16, quants: &[u8], out: &mut [f32]) {
+        let (d, offset) = (f16::from_bits(scale).to_f32(), self.offset());
+        match self {
+            BlockKind::Q8_0 => {
+                for (o, &q) in out.iter_mut().zip(quants) {
+                    *o = d * (q as f32 - offset);
+                }
+            }
+            BlockKind::Q4_0 => super::ggml::nibbles(quants, out, |v| d * (v as f32 - offset)),
+        }
+    }
 }
 
 /// GGML's `q8_0` rounding of one block: its scale and its values in `-127..=127`, each value
@@ -193,21 +207,10 @@ impl BlockRows {
 
     /// Row `row`'s values in f32.
     pub fn dequantize_row(&self, row: usize, out: &mut [f32]) {
-        let nb = self.blocks_per_row();
-        let qb = self.kind.quant_bytes();
-        let offset = self.kind.offset();
-        for b in row * nb..(row + 1) * nb {
-            let d = f16::from_bits(self.scales[b]).to_f32();
-            let q = &self.quants[b * qb..(b + 1) * qb];
-            let out = &mut out[(b - row * nb) * BLOCK..][..BLOCK];
-            match self.kind {
-                BlockKind::Q8_0 => {
-                    for (o, &q) in out.iter_mut().zip(q) {
-                        *o = d * (q as f32 - offset);
-                    }
-                }
-                BlockKind::Q4_0 => super::ggml::nibbles(q, out, |v| d * (v as f32 - offset)),
-            }
+        let (nb, qb) = (self.blocks_per_row(), self.kind.quant_bytes());
+        let (scales, quants) = (self.row_scales(row), self.row_quants(row));
+        for (b, out) in out[..nb * BLOCK].chunks_exact_mut(BLOCK).enumerate() {
+            self.kind.dequantize_block(scales[b], &quants[b * qb..][..qb], out);
         }
     }
 }

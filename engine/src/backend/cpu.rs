@@ -5,6 +5,7 @@
 mod attention;
 mod bf16_gemm;
 mod block_dot;
+mod block_tiles;
 mod delta_net;
 mod isa;
 mod k_quant_dot;
@@ -106,20 +107,17 @@ pub fn kernel_paths() -> String {
     } else {
         "f32 GEMM (the gemm crate's)"
     };
-    let blocks_gemm = pick(&[
+    let tiles = pick(&[
         (
             isa.avx512_vnni,
-            "integer GEMM tiles (AVX-512 VNNI), also for batches of 12 (q4_0) or 16 (q8_0) decodes and more",
+            "q8_0/q4_0 stored as integer tiles (AVX-512 VNNI) for every product",
         ),
-        (
-            isa.avx2_fma,
-            "integer GEMM tiles for q4_0 (AVX2), also for batches of 12 decodes and more",
-        ),
-        (true, gemm),
+        (isa.avx2_fma, "q4_0 stored as integer tiles (AVX2) for every product"),
+        (true, "no integer tiles"),
     ]);
     format!(
-        "q8_0/q4_0/q4_K/q6_K rows: {blocks}; bf16 rows: {bf16}; f16 rows: {f16}; prefill of q8_0/q4_0: {blocks_gemm}; \
-         of other packed weights: {gemm}"
+        "q8_0/q4_0/q4_K/q6_K rows: {blocks}; {tiles}; bf16 rows: {bf16}; f16 rows: {f16}; prefill of other packed \
+         weights: {gemm}"
     )
 }
 
@@ -243,9 +241,8 @@ impl CpuBackend {
 }
 
 /// Rows of activations from which a packed matrix goes through a GEMM (the bfloat16 one where the
-/// CPU has AVX-512 BF16, else widened to f32 for the f32 GEMM; `q8_0`/`q4_0` with integer tiles
-/// take them from fewer rows, [`PackedMatrix::integer_tiles_at`]) instead of being multiplied row
-/// by row (measured on Qwen3-VL-2B, 2-core EPYC: `q8_0`'s row-by-row kernel
+/// CPU has AVX-512 BF16, else widened to f32 for the f32 GEMM) instead of being multiplied row
+/// by row (`q8_0`/`q4_0` stored as integer tiles, [`PackedMatrix::is_tiled`], never are) (measured on Qwen3-VL-2B, 2-core EPYC: `q8_0`'s row-by-row kernel
 /// prefilled at 17.3 tokens/s against 20.7 through the f32 GEMM with AVX2 kernels, 27.3 with its
 /// AVX-512 ones; decode's few rows are bound by the bytes read).
 const DEQUANTIZE_FROM_ROWS: usize = 32;
@@ -434,16 +431,10 @@ impl Backend for CpuBackend {
             Matrix::Packed(q) => {
                 let (m, _) = dims2(&x.t)?;
                 let (rows, cols) = q.dims();
-                if q.integer_tiles_at(m) {
-                    // Many rows of a q8_0/q4_0 matrix on a CPU with AVX-512 VNNI or AVX2 (a
-                    // prefill, or a batch of a dozen decodes or more): integer GEMM tiles on the
-                    // stored blocks, the activations quantized once.
-                    let xs = x.t.contiguous().map_err(lib)?;
-                    let (storage, layout) = xs.storage_and_layout();
-                    let values = contiguous_values(&storage, layout)?;
-                    let y = q
-                        .integer_gemm(values, m)
-                        .ok_or_else(|| BackendError::Shape(format!("{m} rows for a {rows}×{cols} matrix")))?;
+                if q.is_tiled() || m < DEQUANTIZE_FROM_ROWS {
+                    // A q8_0/q4_0 matrix stored as integer tiles (any number of rows), or few rows
+                    // (decode): the stored values read once, the activations quantized once.
+                    let y = q.matmul(&Self::host(x)?, m).map_err(lib)?;
                     Tensor::from_vec(y, (m, rows), &Device::Cpu).map_err(lib)?
                 } else if m >= DEQUANTIZE_FROM_ROWS && bf16_gemm::available() && !q.is_f16() {
                     // Many rows on a CPU with AVX-512 BF16: computed in bfloat16, bfloat16
@@ -454,7 +445,7 @@ impl Backend for CpuBackend {
                     let values = contiguous_values(&storage, layout)?;
                     let y = bf16_gemm::matmul(values, m, q, &self.ledger).map_err(BackendError::Shape)?;
                     Tensor::from_vec(y, (m, rows), &Device::Cpu).map_err(lib)?
-                } else if m >= DEQUANTIZE_FROM_ROWS {
+                } else {
                     // Many rows (prefill, the vision tower): the matrix dequantized once, one
                     // transient f32 copy recorded as activations, and the f32 GEMM, which reuses
                     // each weight across rows far better than the quantized kernel's row tiles.
@@ -463,18 +454,15 @@ impl Backend for CpuBackend {
                         Category::Activations,
                     );
                     x.t.matmul(&dense.t.t().map_err(lib)?).map_err(lib)?
-                } else {
-                    let y = q.matmul(&Self::host(x)?, m).map_err(lib)?;
-                    Tensor::from_vec(y, (m, rows), &Device::Cpu).map_err(lib)?
                 }
             }
         };
         self.with_bias(y, b)
     }
 
-    /// Few rows (decode) against packed matrices: every product in one pass over the pool, the
-    /// activations quantized once; otherwise (a prefill, or a batch of decodes large enough for
-    /// the integer tiles) one [`Backend::linear`] each.
+    /// Few rows (decode), or matrices all stored as integer tiles: every product in one pass over
+    /// the pool, the activations quantized once; otherwise (a prefill through a GEMM) one
+    /// [`Backend::linear`] each.
     fn linears(&self, x: &CpuTensor, ws: &[(&CpuWeight, Option<&CpuTensor>)]) -> BResult<Vec<CpuTensor>> {
         let (m, _) = dims2(&x.t)?;
         let packed: Option<Vec<&PackedMatrix>> = ws
@@ -484,8 +472,7 @@ impl Backend for CpuBackend {
                 Matrix::Dense(_) => None,
             })
             .collect();
-        let Some(packed) = packed.filter(|p| m < DEQUANTIZE_FROM_ROWS && !p.iter().any(|w| w.integer_tiles_at(m)))
-        else {
+        let Some(packed) = packed.filter(|p| m < DEQUANTIZE_FROM_ROWS || p.iter().all(|w| w.is_tiled())) else {
             return ws.iter().map(|&(w, b)| self.linear(x, w, b)).collect();
         };
         let ys = PackedMatrix::matmul_many(&packed, &Self::host(x)?, m).map_err(lib)?;

@@ -3,7 +3,9 @@
 //! Products quantize the activations once per call, as GGML does (`q8_0`, but with an f32 scale),
 //! and sum `Σ_b d_w · (d_x · Σ q_w q_x − offset · d_x · Σ q_x)` per row: integer dot products with
 //! AVX-512 VNNI where the CPU has it (64 weights per instruction), else AVX2 (32 per
-//! instruction pair), else a portable loop the compiler vectorises (wasm simd128, NEON).
+//! instruction pair), else NEON, else a portable loop the compiler vectorises (wasm simd128). These
+//! are the products of matrices stored row by row; [`super::block_tiles`] holds those stored for
+//! integer tiles, which reuse these quantized activations.
 
 use super::isa::fastest;
 use super::packed::prefetch_ahead;
@@ -12,14 +14,6 @@ use half::f16;
 
 /// Blocks whose scales one step of the vectorised product reads (one 512-bit register of f32).
 const SCALE_GROUP: usize = 16;
-
-/// Weight rows one register of [`gemm`]'s tiles holds: one i32 lane per row.
-const TILE_ROWS: usize = 16;
-
-/// Activation rows one call of [`gemm`]'s VNNI kernel takes: they share each unpacked register of
-/// weights.
-#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
-const TILE: usize = 4;
 
 /// `y` rounded to the nearest integer, ties to even, for |y| < 2²²: adding 1.5 · 2²³ leaves no
 /// fraction bits (infinities and NaN pass through, as `f32::round` leaves them). Plain float
@@ -44,132 +38,6 @@ pub fn dot_row(w: &BlockRows, row: usize, acts: &Activations, cold: bool, out: &
     }
 }
 
-/// `x · wᵀ` `[m, rows]` for the `m` activation rows of `acts` (prefill). Each thread of candle's
-/// pool takes a run of weight rows, 16 at a time; where [`tiles_for`] says so it repacks them
-/// so that one register holds four bytes of each of the 16 rows (as llama.cpp repacks these
-/// formats for its GEMM) and multiplies them by each activation row's bytes broadcast: every i32
-/// lane sums a whole block of one (row, activation row) pair, and the f32 scaling is done once
-/// per 16 products and block instead of once per 8 lanes of one product. Elsewhere it takes the
-/// row products one by one.
-pub fn gemm(w: &BlockRows, acts: &Activations) -> Vec<f32> {
-    debug_assert_eq!(acts.kind, w.kind());
-    let (m, nb) = (acts.rows, w.blocks_per_row());
-    let rows = w.scales().len().checked_div(nb).unwrap_or(0);
-    if m == 0 || rows == 0 {
-        return vec![0.0; m * rows];
-    }
-    let threads = candle_core::utils::barrier_pool().n_workers() + 1;
-    let per_thread = rows.div_ceil(threads).div_ceil(TILE_ROWS) * TILE_ROWS;
-    // Group by group of 16 weight rows, each `[m, its rows]`, so that each thread writes one
-    // contiguous run and each tile contiguous rows of 16.
-    let mut grouped = vec![0f32; rows * m];
-    crate::parallel::for_each_piece(&mut grouped, per_thread * m, |t, run| {
-        let first_row = t * per_thread;
-        #[cfg(target_arch = "x86_64")]
-        if tiles_for(w.kind()) {
-            let vnni = super::isa::isa().avx512_vnni;
-            let mut packed = RepackedRows::default();
-            for (g, block) in run.chunks_mut(TILE_ROWS * m).enumerate() {
-                let row0 = first_row + g * TILE_ROWS;
-                packed.repack(w, row0, block.len() / m);
-                let mut i = 0;
-                while i < m {
-                    // Whole tiles of activation rows, then the rest one at a time.
-                    let n = if m - i >= TILE { TILE } else { 1 };
-                    let mut sums = [[0f32; TILE_ROWS]; TILE];
-                    // SAFETY: the CPU has AVX-512 VNNI with BW and VL, or AVX2 with FMA (checked above).
-                    #[allow(unsafe_code)]
-                    unsafe {
-                        match (w.kind(), n, vnni) {
-                            (BlockKind::Q8_0, TILE, true) => sums = tile_vnni::<false, TILE>(&packed, acts, i),
-                            (BlockKind::Q4_0, TILE, true) => sums = tile_vnni::<true, TILE>(&packed, acts, i),
-                            (BlockKind::Q8_0, _, true) => sums[0] = tile_vnni::<false, 1>(&packed, acts, i)[0],
-                            (BlockKind::Q4_0, _, true) => sums[0] = tile_vnni::<true, 1>(&packed, acts, i)[0],
-                            (_, TILE, false) => sums = tile_avx2_q4::<TILE>(&packed, acts, i),
-                            (_, _, false) => sums[0] = tile_avx2_q4::<1>(&packed, acts, i)[0],
-                        }
-                    }
-                    let width = block.len() / m;
-                    for (k, sum) in sums.iter().enumerate().take(n) {
-                        block[(i + k) * width..][..width].copy_from_slice(&sum[..width]);
-                    }
-                    i += n;
-                }
-            }
-            return;
-        }
-        for (g, block) in run.chunks_mut(TILE_ROWS * m).enumerate() {
-            let (row0, width) = (first_row + g * TILE_ROWS, block.len() / m);
-            for (i, out) in block.chunks_mut(width).enumerate() {
-                for (r, o) in out.iter_mut().enumerate() {
-                    *o = dot_fastest(w.kind(), w.row_scales(row0 + r), w.row_quants(row0 + r), &acts.row(i));
-                }
-            }
-        }
-    });
-    let mut out = vec![0f32; m * rows];
-    for (g, block) in grouped.chunks(TILE_ROWS * m).enumerate() {
-        let (row0, width) = (g * TILE_ROWS, block.len() / m);
-        for (i, from) in block.chunks_exact(width).enumerate() {
-            out[i * rows + row0..][..width].copy_from_slice(from);
-        }
-    }
-    out
-}
-
-/// Whether [`gemm`] runs integer tiles for `kind` on this CPU: both formats with AVX-512 VNNI;
-/// `q4_0` with AVX2 (its `q8_0` tile, which needs the sign trick of [`dot_avx2`] per run, prefilled
-/// at 25 tokens/s against the f32 GEMM's 36–39 on the 2-core Xeon, where `q4_0`'s ran at 35).
-pub fn tiles_for(kind: BlockKind) -> bool {
-    let isa = super::isa::isa();
-    isa.avx512_vnni || (isa.avx2_fma && kind == BlockKind::Q4_0)
-}
-
-/// Activation rows from which [`gemm`]'s tiles, repacking included, beat the row products of
-/// [`dot_row`]: a batch of decodes is that many rows. Measured on a 6144×2048 matrix on the
-/// 2-core Xeon (AVX-512 VNNI, and capped to AVX2), tiles against rows: `q4_0` 3.3 against 4.5 ms
-/// at 16 rows, level at 10–12; `q8_0` level at 16. Below, the repacking of every weight row costs
-/// more than the tiles save.
-pub fn tiles_from_rows(kind: BlockKind) -> usize {
-    match kind {
-        BlockKind::Q4_0 => 12,
-        BlockKind::Q8_0 => 16,
-    }
-}
-
-/// Sixteen weight rows as [`tile_vnni`] reads them: per block, its scales widened to f32 (one per
-/// row), then its quants in runs of four bytes, each run holding the same four bytes of the 16
-/// rows. Rows past the matrix's end are zeros.
-#[cfg(target_arch = "x86_64")]
-#[derive(Debug, Default)]
-struct RepackedRows {
-    blocks: usize,
-    scales: Vec<f32>,
-    quants: Vec<u8>,
-}
-
-#[cfg(target_arch = "x86_64")]
-impl RepackedRows {
-    /// Repacks rows `row0..row0 + n` (`n` ≤ 16) of `w`.
-    fn repack(&mut self, w: &BlockRows, row0: usize, n: usize) {
-        let (nb, qb) = (w.blocks_per_row(), w.kind().quant_bytes());
-        self.blocks = nb;
-        self.scales.clear();
-        self.scales.resize(nb * TILE_ROWS, 0.0);
-        self.quants.clear();
-        self.quants.resize(nb * qb * TILE_ROWS, 0);
-        for r in 0..n.min(TILE_ROWS) {
-            let (s, q) = (w.row_scales(row0 + r), w.row_quants(row0 + r));
-            for b in 0..nb {
-                self.scales[b * TILE_ROWS + r] = f16::from_bits(s[b]).to_f32();
-                for k in 0..qb / 4 {
-                    let at = (b * qb + 4 * k) * TILE_ROWS + 4 * r;
-                    self.quants[at..at + 4].copy_from_slice(&q[b * qb + 4 * k..][..4]);
-                }
-            }
-        }
-    }
-}
 /// Activation rows quantized for one product, padded to whole groups of [`SCALE_GROUP`] blocks
 /// (zeros): per block the scale `d_x`, the correction `offset · d_x · Σ q_x`, and the i8 values,
 /// in the order the vectorised product reads them (for `q4_0`, per pair of blocks A, B:
@@ -185,16 +53,21 @@ pub struct Activations {
 }
 
 /// One quantized activation row.
-struct ActRow<'a> {
-    scales: &'a [f32],
-    corrections: &'a [f32],
-    quants: &'a [i8],
+pub(super) struct ActRow<'a> {
+    pub scales: &'a [f32],
+    pub corrections: &'a [f32],
+    pub quants: &'a [i8],
 }
 
 impl Activations {
     /// The block format these activations were quantized for.
     pub fn kind(&self) -> BlockKind {
         self.kind
+    }
+
+    /// Activation rows.
+    pub fn rows(&self) -> usize {
+        self.rows
     }
 
     /// Quantizes the rows of `x` (`cols`, a multiple of 32, per row) for a `kind` matrix.
@@ -233,7 +106,8 @@ impl Activations {
         acts
     }
 
-    fn row(&self, i: usize) -> ActRow<'_> {
+    /// Activation row `i`.
+    pub(super) fn row(&self, i: usize) -> ActRow<'_> {
         let (s, n) = (i * self.padded_blocks, self.padded_blocks);
         ActRow {
             scales: &self.scales[s..s + n],
@@ -246,7 +120,7 @@ impl Activations {
 /// The dot product of one weight row (`scales`, `quants`) with one activation row, in portable
 /// code.
 #[inline(always)]
-fn dot_portable(kind: BlockKind, scales: &[u16], quants: &[u8], x: &ActRow<'_>) -> f32 {
+pub(super) fn dot_portable(kind: BlockKind, scales: &[u16], quants: &[u8], x: &ActRow<'_>) -> f32 {
     let mut sum = 0f32;
     for (b, &d) in scales.iter().enumerate() {
         let isum: i32 = match kind {
@@ -457,143 +331,6 @@ fn dot_vnni<const Q4: bool>(scales: &[u16], quants: &[u8], x: &ActRow<'_>) -> f3
     _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1])) - _mm512_reduce_add_ps(corr)
 }
 
-/// The products of 16 repacked weight rows with activation rows `first..first + T`: per block and
-/// run of four weight bytes, one `vpdpbusd` per activation row against its four matching bytes
-/// broadcast; per block, each row's sums scaled by `d_w · d_x` and its correction subtracted.
-/// For `q4_0` a run of four bytes holds elements `4k..4k+4` (low nibbles) and `16+4k..16+4k+4`
-/// (high nibbles), which sit in the activations' pair order (see [`Activations`]).
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
-#[allow(unsafe_code)]
-fn tile_vnni<const Q4: bool, const T: usize>(
-    w: &RepackedRows,
-    acts: &Activations,
-    first: usize,
-) -> [[f32; TILE_ROWS]; T] {
-    use std::arch::x86_64::*;
-    let nb = w.blocks;
-    let qb = if Q4 { BLOCK / 2 } else { BLOCK };
-    let xs: [ActRow<'_>; T] = std::array::from_fn(|t| acts.row(first + t));
-    // The reads below stay inside these lengths.
-    assert!(w.scales.len() == nb * TILE_ROWS && w.quants.len() == nb * qb * TILE_ROWS);
-    for x in &xs {
-        assert!(x.scales.len() >= nb && x.corrections.len() >= nb && x.quants.len() >= nb * BLOCK);
-    }
-    let low_nibbles = _mm512_set1_epi8(0x0F);
-    let mut acc = [_mm512_setzero_ps(); T];
-    let mut corr = [_mm512_setzero_ps(); T];
-    // The four activation bytes at `at` of row `t`, in every lane.
-    let word = |t: usize, at: usize| -> __m512i {
-        // SAFETY: `at + 4` ≤ the row's quants (asserted above for every `at` used below).
-        _mm512_set1_epi32(unsafe { (xs[t].quants.as_ptr().add(at) as *const i32).read_unaligned() })
-    };
-    for b in 0..nb {
-        // SAFETY: block `b`'s 16 scales and `qb · 16` quant bytes are inside the repacked rows.
-        let (dw, wq) = unsafe {
-            (
-                _mm512_loadu_ps(w.scales.as_ptr().add(b * TILE_ROWS)),
-                w.quants.as_ptr().add(b * qb * TILE_ROWS),
-            )
-        };
-        let mut sums = [_mm512_setzero_si512(); T];
-        if Q4 {
-            // The block's values in the activations' pair order: low halves, then high halves.
-            let base = (b / 2) * 2 * BLOCK + (b % 2) * BLOCK / 2;
-            for k in 0..4 {
-                // SAFETY: run `k` of block `b`.
-                let v = unsafe { _mm512_loadu_si512(wq.add(64 * k) as *const _) };
-                let lo = _mm512_and_si512(v, low_nibbles);
-                let hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low_nibbles);
-                for (t, sum) in sums.iter_mut().enumerate() {
-                    *sum = _mm512_dpbusd_epi32(*sum, lo, word(t, base + 4 * k));
-                    *sum = _mm512_dpbusd_epi32(*sum, hi, word(t, base + BLOCK + 4 * k));
-                }
-            }
-        } else {
-            for k in 0..8 {
-                // SAFETY: run `k` of block `b`.
-                let v = unsafe { _mm512_loadu_si512(wq.add(64 * k) as *const _) };
-                for (t, sum) in sums.iter_mut().enumerate() {
-                    *sum = _mm512_dpbusd_epi32(*sum, v, word(t, b * BLOCK + 4 * k));
-                }
-            }
-        }
-        for t in 0..T {
-            let dx = _mm512_set1_ps(xs[t].scales[b]);
-            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[t]), _mm512_mul_ps(dw, dx), acc[t]);
-            corr[t] = _mm512_fmadd_ps(dw, _mm512_set1_ps(xs[t].corrections[b]), corr[t]);
-        }
-    }
-    std::array::from_fn(|t| {
-        let mut out = [0f32; TILE_ROWS];
-        // SAFETY: 16 floats.
-        unsafe { _mm512_storeu_ps(out.as_mut_ptr(), _mm512_sub_ps(acc[t], corr[t])) };
-        out
-    })
-}
-/// [`tile_vnni`] for `q4_0` with AVX2: eight rows per 256-bit register (each run of the repacked
-/// rows is two registers), `vpmaddubsw` and `vpmaddwd` in place of `vpdpbusd`.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-#[allow(unsafe_code)]
-fn tile_avx2_q4<const T: usize>(w: &RepackedRows, acts: &Activations, first: usize) -> [[f32; TILE_ROWS]; T] {
-    use std::arch::x86_64::*;
-    const HALF: usize = TILE_ROWS / 2;
-    let nb = w.blocks;
-    let qb = BLOCK / 2;
-    let xs: [ActRow<'_>; T] = std::array::from_fn(|t| acts.row(first + t));
-    // The reads below stay inside these lengths.
-    assert!(w.scales.len() == nb * TILE_ROWS && w.quants.len() == nb * qb * TILE_ROWS);
-    for x in &xs {
-        assert!(x.scales.len() >= nb && x.corrections.len() >= nb && x.quants.len() >= nb * BLOCK);
-    }
-    let (ones, low_nibbles) = (_mm256_set1_epi16(1), _mm256_set1_epi8(0x0F));
-    let word = |t: usize, at: usize| -> __m256i {
-        // SAFETY: `at + 4` ≤ the row's quants (asserted above for every `at` used below).
-        _mm256_set1_epi32(unsafe { (xs[t].quants.as_ptr().add(at) as *const i32).read_unaligned() })
-    };
-    let mut out = [[0f32; TILE_ROWS]; T];
-    for h in 0..2 {
-        let mut acc = [_mm256_setzero_ps(); T];
-        let mut corr = [_mm256_setzero_ps(); T];
-        for b in 0..nb {
-            // SAFETY: this half's 8 scales of block `b` and its runs are inside the repacked rows.
-            let (dw, wq) = unsafe {
-                (
-                    _mm256_loadu_ps(w.scales.as_ptr().add(b * TILE_ROWS + h * HALF)),
-                    w.quants.as_ptr().add(b * qb * TILE_ROWS + h * 32),
-                )
-            };
-            let mut sums = [_mm256_setzero_si256(); T];
-            let base = (b / 2) * 2 * BLOCK + (b % 2) * BLOCK / 2;
-            for k in 0..4 {
-                // SAFETY: run `k` of block `b`, this half's 32 bytes.
-                let v = unsafe { _mm256_loadu_si256(wq.add(64 * k) as *const _) };
-                let lo = _mm256_and_si256(v, low_nibbles);
-                let hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low_nibbles);
-                for (t, sum) in sums.iter_mut().enumerate() {
-                    // Each i16 sums at most 4 · 15 · 128: no saturation.
-                    let pairs = _mm256_add_epi16(
-                        _mm256_maddubs_epi16(lo, word(t, base + 4 * k)),
-                        _mm256_maddubs_epi16(hi, word(t, base + BLOCK + 4 * k)),
-                    );
-                    *sum = _mm256_add_epi32(*sum, _mm256_madd_epi16(pairs, ones));
-                }
-            }
-            for t in 0..T {
-                let dx = _mm256_set1_ps(xs[t].scales[b]);
-                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[t]), _mm256_mul_ps(dw, dx), acc[t]);
-                corr[t] = _mm256_fmadd_ps(dw, _mm256_set1_ps(xs[t].corrections[b]), corr[t]);
-            }
-        }
-        for t in 0..T {
-            // SAFETY: 8 floats into this half of the row's 16.
-            unsafe { _mm256_storeu_ps(out[t].as_mut_ptr().add(h * HALF), _mm256_sub_ps(acc[t], corr[t])) };
-        }
-    }
-    out
-}
-
 /// [`dot_portable`] with the widest instructions this CPU has.
 fn dot_fastest(kind: BlockKind, scales: &[u16], quants: &[u8], x: &ActRow<'_>) -> f32 {
     fastest!(
@@ -770,33 +507,6 @@ mod tests {
                         let (s, q) = (w.row_scales(r), w.row_quants(r));
                         for (name, g) in every_path(kind, s, q, &row) {
                             assert!((g as f64 - want).abs() <= 1e-4, "{kind:?} {cols} {name}: {g} vs {want}");
-                        }
-                    }
-                }
-            }
-        }
-    }
-
-    /// The GEMM's tiles give each activation row's product with each weight row, for row and
-    /// activation counts off the tiles' sizes.
-    #[test]
-    fn gemm_is_every_row_s_product() {
-        for kind in [BlockKind::Q8_0, BlockKind::Q4_0] {
-            for (cols, rows) in [(32, 5), (17 * 32, 2 * TILE_ROWS + 3)] {
-                let w = BlockRows::quantize(kind, &values(rows * cols, 3), cols);
-                for m in [1, TILE + 3, 37] {
-                    let x = values(m * cols, 11);
-                    let acts = Activations::quantize(kind, &x, cols);
-                    let got = gemm(&w, &acts);
-                    assert_eq!(got.len(), m * rows);
-                    for i in 0..m {
-                        for r in 0..rows {
-                            let want = dot_portable(kind, w.row_scales(r), w.row_quants(r), &acts.row(i));
-                            let g = got[i * rows + r];
-                            assert!(
-                                (g - want).abs() <= 1e-4 * want.abs().max(1.0),
-                                "{kind:?} {cols} {m} ({i}, {r}): {g} vs {want}"
-                            );
                         }
                     }
                 }

@@ -9,7 +9,8 @@
 //! against activations quantized once per product.
 
 use super::bf16_gemm::round_bf16;
-use super::block_dot::{self, dot_row, Activations};
+use super::block_dot::{dot_row, Activations};
+use super::block_tiles::{self, BlockTiles, TILE_ROWS};
 use super::isa::fastest;
 use super::k_quant_dot::{self, KActivations, KQuant, KRows};
 use crate::arch::blocks::{BlockKind, BlockRows, BLOCK};
@@ -30,13 +31,27 @@ enum Packing {
     /// IEEE half precision as a GGUF or safetensors file stores it, row-major; each row widened
     /// to f32 for the product.
     F16(Vec<f16>),
+    /// `q8_0`/`q4_0` blocks row by row.
     Blocks(BlockRows),
+    /// `q8_0`/`q4_0` blocks interleaved for integer tiles, on CPUs that have them.
+    Tiled(BlockTiles),
     /// `q4_K` or `q6_K` super-blocks as a GGUF file stores them ([`k_quant_dot`]).
     KQuants(KRows),
     /// Any other GGML block type as a GGUF file stores it (`q5_K`, `q4_1`, `q5_0`, `q5_1`),
     /// multiplied by candle's `k_quants` (the activations quantized to `q8_K` or `q8_0`/`q8_1`
     /// per block, as llama.cpp's CPU code does).
     Ggml(GgmlType, Arc<QTensor>),
+}
+
+impl Packing {
+    /// `q8_0`/`q4_0` blocks as integer tiles where this CPU has them and the rows make whole
+    /// groups, else row by row.
+    fn blocks(rows: BlockRows) -> Packing {
+        block_tiles::tiles_for(rows.kind())
+            .then(|| BlockTiles::from_rows(&rows))
+            .flatten()
+            .map_or(Packing::Blocks(rows), Packing::Tiled)
+    }
 }
 
 /// A matrix `[rows, cols]` in bfloat16 or quantized row by row.
@@ -178,7 +193,7 @@ fn dot_rows_f16_avx2(w: &[f16], xs: &[f32], out: &mut [f32]) {
 /// 2-core EPYC with Qwen3-VL-2B: `q4_0` decodes 1.3× faster with 8 KiB than with 512 bytes; its
 /// hardware prefetcher alone leaves a row-by-row GEMV well below the memory's read bandwidth).
 #[cfg(target_arch = "x86_64")]
-const PREFETCH_BYTES: usize = 8192;
+pub(super) const PREFETCH_BYTES: usize = 8192;
 
 /// Asks the CPU to bring `data[range]`'s elements `PREFETCH_BYTES` further on into its caches
 /// (clamped to `data`); `cold`, the first range of a run, also from `range.start` on, since no
@@ -207,9 +222,53 @@ pub(super) fn prefetch_ahead<T>(data: &[T], range: std::ops::Range<usize>, cold:
 /// Output rows (of the weight matrix) per task of [`PackedMatrix::dequantize`].
 const ROWS_PER_TASK: usize = 64;
 
-/// One matrix's row products: `dot(row, cold, out)` writes weight row `row`'s products with the
-/// `m` activation rows into `out`; `cold` marks the first row of a run (nothing prefetched yet).
-type RowDot<'a> = dyn Fn(usize, bool, &mut [f32]) + Sync + 'a;
+/// One matrix's products: `dot(row, n, cold, out)` writes the products of weight rows
+/// `row..row + n` (never across a group of [`TILE_ROWS`]) with the `m` activation rows into `out`,
+/// `[n, m]`; `cold` marks the first call of a run (nothing prefetched yet).
+type RowDot<'a> = dyn Fn(usize, usize, bool, &mut [f32]) + Sync + 'a;
+
+/// The activations of `acts` quantized for `kind`.
+fn block_activations(acts: &[Activations], kind: BlockKind) -> candle_core::Result<&Activations> {
+    match acts.iter().find(|a| a.kind() == kind) {
+        Some(a) => Ok(a),
+        None => candle_core::bail!("no {kind:?} activations"),
+    }
+}
+
+/// Activation rows per task of [`transpose`].
+const TRANSPOSE_ROWS: usize = 16;
+
+/// `part` `[rows, m]` as `[m, rows]`, in tasks of [`TRANSPOSE_ROWS`] activation rows (a prefill's
+/// products are megabytes), each reading 16 weight rows' products at a time so that every cache
+/// line written is written whole.
+fn transpose(part: &[f32], m: usize, rows: usize) -> Vec<f32> {
+    let mut out = vec![0f32; m * rows];
+    let task = |p: usize, piece: &mut [f32]| {
+        for r0 in (0..rows).step_by(TILE_ROWS) {
+            for (di, o) in piece.chunks_exact_mut(rows).enumerate() {
+                let i = p * TRANSPOSE_ROWS + di;
+                for (r, o) in o.iter_mut().enumerate().take((r0 + TILE_ROWS).min(rows)).skip(r0) {
+                    *o = part[r * m + i];
+                }
+            }
+        }
+    };
+    if m < TRANSPOSE_ROWS {
+        task(0, &mut out);
+    } else {
+        for_each_piece(&mut out, TRANSPOSE_ROWS * rows, task);
+    }
+    out
+}
+
+/// A [`RowDot`] from a product of one weight row, `dot(row, cold, out)` into `out` `[m]`.
+fn row_by_row<'a>(m: usize, dot: impl Fn(usize, bool, &mut [f32]) + Sync + 'a) -> Box<RowDot<'a>> {
+    Box::new(move |row, _, cold, out| {
+        for (r, out) in out.chunks_exact_mut(m).enumerate() {
+            dot(row + r, cold && r == 0, out)
+        }
+    })
+}
 
 thread_local! {
     /// A half-precision row widened for its product, one per pool thread.
@@ -218,36 +277,39 @@ thread_local! {
 
 /// The products `[m, rows]` of `m` activation rows with each of several matrices, given as
 /// `(rows, dot)`. Their rows are shared out as one sequence, one contiguous run per thread of
-/// candle's pool (the one its other kernels use), so each thread reads one stream: in pieces of a
-/// few dozen rows taken in turns, every piece started cold and prefetched into the rows the other
-/// thread was about to read.
+/// candle's pool (the one its other kernels use), so each thread reads one stream: in pieces of
+/// whole groups of [`TILE_ROWS`] rows taken in turns, every piece started cold and prefetched into
+/// the rows the other thread was about to read.
 fn by_weight_rows(parts: &[(usize, &RowDot<'_>)], m: usize) -> Vec<Vec<f32>> {
     let total: usize = parts.iter().map(|p| p.0).sum();
     if m == 0 || total == 0 {
         return parts.iter().map(|p| vec![0f32; m * p.0]).collect();
     }
     let threads = candle_core::utils::barrier_pool().n_workers() + 1;
-    let per_thread = total.div_ceil(threads);
+    let per_thread = total.div_ceil(threads).next_multiple_of(TILE_ROWS);
     // Transposed, `[total, m]`, so that each run writes one contiguous part.
     let mut out_t = vec![0f32; total * m];
     for_each_piece(&mut out_t, per_thread * m, |t, run| {
         let mut row = t * per_thread;
         // The part holding `row`, and its first row in the sequence.
         let (mut j, mut first) = (0, 0);
-        while row >= first + parts[j].0 {
-            first += parts[j].0;
-            j += 1;
-        }
         let mut cold = true;
-        for out in run.chunks_mut(m) {
-            if row == first + parts[j].0 {
+        let mut done = 0;
+        while done < run.len() {
+            while row >= first + parts[j].0 {
                 first += parts[j].0;
                 j += 1;
                 cold = true;
             }
-            (parts[j].1)(row - first, cold, out);
+            // As far as the end of the group, the part or the run.
+            let local = row - first;
+            let n = (TILE_ROWS - local % TILE_ROWS)
+                .min(first + parts[j].0 - row)
+                .min((run.len() - done) / m);
+            (parts[j].1)(local, n, cold, &mut run[done..done + n * m]);
             cold = false;
-            row += 1;
+            row += n;
+            done += n * m;
         }
     });
     let mut first = 0;
@@ -256,13 +318,7 @@ fn by_weight_rows(parts: &[(usize, &RowDot<'_>)], m: usize) -> Vec<Vec<f32>> {
         .map(|&(rows, _)| {
             let part = &out_t[first * m..(first + rows) * m];
             first += rows;
-            let mut out = vec![0f32; m * rows];
-            for (r, col) in part.chunks_exact(m).enumerate() {
-                for (i, &v) in col.iter().enumerate() {
-                    out[i * rows + r] = v;
-                }
-            }
-            out
+            transpose(part, m, rows)
         })
         .collect()
 }
@@ -274,7 +330,7 @@ impl PackedMatrix {
             return None;
         }
         let kind = format.block_kind()?;
-        let packing = Packing::Blocks(BlockRows::quantize(kind, values, cols));
+        let packing = Packing::blocks(BlockRows::quantize(kind, values, cols));
         Some(PackedMatrix { rows, cols, packing })
     }
 
@@ -290,7 +346,7 @@ impl PackedMatrix {
         (blocks.scales().len() * BLOCK == rows * cols).then_some(PackedMatrix {
             rows,
             cols,
-            packing: Packing::Blocks(blocks),
+            packing: Packing::blocks(blocks),
         })
     }
 
@@ -380,6 +436,7 @@ impl PackedMatrix {
             Packing::Bf16(v) => std::mem::size_of_val(v.as_slice()),
             Packing::F16(v) => std::mem::size_of_val(v.as_slice()),
             Packing::Blocks(b) => b.bytes(),
+            Packing::Tiled(t) => t.bytes(),
             Packing::KQuants(k) => k.bytes() as usize,
             Packing::Ggml(_, q) => q.storage_size_in_bytes(),
         }) as u64
@@ -411,10 +468,13 @@ impl PackedMatrix {
         }
         let mut acts: Vec<Activations> = Vec::new();
         for w in mats {
-            if let Packing::Blocks(b) = &w.packing {
-                if !acts.iter().any(|a| a.kind() == b.kind()) {
-                    acts.push(Activations::quantize(b.kind(), x, w.cols));
-                }
+            let kind = match &w.packing {
+                Packing::Blocks(b) => b.kind(),
+                Packing::Tiled(t) => t.kind(),
+                _ => continue,
+            };
+            if !acts.iter().any(|a| a.kind() == kind) {
+                acts.push(Activations::quantize(kind, x, w.cols));
             }
         }
         let k_acts = mats
@@ -425,25 +485,27 @@ impl PackedMatrix {
         for w in mats {
             let cols = w.cols;
             dots.push(match &w.packing {
-                Packing::Bf16(bits) => Box::new(move |row, cold, out| {
+                Packing::Bf16(bits) => row_by_row(m, move |row, cold, out| {
                     prefetch_ahead(bits, row * cols..(row + 1) * cols, cold);
                     dot_rows_fastest(&bits[row * cols..(row + 1) * cols], x, out)
                 }),
-                Packing::F16(values) => Box::new(move |row, cold, out| {
+                Packing::F16(values) => row_by_row(m, move |row, cold, out| {
                     prefetch_ahead(values, row * cols..(row + 1) * cols, cold);
                     dot_rows_f16(&values[row * cols..(row + 1) * cols], x, out)
                 }),
                 Packing::Blocks(b) => {
-                    let Some(a) = acts.iter().find(|a| a.kind() == b.kind()) else {
-                        candle_core::bail!("no {:?} activations", b.kind());
-                    };
-                    Box::new(move |row, cold, out| dot_row(b, row, a, cold, out))
+                    let a = block_activations(&acts, b.kind())?;
+                    row_by_row(m, move |row, cold, out| dot_row(b, row, a, cold, out))
+                }
+                Packing::Tiled(t) => {
+                    let a = block_activations(&acts, t.kind())?;
+                    Box::new(move |row, n, _, out| t.products(row, n, a, out))
                 }
                 Packing::KQuants(k) => {
                     let Some(a) = &k_acts else {
                         candle_core::bail!("no K-quant activations");
                     };
-                    Box::new(move |row, cold, out| k_quant_dot::dot_row(k, row, a, cold, out))
+                    row_by_row(m, move |row, cold, out| k_quant_dot::dot_row(k, row, a, cold, out))
                 }
                 Packing::Ggml(..) => candle_core::bail!("GGML block matrices are multiplied on their own"),
             });
@@ -452,22 +514,10 @@ impl PackedMatrix {
         Ok(by_weight_rows(&parts, m))
     }
 
-    /// Whether [`Self::integer_gemm`] is the faster product for `m` activation rows on this CPU:
-    /// it multiplies this matrix here, and `m` reaches [`block_dot::tiles_from_rows`].
-    pub fn integer_tiles_at(&self, m: usize) -> bool {
-        matches!(&self.packing, Packing::Blocks(b)
-            if block_dot::tiles_for(b.kind()) && m >= block_dot::tiles_from_rows(b.kind()))
-    }
-
-    /// `x · selfᵀ` `[m, rows]` for many activation rows through [`block_dot::gemm`]'s integer
-    /// tiles, where [`block_dot::tiles_for`] says the CPU has them for this format; None otherwise.
-    pub fn integer_gemm(&self, x: &[f32], m: usize) -> Option<Vec<f32>> {
-        match &self.packing {
-            Packing::Blocks(b) if block_dot::tiles_for(b.kind()) && x.len() == m * self.cols => {
-                Some(block_dot::gemm(b, &Activations::quantize(b.kind(), x, self.cols)))
-            }
-            _ => None,
-        }
+    /// Whether the values are stored as integer tiles ([`block_tiles`]), whose products are the
+    /// fastest for any number of activation rows, a prefill's included.
+    pub fn is_tiled(&self) -> bool {
+        matches!(self.packing, Packing::Tiled(_))
     }
 
     /// The whole matrix in f32 (row-major).
@@ -482,7 +532,7 @@ impl PackedMatrix {
                     part.iter_mut().zip(v).for_each(|(o, &b)| *o = widen(b))
                 }
                 Packing::F16(v) => v[first * cols..][..part.len()].convert_to_f32_slice(part),
-                Packing::Blocks(_) | Packing::KQuants(_) | Packing::Ggml(..) => {
+                Packing::Blocks(_) | Packing::Tiled(_) | Packing::KQuants(_) | Packing::Ggml(..) => {
                     for (r, row) in part.chunks_exact_mut(cols).enumerate() {
                         self.row_f32(first + r, row);
                     }
@@ -507,7 +557,7 @@ impl PackedMatrix {
     pub fn bf16_rows_scratch_bytes(&self, count: usize) -> usize {
         match &self.packing {
             Packing::Bf16(_) => 0,
-            Packing::Blocks(_) | Packing::KQuants(_) | Packing::Ggml(..) | Packing::F16(_) => {
+            Packing::Blocks(_) | Packing::Tiled(_) | Packing::KQuants(_) | Packing::Ggml(..) | Packing::F16(_) => {
                 count * self.cols * 2 + self.cols * 4
             }
         }
@@ -519,7 +569,7 @@ impl PackedMatrix {
         let cols = self.cols;
         match &self.packing {
             Packing::Bf16(v) => Cow::Borrowed(&v[first * cols..(first + count) * cols]),
-            Packing::Blocks(_) | Packing::KQuants(_) | Packing::Ggml(..) | Packing::F16(_) => {
+            Packing::Blocks(_) | Packing::Tiled(_) | Packing::KQuants(_) | Packing::Ggml(..) | Packing::F16(_) => {
                 let mut wide = vec![0f32; cols];
                 let mut out = vec![0u16; count * cols];
                 for (r, row) in out.chunks_exact_mut(cols).enumerate() {
@@ -539,7 +589,7 @@ impl PackedMatrix {
                 .iter()
                 .flat_map(|&id| v[id * self.cols..(id + 1) * self.cols].iter().map(|&b| widen(b)))
                 .collect(),
-            Packing::Blocks(_) | Packing::KQuants(_) | Packing::Ggml(..) | Packing::F16(_) => {
+            Packing::Blocks(_) | Packing::Tiled(_) | Packing::KQuants(_) | Packing::Ggml(..) | Packing::F16(_) => {
                 let mut out = vec![0f32; ids.len() * self.cols];
                 for (&id, row) in ids.iter().zip(out.chunks_exact_mut(self.cols)) {
                     self.row_f32(id, row);
@@ -553,6 +603,7 @@ impl PackedMatrix {
     fn row_f32(&self, row: usize, out: &mut [f32]) {
         match &self.packing {
             Packing::Blocks(b) => b.dequantize_row(row, out),
+            Packing::Tiled(t) => t.dequantize_row(row, out),
             Packing::KQuants(k) => k.dequantize_row(row, out),
             Packing::Ggml(..) => self.ggml_row(row, out),
             Packing::Bf16(v) => out
@@ -596,32 +647,44 @@ mod tests {
         }
     }
 
-    /// One decode row never takes the tiles; a batch of them does from the format's own size, where
-    /// the CPU has tiles for it; other packings never do.
+    /// Blocks in whole groups of rows are stored as tiles where the CPU has tiles for their format,
+    /// and row by row elsewhere; both give the same products for a decode, a batch and a prefill,
+    /// and the same rows.
     #[test]
-    fn integer_tiles_start_at_a_batch_of_decodes() {
+    fn tiles_where_the_cpu_has_them_give_the_rows_products() {
+        let (rows, cols) = (2 * TILE_ROWS, 96);
+        let w = matrix(rows, cols);
         for format in [WeightFormat::Q8_0, WeightFormat::Q4_0] {
-            let q = PackedMatrix::quantize(format, &matrix(16, 64), 16, 64).unwrap();
-            let Packing::Blocks(b) = &q.packing else {
-                panic!("{format:?} is not stored as blocks")
+            let q = PackedMatrix::quantize(format, &w, rows, cols).unwrap();
+            let kind = format.block_kind().unwrap();
+            assert_eq!(q.is_tiled(), block_tiles::tiles_for(kind), "{format}");
+            assert!(!PackedMatrix::quantize(format, &w[..9 * cols], 9, cols)
+                .unwrap()
+                .is_tiled());
+            let by_rows = PackedMatrix {
+                rows,
+                cols,
+                packing: Packing::Blocks(BlockRows::quantize(kind, &w, cols)),
             };
-            let (kind, from) = (b.kind(), block_dot::tiles_from_rows(b.kind()));
-            assert!(!q.integer_tiles_at(1) && !q.integer_tiles_at(from - 1));
-            assert_eq!(q.integer_tiles_at(from), block_dot::tiles_for(kind));
-            let x = matrix(from, 64);
-            let (tiles, rows) = (q.integer_gemm(&x, from), q.matmul(&x, from).unwrap());
-            if let Some(tiles) = tiles {
-                assert!(tiles
-                    .iter()
-                    .zip(&rows)
-                    .all(|(a, b)| (a - b).abs() <= 1e-4 * b.abs().max(1.0)));
+            assert_eq!(q.bytes(), by_rows.bytes());
+            assert_eq!(q.dequantize(), by_rows.dequantize());
+            assert_eq!(q.gather(&[17, 3]), by_rows.gather(&[17, 3]));
+            for m in [1, 7, 40] {
+                let x = matrix(m, cols);
+                let (got, want) = (q.matmul(&x, m).unwrap(), by_rows.matmul(&x, m).unwrap());
+                assert!(
+                    got.iter()
+                        .zip(&want)
+                        .all(|(a, b)| (a - b).abs() <= 1e-4 * b.abs().max(1.0)),
+                    "{format} m={m}"
+                );
             }
         }
         let bits = matrix(16, 64)
             .iter()
             .map(|&v| half::bf16::from_f32(v).to_bits())
             .collect();
-        assert!(!PackedMatrix::bf16(bits, 16, 64).unwrap().integer_tiles_at(64));
+        assert!(!PackedMatrix::bf16(bits, 16, 64).unwrap().is_tiled());
     }
 
     #[test]
@@ -793,8 +856,8 @@ mod tests {
     }
 
     /// Several matrices of different formats and heights in one pass give each matrix's own
-    /// product (the runs the threads take cross from one matrix into the next), and a matrix of
-    /// another width is refused.
+    /// product (the runs the threads take cross from one matrix into the next, and reach a tiled
+    /// one off its groups), and a matrix of another width is refused.
     #[test]
     fn products_of_several_matrices_are_each_matrix_s_product() {
         let cols = 64;
@@ -806,12 +869,13 @@ mod tests {
         };
         let mats = [
             PackedMatrix::quantize(WeightFormat::Q4_0, &matrix(5, cols), 5, cols).unwrap(),
+            PackedMatrix::quantize(WeightFormat::Q4_0, &matrix(48, cols), 48, cols).unwrap(),
             PackedMatrix::bf16(bits(70), 70, cols).unwrap(),
             PackedMatrix::quantize(WeightFormat::Q8_0, &matrix(3, cols), 3, cols).unwrap(),
             PackedMatrix::quantize(WeightFormat::Q4_0, &matrix(131, cols), 131, cols).unwrap(),
         ];
         let refs: Vec<&PackedMatrix> = mats.iter().collect();
-        for m in [1, 3] {
+        for m in [1, 3, 9] {
             let x = matrix(m, cols);
             let all = PackedMatrix::matmul_many(&refs, &x, m).unwrap();
             assert_eq!(all.len(), mats.len());
