@@ -149,13 +149,27 @@ impl KActivations {
     }
 }
 
+/// Activation rows one weight row is multiplied with at once where a kernel shares its unpacked
+/// weights between them (`q6_K` with AVX-512 VNNI: the head of a `Q4_0`/`Q4_K_M` file in a batch
+/// of decodes).
+const ROWS_AT_ONCE: usize = 4;
+
 /// `out[i] = x_i · row` for row `row` of `w` and each row `x_i` of `acts`; `cold`: the first row
 /// of a run (see [`prefetch_ahead`]).
 pub fn dot_row(w: &KRows, row: usize, acts: &KActivations, cold: bool, out: &mut [f32]) {
     prefetch_ahead(&w.data, row * w.row_bytes..(row + 1) * w.row_bytes, cold);
     let bytes = w.row(row);
-    for (i, o) in out.iter_mut().enumerate() {
-        *o = dot_fastest(w.kind, bytes, &acts.row(i));
+    let mut i = 0;
+    while i < out.len() {
+        if out.len() - i >= ROWS_AT_ONCE {
+            let rows: [KRow<'_>; ROWS_AT_ONCE] = std::array::from_fn(|t| acts.row(i + t));
+            let xs = std::array::from_fn(|t| &rows[t]);
+            out[i..i + ROWS_AT_ONCE].copy_from_slice(&dots_fastest(w.kind, bytes, &xs));
+            i += ROWS_AT_ONCE;
+        } else {
+            out[i] = dot_fastest(w.kind, bytes, &acts.row(i));
+            i += 1;
+        }
     }
 }
 
@@ -334,16 +348,20 @@ fn q4k_vnni(row: &[u8], x: &KRow<'_>) -> f32 {
     _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1])) - _mm512_reduce_add_ps(corr)
 }
 
-/// `q6_K` with AVX-512 VNNI: per 64 values (64 low nibbles and their bit pairs) one `vpdpbusd` of
-/// the unsigned 6-bit values into 16 i32 sums, 4 per scale, each scaled by `d · scale · d_x`; the
-/// offset of 32 comes off through the activations' sums, 16 scales at a time.
+/// `q6_K` with AVX-512 VNNI, one weight row against the `T` activation rows `xs`: per 64 values
+/// (64 low nibbles and their bit pairs, unpacked once for all `T`) one `vpdpbusd` of the unsigned
+/// 6-bit values per activation row into 16 i32 sums, 4 per scale, each scaled by
+/// `d · scale · d_x`; the offset of 32 comes off through the activations' sums, 16 scales at a
+/// time.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
 #[allow(unsafe_code)]
-fn q6k_vnni(row: &[u8], x: &KRow<'_>) -> f32 {
+fn q6k_vnni<const T: usize>(row: &[u8], xs: &[&KRow<'_>; T]) -> [f32; T] {
     use std::arch::x86_64::*;
     // The reads below stay inside the lengths this checks.
-    x.check(row, Q6K_BYTES);
+    for x in xs {
+        x.check(row, Q6K_BYTES);
+    }
     let (low, two_bits) = (_mm512_set1_epi8(0x0F), _mm512_set1_epi8(3));
     // Lane l of the 64 values from 64p holds values 64p + 4l ..: scale 4p + l / 4.
     let pick: [__m512i; 4] = std::array::from_fn(|p| {
@@ -352,19 +370,21 @@ fn q6k_vnni(row: &[u8], x: &KRow<'_>) -> f32 {
         unsafe { _mm512_loadu_si512(lanes.as_ptr() as *const _) }
     });
     let pairs = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
-    let mut acc = [_mm512_setzero_ps(); 2];
-    let mut corr = _mm512_setzero_ps();
+    let mut acc = [[_mm512_setzero_ps(); 2]; T];
+    let mut corr = [_mm512_setzero_ps(); T];
     for (b, block) in row.chunks_exact(Q6K_BYTES).enumerate() {
         // SAFETY: 210 bytes in the block (scales at 192..208); block `b` has 8 scales, 16 sums and
-        // 256 quants (asserted).
+        // 256 quants in every activation row (checked).
         unsafe {
             let scales = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
                 block.as_ptr().add(192) as *const _
             )));
             let scales = _mm512_mul_ps(scales, _mm512_broadcastss_ps(halves_at::<false>(block, 208)));
-            corr = _mm512_fmadd_ps(scales, _mm512_loadu_ps(x.sums.as_ptr().add(16 * b)), corr);
-            let dx = _mm512_castps256_ps512(_mm256_loadu_ps(x.scales.as_ptr().add(8 * b)));
-            let s = _mm512_mul_ps(scales, _mm512_permutexvar_ps(pairs, dx));
+            let s: [__m512; T] = std::array::from_fn(|t| {
+                corr[t] = _mm512_fmadd_ps(scales, _mm512_loadu_ps(xs[t].sums.as_ptr().add(16 * b)), corr[t]);
+                let dx = _mm512_castps256_ps512(_mm256_loadu_ps(xs[t].scales.as_ptr().add(8 * b)));
+                _mm512_mul_ps(scales, _mm512_permutexvar_ps(pairs, dx))
+            });
             for h in 0..2 {
                 let ql = _mm512_loadu_si512(block.as_ptr().add(64 * h) as *const _);
                 let qh = _mm256_loadu_si256(block.as_ptr().add(128 + 32 * h) as *const __m256i);
@@ -378,14 +398,19 @@ fn q6k_vnni(row: &[u8], x: &KRow<'_>) -> f32 {
                 ];
                 for (i, q) in pieces.into_iter().enumerate() {
                     let p = 2 * h + i;
-                    let xq = _mm512_loadu_si512(x.quants.as_ptr().add(b * QK_K + 64 * p) as *const _);
-                    let isum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, xq);
-                    acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_permutexvar_ps(pick[p], s), acc[i]);
+                    for t in 0..T {
+                        let xq = _mm512_loadu_si512(xs[t].quants.as_ptr().add(b * QK_K + 64 * p) as *const _);
+                        let isum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, xq);
+                        let scale = _mm512_permutexvar_ps(pick[p], s[t]);
+                        acc[t][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale, acc[t][i]);
+                    }
                 }
             }
         }
     }
-    _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1])) - 32.0 * _mm512_reduce_add_ps(corr)
+    std::array::from_fn(|t| {
+        _mm512_reduce_add_ps(_mm512_add_ps(acc[t][0], acc[t][1])) - 32.0 * _mm512_reduce_add_ps(corr[t])
+    })
 }
 
 /// The sum of an AVX2 register's eight lanes.
@@ -531,13 +556,24 @@ fn dot_fastest(kind: KQuant, row: &[u8], x: &KRow<'_>) -> f32 {
     fastest!(
         avx512_vnni => match kind {
             KQuant::Q4K => q4k_vnni(row, x),
-            KQuant::Q6K => q6k_vnni(row, x),
+            KQuant::Q6K => q6k_vnni(row, &[x])[0],
         },
         avx2_fma => match kind {
             KQuant::Q4K => q4k_avx2(row, x),
             KQuant::Q6K => q6k_avx2(row, x),
         },
         _ => dot_portable(kind, row, x),
+    )
+}
+
+/// [`dot_fastest`] for [`ROWS_AT_ONCE`] activation rows.
+fn dots_fastest(kind: KQuant, row: &[u8], xs: &[&KRow<'_>; ROWS_AT_ONCE]) -> [f32; ROWS_AT_ONCE] {
+    fastest!(
+        avx512_vnni => match kind {
+            KQuant::Q4K => xs.map(|x| q4k_vnni(row, x)),
+            KQuant::Q6K => q6k_vnni(row, xs),
+        },
+        _ => xs.map(|x| dot_fastest(kind, row, x)),
     )
 }
 
@@ -561,9 +597,14 @@ mod tests {
             /// One format's product, compiled for some instruction set.
             type Dot = unsafe fn(&[u8], &KRow<'_>) -> f32;
             let found = super::super::isa::detected();
+            /// One activation row through the kernel of several.
+            #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
+            fn q6k_vnni_one(row: &[u8], x: &KRow<'_>) -> f32 {
+                q6k_vnni(row, &[x])[0]
+            }
             let paths: [(&str, bool, Dot, Dot); 2] = [
                 ("avx2", found.avx2_fma, q4k_avx2, q6k_avx2),
-                ("avx512-vnni", found.avx512_vnni, q4k_vnni, q6k_vnni),
+                ("avx512-vnni", found.avx512_vnni, q4k_vnni, q6k_vnni_one),
             ];
             for (name, _, q4k, q6k) in paths.into_iter().filter(|p| p.1) {
                 let dot = if kind == KQuant::Q4K { q4k } else { q6k };
@@ -613,6 +654,24 @@ mod tests {
                 let q = (block[16 + sub / 2 * 32] >> (4 * (sub % 2))) & 0x0F;
                 let want = d * sm[sub] as f32 * q as f32 - dmin * sm[8 + sub] as f32;
                 assert_eq!(values[32 * sub], want, "sub-block {sub}");
+            }
+        }
+    }
+
+    /// A weight row against several activation rows at once (a batch of decodes) gives each
+    /// activation row's own product, for counts off the kernel's.
+    #[test]
+    fn several_activation_rows_get_their_own_products() {
+        for kind in [KQuant::Q4K, KQuant::Q6K] {
+            let (rows, cols, m) = (2, 3 * QK_K, ROWS_AT_ONCE + 2);
+            let w = KRows::new(kind, &random_rows(kind, rows, cols, 9), rows, cols).unwrap();
+            let acts = KActivations::quantize(&values(m * cols, 3), cols);
+            for r in 0..rows {
+                let mut out = vec![0f32; m];
+                dot_row(&w, r, &acts, true, &mut out);
+                for (i, &got) in out.iter().enumerate() {
+                    assert_eq!(got, dot_fastest(kind, w.row(r), &acts.row(i)), "{kind:?} ({r}, {i})");
+                }
             }
         }
     }
