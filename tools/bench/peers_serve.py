@@ -12,10 +12,11 @@ its continuous batching on), 2048 tokens a sequence, KV memory for 16 × 2048 to
 Against each, `kvlens bench serve` (vLLM's `bench serve` client: streaming chat completions,
 `ignore_eos`, TTFT from the first chunk, TPOT and ITL from the rest) runs at every `--concurrency`
 (all prompts sent at once, at most that many in flight) on two datasets: `random` text prompts and
-`synthetic-vision` (one image each, 20 % reused). Then the server's resident memory (now and
-peak, from /proc). Prints one table with kvlens ÷ llama-server ratios and writes it, with the
+`synthetic-vision` (one image each, 20 % reused). Both servers are up at once and each case runs
+against one, then the other. Then each server's resident memory (now and peak, from /proc). Prints one table with kvlens ÷ llama-server ratios and writes it, with the
 versions, as JSON under the work folder."""
 
+import contextlib
 import json
 import os
 import sys
@@ -77,17 +78,28 @@ def bench(args, port, engine, dataset, concurrency):
     return {k: r.get(k) for k in keys}
 
 
-def run_engine(args, engine, pair):
-    port = free_port()
-    cmd, env = (kvlens_server if engine == "kvlens" else llama_server)(args, pair, port)
-    rows = {}
-    with open(args.work / "serve" / f"{engine}-server.log", "w") as log, running(cmd, port, env, log) as server:
+def run_both(args, pair):
+    """Both servers up at once (an idle one waits on its socket), each case run against one and
+    then the other, so that a drift in the shared machine's speed over the run hits both alike
+    (run one after the other, llama-server's own figures moved by up to 2× between two runs of the
+    day: text at concurrency 4, 8.0 and 15.7 output tok/s)."""
+    makers = {"kvlens": kvlens_server, "llama_server": llama_server}
+    rows = {e: {} for e in makers}
+    with contextlib.ExitStack() as stack:
+        ports, servers = {}, {}
+        for engine, make in makers.items():
+            ports[engine] = free_port()
+            cmd, env = make(args, pair, ports[engine])
+            log = stack.enter_context(open(args.work / "serve" / f"{engine}-server.log", "w"))
+            servers[engine] = stack.enter_context(running(cmd, ports[engine], env, log))
         for dataset in args.datasets.split(","):
             for c in args.concurrency:
-                rows[f"{dataset}-c{c}"] = bench(args, port, engine, dataset, c)
-                print(engine, dataset, c, json.dumps(rows[f"{dataset}-c{c}"]), flush=True)
-        rss, peak = memory_kib(server.pid)
-    return {"runs": rows, "rss_gib": rss / 2**20, "peak_rss_gib": peak / 2**20}
+                for engine in makers:
+                    rows[engine][f"{dataset}-c{c}"] = bench(args, ports[engine], engine, dataset, c)
+                    print(engine, dataset, c, json.dumps(rows[engine][f"{dataset}-c{c}"]), flush=True)
+        memory = {e: memory_kib(servers[e].pid) for e in makers}
+    return {e: {"runs": rows[e], "rss_gib": memory[e][0] / 2**20, "peak_rss_gib": memory[e][1] / 2**20}
+            for e in makers}
 
 
 def main():
@@ -113,8 +125,7 @@ def main():
         "llama_cpp_commit": args.llama_commit,
         "settings": {k: getattr(args, k) for k in ("input_len", "output_len", "image_tokens",
                                                     "prompts_per_slot", "min_prompts")},
-        "kvlens": run_engine(args, "kvlens", pair),
-        "llama_server": run_engine(args, "llama-server", pair),
+        **run_both(args, pair),
     }
     (args.work / f"peers-serve-{args.format}.json").write_text(json.dumps(report, indent=1))
     ours, theirs = report["kvlens"], report["llama_server"]
