@@ -9,7 +9,9 @@
 //! (one activation row), a batch of decodes and a prefill all read the weights as one stream with
 //! nothing repacked per call (repacking per call took 26 % of a 16-sequence decode step).
 
-use super::block_dot::{self, ActRow, Activations};
+#[cfg(target_arch = "x86_64")]
+use super::block_dot::ActRow;
+use super::block_dot::{self, Activations};
 use super::isa::fastest;
 #[cfg(target_arch = "x86_64")]
 use super::packed::PREFETCH_BYTES;
@@ -139,6 +141,7 @@ impl BlockTiles {
 
     /// Group `group`'s products with activation rows `first..first + t` (`t` is 1 or [`TILE`]).
     fn tile(&self, group: usize, acts: &Activations, first: usize, t: usize) -> Sums {
+        #[cfg(target_arch = "x86_64")]
         let (scales, quants) = self.group(group);
         // One activation row's sums as a tile's.
         #[cfg(target_arch = "x86_64")]
