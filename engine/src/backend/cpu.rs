@@ -242,9 +242,10 @@ impl CpuBackend {
 
 /// Rows of activations from which a packed matrix goes through a GEMM (the bfloat16 one where the
 /// CPU has AVX-512 BF16, else widened to f32 for the f32 GEMM) instead of being multiplied row
-/// by row (`q8_0`/`q4_0` stored as integer tiles, [`PackedMatrix::is_tiled`], never are) (measured on Qwen3-VL-2B, 2-core EPYC: `q8_0`'s row-by-row kernel
+/// by row; `q8_0`/`q4_0` matrices stored as integer tiles ([`PackedMatrix::is_tiled`]) never are.
+/// Measured on Qwen3-VL-2B, 2-core EPYC: `q8_0`'s row-by-row kernel
 /// prefilled at 17.3 tokens/s against 20.7 through the f32 GEMM with AVX2 kernels, 27.3 with its
-/// AVX-512 ones; decode's few rows are bound by the bytes read).
+/// AVX-512 ones; decode's few rows are bound by the bytes read.
 const DEQUANTIZE_FROM_ROWS: usize = 32;
 
 fn rotate_half(x: &Tensor) -> candle_core::Result<Tensor> {
@@ -280,6 +281,14 @@ fn contiguous_values<'a>(storage: &'a candle_core::Storage, layout: &candle_core
         return Err(BackendError::Shape("not a contiguous tensor".into()));
     }
     Ok(&storage_values(storage)?[layout.start_offset()..][..layout.shape().elem_count()])
+}
+
+/// `f` of an f32 CPU tensor's values where they lie, or of a contiguous copy when they are not
+/// contiguous (a prefill's activations are megabytes: not copied again for each product).
+fn with_values<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> BResult<R>) -> BResult<R> {
+    let t = t.contiguous().map_err(lib)?;
+    let (storage, layout) = t.storage_and_layout();
+    f(contiguous_values(&storage, layout)?)
 }
 
 /// The rows of a 2-D f32 CPU tensor with unit column stride, where they lie in its storage.
@@ -434,16 +443,15 @@ impl Backend for CpuBackend {
                 if q.is_tiled() || m < DEQUANTIZE_FROM_ROWS {
                     // A q8_0/q4_0 matrix stored as integer tiles (any number of rows), or few rows
                     // (decode): the stored values read once, the activations quantized once.
-                    let y = q.matmul(&Self::host(x)?, m).map_err(lib)?;
+                    let y = with_values(&x.t, |x| q.matmul(x, m).map_err(lib))?;
                     Tensor::from_vec(y, (m, rows), &Device::Cpu).map_err(lib)?
-                } else if m >= DEQUANTIZE_FROM_ROWS && bf16_gemm::available() && !q.is_f16() {
+                } else if bf16_gemm::available() && !q.is_f16() {
                     // Many rows on a CPU with AVX-512 BF16: computed in bfloat16, bfloat16
                     // weights read as stored, quantized ones dequantized to bfloat16 (f16
                     // weights, which bfloat16 would round, take the f32 GEMM below).
-                    let xs = x.t.contiguous().map_err(lib)?;
-                    let (storage, layout) = xs.storage_and_layout();
-                    let values = contiguous_values(&storage, layout)?;
-                    let y = bf16_gemm::matmul(values, m, q, &self.ledger).map_err(BackendError::Shape)?;
+                    let y = with_values(&x.t, |x| {
+                        bf16_gemm::matmul(x, m, q, &self.ledger).map_err(BackendError::Shape)
+                    })?;
                     Tensor::from_vec(y, (m, rows), &Device::Cpu).map_err(lib)?
                 } else {
                     // Many rows (prefill, the vision tower): the matrix dequantized once, one
@@ -475,7 +483,7 @@ impl Backend for CpuBackend {
         let Some(packed) = packed.filter(|p| m < DEQUANTIZE_FROM_ROWS || p.iter().all(|w| w.is_tiled())) else {
             return ws.iter().map(|&(w, b)| self.linear(x, w, b)).collect();
         };
-        let ys = PackedMatrix::matmul_many(&packed, &Self::host(x)?, m).map_err(lib)?;
+        let ys = with_values(&x.t, |x| PackedMatrix::matmul_many(&packed, x, m).map_err(lib))?;
         ys.into_iter()
             .zip(packed.iter().zip(ws))
             .map(|(y, (w, &(_, b)))| {
