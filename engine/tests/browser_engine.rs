@@ -22,7 +22,9 @@
 use base64::engine::general_purpose::STANDARD;
 use base64::Engine as _;
 use kvlens_engine::arch::config::{ImageLimits, ModelConfig};
-use kvlens_engine::backend::cpu::CpuBackend;
+use kvlens_engine::arch::ggml::GgmlType;
+use kvlens_engine::arch::weight_format::WeightFormat;
+use kvlens_engine::backend::cpu::{CpuBackend, PackedMatrix};
 #[cfg(feature = "wgpu")]
 use kvlens_engine::backend::wgpu::{WgpuBackend, WgpuOptions};
 use kvlens_engine::backend::Backend;
@@ -284,4 +286,70 @@ async fn wgpu_backend_on_webgpu_gives_native_greedy_tokens() {
         "with the engine dropped, the ledger against the device's live buffers: {:?}",
         ledger.entries()
     );
+}
+
+/// The CPU backend's block products in wasm (its `simd128` kernels) are the products of the
+/// dequantized weights with the activations as GGML rounds them (8 bits per value, a scale per
+/// 32): `q8_0` and `q4_0` for rows of 35 blocks (an odd count, off the pairs `q4_0`'s activations
+/// come in), and `q4_K` and `q6_K` (a `Q4_K_M` file's formats) as a GGUF file stores them.
+#[wasm_bindgen_test]
+fn block_products_in_wasm_are_the_dequantized_products() {
+    let (rows, m) = (16, 3);
+    let wave = |i: usize, p: usize, q: usize| (i * p % q) as f32 / q as f32 - 0.5;
+    // (a matrix, its name)
+    let mut matrices: Vec<(PackedMatrix, String)> = Vec::new();
+    let cols = 35 * 32;
+    let values: Vec<f32> = (0..rows * cols).map(|i| wave(i, 7919, 1013)).collect();
+    for format in [WeightFormat::Q8_0, WeightFormat::Q4_0] {
+        let w = PackedMatrix::quantize(format, &values, rows, cols).expect("a quantizable shape");
+        matrices.push((w, format!("{format:?}")));
+    }
+    // K-quant super-blocks of pseudo-random bytes, their f16 scales set to small normal values.
+    let cols = 3 * 256;
+    for (ggml, block, scales) in [(GgmlType::Q4K, 144, &[0, 2][..]), (GgmlType::Q6K, 210, &[208][..])] {
+        let mut data: Vec<u8> = (0..rows * cols / 256 * block)
+            .map(|i| ((i as u32).wrapping_mul(2_654_435_761) >> 13) as u8)
+            .collect();
+        for (b, sb) in data.chunks_exact_mut(block).enumerate() {
+            for (k, &at) in scales.iter().enumerate() {
+                let d = half::f16::from_f32(0.001 * (1 + (b + k) % 7) as f32);
+                sb[at..at + 2].copy_from_slice(&d.to_bits().to_le_bytes());
+            }
+        }
+        let w = PackedMatrix::ggml(ggml, &data, rows, cols).expect("whole super-blocks");
+        matrices.push((w, format!("{ggml:?}")));
+    }
+    for (w, name) in matrices {
+        let cols = w.dims().1;
+        let x: Vec<f32> = (0..m * cols)
+            .map(|i| wave(i, 104_729, 997) * (1 + i / 500) as f32)
+            .collect();
+        // The activations as the kernels see them: per block of 32, values rounded to d · q (i8 q).
+        let rounded: Vec<f64> = x
+            .chunks_exact(32)
+            .flat_map(|block| {
+                let d = block.iter().fold(0f32, |a, v| a.max(v.abs())) / 127.0;
+                let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+                block
+                    .iter()
+                    .map(move |v| ((v * id).round_ties_even() as i8) as f64 * d as f64)
+            })
+            .collect();
+        let got = w.matmul(&x, m).expect("the product");
+        let wide = w.dequantize();
+        for i in 0..m {
+            for r in 0..rows {
+                let want: f64 = wide[r * cols..][..cols]
+                    .iter()
+                    .zip(&rounded[i * cols..][..cols])
+                    .map(|(&a, &b)| a as f64 * b)
+                    .sum();
+                let g = got[i * rows + r] as f64;
+                assert!(
+                    (g - want).abs() <= 1e-3 * want.abs().max(1.0),
+                    "{name} row {r}, x {i}: {g} vs {want}"
+                );
+            }
+        }
+    }
 }

@@ -22,7 +22,9 @@ use crate::memory::ledger::{Category, Held, MemoryLedger};
 use crate::sample::DeviceSampling;
 use attention::SeqAttention;
 use candle_core::{DType, Device, Tensor, D};
-use packed::PackedMatrix;
+/// Weight matrices in the formats our CPU kernels multiply (public for the browser test, which
+/// checks the wasm kernels).
+pub use packed::PackedMatrix;
 use segment_attention::RowsView;
 use std::sync::Arc;
 use vector_math::Elementwise;

@@ -8,7 +8,7 @@
 //! are scaled in f32: `Σ d_w · d_x · Σ q_w q_x − offsets`. llama.cpp takes one activation scale
 //! per 256 values (`q8_K`); one per 32 keeps the activations as close as the `q8_0`/`q4_0`
 //! products keep them. AVX-512 VNNI (64 weights per `vpdpbusd`), AVX2 (32 per `vpmaddubsw`
-//! pair), and portable code the compiler vectorises.
+//! pair), wasm `simd128` (16 per `i16x8.extmul` pair), and portable code the compiler vectorises.
 
 use super::block_dot::round_small_to_even;
 use super::isa::fastest;
@@ -110,7 +110,7 @@ struct KRow<'a> {
 impl KRow<'_> {
     /// Panics unless `row` is whole super-blocks of `block_bytes` and this activation row holds
     /// as many super-blocks' values, scales and sums: the SIMD products read within those lengths.
-    #[cfg(target_arch = "x86_64")]
+    #[cfg(any(target_arch = "x86_64", all(target_arch = "wasm32", target_feature = "simd128")))]
     fn check(&self, row: &[u8], block_bytes: usize) {
         let n = row.len() / block_bytes;
         assert!(row.len() == n * block_bytes && self.quants.len() == n * QK_K);
@@ -562,8 +562,95 @@ fn dot_fastest(kind: KQuant, row: &[u8], x: &KRow<'_>) -> f32 {
             KQuant::Q4K => q4k_avx2(row, x),
             KQuant::Q6K => q6k_avx2(row, x),
         },
-        _ => dot_portable(kind, row, x),
+        _ => {
+            #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+            return dot_simd128(kind, row, x);
+            #[allow(unreachable_code)]
+            dot_portable(kind, row, x)
+        },
     )
+}
+
+/// [`dot_portable`] with wasm's 128-bit SIMD (the tab's CPU fallback): each 16 unpacked weights
+/// times their activations by `i16x8.extmul` (at most 63 · 128 each, two summed per i16), summed
+/// in pairs into i32 lanes; each 16 (`q6_K`) or 32 (`q4_K`) values' lanes scaled in f32 lanes,
+/// summed across once per row; the offsets' terms in scalar code, once per 16 or 32 values.
+#[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+#[allow(unsafe_code)]
+fn dot_simd128(kind: KQuant, row: &[u8], x: &KRow<'_>) -> f32 {
+    use std::arch::wasm32::*;
+    /// 16 bytes at `at` of `bytes` (checked).
+    #[inline(always)]
+    fn load(bytes: &[u8], at: usize) -> v128 {
+        let bytes = &bytes[at..at + 16];
+        // SAFETY: 16 bytes, just checked; wasm's loads need no alignment.
+        unsafe { v128_load(bytes.as_ptr() as *const v128) }
+    }
+    /// 16 weights in `0..64` times 16 activations, in four i32 lanes.
+    #[inline(always)]
+    fn products(w: v128, x: v128) -> v128 {
+        i32x4_extadd_pairwise_i16x8(i16x8_add(i16x8_extmul_low_i8x16(w, x), i16x8_extmul_high_i8x16(w, x)))
+    }
+    x.check(row, kind.block_bytes());
+    // SAFETY (the activations' loads): `check` asserted whole blocks of quants per super-block.
+    let xq = |at: usize| unsafe { v128_load(x.quants.as_ptr().add(at) as *const v128) };
+    let low = u8x16_splat(0x0F);
+    let mut acc = f32x4_splat(0.0);
+    let mut offsets = 0f32;
+    match kind {
+        KQuant::Q4K => {
+            for (b, block) in row.chunks_exact(Q4K_BYTES).enumerate() {
+                let sm = scale_min_bytes(&block[4..16]);
+                let (d, dmin) = (half_at(block, 0), half_at(block, 2));
+                let (xs, sums) = (&x.scales[8 * b..][..8], &x.sums[16 * b..][..16]);
+                for pair in 0..4 {
+                    let at = 16 + 32 * pair;
+                    let (w0, w1) = (load(block, at), load(block, at + 16));
+                    for (sub, shift) in [(2 * pair, 0), (2 * pair + 1, 4)] {
+                        let nibbles = |w: v128| v128_and(u8x16_shr(w, shift), low);
+                        let xa = b * QK_K + 32 * sub;
+                        let isum = i32x4_add(products(nibbles(w0), xq(xa)), products(nibbles(w1), xq(xa + 16)));
+                        let scale = d * sm[sub] as f32 * xs[sub];
+                        acc = f32x4_add(acc, f32x4_mul(f32x4_convert_i32x4(isum), f32x4_splat(scale)));
+                        offsets += dmin * sm[8 + sub] as f32 * (sums[2 * sub] + sums[2 * sub + 1]);
+                    }
+                }
+            }
+        }
+        KQuant::Q6K => {
+            let two_bits = u8x16_splat(3);
+            for (b, block) in row.chunks_exact(Q6K_BYTES).enumerate() {
+                let d = half_at(block, 208);
+                let (xs, sums) = (&x.scales[8 * b..][..8], &x.sums[16 * b..][..16]);
+                // Runs of 32 values as in `dot_portable`: run `t` of half `h`.
+                for run in 0..8 {
+                    let (h, t) = (run / 4, run % 4);
+                    let (ql, qh) = (64 * h + 32 * (t % 2), 128 + 32 * h);
+                    let (nibble_shift, pair_shift) = (4 * (t as u32 / 2), 2 * t as u32);
+                    for half in 0..2 {
+                        let k = 2 * run + half;
+                        let nibbles = v128_and(u8x16_shr(load(block, ql + 16 * half), nibble_shift), low);
+                        let pairs = v128_and(u8x16_shr(load(block, qh + 16 * half), pair_shift), two_bits);
+                        let w = v128_or(nibbles, u8x16_shl(pairs, 4));
+                        let isum = products(w, xq(b * QK_K + 16 * k));
+                        let scale = d * block[192 + k] as i8 as f32;
+                        acc = f32x4_add(
+                            acc,
+                            f32x4_mul(f32x4_convert_i32x4(isum), f32x4_splat(scale * xs[k / 2])),
+                        );
+                        offsets += scale * 32.0 * sums[k];
+                    }
+                }
+            }
+        }
+    }
+    let lanes = [
+        f32x4_extract_lane::<0>(acc),
+        f32x4_extract_lane::<1>(acc),
+        f32x4_extract_lane::<2>(acc),
+        f32x4_extract_lane::<3>(acc),
+    ];
+    (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]) - offsets
 }
 
 /// [`dot_fastest`] for [`ROWS_AT_ONCE`] activation rows.
