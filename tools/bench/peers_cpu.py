@@ -194,9 +194,13 @@ def main():
     ap.add_argument("--cpu-isa", help="KVLENS_CPU_ISA for the kvlens runs (avx2, portable)")
     ap.add_argument("--image", default="Q4_0",
                     help="formats to time a 1024x768 image prompt in, comma-separated, or none")
+    ap.add_argument("--files-only", action="store_true",
+                    help="make the GGUF files when missing and stop (`cargo xtask bench peers-browser`)")
     args = ap.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     pairs = files(args)
+    if args.files_only:
+        return
     image = args.work / "photo_1024x768.png"
     if not image.exists():
         write_image(image)

@@ -14,6 +14,8 @@ const TRUNK_VERSION: &str = "0.21.14";
 const BINARYEN_VERSION: &str = "132.0.0";
 /// Drives Debian's Chromium in the playground test (no browser download).
 const PLAYWRIGHT_VERSION: &str = "1.65.1";
+/// wllama (llama.cpp compiled to wasm), the anchor of `cargo xtask bench peers-browser`.
+const WLLAMA_VERSION: &str = "3.13.0";
 
 fn main() -> Result<()> {
     let task = env::args().nth(1).unwrap_or_default();
@@ -41,13 +43,16 @@ fn main() -> Result<()> {
             "tools/bench/peers_serve.py",
             &env::args().skip(3).skip_while(|a| a == "--").collect::<Vec<_>>(),
         ),
+        "bench" if env::args().nth(2).as_deref() == Some("peers-browser") => {
+            bench_peers_browser(&env::args().skip(3).skip_while(|a| a == "--").collect::<Vec<_>>())
+        }
         "bench" => bench(&env::args().skip(2).collect::<Vec<_>>()),
         "soak" => soak(&env::args().skip(2).skip_while(|a| a == "--").collect::<Vec<_>>()),
         "fuzz" => fuzz(env::args().nth(2).as_deref()),
         "test-aarch64" => test_aarch64(&env::args().skip(2).skip_while(|a| a == "--").collect::<Vec<_>>()),
         "gpu-check" => gpu_check(),
         _ => {
-            eprintln!("usage: cargo xtask <task>\n\n  test   fmt check, clippy (warnings denied), all tests, the engine's wasm32 build, the engine and the playground in headless Chromium\n  browser-test  the engine in headless Chromium against native `kvlens generate`\n  e2e    the playground (trunk's build in cargo's release profile, without wasm-opt) in headless Chromium, driven by Playwright\n  demo   build the playground and serve it on http://127.0.0.1:8000/ (extra args go to `kvlens serve`)\n  golden regenerate engine/tests/fixtures/golden/ with Hugging Face transformers (extra args go to golden.py)\n  bench  kvlens generate vs transformers on a full-size random Qwen3-VL-2B (extra args go to the script)\n  bench kernels  the wgpu matmul kernels (decode GEMV, prefill GEMM) against the CPU backend (extra args go to `kvlens bench kernels`, e.g. --quick)\n  bench peers  kvlens against llama.cpp (built from the llama-cpp-python sdist) on the CPU, same GGUF files and threads (extra args go to tools/bench/peers_cpu.py, e.g. --image)\n  bench peers-serve  kvlens serve against llama-server under `kvlens bench serve` at concurrency 1, 4 and 16, text and image prompts (extra args go to tools/bench/peers_serve.py)\n  soak   kvlens serve on the demo model under 256 streaming clients for 10 minutes, then the leak checks (extra args go to `kvlens bench soak`)\n  test-aarch64  the engine's unit tests (the backend suite, the CPU kernels, the goldens) for aarch64 under qemu-user (extra args filter the tests)\n  fuzz [ITERATIONS]  every fuzz target in fuzz/ for ITERATIONS inputs each (default {DEFAULT_FUZZ_RUNS})\n  gpu-check  gpu-check/: the release kvlens with --features cuda, the engine's CUDA tests, the golden fixtures and tools/gpu_check/ (at most 64 MiB), to run on a GPU machine with gpu-check/run.sh OUT");
+            eprintln!("usage: cargo xtask <task>\n\n  test   fmt check, clippy (warnings denied), all tests, the engine's wasm32 build, the engine and the playground in headless Chromium\n  browser-test  the engine in headless Chromium against native `kvlens generate`\n  e2e    the playground (trunk's build in cargo's release profile, without wasm-opt) in headless Chromium, driven by Playwright\n  demo   build the playground and serve it on http://127.0.0.1:8000/ (extra args go to `kvlens serve`)\n  golden regenerate engine/tests/fixtures/golden/ with Hugging Face transformers (extra args go to golden.py)\n  bench  kvlens generate vs transformers on a full-size random Qwen3-VL-2B (extra args go to the script)\n  bench kernels  the wgpu matmul kernels (decode GEMV, prefill GEMM) against the CPU backend (extra args go to `kvlens bench kernels`, e.g. --quick)\n  bench peers  kvlens against llama.cpp (built from the llama-cpp-python sdist) on the CPU, same GGUF files and threads (extra args go to tools/bench/peers_cpu.py, e.g. --image)\n  bench peers-browser  the playground's wasm CPU engine against wllama in headless Chromium, same GGUF file and prompt (--format Q4_0 by default; extra args go to tools/bench/peers_browser.cjs)\n  bench peers-serve  kvlens serve against llama-server under `kvlens bench serve` at concurrency 1, 4 and 16, text and image prompts (extra args go to tools/bench/peers_serve.py)\n  soak   kvlens serve on the demo model under 256 streaming clients for 10 minutes, then the leak checks (extra args go to `kvlens bench soak`)\n  test-aarch64  the engine's unit tests (the backend suite, the CPU kernels, the goldens) for aarch64 under qemu-user (extra args filter the tests)\n  fuzz [ITERATIONS]  every fuzz target in fuzz/ for ITERATIONS inputs each (default {DEFAULT_FUZZ_RUNS})\n  gpu-check  gpu-check/: the release kvlens with --features cuda, the engine's CUDA tests, the golden fixtures and tools/gpu_check/ (at most 64 MiB), to run on a GPU machine with gpu-check/run.sh OUT");
             std::process::exit(2);
         }
     }
@@ -1001,6 +1006,65 @@ fn bench_peers(script: &str, script_args: &[String]) -> Result<()> {
         .arg("--work")
         .arg(cache_dir().join("peers"))
         .args(script_args))
+}
+
+/// `cargo xtask bench peers-browser`: tools/bench/peers_browser.cjs, the playground (built as for
+/// the demo) against wllama (from npm, cached) in headless Chromium, on the peers bench's GGUF file
+/// of `--format` (made with llama.cpp's tools when missing).
+fn bench_peers_browser(args: &[String]) -> Result<()> {
+    let (mut format, mut rest) = ("Q4_0".to_string(), Vec::new());
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        if a == "--format" {
+            format = it.next().context("--format needs a value")?.clone();
+        } else {
+            rest.push(a.clone());
+        }
+    }
+    ensure_tokenizer()?;
+    let (llama_bin, _) = ensure_llama_cpp(false)?;
+    run(cargo().args(["build", "--release", "-p", "kvlens"]))?;
+    let kvlens = target_dir().join("release").join("kvlens");
+    let work = cache_dir().join("peers");
+    run(Command::new("python3")
+        .arg("tools/bench/peers_cpu.py")
+        .arg("--kvlens")
+        .arg(&kvlens)
+        .arg("--llama-bin")
+        .arg(&llama_bin)
+        .arg("--work")
+        .arg(&work)
+        .arg("--files-only"))?;
+    let model = work.join(&format).join(format!("ckpt-{format}.gguf"));
+    if !model.is_file() {
+        bail!(
+            "no {format} file at {} (the formats: F16, Q8_0, Q4_0, Q4_K_M)",
+            model.display()
+        );
+    }
+    let dist = build_playground(&kvlens, true)?;
+    let wllama = cache_dir().join("wllama");
+    let package = wllama.join("node_modules/@wllama/wllama/package.json");
+    if !std::fs::read_to_string(&package).is_ok_and(|p| p.contains(&format!("\"version\": \"{WLLAMA_VERSION}\""))) {
+        std::fs::create_dir_all(&wllama)?;
+        run(Command::new("npm")
+            .args(["install", "--no-save", "--prefix"])
+            .arg(&wllama)
+            .arg(format!("@wllama/wllama@{WLLAMA_VERSION}")))?;
+    }
+    let tools = ensure_web_tools()?;
+    run(Command::new("node")
+        .arg("tools/bench/peers_browser.cjs")
+        .env("NODE_PATH", tools.join("node_modules"))
+        .arg("--site")
+        .arg(&dist)
+        .arg("--wllama")
+        .arg(wllama.join("node_modules/@wllama/wllama/esm"))
+        .arg("--model")
+        .arg(&model)
+        .arg("--out")
+        .arg(work.join(format!("peers-browser-{format}.json")))
+        .args(rest))
 }
 
 /// `cargo xtask bench kernels`: the release kvlens's `bench kernels` (the wgpu backend's matmul

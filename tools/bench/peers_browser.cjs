@@ -1,0 +1,252 @@
+// Benchmark: the playground's engine against wllama (llama.cpp compiled to wasm) in one headless
+// Chromium, on the same GGUF text model and prompt (`cargo xtask bench peers-browser`, which
+// builds the playground and installs wllama, then runs this). Not a test: a 2B model takes minutes.
+//
+//   NODE_PATH=~/.cache/kvlens/tools/node_modules node tools/bench/peers_browser.cjs \
+//     --site dist --wllama DIR/node_modules/@wllama/wllama/esm --model FILE.gguf [--out OUT.json]
+//
+// One static server answers everything with the cross-origin-isolation headers wllama's threads
+// need (COOP same-origin, COEP require-corp) and with range requests (our loader reads the file
+// in ranges). Each engine runs in a fresh browser with WebGPU off, so both are wasm on the CPU:
+//   - kvlens: the playground's CPU fallback (one thread: it has no wasm thread pool yet), the
+//     model loaded by URL, one chat turn; prefill and decode rates from the reply's stats line.
+//   - wllama, at 1 thread (like for like) and at `--threads` (its default, all cores): the same
+//     file by URL, the same chat prompt (the model's own template), greedy; llama.cpp's timings.
+// Load time is from the click (or call) to ready; peak memory is the largest Chromium process's
+// RSS, sampled every 200 ms while the engine loads and answers.
+const fs = require('fs');
+const http = require('http');
+const path = require('path');
+const { execFileSync } = require('child_process');
+const { chromium } = require('playwright-core');
+
+const argv = process.argv.slice(2);
+const opt = (name, fallback) => {
+  const i = argv.indexOf(`--${name}`);
+  return i >= 0 ? argv[i + 1] : fallback;
+};
+const site = path.resolve(opt('site', 'dist'));
+const wllamaDir = path.resolve(opt('wllama'));
+const model = path.resolve(opt('model'));
+const out = opt('out');
+const threads = Number(opt('threads', require('os').cpus().length));
+const tokens = Number(opt('tokens', 32));
+const prompt = opt('prompt', 'Write a long story about a lighthouse keeper.');
+const engines = opt('engines', 'kvlens,wllama-1,wllama-n').split(',');
+// The tab's tokens per step (`--max-num-batched-tokens`): start-up profiles a batch this large.
+const mnbt = Number(opt('max-num-batched-tokens', 64));
+const chromiumPath = process.env.CHROMIUM || '/usr/bin/chromium';
+
+const types = { '.html': 'text/html', '.js': 'text/javascript', '.mjs': 'text/javascript', '.wasm': 'application/wasm', '.css': 'text/css', '.json': 'application/json' };
+
+/** The page that drives wllama; `window.runWllama` returns its timings. */
+const wllamaPage = `<!doctype html><meta charset="utf-8"><title>wllama</title>
+<script type="module">
+import { Wllama } from '/wllama/index.js';
+window.runWllama = async (url, nThreads, prompt, maxTokens) => {
+  const w = new Wllama({ default: '/wllama/wasm/wllama.wasm' }, { suppressNativeLog: true });
+  const t0 = performance.now();
+  await w.loadModelFromUrl(url, { n_threads: nThreads, n_ctx: 1024, n_gpu_layers: 0, useCache: false });
+  const load_s = (performance.now() - t0) / 1e3;
+  let timings = null, text = '';
+  const t1 = performance.now();
+  await w.createChatCompletion({
+    messages: [{ role: 'user', content: prompt }], max_tokens: maxTokens, temperature: 0, top_k: 1,
+    ignore_eos: true, stream: true,
+    onData: (chunk) => { timings = chunk.timings || timings; text += chunk.choices?.[0]?.delta?.content || ''; },
+  });
+  const reply_s = (performance.now() - t1) / 1e3;
+  return { load_s, reply_s, timings, text, multithread: w.isMultithread(), threads: w.getNumThreads(),
+    version: Wllama.getLibllamaVersion ? Wllama.getLibllamaVersion() : null };
+};
+window.wllamaReady = true;
+</script>`;
+
+/** Serves `site` at /, wllama's esm at /wllama/, the model at /model.gguf. */
+function serve() {
+  const server = http.createServer((req, res) => {
+    const url = new URL(req.url, 'http://x');
+    let file;
+    if (url.pathname === '/wllama.html') {
+      res.writeHead(200, headers('text/html', Buffer.byteLength(wllamaPage)));
+      return res.end(wllamaPage);
+    } else if (url.pathname === '/model.gguf') file = model;
+    else if (url.pathname.startsWith('/wllama/')) file = path.join(wllamaDir, url.pathname.slice(8));
+    else file = path.join(site, url.pathname === '/' ? 'index.html' : url.pathname);
+    let stat;
+    try {
+      stat = fs.statSync(file);
+      if (!stat.isFile()) throw new Error('not a file');
+    } catch {
+      res.writeHead(404, headers('text/plain', 9));
+      return res.end('not found');
+    }
+    const type = types[path.extname(file)] || 'application/octet-stream';
+    const range = /^bytes=(\d+)-(\d*)$/.exec(req.headers.range || '');
+    if (range) {
+      const start = Number(range[1]);
+      const end = Math.min(range[2] ? Number(range[2]) : stat.size - 1, stat.size - 1);
+      res.writeHead(206, { ...headers(type, end - start + 1), 'Content-Range': `bytes ${start}-${end}/${stat.size}` });
+      if (req.method === 'HEAD') return res.end();
+      return fs.createReadStream(file, { start, end }).pipe(res);
+    }
+    res.writeHead(200, headers(type, stat.size));
+    if (req.method === 'HEAD') return res.end();
+    fs.createReadStream(file).pipe(res);
+  });
+  return new Promise((resolve) => server.listen(0, '127.0.0.1', () => resolve(server)));
+}
+
+function headers(type, length) {
+  return {
+    'Content-Type': type,
+    'Content-Length': length,
+    'Accept-Ranges': 'bytes',
+    'Cross-Origin-Opener-Policy': 'same-origin',
+    'Cross-Origin-Embedder-Policy': 'require-corp',
+    'Cross-Origin-Resource-Policy': 'same-origin',
+    'Cache-Control': 'no-store',
+  };
+}
+
+/** The largest RSS (bytes) among Chromium's processes now. */
+function largestChromiumRss() {
+  let largest = 0;
+  for (const pid of fs.readdirSync('/proc').filter((d) => /^\d+$/.test(d))) {
+    try {
+      const status = fs.readFileSync(`/proc/${pid}/status`, 'utf8');
+      if (!/^Name:\s*(chromium|chrome)/m.test(status)) continue;
+      const rss = /^VmRSS:\s*(\d+) kB/m.exec(status);
+      if (rss) largest = Math.max(largest, Number(rss[1]) * 1024);
+    } catch {}
+  }
+  return largest;
+}
+
+/** Runs `f(page)` in a fresh browser, sampling the peak RSS meanwhile. */
+async function inBrowser(f) {
+  const browser = await chromium.launch({
+    executablePath: chromiumPath,
+    args: ['--headless=new', '--no-sandbox', '--disable-dev-shm-usage', '--disable-webgpu'],
+  });
+  let peak = 0;
+  const sampler = setInterval(() => { peak = Math.max(peak, largestChromiumRss()); }, 200);
+  try {
+    const page = await browser.newPage();
+    // Errors in the page, but not the browser's own request for a favicon none of the pages has.
+    page.on('console', (m) => {
+      if (m.type() === 'error' && !/404 \(Not Found\)/.test(m.text())) console.log('  page error:', m.text().slice(0, 300));
+    });
+    const result = await f(page);
+    return { ...result, peak_rss_gib: peak / 2 ** 30 };
+  } finally {
+    clearInterval(sampler);
+    await browser.close();
+  }
+}
+
+async function runKvlens(base) {
+  return inBrowser(async (page) => {
+    const byTest = (id) => page.locator(`[data-testid="${id}"]`);
+    const set = async (id, value) => {
+      await byTest(id).fill(String(value));
+      await byTest(id).dispatchEvent('change');
+    };
+    await page.goto(`${base}/`);
+    await page.waitForFunction(() => !(document.querySelector('[data-testid="device"]')?.textContent ?? 'looking').includes('looking'), null, { timeout: 120e3 });
+    const device = (await byTest('device').textContent()).slice(0, 120);
+    await byTest('checkpoint-url').fill(`${base}/model.gguf`);
+    await set('max-model-len', 1024);
+    await set('kv-blocks', 64);
+    await set('max-num-batched-tokens', mnbt);
+    const started = Date.now();
+    await byTest('load-url').click();
+    // The load's phases, as the status line names them, with the time each began.
+    const phases = [];
+    let status = '';
+    for (;;) {
+      status = (await byTest('model-status').textContent()) || '';
+      // The weights read (the progress bar full) and the start-up profile after it.
+      const read = await page.evaluate(() => document.querySelector('[data-testid="load-progress"] progress')?.value === 1);
+      const phase = `${status.slice(0, 80)}${read ? ' (all weights read)' : ''}`;
+      if (!phases.length || phases[phases.length - 1][1] !== phase) phases.push([(Date.now() - started) / 1e3, phase]);
+      if (/ready|not loaded/.test(status)) break;
+      if (Date.now() - started > 3600e3) throw new Error(`kvlens still loading after an hour: ${status}`);
+      await page.waitForTimeout(250);
+    }
+    for (const [t, phase] of phases) console.log(`  ${t.toFixed(1)} s: ${phase}`);
+    if (!/ready/.test(status)) throw new Error(`kvlens did not load: ${status.slice(0, 300)}`);
+    const load_s = (Date.now() - started) / 1e3;
+    await set('max-tokens', tokens);
+    await byTest('chat-input').fill(prompt);
+    const asked = Date.now();
+    await byTest('send').click();
+    await page.waitForFunction(() => document.querySelectorAll('[data-testid="assistant-message"]')[0]?.dataset.done === 'true', null, { timeout: 3600e3 });
+    const reply_s = (Date.now() - asked) / 1e3;
+    const reply = byTest('assistant-message').first();
+    const stats = await reply.locator('.stats').textContent();
+    const m = /prefill (\d+) tokens at ([\d.]+) tok\/s · decode (\d+) tokens at ([\d.]+) tok\/s/.exec(stats);
+    if (!m) throw new Error(`no rates in the reply's stats: ${stats}`);
+    return {
+      engine: 'kvlens (wasm CPU, 1 thread)', device, max_num_batched_tokens: mnbt, load_s, phases, reply_s, stats,
+      prompt_tokens: Number(m[1]), prefill_tok_s: Number(m[2]), decode_tokens: Number(m[3]), decode_tok_s: Number(m[4]),
+      token_ids: (await reply.getAttribute('data-token-ids')).split(',').map(Number),
+    };
+  });
+}
+
+async function runWllama(base, nThreads) {
+  return inBrowser(async (page) => {
+    await page.goto(`${base}/wllama.html`);
+    await page.waitForFunction(() => window.wllamaReady === true && self.crossOriginIsolated, null, { timeout: 60e3 });
+    const r = await page.evaluate(([url, n, p, t]) => window.runWllama(url, n, p, t), [`${base}/model.gguf`, nThreads, prompt, tokens]);
+    const t = r.timings || {};
+    return {
+      engine: `wllama (wasm CPU, ${r.threads} thread${r.threads > 1 ? 's' : ''}${r.multithread ? ', multi-thread build' : ''})`,
+      load_s: r.load_s, reply_s: r.reply_s, version: r.version,
+      prompt_tokens: t.prompt_n, prefill_tok_s: t.prompt_per_second, decode_tokens: t.predicted_n, decode_tok_s: t.predicted_per_second,
+      text: r.text.slice(0, 200),
+    };
+  });
+}
+
+(async () => {
+  const server = await serve();
+  const base = `http://127.0.0.1:${server.address().port}`;
+  const wllamaVersion = JSON.parse(fs.readFileSync(path.join(wllamaDir, '..', 'package.json'), 'utf8')).version;
+  const chromiumVersion = execFileSync(chromiumPath, ['--version']).toString().trim();
+  const rows = [];
+  try {
+    for (const engine of engines) {
+      console.log(`${engine} …`);
+      const row = engine === 'kvlens' ? await runKvlens(base)
+        : await runWllama(base, engine === 'wllama-1' ? 1 : threads);
+      console.log(' ', JSON.stringify(row));
+      rows.push(row);
+    }
+  } finally {
+    server.close();
+  }
+  const kv = rows.find((r) => r.engine.startsWith('kvlens'));
+  console.log(`\n${path.basename(model)}, ${chromiumVersion}, wllama ${wllamaVersion}, ${tokens} new tokens`);
+  console.log('| engine | load s | prefill tok/s (prompt tokens) | decode tok/s | kvlens decode ÷ this | peak RSS GiB |');
+  console.log('|---|---|---|---|---|---|');
+  for (const r of rows) {
+    const ratio = kv && r !== kv ? `${(kv.decode_tok_s / r.decode_tok_s).toFixed(2)}×` : '';
+    console.log(`| ${r.engine} | ${r.load_s.toFixed(1)} | ${r.prefill_tok_s?.toFixed(2)} (${r.prompt_tokens}) | ${r.decode_tok_s?.toFixed(2)} | ${ratio} | ${r.peak_rss_gib.toFixed(2)} |`);
+  }
+  if (out) {
+    fs.writeFileSync(out, JSON.stringify({
+      date: new Date().toISOString().slice(0, 10), model: path.basename(model), cpu: cpuModel(), threads,
+      chromium: chromiumVersion, wllama: wllamaVersion, tokens, prompt, rows,
+    }, null, 2));
+  }
+})().catch((e) => {
+  console.log('FAILED', e.stack?.slice(0, 1500) || e);
+  process.exit(1);
+});
+
+function cpuModel() {
+  const line = fs.readFileSync('/proc/cpuinfo', 'utf8').split('\n').find((l) => l.startsWith('model name'));
+  return line ? line.split(':')[1].trim() : 'unknown';
+}
