@@ -101,13 +101,14 @@ pub fn kernel_paths() -> String {
         (isa.avx512_vnni, "avx512-vnni"),
         (isa.avx2_fma, "avx2"),
         (isa.neon, "neon for q8_0/q4_0, portable for the K-quants"),
+        (cfg!(all(target_arch = "wasm32", target_feature = "simd128")), "wasm simd128"),
     ]);
     let bf16 = pick(&[(isa.avx512_fma, "avx512"), (isa.avx2_fma, "avx2")]);
     let f16 = pick(&[(isa.avx2_fma, "avx2+f16c")]);
     let gemm = if bf16_gemm::available() {
         "bfloat16 GEMM (AVX-512 BF16)"
     } else {
-        "f32 GEMM (the gemm crate's)"
+        gemm_crate_kernels()
     };
     let tiles = pick(&[
         (
@@ -121,6 +122,21 @@ pub fn kernel_paths() -> String {
         "q8_0/q4_0/q4_K/q6_K rows: {blocks}; {tiles}; bf16 rows: {bf16}; f16 rows: {f16}; prefill of other packed \
          weights: {gemm}"
     )
+}
+
+/// The f32 GEMM the gemm crate runs here: it detects the CPU on its own, so `KVLENS_CPU_ISA`
+/// does not narrow it (an `avx2` run on an AVX-512 CPU still prefills with its AVX-512 kernels).
+fn gemm_crate_kernels() -> &'static str {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::arch::is_x86_feature_detected!("avx512f") {
+            return "f32 GEMM (the gemm crate's AVX-512 kernels, which KVLENS_CPU_ISA does not narrow)";
+        }
+        if std::arch::is_x86_feature_detected!("fma") {
+            return "f32 GEMM (the gemm crate's AVX2+FMA kernels)";
+        }
+    }
+    "f32 GEMM (the gemm crate's)"
 }
 
 /// The CPU backend.
