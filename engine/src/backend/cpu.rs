@@ -101,7 +101,10 @@ pub fn kernel_paths() -> String {
         (isa.avx512_vnni, "avx512-vnni"),
         (isa.avx2_fma, "avx2"),
         (isa.neon, "neon for q8_0/q4_0, portable for the K-quants"),
-        (cfg!(all(target_arch = "wasm32", target_feature = "simd128")), "wasm simd128"),
+        (
+            cfg!(all(target_arch = "wasm32", target_feature = "simd128")),
+            "wasm simd128",
+        ),
     ]);
     let bf16 = pick(&[(isa.avx512_fma, "avx512"), (isa.avx2_fma, "avx2")]);
     let f16 = pick(&[(isa.avx2_fma, "avx2+f16c")]);
