@@ -417,13 +417,16 @@ fn dot_simd128<const Q4: bool>(scales: &[u16], quants: &[u8], x: &ActRow<'_>) ->
             correction += dw * x.corrections[b];
         }
     }
-    let lanes = [
-        f32x4_extract_lane::<0>(acc),
-        f32x4_extract_lane::<1>(acc),
-        f32x4_extract_lane::<2>(acc),
-        f32x4_extract_lane::<3>(acc),
-    ];
-    (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]) - correction
+    lane_sum(acc) - correction
+}
+
+/// The sum of `v`'s four f32 lanes.
+#[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+#[inline(always)]
+pub(super) fn lane_sum(v: std::arch::wasm32::v128) -> f32 {
+    use std::arch::wasm32::f32x4_extract_lane;
+    (f32x4_extract_lane::<0>(v) + f32x4_extract_lane::<1>(v))
+        + (f32x4_extract_lane::<2>(v) + f32x4_extract_lane::<3>(v))
 }
 
 /// The product with NEON (every aarch64 CPU has it), per block: byte products widened to i16

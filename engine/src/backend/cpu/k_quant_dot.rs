@@ -644,13 +644,7 @@ fn dot_simd128(kind: KQuant, row: &[u8], x: &KRow<'_>) -> f32 {
             }
         }
     }
-    let lanes = [
-        f32x4_extract_lane::<0>(acc),
-        f32x4_extract_lane::<1>(acc),
-        f32x4_extract_lane::<2>(acc),
-        f32x4_extract_lane::<3>(acc),
-    ];
-    (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]) - offsets
+    super::block_dot::lane_sum(acc) - offsets
 }
 
 /// [`dot_fastest`] for [`ROWS_AT_ONCE`] activation rows.
