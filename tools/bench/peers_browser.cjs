@@ -12,6 +12,8 @@
 //     model loaded by URL, one chat turn; prefill and decode rates from the reply's stats line.
 //   - wllama, at 1 thread (like for like) and at `--threads` (its default, all cores): the same
 //     file by URL, the same chat prompt (the model's own template), greedy; llama.cpp's timings.
+//   - kvlens on the page's WebGPU (`kvlens-webgpu`, in a browser with WebGPU on): without a GPU
+//     that is SwiftShader, a correctness run of `--webgpu-tokens` tokens, not a speed figure.
 // Load time is from the click (or call) to ready; peak memory is the largest Chromium process's
 // RSS, sampled every 200 ms while the engine loads and answers.
 const fs = require('fs');
@@ -32,9 +34,13 @@ const out = opt('out');
 const threads = Number(opt('threads', require('os').cpus().length));
 const tokens = Number(opt('tokens', 32));
 const prompt = opt('prompt', 'Write a long story about a lighthouse keeper.');
-const engines = opt('engines', 'kvlens,wllama-1,wllama-n').split(',');
+const engines = opt('engines', 'kvlens,wllama-1,wllama-n,kvlens-webgpu').split(',');
 // The tab's tokens per step (`--max-num-batched-tokens`): start-up profiles a batch this large.
 const mnbt = Number(opt('max-num-batched-tokens', 64));
+// Our WebGPU path: on a machine without a GPU, Chromium's SwiftShader, a correctness run (seconds
+// per token), so it takes fewer tokens and a smaller profile batch.
+const webgpuTokens = Number(opt('webgpu-tokens', 4));
+const webgpuMnbt = Number(opt('webgpu-max-num-batched-tokens', 16));
 const chromiumPath = process.env.CHROMIUM || '/usr/bin/chromium';
 
 const types = { '.html': 'text/html', '.js': 'text/javascript', '.mjs': 'text/javascript', '.wasm': 'application/wasm', '.css': 'text/css', '.json': 'application/json' };
@@ -124,10 +130,11 @@ function largestChromiumRss() {
 }
 
 /** Runs `f(page)` in a fresh browser, sampling the peak RSS meanwhile. */
-async function inBrowser(f) {
+async function inBrowser(f, webgpu = false) {
+  const gpu = webgpu ? ['--enable-unsafe-webgpu', '--enable-webgpu-developer-features'] : ['--disable-webgpu'];
   const browser = await chromium.launch({
     executablePath: chromiumPath,
-    args: ['--headless=new', '--no-sandbox', '--disable-dev-shm-usage', '--disable-webgpu'],
+    args: ['--headless=new', '--no-sandbox', '--disable-dev-shm-usage', ...gpu],
   });
   let peak = 0;
   const sampler = setInterval(() => { peak = Math.max(peak, largestChromiumRss()); }, 200);
@@ -145,7 +152,8 @@ async function inBrowser(f) {
   }
 }
 
-async function runKvlens(base) {
+async function runKvlens(base, webgpu) {
+  const [steps, newTokens] = webgpu ? [webgpuMnbt, webgpuTokens] : [mnbt, tokens];
   return inBrowser(async (page) => {
     const byTest = (id) => page.locator(`[data-testid="${id}"]`);
     const set = async (id, value) => {
@@ -158,7 +166,7 @@ async function runKvlens(base) {
     await byTest('checkpoint-url').fill(`${base}/model.gguf`);
     await set('max-model-len', 1024);
     await set('kv-blocks', 64);
-    await set('max-num-batched-tokens', mnbt);
+    await set('max-num-batched-tokens', steps);
     const started = Date.now();
     await byTest('load-url').click();
     // The load's phases, as the status line names them, with the time each began.
@@ -177,7 +185,7 @@ async function runKvlens(base) {
     for (const [t, phase] of phases) console.log(`  ${t.toFixed(1)} s: ${phase}`);
     if (!/ready/.test(status)) throw new Error(`kvlens did not load: ${status.slice(0, 300)}`);
     const load_s = (Date.now() - started) / 1e3;
-    await set('max-tokens', tokens);
+    await set('max-tokens', newTokens);
     await byTest('chat-input').fill(prompt);
     const asked = Date.now();
     await byTest('send').click();
@@ -188,11 +196,12 @@ async function runKvlens(base) {
     const m = /prefill (\d+) tokens at ([\d.]+) tok\/s · decode (\d+) tokens at ([\d.]+) tok\/s/.exec(stats);
     if (!m) throw new Error(`no rates in the reply's stats: ${stats}`);
     return {
-      engine: 'kvlens (wasm CPU, 1 thread)', device, max_num_batched_tokens: mnbt, load_s, phases, reply_s, stats,
+      engine: webgpu ? `kvlens (WebGPU: ${/swiftshader/i.test(device) ? 'SwiftShader, a correctness run' : 'the adapter'})` : 'kvlens (wasm CPU, 1 thread)',
+      device, max_num_batched_tokens: steps, load_s, phases, reply_s, stats,
       prompt_tokens: Number(m[1]), prefill_tok_s: Number(m[2]), decode_tokens: Number(m[3]), decode_tok_s: Number(m[4]),
       token_ids: (await reply.getAttribute('data-token-ids')).split(',').map(Number),
     };
-  });
+  }, webgpu);
 }
 
 async function runWllama(base, nThreads) {
@@ -219,7 +228,7 @@ async function runWllama(base, nThreads) {
   try {
     for (const engine of engines) {
       console.log(`${engine} …`);
-      const row = engine === 'kvlens' ? await runKvlens(base)
+      const row = engine.startsWith('kvlens') ? await runKvlens(base, engine === 'kvlens-webgpu')
         : await runWllama(base, engine === 'wllama-1' ? 1 : threads);
       console.log(' ', JSON.stringify(row));
       rows.push(row);
@@ -227,12 +236,12 @@ async function runWllama(base, nThreads) {
   } finally {
     server.close();
   }
-  const kv = rows.find((r) => r.engine.startsWith('kvlens'));
-  console.log(`\n${path.basename(model)}, ${chromiumVersion}, wllama ${wllamaVersion}, ${tokens} new tokens`);
+  const kv = rows.find((r) => r.engine.startsWith('kvlens (wasm'));
+  console.log(`\n${path.basename(model)}, ${chromiumVersion}, wllama ${wllamaVersion}, ${tokens} new tokens (${webgpuTokens} on WebGPU)`);
   console.log('| engine | load s | prefill tok/s (prompt tokens) | decode tok/s | kvlens decode ÷ this | peak RSS GiB |');
   console.log('|---|---|---|---|---|---|');
   for (const r of rows) {
-    const ratio = kv && r !== kv ? `${(kv.decode_tok_s / r.decode_tok_s).toFixed(2)}×` : '';
+    const ratio = kv && !r.engine.startsWith('kvlens') ? `${(kv.decode_tok_s / r.decode_tok_s).toFixed(2)}×` : '';
     console.log(`| ${r.engine} | ${r.load_s.toFixed(1)} | ${r.prefill_tok_s?.toFixed(2)} (${r.prompt_tokens}) | ${r.decode_tok_s?.toFixed(2)} | ${ratio} | ${r.peak_rss_gib.toFixed(2)} |`);
   }
   if (out) {
