@@ -295,6 +295,10 @@ async fn wgpu_backend_on_webgpu_gives_native_greedy_tokens() {
 /// `q6_K` (a `Q4_K_M` file's formats) as a GGUF file stores them.
 #[wasm_bindgen_test]
 fn block_products_in_wasm_are_the_dequantized_products() {
+    // The build's `+simd128` (.cargo/config.toml) is what puts the kernels under test; a RUSTFLAGS
+    // that replaced it would leave the portable loops.
+    let paths = kvlens_engine::backend::cpu::kernel_paths();
+    assert!(paths.contains("wasm simd128"), "not the simd128 kernels: {paths}");
     let (rows, m) = (16, 3);
     let wave = |i: usize, p: usize, q: usize| (i * p % q) as f32 / q as f32 - 0.5;
     // (a matrix, its name)

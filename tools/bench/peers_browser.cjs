@@ -15,7 +15,7 @@
 //   - kvlens on the page's WebGPU (`kvlens-webgpu`, in a browser with WebGPU on): without a GPU
 //     that is SwiftShader, a correctness run of `--webgpu-tokens` tokens, not a speed figure.
 // Load time is from the click (or call) to ready; peak memory is the largest Chromium process's
-// RSS, sampled every 200 ms while the engine loads and answers.
+// RSS among this script's descendants, sampled every 200 ms while the engine loads and answers.
 const fs = require('fs');
 const http = require('http');
 const path = require('path');
@@ -23,24 +23,44 @@ const { execFileSync } = require('child_process');
 const { chromium } = require('playwright-core');
 
 const argv = process.argv.slice(2);
+// kvlens's CPU fallback, wllama at one thread and at `--threads`, kvlens on the page's WebGPU.
+const ENGINES = ['kvlens', 'wllama-1', 'wllama-n', 'kvlens-webgpu'];
+const KNOWN = ['site', 'wllama', 'model', 'out', 'threads', 'tokens', 'prompt', 'engines', 'max-num-batched-tokens',
+  'webgpu-tokens', 'webgpu-max-num-batched-tokens'];
+for (let i = 0; i < argv.length; i += 2) {
+  const name = argv[i].replace(/^--/, '');
+  if (!argv[i].startsWith('--') || !KNOWN.includes(name)) usage(`unknown argument ${argv[i]}`);
+  if (i + 1 >= argv.length) usage(`${argv[i]} needs a value`);
+}
+// The last occurrence wins (the xtask passes its defaults first).
 const opt = (name, fallback) => {
-  const i = argv.indexOf(`--${name}`);
+  const i = argv.lastIndexOf(`--${name}`);
   return i >= 0 ? argv[i + 1] : fallback;
 };
+const required = (name) => opt(name) ?? usage(`--${name} is required`);
+const number = (name, fallback) => {
+  const n = Number(opt(name, fallback));
+  return Number.isFinite(n) && n > 0 ? n : usage(`--${name} must be a positive number`);
+};
+function usage(why) {
+  console.error(`${why}\nusage: peers_browser.cjs --wllama DIR --model FILE.gguf [--site dist] [--out OUT.json] [--threads N] [--tokens N] [--prompt TEXT] [--engines ${ENGINES.join(',')}] [--max-num-batched-tokens N] [--webgpu-tokens N] [--webgpu-max-num-batched-tokens N]`);
+  process.exit(2);
+}
 const site = path.resolve(opt('site', 'dist'));
-const wllamaDir = path.resolve(opt('wllama'));
-const model = path.resolve(opt('model'));
+const wllamaDir = path.resolve(required('wllama'));
+const model = path.resolve(required('model'));
 const out = opt('out');
-const threads = Number(opt('threads', require('os').cpus().length));
-const tokens = Number(opt('tokens', 32));
+const threads = number('threads', require('os').cpus().length);
+const tokens = number('tokens', 32);
 const prompt = opt('prompt', 'Write a long story about a lighthouse keeper.');
-const engines = opt('engines', 'kvlens,wllama-1,wllama-n,kvlens-webgpu').split(',');
+const engines = opt('engines', ENGINES.join(',')).split(',');
+for (const e of engines) if (!ENGINES.includes(e)) usage(`unknown engine ${e}`);
 // The tab's tokens per step (`--max-num-batched-tokens`): start-up profiles a batch this large.
-const mnbt = Number(opt('max-num-batched-tokens', 64));
+const mnbt = number('max-num-batched-tokens', 64);
 // Our WebGPU path: on a machine without a GPU, Chromium's SwiftShader, a correctness run (seconds
 // per token), so it takes fewer tokens and a smaller profile batch.
-const webgpuTokens = Number(opt('webgpu-tokens', 4));
-const webgpuMnbt = Number(opt('webgpu-max-num-batched-tokens', 16));
+const webgpuTokens = number('webgpu-tokens', 4);
+const webgpuMnbt = number('webgpu-max-num-batched-tokens', 16);
 const chromiumPath = process.env.CHROMIUM || '/usr/bin/chromium';
 
 const types = { '.html': 'text/html', '.js': 'text/javascript', '.mjs': 'text/javascript', '.wasm': 'application/wasm', '.css': 'text/css', '.json': 'application/json' };
@@ -73,6 +93,7 @@ function serve() {
   const server = http.createServer((req, res) => {
     const url = new URL(req.url, 'http://x');
     let file;
+    url.pathname = decodeURIComponent(url.pathname);
     if (url.pathname === '/wllama.html') {
       res.writeHead(200, headers('text/html', Buffer.byteLength(wllamaPage)));
       return res.end(wllamaPage);
@@ -89,16 +110,21 @@ function serve() {
     }
     const type = types[path.extname(file)] || 'application/octet-stream';
     const range = /^bytes=(\d+)-(\d*)$/.exec(req.headers.range || '');
+    const send = (options) => fs.createReadStream(file, options).on('error', () => res.destroy()).pipe(res);
     if (range) {
       const start = Number(range[1]);
       const end = Math.min(range[2] ? Number(range[2]) : stat.size - 1, stat.size - 1);
+      if (start >= stat.size || end < start) {
+        res.writeHead(416, { ...headers('text/plain', 0), 'Content-Range': `bytes */${stat.size}` });
+        return res.end();
+      }
       res.writeHead(206, { ...headers(type, end - start + 1), 'Content-Range': `bytes ${start}-${end}/${stat.size}` });
       if (req.method === 'HEAD') return res.end();
-      return fs.createReadStream(file, { start, end }).pipe(res);
+      return send({ start, end });
     }
     res.writeHead(200, headers(type, stat.size));
     if (req.method === 'HEAD') return res.end();
-    fs.createReadStream(file).pipe(res);
+    send({});
   });
   return new Promise((resolve) => server.listen(0, '127.0.0.1', () => resolve(server)));
 }
@@ -115,17 +141,23 @@ function headers(type, length) {
   };
 }
 
-/** The largest RSS (bytes) among Chromium's processes now. */
-function largestChromiumRss() {
-  let largest = 0;
+/** The largest RSS (bytes) among the process `root` and its descendants now. */
+function largestRss(root) {
+  const procs = new Map();
   for (const pid of fs.readdirSync('/proc').filter((d) => /^\d+$/.test(d))) {
     try {
       const status = fs.readFileSync(`/proc/${pid}/status`, 'utf8');
-      if (!/^Name:\s*(chromium|chrome)/m.test(status)) continue;
-      const rss = /^VmRSS:\s*(\d+) kB/m.exec(status);
-      if (rss) largest = Math.max(largest, Number(rss[1]) * 1024);
+      const ppid = Number(/^PPid:\s*(\d+)/m.exec(status)?.[1]);
+      const rss = Number(/^VmRSS:\s*(\d+) kB/m.exec(status)?.[1] ?? 0) * 1024;
+      procs.set(Number(pid), { ppid, rss });
     } catch {}
   }
+  const inTree = (pid) => {
+    for (let p = pid, hops = 0; p > 1 && hops < 64; p = procs.get(p)?.ppid ?? 0, hops++) if (p === root) return true;
+    return false;
+  };
+  let largest = 0;
+  for (const [pid, { rss }] of procs) if (inTree(pid)) largest = Math.max(largest, rss);
   return largest;
 }
 
@@ -137,7 +169,8 @@ async function inBrowser(f, webgpu = false) {
     args: ['--headless=new', '--no-sandbox', '--disable-dev-shm-usage', ...gpu],
   });
   let peak = 0;
-  const sampler = setInterval(() => { peak = Math.max(peak, largestChromiumRss()); }, 200);
+  // Playwright starts Chromium as a child of this process: its tree is ours alone.
+  const sampler = setInterval(() => { peak = Math.max(peak, largestRss(process.pid)); }, 200);
   try {
     const page = await browser.newPage();
     // Errors in the page, but not the browser's own request for a favicon none of the pages has.
@@ -228,19 +261,25 @@ async function runWllama(base, nThreads) {
   try {
     for (const engine of engines) {
       console.log(`${engine} …`);
-      const row = engine.startsWith('kvlens') ? await runKvlens(base, engine === 'kvlens-webgpu')
-        : await runWllama(base, engine === 'wllama-1' ? 1 : threads);
-      console.log(' ', JSON.stringify(row));
-      rows.push(row);
+      try {
+        const row = engine.startsWith('kvlens') ? await runKvlens(base, engine === 'kvlens-webgpu')
+          : await runWllama(base, engine === 'wllama-1' ? 1 : threads);
+        console.log(' ', JSON.stringify(row));
+        rows.push(row);
+      } catch (e) {
+        // One engine's failure is a row of the report, not the end of the others' runs.
+        console.log(`  ${engine} FAILED: ${e.message.slice(0, 500)}`);
+        rows.push({ engine, failed: e.message.slice(0, 2000) });
+      }
     }
   } finally {
     server.close();
   }
-  const kv = rows.find((r) => r.engine.startsWith('kvlens (wasm'));
+  const kv = rows.find((r) => !r.failed && r.engine.startsWith('kvlens (wasm'));
   console.log(`\n${path.basename(model)}, ${chromiumVersion}, wllama ${wllamaVersion}, ${tokens} new tokens (${webgpuTokens} on WebGPU)`);
   console.log('| engine | load s | prefill tok/s (prompt tokens) | decode tok/s | kvlens decode ÷ this | peak RSS GiB |');
   console.log('|---|---|---|---|---|---|');
-  for (const r of rows) {
+  for (const r of rows.filter((r) => !r.failed)) {
     const ratio = kv && !r.engine.startsWith('kvlens') ? `${(kv.decode_tok_s / r.decode_tok_s).toFixed(2)}×` : '';
     console.log(`| ${r.engine} | ${r.load_s.toFixed(1)} | ${r.prefill_tok_s?.toFixed(2)} (${r.prompt_tokens}) | ${r.decode_tok_s?.toFixed(2)} | ${ratio} | ${r.peak_rss_gib.toFixed(2)} |`);
   }
@@ -250,6 +289,7 @@ async function runWllama(base, nThreads) {
       chromium: chromiumVersion, wllama: wllamaVersion, tokens, prompt, rows,
     }, null, 2));
   }
+  if (rows.some((r) => r.failed)) process.exit(1);
 })().catch((e) => {
   console.log('FAILED', e.stack?.slice(0, 1500) || e);
   process.exit(1);
