@@ -1010,7 +1010,7 @@ fn bench_peers(script: &str, script_args: &[String]) -> Result<()> {
 
 /// `cargo xtask bench peers-browser`: tools/bench/peers_browser.cjs, the playground (built as for
 /// the demo) against wllama (from npm, cached) in headless Chromium, on the peers bench's GGUF file
-/// of `--format` (made with llama.cpp's tools when missing).
+/// of `--format` (made with llama.cpp's tools, built then, when missing).
 fn bench_peers_browser(args: &[String]) -> Result<()> {
     let (mut format, mut rest) = ("Q4_0".to_string(), Vec::new());
     let mut it = args.iter();
@@ -1022,20 +1022,23 @@ fn bench_peers_browser(args: &[String]) -> Result<()> {
         }
     }
     ensure_tokenizer()?;
-    let (llama_bin, _) = ensure_llama_cpp(false)?;
     run(cargo().args(["build", "--release", "-p", "kvlens"]))?;
     let kvlens = target_dir().join("release").join("kvlens");
     let work = cache_dir().join("peers");
-    run(Command::new("python3")
-        .arg("tools/bench/peers_cpu.py")
-        .arg("--kvlens")
-        .arg(&kvlens)
-        .arg("--llama-bin")
-        .arg(&llama_bin)
-        .arg("--work")
-        .arg(&work)
-        .arg("--files-only"))?;
     let model = work.join(&format).join(format!("ckpt-{format}.gguf"));
+    if !model.is_file() {
+        // The files come from llama.cpp's quantizer, built only when one is missing.
+        let (llama_bin, _) = ensure_llama_cpp(false)?;
+        run(Command::new("python3")
+            .arg("tools/bench/peers_cpu.py")
+            .arg("--kvlens")
+            .arg(&kvlens)
+            .arg("--llama-bin")
+            .arg(&llama_bin)
+            .arg("--work")
+            .arg(&work)
+            .arg("--files-only"))?;
+    }
     if !model.is_file() {
         bail!(
             "no {format} file at {} (the formats: F16, Q8_0, Q4_0, Q4_K_M)",
