@@ -20,7 +20,11 @@ import torch
 from PIL import Image
 from transformers import AutoModelForImageTextToText, AutoProcessor
 from transformers.generation.streamers import BaseStreamer
-from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+try:  # transformers 5.2x; the GPU machine's older transformers has the PIL processor under its own name
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+except ImportError:
+    from transformers import Qwen2VLImageProcessor as Qwen2VLImageProcessorPil
 
 PROMPT = "Describe this image in detail."
 
@@ -142,7 +146,9 @@ def main():
     ap.add_argument("--formats", default="none,bf16,q8_0,q4_0",
                     help="comma-separated weight formats to run kvlens with (cpu): none (f32), bf16 "
                          "(--dtype bfloat16) or a --quantization value")
+    ap.add_argument("--anchors", default="f32,bf16", help="comma-separated transformers dtypes: f32, bf16")
     a = ap.parse_args()
+    anchors = [f"transformers_{d}" for d in a.anchors.split(",")]
     if a.device == "cuda":
         runs = [("kvlens cuda (bf16 w)", ["--backend", "cuda", "--dtype", "bfloat16"])]
     else:
@@ -171,8 +177,9 @@ def main():
         k["bandwidth_after_gb_s"] = bw if a.device == "cuda" else host_bandwidth(a.kvlens)["read_gb_s"]
         results["kvlens"][label] = k
     best_bw = max([bw] + [k["bandwidth_after_gb_s"] for k in results["kvlens"].values()])
-    results["transformers_f32"] = run_transformers(ckpt, image, a.max_tokens, torch.float32, a.device)
-    results["transformers_bf16"] = run_transformers(ckpt, image, a.max_tokens, torch.bfloat16, a.device)
+    for ref in anchors:
+        dtype = torch.float32 if ref == "transformers_f32" else torch.bfloat16
+        results[ref] = run_transformers(ckpt, image, a.max_tokens, dtype, a.device)
 
     print(f"{a.config} random checkpoint, one 1024x768 image, {a.max_tokens} new tokens, "
           f"{device}, {os.cpu_count()} CPUs")
@@ -193,7 +200,7 @@ def main():
               f"{k['bandwidth_after_gb_s']:>15.1f}{roof:>16.2f}{t['decode_tokens_per_s'] / roof:>13.0%}"
               f"{t['decode_tokens_per_s'] * read / (best_bw * 1e9):>12.0%}{k['load_s'] or 0:>8.1f}"
               f"{k['peak_rss_bytes'] / 1e9:>13.2f}")
-    for ref in ("transformers_f32", "transformers_bf16"):
+    for ref in anchors:
         r = results[ref]
         print(f"{ref.replace('_', ' '):<22}{r['prompt_tokens']:>8}{r['prefill_tokens_per_s']:>15.1f}"
               f"{r['decode_tokens_per_s']:>14.2f}")
@@ -202,7 +209,7 @@ def main():
         print(f"{label}: " + ", ".join(
             f"{t['prefill_tokens_per_s'] / results[ref]['prefill_tokens_per_s']:.2f}x prefill / "
             f"{t['decode_tokens_per_s'] / results[ref]['decode_tokens_per_s']:.2f}x decode of {ref.replace('_', ' ')}"
-            for ref in ("transformers_f32", "transformers_bf16")))
+            for ref in anchors))
     if a.out:
         with open(a.out, "w") as f:
             json.dump(results, f, indent=1)

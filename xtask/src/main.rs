@@ -827,7 +827,12 @@ fn gpu_check() -> Result<()> {
         // Line tables are for local backtraces; the GPU machine gets the code only.
         run(Command::new("strip").arg(dir.join(to)))?;
     }
-    fs::copy(&tokenizer, dir.join("tokenizer.json"))?;
+    // Gzipped (11 MiB to 2 MiB): the working tree travels with this folder, 64 MiB in all.
+    run(Command::new("sh").arg("-c").arg(format!(
+        "gzip -9c '{}' > '{}'",
+        tokenizer.display(),
+        dir.join("tokenizer.json.gz").display()
+    )))?;
     for f in ["check.py", "run.sh"] {
         fs::copy(workspace_root().join("tools/gpu_check").join(f), dir.join(f))?;
     }
@@ -842,6 +847,15 @@ fn gpu_check() -> Result<()> {
     run(Command::new("cp")
         .args(["-r", "tools/golden/configs"])
         .arg(dir.join("tools/golden")))?;
+    let vulkan = vulkan_loader_debs()?;
+    fs::create_dir_all(dir.join("vulkan"))?;
+    for deb in fs::read_dir(&vulkan)? {
+        let deb = deb?.path();
+        if deb.extension().is_none_or(|e| e != "deb") {
+            continue;
+        }
+        fs::copy(&deb, dir.join("vulkan").join(deb.file_name().context("a .deb")?))?;
+    }
     let bytes: u64 = walk(&dir)?.iter().map(|p| p.metadata().map_or(0, |m| m.len())).sum();
     println!("{}: {:.1} MiB", dir.display(), bytes as f64 / (1 << 20) as f64);
     if bytes > GPU_CHECK_MAX_BYTES {
@@ -849,6 +863,39 @@ fn gpu_check() -> Result<()> {
     }
     println!("on the GPU machine: gpu-check/run.sh OUT  (results in OUT/summary.json)");
     Ok(())
+}
+
+/// Debian's Vulkan loader and GL dispatch packages (amd64, about 0.4 MiB), for GPU machines whose
+/// image has the NVIDIA driver's Vulkan ICD but no loader; downloaded once into the cache.
+fn vulkan_loader_debs() -> Result<PathBuf> {
+    let dir = cache_dir().join("vulkan-debs");
+    if dir.join("done").exists() {
+        return Ok(dir);
+    }
+    let lists = cache_dir().join("apt-lists-amd64");
+    fs::create_dir_all(lists.join("partial"))?;
+    fs::create_dir_all(&dir)?;
+    let opts = [
+        "-oAPT::Architecture=amd64".to_string(),
+        "-oAPT::Architectures=amd64".to_string(),
+        format!("-oDir::State::Lists={}", lists.display()),
+    ];
+    run(Command::new("apt-get").args(&opts).arg("update"))?;
+    run(Command::new("apt-get")
+        .args(&opts)
+        .arg("download")
+        .args([
+            "libvulkan1",
+            "libegl1",
+            "libglvnd0",
+            "libopengl0",
+            "libgl1",
+            "libglx0",
+            "libgles2",
+        ])
+        .current_dir(&dir))?;
+    fs::write(dir.join("done"), "")?;
+    Ok(dir)
 }
 
 /// Every file under `dir`.
