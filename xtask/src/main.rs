@@ -787,8 +787,9 @@ fn target_dir() -> PathBuf {
         .unwrap_or_else(|| PathBuf::from("target"))
 }
 
-/// The most that travels to the GPU machine in one call.
-const GPU_CHECK_MAX_BYTES: u64 = 64 << 20;
+/// The most gpu-check/ may hold: a GPU call carries 64 MiB, and the repository's working tree and
+/// .git (about 19 MB on 2026-11-28) travel with the folder.
+const GPU_CHECK_MAX_BYTES: u64 = 40 << 20;
 
 /// `cargo xtask gpu-check`: the folder the GPU machine runs (see tools/gpu_check/check.py).
 fn gpu_check() -> Result<()> {
@@ -827,12 +828,12 @@ fn gpu_check() -> Result<()> {
         // Line tables are for local backtraces; the GPU machine gets the code only.
         run(Command::new("strip").arg(dir.join(to)))?;
     }
-    // Gzipped (11 MiB to 2 MiB): the working tree travels with this folder, 64 MiB in all.
-    run(Command::new("sh").arg("-c").arg(format!(
-        "gzip -9c '{}' > '{}'",
-        tokenizer.display(),
-        dir.join("tokenizer.json.gz").display()
-    )))?;
+    fs::copy(&tokenizer, dir.join("tokenizer.json"))?;
+    // Gzipped (47 MiB to 21 MiB; run.sh unpacks them): the repository's working tree and its
+    // .git travel with this folder, 64 MiB in all.
+    run(Command::new("gzip")
+        .arg("-6")
+        .args(["kvlens", "engine-cuda-tests", "tokenizer.json"].map(|f| dir.join(f))))?;
     for f in ["check.py", "run.sh"] {
         fs::copy(workspace_root().join("tools/gpu_check").join(f), dir.join(f))?;
     }
@@ -859,7 +860,7 @@ fn gpu_check() -> Result<()> {
     let bytes: u64 = walk(&dir)?.iter().map(|p| p.metadata().map_or(0, |m| m.len())).sum();
     println!("{}: {:.1} MiB", dir.display(), bytes as f64 / (1 << 20) as f64);
     if bytes > GPU_CHECK_MAX_BYTES {
-        bail!("gpu-check/ is over the 64 MiB a GPU call carries");
+        bail!("gpu-check/ is over 40 MiB: with the working tree and .git, over the 64 MiB a GPU call carries");
     }
     println!("on the GPU machine: gpu-check/run.sh OUT  (results in OUT/summary.json)");
     Ok(())
