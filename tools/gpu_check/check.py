@@ -4,7 +4,9 @@ Debian's Vulkan loader). One call of run.sh does, in this order, each step bound
 of --deadline-s, while the random checkpoints are written in the background from the start:
 
   device   the GPU's name, memory and measured device copy bandwidth (the rooflines' divisor)
-  golden   the golden fixtures through `kvlens generate --backend cuda`, f32 and bf16
+  golden   the golden fixtures through `kvlens generate --backend cuda`, f32 and bf16; then f32
+           with the tiled segment-attention kernel (KVLENS_CUDA_ATTENTION=tiled), which the
+           later CUDA steps use where it passed
   per model (Qwen3-VL-2B, then 8B; random bf16 checkpoints written there):
     anchor   `kvlens generate --backend cuda` against transformers bf16 generate on the same GPU
     serve    `kvlens serve --backend cuda`: start-up lines, planned vs measured, and
@@ -79,6 +81,9 @@ class Run:
                         "deadline_s": a.deadline_s, "steps": {}}
         self.cuda = False
         self.writers = {}
+        # The environment of the CUDA steps: KVLENS_CUDA_ATTENTION=tiled once the tiled kernel has
+        # passed the golden fixtures here.
+        self.cuda_env = dict(os.environ)
         self.bandwidth_gb_s = None
         self.device_name = NO_DEVICE
 
@@ -204,12 +209,12 @@ def golden_checkpoint(r, fixture):
     return ckpt
 
 
-def golden_step(r, backend, dtypes, cap_s, env=None):
+def golden_step(r, backend, dtypes, cap_s, env=None, key=None):
     """Each fixture (Qwen3-VL first) through `kvlens generate --backend BACKEND`, against
     transformers' float32 numbers, for at most cap_s seconds; a fixture's result is kept as soon as
     it is known."""
     results = {}
-    key = f"golden-{backend}"
+    key = key or f"golden-{backend}"
     end = time.time() + cap_s
     paths = sorted(glob.glob(os.path.join(r.fixtures, "*.json")), key=lambda p: (not p.endswith("qwen3_vl.json"), p))
     for path in paths:
@@ -264,6 +269,19 @@ def golden_step(r, backend, dtypes, cap_s, env=None):
     if not results:
         raise RuntimeError(f"no golden fixture run from {r.fixtures}")
     return {"all_ok": all(v["ok"] for v in results.values()), "runs": results, "not_run": not_run}
+
+
+def tiled_step(r):
+    """The image fixtures f32 through the tiled segment-attention kernel; where they pass, every
+    later CUDA step runs with it (the row kernel's start-up profile of the 2B took 204 s)."""
+    if not r.cuda:
+        return {"skipped": NO_DEVICE}
+    env = dict(os.environ, KVLENS_CUDA_ATTENTION="tiled")
+    result = golden_step(r, "cuda", ["float32"], r.a.golden_s / 2, env=env, key="golden-cuda-tiled")
+    if result["all_ok"]:
+        r.cuda_env = env
+    result["later_cuda_steps"] = "tiled" if result["all_ok"] else "rows"
+    return result
 
 
 def wgpu_env(r):
@@ -361,7 +379,7 @@ def anchor_step(r, config):
     path = r.detail(f"generate-vs-transformers-{label(config)}.json")
     p = r.cmd([sys.executable, os.path.join(HERE, "generate_vs_transformers.py"), "--kvlens", r.kvlens,
                "--work", r.work, "--config", config, "--device", "cuda", "--anchors", "bf16",
-               "--max-tokens", str(r.a.max_tokens), "--out", path], 300)
+               "--max-tokens", str(r.a.max_tokens), "--out", path], 300, env=r.cuda_env)
     with open(r.detail(f"generate-vs-transformers-{label(config)}.txt"), "w") as f:
         f.write(p.stdout + p.stderr)
     if p.returncode != 0:
@@ -382,6 +400,7 @@ def anchor_step(r, config):
         "decode_ratio": k["timing"]["decode_tokens_per_s"] / t["decode_tokens_per_s"],
         "prefill_ratio": k["timing"]["prefill_tokens_per_s"] / t["prefill_tokens_per_s"],
         "tokens_equal_transformers": k["token_ids"] == t["token_ids"],
+        "cuda_attention": r.cuda_env.get("KVLENS_CUDA_ATTENTION", "rows"),
         "load_s": k.get("load_s"),
     }
 
@@ -465,11 +484,12 @@ def serve_step(r, config, port):
     ckpt = checkpoint(r, config)
     logfile = r.detail(f"serve-{label(config)}.log")
     backend = "cuda" if r.cuda or not r.a.dry_run else r.a.dry_run_serve_backend
-    result = {"backend": backend}
+    result = {"backend": backend, "cuda_attention": r.cuda_env.get("KVLENS_CUDA_ATTENTION", "rows")}
     plan_args = ["--max-model-len", str(r.a.max_model_len), "--limit-mm-per-prompt", "image=1,video=0"]
     with open(logfile, "w") as logf:
         server = subprocess.Popen([r.kvlens, "serve", "--model", ckpt, "--backend", backend, "--dtype", "bfloat16",
-                                   "--port", str(port)] + plan_args, stdout=logf, stderr=subprocess.STDOUT)
+                                   "--port", str(port)] + plan_args, stdout=logf, stderr=subprocess.STDOUT,
+                                  env=r.cuda_env)
         try:
             ready = wait_ready(r, f"http://127.0.0.1:{port}/health", server, 240)
             text = open(logfile).read()
@@ -565,6 +585,7 @@ def main():
     if "golden" in steps:
         r.step("golden/cuda", lambda: golden_step(r, "cuda", list(GOLDEN_RUNS), a.golden_s)
                if r.cuda else {"skipped": NO_DEVICE})
+        r.step("golden/cuda-tiled", lambda: tiled_step(r))
     for i, config in enumerate(configs):
         if "anchor" in steps:
             r.step(f"anchor/{label(config)}", lambda: anchor_step(r, config), need_s=60)

@@ -101,11 +101,7 @@ pub async fn open<S: ModelSource>(
         #[cfg(feature = "cuda")]
         BackendKind::Cuda => {
             use crate::backend::cuda::{CudaBackend, CudaOptions};
-            let opts = CudaOptions {
-                ordinal: 0,
-                bf16_weights: choice.half_weights,
-            };
-            let be = CudaBackend::new(ledger, opts).map_err(|e| e.to_string())?;
+            let be = CudaBackend::new(ledger, CudaOptions::from_env(choice.half_weights)).map_err(|e| e.to_string())?;
             source.load_onto(be).await
         }
         #[allow(unreachable_patterns)]

@@ -5,6 +5,9 @@
 #define WARP 32
 #define ATTN_WARPS 4
 #define MAX_LANE_DIMS 8 // head_dim ≤ 256 = 32 lanes × 8
+#define ATTN_TILE_WARPS 8
+#define ATTN_TILE_ROWS 4 // query rows per warp, at most
+#define ATTN_TILE_KEYS 32 // keys per shared-memory tile: one per lane
 #define NEG_INF (__int_as_float(0xff800000))
 
 __device__ __forceinline__ float bf16_to_f32(unsigned short b) {
@@ -327,6 +330,121 @@ extern "C" __global__ void segment_attention(const float* q, const float* k, con
            out + (unsigned long long)r * cols + h * d);
 }
 
+// Attention in tiles, for many query rows over the same keys (an image's patches, a prompt's
+// tokens): the block holds ATTN_TILE_WARPS warps of `rows_per_warp` (1 to 4) query rows each, n
+// rows from r0 on. The keys any of them sees pass through shared memory ATTN_TILE_KEYS at a time
+// and serve every row of the block: a key is read from global memory once per block, not once
+// per row as in `attend`. Lane j scores key j of the tile; then each lane adds the tile's values
+// for its slice of the head (values c = lane + 32e). Online softmax per row, as `attend`.
+// Row r (of q and out) is at r · q_cols; it sees keys span.first(r) ≤ j < span.end(r), key j
+// being row key_row(j) of keys and values (stride kv_cols). Dynamic shared memory: q [rows][d]
+// (scaled), k [ATTN_TILE_KEYS][d + 1] (padded: lanes read different keys), v [ATTN_TILE_KEYS][d];
+// launch.rs sizes it (`tile_rows_per_warp`).
+template <class Span, class KeyRow>
+__device__ void attend_tiled(const float* q, const float* keys, const float* values, unsigned int q_cols,
+                             unsigned int kv_cols, unsigned int r0, unsigned int n, Span span, KeyRow key_row,
+                             float scale, unsigned int d, unsigned int rows_per_warp, float* out) {
+    extern __shared__ float tile[];
+    __shared__ unsigned int s_lo, s_hi;
+    unsigned int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
+    float* sq = tile;
+    float* sk = sq + ATTN_TILE_WARPS * rows_per_warp * d;
+    float* sv = sk + ATTN_TILE_KEYS * (d + 1);
+    if (threadIdx.x == 0) {
+        unsigned int lo = 0xffffffffu, hi = 0;
+        for (unsigned int i = 0; i < n; i++) {
+            lo = min(lo, span.first(r0 + i));
+            hi = max(hi, span.end(r0 + i));
+        }
+        s_lo = lo;
+        s_hi = hi;
+    }
+    for (unsigned int i = threadIdx.x; i < n * d; i += blockDim.x)
+        sq[i] = q[(unsigned long long)(r0 + i / d) * q_cols + i % d] * scale;
+    float m[ATTN_TILE_ROWS], l[ATTN_TILE_ROWS], acc[ATTN_TILE_ROWS][MAX_LANE_DIMS];
+    unsigned int first[ATTN_TILE_ROWS], end[ATTN_TILE_ROWS];
+#pragma unroll
+    for (unsigned int i = 0; i < ATTN_TILE_ROWS; i++) {
+        unsigned int at = warp * rows_per_warp + i;
+        bool mine = i < rows_per_warp && at < n;
+        first[i] = mine ? span.first(r0 + at) : 0;
+        end[i] = mine ? span.end(r0 + at) : 0;
+        m[i] = NEG_INF;
+        l[i] = 0.0f;
+#pragma unroll
+        for (int e = 0; e < MAX_LANE_DIMS; e++) acc[i][e] = 0.0f;
+    }
+    __syncthreads();
+    unsigned int lo = s_lo, hi = s_hi;
+    for (unsigned int t = lo; t < hi; t += ATTN_TILE_KEYS) {
+        __syncthreads(); // every warp is done with the previous tile
+        for (unsigned int i = threadIdx.x; i < ATTN_TILE_KEYS * d; i += blockDim.x) {
+            unsigned int j = i / d, c = i % d;
+            bool in = t + j < hi;
+            unsigned long long at = in ? (unsigned long long)key_row(t + j) * kv_cols + c : 0;
+            sk[j * (d + 1) + c] = in ? keys[at] : 0.0f;
+            sv[i] = in ? values[at] : 0.0f;
+        }
+        __syncthreads();
+        unsigned int key = t + lane;
+#pragma unroll
+        for (unsigned int i = 0; i < ATTN_TILE_ROWS; i++) {
+            bool sees = key >= first[i] && key < end[i];
+            if (!__any_sync(0xffffffffu, sees)) continue; // the same for every lane of the warp
+            const float* qi = sq + (warp * rows_per_warp + i) * d;
+            const float* kj = sk + lane * (d + 1);
+            float s = 0.0f;
+            for (unsigned int c = 0; c < d; c++) s += qi[c] * kj[c];
+            s = sees ? s : NEG_INF;
+            float m2 = fmaxf(m[i], warp_max(s));
+            float p = sees ? expf(s - m2) : 0.0f;
+            float correction = expf(m[i] - m2);
+            l[i] = l[i] * correction + warp_sum(p);
+#pragma unroll
+            for (int e = 0; e < MAX_LANE_DIMS; e++) acc[i][e] *= correction;
+            for (unsigned int j = 0; j < ATTN_TILE_KEYS; j++) {
+                float pj = __shfl_sync(0xffffffffu, p, j);
+                const float* vj = sv + j * d;
+#pragma unroll
+                for (int e = 0; e < MAX_LANE_DIMS; e++) {
+                    unsigned int c = lane + e * WARP;
+                    if (c < d) acc[i][e] += pj * vj[c];
+                }
+            }
+            m[i] = m2;
+        }
+    }
+#pragma unroll
+    for (unsigned int i = 0; i < ATTN_TILE_ROWS; i++) {
+        unsigned int at = warp * rows_per_warp + i;
+        if (i >= rows_per_warp || at >= n) continue;
+#pragma unroll
+        for (int e = 0; e < MAX_LANE_DIMS; e++) {
+            unsigned int c = lane + e * WARP;
+            if (c < d) out[(unsigned long long)(r0 + at) * q_cols + c] = acc[i][e] / l[i];
+        }
+    }
+}
+
+// Row r's segment: seg[2r] is its start, seg[2r+1] its length.
+struct SegmentSpan {
+    const unsigned int* seg;
+    __device__ unsigned int first(unsigned int r) const { return seg[2 * r]; }
+    __device__ unsigned int end(unsigned int r) const { return seg[2 * r] + seg[2 * r + 1]; }
+};
+
+// `segment_attention` in tiles (attend_tiled): grid (row tiles of ATTN_TILE_WARPS · rows_per_warp
+// rows, heads).
+extern "C" __global__ void segment_attention_tiled(const float* q, const float* k, const float* v,
+                                                   const unsigned int* seg, float* out, unsigned int rows,
+                                                   unsigned int heads, unsigned int d, float scale,
+                                                   unsigned int rows_per_warp) {
+    unsigned int block_rows = ATTN_TILE_WARPS * rows_per_warp, r0 = blockIdx.x * block_rows;
+    unsigned int h = blockIdx.y, cols = heads * d;
+    attend_tiled(q + h * d, k + h * d, v + h * d, cols, cols, r0, min(block_rows, rows - r0), SegmentSpan{seg},
+                 SegmentRow{0}, scale, d, rows_per_warp, out + h * d);
+}
+
 struct PagedRow {
     const unsigned int* table;
     unsigned int block_size;
@@ -344,6 +462,28 @@ extern "C" __global__ void paged_attention(const float* q, const float* kc, cons
     PagedRow key_row = {tables + meta[2 * r], block_size};
     attend(q + (unsigned long long)r * cols + h * d, kc + kvh * d, vc + kvh * d, kv_width, meta[2 * r + 1], key_row, scale, d,
            out + (unsigned long long)r * cols + h * d);
+}
+
+// Row r sees the keys before its position: meta[2r+1] of them (as `paged_attention`).
+struct CausalSpan {
+    const unsigned int* meta;
+    __device__ unsigned int first(unsigned int) const { return 0; }
+    __device__ unsigned int end(unsigned int r) const { return meta[2 * r + 1]; }
+};
+
+// `paged_attention` in tiles (attend_tiled), for prefill: grid (tiles, heads). tiles[2b] is the
+// first row of tile b and tiles[2b+1] its number of rows (at most ATTN_TILE_WARPS · rows_per_warp),
+// all of one sequence, so they share its block table (launch.rs: `causal_tiles`).
+extern "C" __global__ void paged_attention_tiled(const float* q, const float* kc, const float* vc,
+                                                 const unsigned int* meta, const unsigned int* tables,
+                                                 const unsigned int* tiles, float* out, unsigned int heads,
+                                                 unsigned int kv_heads, unsigned int d, unsigned int block_size,
+                                                 float scale, unsigned int rows_per_warp) {
+    unsigned int r0 = tiles[2 * blockIdx.x], n = tiles[2 * blockIdx.x + 1];
+    unsigned int h = blockIdx.y, kvh = h / (heads / kv_heads);
+    PagedRow key_row = {tables + meta[2 * r0], block_size};
+    attend_tiled(q + h * d, kc + kvh * d, vc + kvh * d, heads * d, kv_heads * d, r0, n, CausalSpan{meta}, key_row,
+                 scale, d, rows_per_warp, out + h * d);
 }
 
 // Greedy sampling, one block per row: the first largest of the allowed ids and its log-probability

@@ -8,7 +8,7 @@ use crate::backend::{Activation, BResult, BackendError};
 pub const SOURCE: &str = include_str!("kernels.cu");
 
 /// Every `extern "C" __global__` function of [`SOURCE`], loaded once per process.
-pub const KERNELS: [&str; 22] = [
+pub const KERNELS: [&str; 24] = [
     "to_bf16",
     "bf16_to_f32s",
     "add_bias",
@@ -29,7 +29,9 @@ pub const KERNELS: [&str; 22] = [
     "scale_rows",
     "write_kv",
     "segment_attention",
+    "segment_attention_tiled",
     "paged_attention",
+    "paged_attention_tiled",
     "greedy",
 ];
 
@@ -41,6 +43,14 @@ pub const ROW_THREADS: u32 = 256;
 pub const ATTENTION_WARPS: u32 = 4;
 /// The widest attention head the kernels hold in registers (`32 × MAX_LANE_DIMS`).
 pub const MAX_HEAD_DIM: usize = 256;
+/// Warps per block of `segment_attention_tiled` (`ATTN_TILE_WARPS` in the source).
+pub const TILE_WARPS: u32 = 8;
+/// Query rows a warp of `segment_attention_tiled` holds, at most (`ATTN_TILE_ROWS`).
+pub const TILE_ROWS_PER_WARP: u32 = 4;
+/// Keys per shared-memory tile of `segment_attention_tiled` (`ATTN_TILE_KEYS`).
+pub const TILE_KEYS: usize = 32;
+/// The dynamic shared memory a block may take without opting in to more (every GPU since 2012).
+pub const MAX_DYNAMIC_SHARED_BYTES: usize = 48 << 10;
 
 /// A launch's grid and block sizes (what `cudarc::driver::LaunchConfig` takes).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -49,6 +59,8 @@ pub struct Geometry {
     pub grid: (u32, u32, u32),
     /// Threads per block in x, y, z.
     pub block: (u32, u32, u32),
+    /// Dynamic shared memory per block, in bytes.
+    pub shared_bytes: u32,
 }
 
 fn count(n: usize, what: &str) -> BResult<u32> {
@@ -61,6 +73,7 @@ pub fn elementwise(n: usize) -> BResult<Geometry> {
     Ok(Geometry {
         grid: (n.div_ceil(ELEMENTWISE_THREADS).max(1), 1, 1),
         block: (ELEMENTWISE_THREADS, 1, 1),
+        shared_bytes: 0,
     })
 }
 
@@ -69,6 +82,7 @@ pub fn per_row(rows: usize) -> BResult<Geometry> {
     Ok(Geometry {
         grid: (count(rows, "rows")?.max(1), 1, 1),
         block: (ROW_THREADS, 1, 1),
+        shared_bytes: 0,
     })
 }
 
@@ -85,7 +99,67 @@ pub fn attention(rows: usize, heads: usize, head_dim: usize) -> BResult<Geometry
     Ok(Geometry {
         grid: (count(rows, "rows")?.max(1), heads as u32, 1),
         block: (32 * ATTENTION_WARPS, 1, 1),
+        shared_bytes: 0,
     })
+}
+
+/// Query rows per warp of the tiled attention kernels for heads of `head_dim`: the most (up to
+/// [`TILE_ROWS_PER_WARP`]) whose queries, with one tile of keys and values, fit in
+/// [`MAX_DYNAMIC_SHARED_BYTES`]. None where not even one row per warp fits (heads wider than 160
+/// values): those take the row kernels.
+pub fn tile_rows_per_warp(head_dim: usize) -> Option<u32> {
+    (1..=TILE_ROWS_PER_WARP)
+        .rev()
+        .find(|&r| tile_shared_bytes(head_dim, r) <= MAX_DYNAMIC_SHARED_BYTES)
+}
+
+/// A tiled attention block's dynamic shared memory: its queries and one tile of keys (padded by
+/// one value) and values.
+fn tile_shared_bytes(head_dim: usize, rows_per_warp: u32) -> usize {
+    4 * ((TILE_WARPS * rows_per_warp) as usize * head_dim + TILE_KEYS * (2 * head_dim + 1))
+}
+
+/// A tiled attention launch over `tiles` blocks of rows and `heads` heads, with its rows per warp.
+fn tiled(tiles: usize, heads: usize, head_dim: usize, rows_per_warp: u32) -> BResult<Geometry> {
+    attention(1, heads, head_dim)?;
+    Ok(Geometry {
+        grid: (count(tiles, "row tiles")?.max(1), heads as u32, 1),
+        block: (32 * TILE_WARPS, 1, 1),
+        shared_bytes: tile_shared_bytes(head_dim, rows_per_warp) as u32,
+    })
+}
+
+/// `segment_attention_tiled`'s launch and its rows per warp (None: the head is too wide to tile).
+pub fn segment_tiles(rows: usize, heads: usize, head_dim: usize) -> BResult<Option<(Geometry, u32)>> {
+    attention(rows, heads, head_dim)?;
+    let Some(per_warp) = tile_rows_per_warp(head_dim) else {
+        return Ok(None);
+    };
+    let block_rows = (TILE_WARPS * per_warp) as usize;
+    Ok(Some((
+        tiled(rows.div_ceil(block_rows), heads, head_dim, per_warp)?,
+        per_warp,
+    )))
+}
+
+/// `paged_attention_tiled`'s tiles: each sequence's query rows (`(first row, rows)`) cut into
+/// blocks of at most `TILE_WARPS · rows_per_warp`, as `[first row, rows]` pairs, so that a
+/// block's rows share one block table.
+pub fn causal_tiles(seqs: &[(usize, usize)], rows_per_warp: u32) -> BResult<Vec<u32>> {
+    let block_rows = (TILE_WARPS * rows_per_warp) as usize;
+    let mut tiles = Vec::new();
+    for &(start, len) in seqs {
+        for at in (0..len).step_by(block_rows) {
+            tiles.push(count(start + at, "rows")?);
+            tiles.push(count(block_rows.min(len - at), "rows")?);
+        }
+    }
+    Ok(tiles)
+}
+
+/// `paged_attention_tiled`'s launch over `tiles` tiles ([`causal_tiles`] pairs).
+pub fn paged_tiles(tiles: usize, heads: usize, head_dim: usize, rows_per_warp: u32) -> BResult<Geometry> {
+    tiled(tiles, heads, head_dim, rows_per_warp)
 }
 
 /// One block of 64 threads per sequence (x) and value head (y), for `delta_rule`.
@@ -96,6 +170,7 @@ pub fn delta_rule(seqs: usize, heads: usize) -> BResult<Geometry> {
     Ok(Geometry {
         grid: (count(seqs, "sequences")?.max(1), heads.max(1) as u32, 1),
         block: (64, 1, 1),
+        shared_bytes: 0,
     })
 }
 
@@ -151,6 +226,35 @@ mod tests {
         assert!(attention(1, 16, 512).is_err());
         assert!(attention(1, 16, 0).is_err());
         assert_eq!(per_row(3).unwrap().grid.0, 3);
+    }
+
+    #[test]
+    fn attention_tiles_take_as_many_rows_as_shared_memory_holds() {
+        // Qwen3-VL's vision heads (64), Qwen2/2.5-VL's (80), the text heads (128).
+        for (d, per_warp) in [(64, 4), (80, 4), (128, 3), (160, 1)] {
+            let (g, r) = segment_tiles(1000, 16, d).unwrap().unwrap();
+            assert_eq!(r, per_warp, "head of {d}");
+            let block_rows = (TILE_WARPS * r) as usize;
+            assert_eq!(g.grid, (1000usize.div_ceil(block_rows) as u32, 16, 1));
+            assert_eq!(g.block, (256, 1, 1));
+            assert!(g.shared_bytes as usize <= MAX_DYNAMIC_SHARED_BYTES);
+            assert_eq!(g.shared_bytes as usize, 4 * (block_rows * d + TILE_KEYS * (2 * d + 1)));
+        }
+        assert!(
+            segment_tiles(10, 16, 256).unwrap().is_none(),
+            "wide heads take the row kernel"
+        );
+        assert!(segment_tiles(10, 16, 512).is_err());
+    }
+
+    #[test]
+    fn causal_tiles_never_mix_sequences() {
+        // 3 rows per warp: blocks of 24 rows. A 50-row prefill, a decode row, a 24-row chunk.
+        let tiles = causal_tiles(&[(0, 50), (50, 1), (51, 24)], 3).unwrap();
+        assert_eq!(tiles, [0, 24, 24, 24, 48, 2, 50, 1, 51, 24]);
+        let g = paged_tiles(tiles.len() / 2, 16, 128, 3).unwrap();
+        assert_eq!((g.grid, g.block), ((5, 16, 1), (256, 1, 1)));
+        assert!(causal_tiles(&[], 4).unwrap().is_empty());
     }
 
     #[test]

@@ -39,6 +39,23 @@ pub struct CudaOptions {
     /// Keep 2-D weights (the embedding table too) in bf16: a bf16 checkpoint's as stored, others
     /// rounded; activations and the KV cache stay f32.
     pub bf16_weights: bool,
+    /// Attention over many query rows in shared-memory tiles (`segment_attention_tiled` for the
+    /// vision tower, `paged_attention_tiled` for prefill) rather than one block per query row.
+    /// Off by default until a GPU run has checked it (`KVLENS_CUDA_ATTENTION=tiled` turns it on:
+    /// [`CudaOptions::from_env`]).
+    pub tiled_attention: bool,
+}
+
+impl CudaOptions {
+    /// Device 0, with `bf16_weights`, and `KVLENS_CUDA_ATTENTION` (`tiled` or `rows`) choosing
+    /// the attention kernels.
+    pub fn from_env(bf16_weights: bool) -> Self {
+        CudaOptions {
+            ordinal: 0,
+            bf16_weights,
+            tiled_attention: std::env::var("KVLENS_CUDA_ATTENTION").is_ok_and(|v| v == "tiled"),
+        }
+    }
 }
 
 /// A weight matrix's device storage.
@@ -132,8 +149,15 @@ pub struct CudaPaged {
     tables: Arc<CudaSlice<u32>>,
     rows: usize,
     layout: KvLayout,
+    /// With tiled attention, for a step that prefills at least [`TILED_PREFILL_ROWS`] rows of
+    /// one sequence: `paged_attention_tiled`'s tiles, their number and rows per warp.
+    tiles: Option<(CudaSlice<u32>, usize, u32)>,
     _held: Held,
 }
+
+/// The fewest query rows of one sequence for which a step's attention runs in tiles: below that
+/// (decode, short chunks) most of a tile's rows would be idle.
+const TILED_PREFILL_ROWS: usize = 16;
 
 /// The vision tower's segments on the device: each row's `(start, len)`.
 #[derive(Debug)]
@@ -247,10 +271,15 @@ impl CudaBackend {
     pub fn describe(&self) -> String {
         let (major, minor) = self.compute_capability;
         format!(
-            "CUDA device {}: {} (compute capability {major}.{minor}), weights in {}",
+            "CUDA device {}: {} (compute capability {major}.{minor}), weights in {}{}",
             self.options.ordinal,
             self.device_name,
-            if self.options.bf16_weights { "bf16" } else { "f32" }
+            if self.options.bf16_weights { "bf16" } else { "f32" },
+            if self.options.tiled_attention {
+                ", attention in shared-memory tiles"
+            } else {
+                ""
+            }
         )
     }
 
@@ -342,7 +371,7 @@ impl CudaBackend {
         let cfg = LaunchConfig {
             grid_dim: g.grid,
             block_dim: g.block,
-            shared_mem_bytes: 0,
+            shared_mem_bytes: g.shared_bytes,
         };
         // SAFETY: every `launch!` passes the arguments its kernel in kernels.cu declares, in order,
         // with buffers at least as long as the element counts it is given.
@@ -554,13 +583,25 @@ impl Backend for CudaBackend {
         }
         let layout = batch.layout;
         let rows = batch.flatten()?;
-        let bytes = 4 * (rows.slots.len() + rows.meta.len()) as u64;
+        let per_warp = launch::tile_rows_per_warp(layout.head_dim)
+            .filter(|_| self.options.tiled_attention && batch.seqs.iter().any(|s| s.query_len >= TILED_PREFILL_ROWS));
+        let tiles = match per_warp {
+            Some(per_warp) => {
+                let seqs: Vec<_> = batch.seqs.iter().map(|s| (s.query_start, s.query_len)).collect();
+                let t = launch::causal_tiles(&seqs, per_warp)?;
+                Some((self.upload_u32(&t)?, t.len() / 2, per_warp))
+            }
+            None => None,
+        };
+        let tile_words = tiles.as_ref().map_or(0, |(_, n, _)| 2 * n);
+        let bytes = 4 * (rows.slots.len() + rows.meta.len() + tile_words) as u64;
         Ok(CudaPaged {
             slots: self.upload_u32(&rows.slots)?,
             meta: self.upload_u32(&rows.meta)?,
             tables: tables.ids.clone(),
             rows: rows.rows,
             layout,
+            tiles,
             _held: self.ledger.hold(Category::Activations, bytes),
         })
     }
@@ -892,11 +933,21 @@ impl Backend for CudaBackend {
         }
         let d = cols / heads;
         let g = launch::attention(rows, heads, d)?;
+        let tiles = if self.options.tiled_attention {
+            launch::segment_tiles(rows, heads, d)?
+        } else {
+            None
+        };
         let (qs, ks, vs) = (q.f32(), k.f32(), v.f32());
         let (h, d32, scale) = (heads as u32, d as u32, 1.0 / (d as f32).sqrt());
         let mut out = self.alloc_f32(rows * cols)?;
-        if rows > 0 {
-            launch!(self, "segment_attention", g; qs, ks, vs, &segments.rows, &mut out, &h, &d32, &scale)?;
+        match tiles {
+            _ if rows == 0 => {}
+            Some((g, per_warp)) => {
+                let n = rows as u32;
+                launch!(self, "segment_attention_tiled", g; qs, ks, vs, &segments.rows, &mut out, &n, &h, &d32, &scale, &per_warp)?
+            }
+            None => launch!(self, "segment_attention", g; qs, ks, vs, &segments.rows, &mut out, &h, &d32, &scale)?,
         }
         Ok(self.activation(out, vec![rows, cols]))
     }
@@ -976,9 +1027,16 @@ impl Backend for CudaBackend {
         let (h, kvh, d32, bs) = (heads as u32, l.kv_heads as u32, d as u32, l.block_size as u32);
         let scale = 1.0 / (d as f32).sqrt();
         let mut out = self.alloc_f32(rows * cols)?;
-        if rows > 0 {
-            let (kc, vc) = (&cache.keys[layer], &cache.values[layer]);
-            launch!(self, "paged_attention", g; qs, kc, vc, &batch.meta, &*batch.tables, &mut out, &h, &kvh, &d32, &bs, &scale)?;
+        let (kc, vc) = (&cache.keys[layer], &cache.values[layer]);
+        match &batch.tiles {
+            _ if rows == 0 => {}
+            Some((tiles, n, per_warp)) => {
+                let g = launch::paged_tiles(*n, heads, d, *per_warp)?;
+                launch!(self, "paged_attention_tiled", g; qs, kc, vc, &batch.meta, &*batch.tables, tiles, &mut out, &h, &kvh, &d32, &bs, &scale, per_warp)?
+            }
+            None => {
+                launch!(self, "paged_attention", g; qs, kc, vc, &batch.meta, &*batch.tables, &mut out, &h, &kvh, &d32, &bs, &scale)?
+            }
         }
         Ok(self.activation(out, vec![rows, cols]))
     }

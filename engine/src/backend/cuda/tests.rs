@@ -13,8 +13,8 @@ fn backend_with(bf16_weights: bool) -> CudaBackend {
     CudaBackend::new(
         MemoryLedger::new(),
         CudaOptions {
-            ordinal: 0,
             bf16_weights,
+            ..CudaOptions::default()
         },
     )
     .unwrap_or_else(|e| panic!("no CUDA device: {e}"))
@@ -110,11 +110,59 @@ fn bf16_linear_matches_the_cpu_on_the_same_rounded_inputs() {
     }
 }
 
+/// The tiled segment attention (`KVLENS_CUDA_ATTENTION=tiled`) against the CPU: the vision heads
+/// (64: Qwen3-VL, 80: Qwen2/2.5-VL), the widest heads that tile (128 at 3 rows a warp, 160 at 1),
+/// and segments that start and end inside key tiles and row blocks, a one-row segment among them
+/// (Qwen2.5-VL's windows are 64 rows; an image's full attention is thousands).
+#[test]
+#[ignore = "needs an NVIDIA GPU: cargo xtask gpu-check runs it there"]
+fn tiled_segment_attention_matches_the_cpu() {
+    let cpu = CpuBackend::default();
+    let gpu = tiled_backend();
+    assert!(gpu.describe().contains("tiles"));
+    let rows = 700;
+    let segs = [(0, 1), (1, 36), (37, 64), (101, 499), (600, 100)];
+    for (heads, d) in [(3, 64), (2, 80), (2, 128), (1, 160)] {
+        let [q, k, v] = [4, 5, 6].map(|s| noise(rows * heads * d, s));
+        let want = {
+            let t = |x: &Vec<f32>| cpu.upload(x.clone(), &[rows, heads * d]).unwrap();
+            host(
+                &cpu,
+                &cpu.segment_attention(&t(&q), &t(&k), &t(&v), heads, &cpu.upload_segments(&segs).unwrap())
+                    .unwrap(),
+            )
+        };
+        let got = {
+            let t = |x: &Vec<f32>| gpu.upload(x.clone(), &[rows, heads * d]).unwrap();
+            host(
+                &gpu,
+                &gpu.segment_attention(&t(&q), &t(&k), &t(&v), heads, &gpu.upload_segments(&segs).unwrap())
+                    .unwrap(),
+            )
+        };
+        assert!(max_err(&got, &want) < 1e-4, "heads of {d}: {}", max_err(&got, &want));
+    }
+}
+
+fn tiled_backend() -> CudaBackend {
+    let options = CudaOptions {
+        tiled_attention: true,
+        ..CudaOptions::default()
+    };
+    CudaBackend::new(MemoryLedger::new(), options).unwrap_or_else(|e| panic!("no CUDA device: {e}"))
+}
+
+/// The vision tower's segments and a 300-token prefill, with the row kernels and with the tiled
+/// ones (`KVLENS_CUDA_ATTENTION=tiled`).
 #[test]
 #[ignore = "needs an NVIDIA GPU: cargo xtask gpu-check runs it there"]
 fn long_attention_matches_the_cpu() {
+    long_attention_on(&backend());
+    long_attention_on(&tiled_backend());
+}
+
+fn long_attention_on(gpu: &CudaBackend) {
     let cpu = CpuBackend::default();
-    let gpu = backend();
     // The vision tower: two segments, one longer than the CPU's query chunk; heads of 80.
     let (heads, d) = (3, 80);
     let rows = 700;
@@ -131,7 +179,7 @@ fn long_attention_matches_the_cpu() {
     let got = {
         let t = |x: &Vec<f32>| gpu.upload(x.clone(), &[rows, heads * d]).unwrap();
         host(
-            &gpu,
+            gpu,
             &gpu.segment_attention(&t(&q), &t(&k), &t(&v), heads, &gpu.upload_segments(&segs).unwrap())
                 .unwrap(),
         )
@@ -178,8 +226,13 @@ fn long_attention_matches_the_cpu() {
         block_on(b.read(&b.paged_attention(&cache, 0, &qt, 4, &p).unwrap())).unwrap()
     }
     let want = prefill_on(&cpu, &table, &batch, &kq, &kk, &kv);
-    let got = prefill_on(&gpu, &table, &batch, &kq, &kk, &kv);
-    assert!(max_err(&got, &want) < 1e-4, "paged: {}", max_err(&got, &want));
+    let got = prefill_on(gpu, &table, &batch, &kq, &kk, &kv);
+    assert!(
+        max_err(&got, &want) < 1e-4,
+        "paged ({}): {}",
+        gpu.describe(),
+        max_err(&got, &want)
+    );
 }
 
 #[test]
