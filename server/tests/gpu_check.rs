@@ -85,6 +85,9 @@ fn the_gpu_check_script_runs_every_step_without_a_gpu() {
     let wgpu = result("wgpu/qwen3_vl_tiny");
     assert_eq!(wgpu["token_ids"].as_array().unwrap().len(), 4, "{wgpu}");
     assert!(wgpu["decode_tokens_per_s"].as_f64().unwrap() > 0.0, "{wgpu}");
+    // The host's share of the decode time: recording the steps, before each waits for its read.
+    let share = wgpu["decode_record_share"].as_f64().unwrap();
+    assert!(share > 0.0 && share <= 1.0, "{wgpu}");
 
     let serve = result("serve/qwen3_vl_tiny");
     assert_eq!(serve["backend"], "cpu");

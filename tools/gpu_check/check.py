@@ -391,6 +391,8 @@ def anchor_step(r, config):
         "checkpoint": ckpt,
         "kvlens_prefill_tokens_per_s": k["timing"]["prefill_tokens_per_s"],
         "kvlens_decode_tokens_per_s": k["timing"]["decode_tokens_per_s"],
+        # Near 1: decode is bound by the host recording the steps, not by the GPU.
+        "kvlens_decode_record_share": k["timing"].get("decode_record_share"),
         "decode_read_gb_per_token": (k["weights"]["decode_read_bytes_per_token"]
                                      + k["weights"].get("decode_kv_read_bytes_per_token", 0)) / 1e9,
         "roofline_decode_tokens_per_s": k.get("roofline_decode_tokens_per_s"),
@@ -421,7 +423,8 @@ def generate_once(r, ckpt, backend, dtype, env=None, cap_s=180):
     got = json.loads(p.stdout)
     return {"prompt_tokens": len(got["prompt_token_ids"]), "token_ids": got["token_ids"],
             "prefill_tokens_per_s": got["timing"]["prefill_tokens_per_s"],
-            "decode_tokens_per_s": got["timing"]["decode_tokens_per_s"]}
+            "decode_tokens_per_s": got["timing"]["decode_tokens_per_s"],
+            "decode_record_share": got["timing"].get("decode_record_share")}
 
 
 def wgpu_decode_step(r, config):
