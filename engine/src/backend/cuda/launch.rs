@@ -49,8 +49,9 @@ pub const TILE_WARPS: u32 = 8;
 pub const TILE_ROWS_PER_WARP: u32 = 4;
 /// Keys per shared-memory tile of `segment_attention_tiled` (`ATTN_TILE_KEYS`).
 pub const TILE_KEYS: usize = 32;
-/// The dynamic shared memory a block may take without opting in to more (every GPU since 2012).
-pub const MAX_DYNAMIC_SHARED_BYTES: usize = 48 << 10;
+/// The dynamic shared memory a tiled attention block takes at most: the 48 KiB a block may hold
+/// without opting in to more (every GPU since 2012), less room for its static shared variables.
+pub const MAX_DYNAMIC_SHARED_BYTES: usize = (48 << 10) - 64;
 
 /// A launch's grid and block sizes (what `cudarc::driver::LaunchConfig` takes).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -105,7 +106,7 @@ pub fn attention(rows: usize, heads: usize, head_dim: usize) -> BResult<Geometry
 
 /// Query rows per warp of the tiled attention kernels for heads of `head_dim`: the most (up to
 /// [`TILE_ROWS_PER_WARP`]) whose queries, with one tile of keys and values, fit in
-/// [`MAX_DYNAMIC_SHARED_BYTES`]. None where not even one row per warp fits (heads wider than 160
+/// [`MAX_DYNAMIC_SHARED_BYTES`]. None where not even one row per warp fits (heads wider than 170
 /// values): those take the row kernels.
 pub fn tile_rows_per_warp(head_dim: usize) -> Option<u32> {
     (1..=TILE_ROWS_PER_WARP)

@@ -14,8 +14,8 @@ mod launch;
 mod tests;
 
 use super::{
-    ready, Activation, BResult, Backend, BackendError, DeltaNetInput, DeviceMemory, KvLayout, PagedBatch, RawDType,
-    RawTensor, Readback, StateLayout, StateSeq, TableWrite,
+    Activation, BResult, Backend, BackendError, DeltaNetInput, DeviceMemory, KvLayout, PagedBatch, RawDType, RawTensor,
+    Readback, StateLayout, StateSeq, TableWrite,
 };
 use crate::fault::ledger_summary;
 use crate::memory::ledger::{Category, Held, MemoryLedger};
@@ -149,8 +149,9 @@ pub struct CudaPaged {
     tables: Arc<CudaSlice<u32>>,
     rows: usize,
     layout: KvLayout,
-    /// With tiled attention, for a step that prefills at least [`TILED_PREFILL_ROWS`] rows of
-    /// one sequence: `paged_attention_tiled`'s tiles, their number and rows per warp.
+    /// With tiled attention, for a step where at least half the rows belong to sequences of
+    /// [`TILED_PREFILL_ROWS`] rows or more: `paged_attention_tiled`'s tiles, their number and
+    /// rows per warp.
     tiles: Option<(CudaSlice<u32>, usize, u32)>,
     _held: Held,
 }
@@ -540,13 +541,15 @@ impl Backend for CudaBackend {
         }
     }
 
+    /// The copy (which waits for the stream) happens when the read is first polled, so recording
+    /// a step ends before its kernels finish: the engine's one wait is the await of this future.
     fn read(&self, t: &CudaTensor) -> Readback {
-        let n = t.numel();
-        let host = self.stream.clone_dtoh(&*t.data).map_err(lib);
-        ready(host.map(|mut v: Vec<f32>| {
+        let (n, data, stream) = (t.numel(), t.data.clone(), self.stream.clone());
+        Box::pin(async move {
+            let mut v = stream.clone_dtoh(&*data).map_err(lib)?;
             v.truncate(n);
-            v
-        }))
+            Ok(v)
+        })
     }
 
     fn alloc_block_tables(&self, layout: KvLayout) -> BResult<CudaBlockTables> {
@@ -583,8 +586,15 @@ impl Backend for CudaBackend {
         }
         let layout = batch.layout;
         let rows = batch.flatten()?;
+        // Tiles pay where most rows prefill: a decode row in a tile keeps one warp of eight busy.
+        let prefill_rows: usize = batch
+            .seqs
+            .iter()
+            .map(|s| s.query_len)
+            .filter(|&n| n >= TILED_PREFILL_ROWS)
+            .sum();
         let per_warp = launch::tile_rows_per_warp(layout.head_dim)
-            .filter(|_| self.options.tiled_attention && batch.seqs.iter().any(|s| s.query_len >= TILED_PREFILL_ROWS));
+            .filter(|_| self.options.tiled_attention && prefill_rows > 0 && 2 * prefill_rows >= rows.rows);
         let tiles = match per_warp {
             Some(per_warp) => {
                 let seqs: Vec<_> = batch.seqs.iter().map(|s| (s.query_start, s.query_len)).collect();
