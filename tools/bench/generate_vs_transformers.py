@@ -38,12 +38,12 @@ def make_image(path, width, height):
     Image.fromarray(img).save(path)
 
 
-def cuda_copy_bandwidth_gb_s():
-    """Sustained device-to-device copy bandwidth (read + write) of a 1 GiB array, best of five."""
+def cuda_copy_bandwidth_gb_s(reps=5):
+    """Sustained device-to-device copy bandwidth (read + write) of a 1 GiB array, best of reps."""
     a = torch.ones(1 << 28, dtype=torch.float32, device="cuda")
     b = torch.empty_like(a)
     best = 0.0
-    for _ in range(5):
+    for _ in range(reps):
         torch.cuda.synchronize()
         t = time.perf_counter()
         b.copy_(a)

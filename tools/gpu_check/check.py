@@ -157,16 +157,12 @@ def device_step(r):
     r.cuda = True
     props = torch.cuda.get_device_properties(0)
     r.device_name = props.name
-    a = torch.ones(1 << 28, dtype=torch.float32, device="cuda")  # 1 GiB
-    b = torch.empty_like(a)
-    best = 0.0
-    for _ in range(10):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        b.copy_(a)
-        torch.cuda.synchronize()
-        best = max(best, 2 * a.numel() * 4 / (time.perf_counter() - t) / 1e9)
-    del a, b
+    # Beside this script in gpu-check/; in tools/bench/ in the repository.
+    sys.path.insert(0, HERE if os.path.exists(os.path.join(HERE, "generate_vs_transformers.py"))
+                    else os.path.join(HERE, "..", "bench"))
+    from generate_vs_transformers import cuda_copy_bandwidth_gb_s
+
+    best = cuda_copy_bandwidth_gb_s(reps=10)
     torch.cuda.empty_cache()
     r.bandwidth_gb_s = best
     found.update({

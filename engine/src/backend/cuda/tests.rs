@@ -120,28 +120,36 @@ fn tiled_segment_attention_matches_the_cpu() {
     let cpu = CpuBackend::default();
     let gpu = tiled_backend();
     assert!(gpu.describe().contains("tiles"));
-    let rows = 700;
     let segs = [(0, 1), (1, 36), (37, 64), (101, 499), (600, 100)];
     for (heads, d) in [(3, 64), (2, 80), (2, 128), (1, 160)] {
-        let [q, k, v] = [4, 5, 6].map(|s| noise(rows * heads * d, s));
-        let want = {
-            let t = |x: &Vec<f32>| cpu.upload(x.clone(), &[rows, heads * d]).unwrap();
-            host(
-                &cpu,
-                &cpu.segment_attention(&t(&q), &t(&k), &t(&v), heads, &cpu.upload_segments(&segs).unwrap())
-                    .unwrap(),
-            )
-        };
-        let got = {
-            let t = |x: &Vec<f32>| gpu.upload(x.clone(), &[rows, heads * d]).unwrap();
-            host(
-                &gpu,
-                &gpu.segment_attention(&t(&q), &t(&k), &t(&v), heads, &gpu.upload_segments(&segs).unwrap())
-                    .unwrap(),
-            )
-        };
-        assert!(max_err(&got, &want) < 1e-4, "heads of {d}: {}", max_err(&got, &want));
+        let err = segment_error(&cpu, &gpu, heads, d, &segs);
+        assert!(err < 1e-4, "heads of {d}: {err}");
     }
+}
+
+/// The largest difference between the CPU's and `gpu`'s segment attention over random q, k, v of
+/// the rows the segments cover.
+fn segment_error(cpu: &CpuBackend, gpu: &CudaBackend, heads: usize, d: usize, segs: &[(usize, usize)]) -> f32 {
+    let rows = segs.iter().map(|&(_, n)| n).sum::<usize>();
+    let [q, k, v] = [1, 2, 3].map(|s| noise(rows * heads * d, s));
+    fn on<B: Backend>(
+        b: &B,
+        qkv: [&Vec<f32>; 3],
+        shape: [usize; 2],
+        heads: usize,
+        segs: &[(usize, usize)],
+    ) -> Vec<f32> {
+        let [q, k, v] = qkv.map(|x| b.upload(x.clone(), &shape).unwrap());
+        let out = b
+            .segment_attention(&q, &k, &v, heads, &b.upload_segments(segs).unwrap())
+            .unwrap();
+        block_on(b.read(&out)).unwrap()
+    }
+    let shape = [rows, heads * d];
+    max_err(
+        &on(gpu, [&q, &k, &v], shape, heads, segs),
+        &on(cpu, [&q, &k, &v], shape, heads, segs),
+    )
 }
 
 fn tiled_backend() -> CudaBackend {
@@ -164,27 +172,8 @@ fn long_attention_matches_the_cpu() {
 fn long_attention_on(gpu: &CudaBackend) {
     let cpu = CpuBackend::default();
     // The vision tower: two segments, one longer than the CPU's query chunk; heads of 80.
-    let (heads, d) = (3, 80);
-    let rows = 700;
-    let [q, k, v] = [1, 2, 3].map(|s| noise(rows * heads * d, s));
-    let segs = [(0, 600), (600, 100)];
-    let want = {
-        let t = |x: &Vec<f32>| cpu.upload(x.clone(), &[rows, heads * d]).unwrap();
-        host(
-            &cpu,
-            &cpu.segment_attention(&t(&q), &t(&k), &t(&v), heads, &cpu.upload_segments(&segs).unwrap())
-                .unwrap(),
-        )
-    };
-    let got = {
-        let t = |x: &Vec<f32>| gpu.upload(x.clone(), &[rows, heads * d]).unwrap();
-        host(
-            gpu,
-            &gpu.segment_attention(&t(&q), &t(&k), &t(&v), heads, &gpu.upload_segments(&segs).unwrap())
-                .unwrap(),
-        )
-    };
-    assert!(max_err(&got, &want) < 1e-4, "segments: {}", max_err(&got, &want));
+    let err = segment_error(&cpu, gpu, 3, 80, &[(0, 600), (600, 100)]);
+    assert!(err < 1e-4, "segments ({}): {err}", gpu.describe());
 
     // The decoder: GQA (4 heads over 2 KV heads of 128), 300 tokens over shuffled blocks of 16,
     // prefilled in one step, then one decode row.
