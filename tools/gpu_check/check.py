@@ -364,6 +364,7 @@ def checkpoint(r, config):
             code = proc.wait(max(1.0, r.left()))
         except subprocess.TimeoutExpired:
             proc.kill()
+            shutil.rmtree(ckpt, ignore_errors=True)
             raise RuntimeError("random-checkpoint did not finish before the deadline")
         r.summary.setdefault("checkpoints", {})[label(config)] = {"exit": code,
                                                                   "seconds": round(time.time() - started, 1)}
@@ -606,8 +607,13 @@ def main():
         r.step("vulkan/kernels", lambda: kernels_step(r), need_s=30)
     if "suite" in steps:
         r.step("suite", lambda: suite_step(r))
-    for proc, _ in r.writers.values():
-        proc.kill()
+    # A writer still running is stopped, and its half-written checkpoint removed: a later call
+    # would otherwise take the folder for a finished one.
+    for config, (proc, _) in r.writers.items():
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+            shutil.rmtree(os.path.join(r.work, label(config) + "-random-bf16"), ignore_errors=True)
     log("done: " + json.dumps({k: ("error" not in v) for k, v in r.summary["steps"].items()}))
 
 
