@@ -76,9 +76,12 @@ pub fn Playground(#[prop(optional)] lesson: Option<&'static str>) -> impl IntoVi
     let replaying = RwSignal::new(false);
 
     let on_event = move |msg: FromWorker| match msg {
-        FromWorker::Device(text) => {
+        FromWorker::Device { text, cpu } => {
             device_text.set(text);
             has_device.set(true);
+            if cpu {
+                settings.update(Settings::for_cpu_fallback);
+            }
         }
         FromWorker::Status(text) => status.set(text),
         FromWorker::Verdict(text) => verdict_text.set(Some(text)),

@@ -61,8 +61,13 @@ pub enum ToWorker {
 /// What the worker tells the page.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub enum FromWorker {
-    /// The backend the worker opened, in words (first message: the worker listens from now on).
-    Device(String),
+    /// The backend the worker opened (first message: the worker listens from now on).
+    Device {
+        /// The backend and adapter, in words.
+        text: String,
+        /// No WebGPU: the CPU backend in wasm, whose start-up profile of a large step takes minutes.
+        cpu: bool,
+    },
     /// Where loading is.
     Status(String),
     /// The planner's verdict before any weight is read.

@@ -70,7 +70,10 @@ pub fn run() {
     handler.forget();
     wasm_bindgen_futures::spawn_local(async move {
         let device = Device::open().await;
-        post(&FromWorker::Device(device.describe()));
+        post(&FromWorker::Device {
+            text: device.describe(),
+            cpu: matches!(device, Device::Cpu(_)),
+        });
         state.borrow_mut().device = Some(Rc::new(device));
     });
 }
