@@ -12,8 +12,18 @@ import json
 import os
 import re
 import subprocess
+import sys
 import tempfile
 import time
+
+# `--cpu-isa avx2`: both engines on the code an AVX2 laptop would run, on whatever CPU this is.
+# torch's three CPU libraries read their caps when loaded, so they are set before the import: ATen's
+# own kernels, oneDNN's, and MKL's GEMM (which the other two leave free to use AVX-512). kvlens
+# reads KVLENS_CPU_ISA; `cargo xtask bench --cpu-isa avx2` also builds it without gemm's AVX-512.
+AVX2_ENV = {"KVLENS_CPU_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
+            "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+if "--cpu-isa=avx2" in sys.argv or any(a == "--cpu-isa" and b == "avx2" for a, b in zip(sys.argv, sys.argv[1:])):
+    os.environ.update(AVX2_ENV)
 
 import numpy as np
 import torch
@@ -147,6 +157,7 @@ def main():
                     help="comma-separated weight formats to run kvlens with (cpu): none (f32), bf16 "
                          "(--dtype bfloat16) or a --quantization value")
     ap.add_argument("--anchors", default="f32,bf16", help="comma-separated transformers dtypes: f32, bf16")
+    ap.add_argument("--cpu-isa", choices=["avx2"], help="cap both engines at AVX2 (see AVX2_ENV)")
     a = ap.parse_args()
     anchors = [f"transformers_{d}" for d in a.anchors.split(",")]
     if a.device == "cuda":
@@ -165,7 +176,7 @@ def main():
 
     device = torch.cuda.get_device_name(0) if a.device == "cuda" else cpu_model()
     results = {"machine": {"cpus": os.cpu_count(), "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
-                           "device": device}}
+                           "device": device, "cpu_isa_env": {k: os.environ.get(k) for k in AVX2_ENV}}}
     if a.device == "cuda":
         results["bandwidth"] = {"read_gb_s": cuda_copy_bandwidth_gb_s(), "kind": "device copy (read + write)"}
     else:
@@ -182,7 +193,7 @@ def main():
         results[ref] = run_transformers(ckpt, image, a.max_tokens, dtype, a.device)
 
     print(f"{a.config} random checkpoint, one 1024x768 image, {a.max_tokens} new tokens, "
-          f"{device}, {os.cpu_count()} CPUs")
+          f"{device}, {os.cpu_count()} CPUs" + (", both engines capped at AVX2" if a.cpu_isa else ""))
     print(f"bandwidth: {bw:.1f} GB/s before the runs, {best_bw:.1f} GB/s the highest reading "
           f"({results['bandwidth']['kind']})")
     print(f"{'engine':<22}{'prompt':>8}{'prefill tok/s':>15}{'decode tok/s':>14}{'weights GB':>12}"
@@ -200,6 +211,9 @@ def main():
               f"{k['bandwidth_after_gb_s']:>15.1f}{roof:>16.2f}{t['decode_tokens_per_s'] / roof:>13.0%}"
               f"{t['decode_tokens_per_s'] * read / (best_bw * 1e9):>12.0%}{k['load_s'] or 0:>8.1f}"
               f"{k['peak_rss_bytes'] / 1e9:>13.2f}")
+    kernels = next((k["timing"].get("cpu_kernels") for k in results["kvlens"].values()), None)
+    if kernels:
+        print(f"kvlens kernels: {kernels}")
     for ref in anchors:
         r = results[ref]
         print(f"{ref.replace('_', ' '):<22}{r['prompt_tokens']:>8}{r['prefill_tokens_per_s']:>15.1f}"

@@ -916,11 +916,11 @@ fn walk(dir: &Path) -> Result<Vec<PathBuf>> {
 /// `cargo xtask bench`: kvlens generate against transformers on a full-size random checkpoint.
 fn bench(script_args: &[String]) -> Result<()> {
     let python = reference_python()?;
-    run(cargo().args(["build", "--release", "-p", "kvlens"]))?;
+    let kvlens = release_kvlens(avx2_only(script_args))?;
     run(Command::new(&python)
         .arg("tools/bench/generate_vs_transformers.py")
         .arg("--kvlens")
-        .arg(target_dir().join("release").join("kvlens"))
+        .arg(kvlens)
         .arg("--work")
         .arg(cache_dir().join("bench"))
         .args(script_args))
@@ -1035,19 +1035,47 @@ fn ensure_llama_cpp(avx2_only: bool) -> Result<(PathBuf, String)> {
     ))
 }
 
+/// Whether a bench's arguments ask for the AVX2 path (`--cpu-isa avx2`): every engine on the code
+/// an AVX2 laptop would run.
+fn avx2_only(script_args: &[String]) -> bool {
+    script_args.iter().any(|a| a == "--cpu-isa=avx2")
+        || script_args.windows(2).any(|w| w[0] == "--cpu-isa" && w[1] == "avx2")
+}
+
+/// The release kvlens, built; for `avx2_only` without the `gemm-avx512` feature (so that the f32
+/// GEMM stops at AVX2 too, which `KVLENS_CPU_ISA` cannot ask of it) and copied to
+/// `release/kvlens-avx2-gemm`, so that the default build's binary stays as it was.
+fn release_kvlens(avx2_only: bool) -> Result<PathBuf> {
+    let release = target_dir().join("release");
+    if !avx2_only {
+        run(cargo().args(["build", "--release", "-p", "kvlens"]))?;
+        return Ok(release.join("kvlens"));
+    }
+    run(cargo().args([
+        "build",
+        "--release",
+        "-p",
+        "kvlens",
+        "--no-default-features",
+        "--features",
+        "wgpu,bench",
+    ]))?;
+    let narrowed = release.join("kvlens-avx2-gemm");
+    std::fs::copy(release.join("kvlens"), &narrowed)?;
+    Ok(narrowed)
+}
+
 /// `cargo xtask bench peers` and `bench peers-serve`: the release kvlens against llama.cpp on the
 /// CPU (`script`: tools/bench/peers_cpu.py, one request; peers_serve.py, `llama-server`).
 fn bench_peers(script: &str, script_args: &[String]) -> Result<()> {
     ensure_tokenizer()?;
-    // `--cpu-isa avx2` measures both engines on their AVX2 code.
-    let avx2_only = script_args.iter().any(|a| a == "--cpu-isa=avx2")
-        || script_args.windows(2).any(|w| w[0] == "--cpu-isa" && w[1] == "avx2");
+    let avx2_only = avx2_only(script_args);
     let (llama_bin, commit) = ensure_llama_cpp(avx2_only)?;
-    run(cargo().args(["build", "--release", "-p", "kvlens"]))?;
+    let kvlens = release_kvlens(avx2_only)?;
     run(Command::new("python3")
         .arg(script)
         .arg("--kvlens")
-        .arg(target_dir().join("release").join("kvlens"))
+        .arg(kvlens)
         .arg("--llama-bin")
         .arg(llama_bin)
         .args(["--llama-commit", &commit])

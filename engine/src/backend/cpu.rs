@@ -107,7 +107,7 @@ pub fn kernel_paths() -> String {
         ),
     ]);
     let bf16 = pick(&[(isa.avx512_fma, "avx512"), (isa.avx2_fma, "avx2")]);
-    let f16 = pick(&[(isa.avx2_fma, "avx2+f16c")]);
+    let f16 = pick(&[(isa.avx512_fma, "avx512"), (isa.avx2_fma, "avx2+f16c")]);
     let gemm = if bf16_gemm::available() {
         "bfloat16 GEMM (AVX-512 BF16)"
     } else {
@@ -128,11 +128,12 @@ pub fn kernel_paths() -> String {
 }
 
 /// The f32 GEMM the gemm crate runs here: it detects the CPU on its own, so `KVLENS_CPU_ISA`
-/// does not narrow it (an `avx2` run on an AVX-512 CPU still prefills with its AVX-512 kernels).
+/// does not narrow it (an `avx2` run on an AVX-512 CPU still prefills with its AVX-512 kernels);
+/// a build without the `gemm-avx512` feature stops it at AVX2.
 fn gemm_crate_kernels() -> &'static str {
     #[cfg(target_arch = "x86_64")]
     {
-        if std::arch::is_x86_feature_detected!("avx512f") {
+        if cfg!(feature = "gemm-avx512") && std::arch::is_x86_feature_detected!("avx512f") {
             return "f32 GEMM (the gemm crate's AVX-512 kernels, which KVLENS_CPU_ISA does not narrow)";
         }
         if std::arch::is_x86_feature_detected!("fma") {

@@ -203,8 +203,9 @@ fn prefetch_block(quants: *const u8, bytes: usize, scales: *const u16) {
 
 /// The products of one group (`scales`, `quants`) with activation rows `first..first + T`: per
 /// block and run of four weight bytes, one `vpdpbusd` per activation row against its four matching
-/// bytes broadcast; per block, each row's sums scaled by `d_w · d_x` and its correction
-/// subtracted. For `q4_0` a run of four bytes holds elements `4k..4k+4` (low nibbles) and
+/// bytes broadcast; per block, each row's sums scaled by `d_x`, its correction subtracted, and
+/// the result scaled by `d_w` (one register of sums per activation row, which AVX2's sixteen
+/// registers need). For `q4_0` a run of four bytes holds elements `4k..4k+4` (low nibbles) and
 /// `16+4k..16+4k+4` (high nibbles), which sit in the activations' pair order (see
 /// [`Activations`]).
 #[cfg(target_arch = "x86_64")]
@@ -227,7 +228,6 @@ fn tile_vnni<const Q4: bool, const T: usize>(
     }
     let low_nibbles = _mm512_set1_epi8(0x0F);
     let mut acc = [_mm512_setzero_ps(); T];
-    let mut corr = [_mm512_setzero_ps(); T];
     // The four activation bytes at `at` of row `t`, in every lane.
     let word = |t: usize, at: usize| -> __m512i {
         // SAFETY: `at + 4` ≤ the row's quants (asserted above for every `at` used below).
@@ -266,15 +266,15 @@ fn tile_vnni<const Q4: bool, const T: usize>(
             }
         }
         for t in 0..T {
-            let dx = _mm512_set1_ps(xs[t].scales[b]);
-            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[t]), _mm512_mul_ps(dw, dx), acc[t]);
-            corr[t] = _mm512_fmadd_ps(dw, _mm512_set1_ps(xs[t].corrections[b]), corr[t]);
+            // d_w · (d_x · sum − correction): the correction folded in per block.
+            let (dx, cx) = (_mm512_set1_ps(xs[t].scales[b]), _mm512_set1_ps(xs[t].corrections[b]));
+            acc[t] = _mm512_fmadd_ps(dw, _mm512_fmsub_ps(_mm512_cvtepi32_ps(sums[t]), dx, cx), acc[t]);
         }
     }
     std::array::from_fn(|t| {
         let mut out = [0f32; TILE_ROWS];
         // SAFETY: 16 floats.
-        unsafe { _mm512_storeu_ps(out.as_mut_ptr(), _mm512_sub_ps(acc[t], corr[t])) };
+        unsafe { _mm512_storeu_ps(out.as_mut_ptr(), acc[t]) };
         out
     })
 }
@@ -308,7 +308,6 @@ fn tile_avx2_q4<const T: usize>(
     let mut out = [[0f32; TILE_ROWS]; T];
     for h in 0..2 {
         let mut acc = [_mm256_setzero_ps(); T];
-        let mut corr = [_mm256_setzero_ps(); T];
         for b in 0..nb {
             // SAFETY: this half's 8 scales of block `b` and its runs are inside the group.
             let (dw, wq) = unsafe {
@@ -343,15 +342,14 @@ fn tile_avx2_q4<const T: usize>(
                 }
             }
             for t in 0..T {
-                let sum = _mm256_madd_epi16(pairs[t], ones);
-                let dx = _mm256_set1_ps(xs[t].scales[b]);
-                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(dw, dx), acc[t]);
-                corr[t] = _mm256_fmadd_ps(dw, _mm256_set1_ps(xs[t].corrections[b]), corr[t]);
+                let sum = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs[t], ones));
+                let (dx, cx) = (_mm256_set1_ps(xs[t].scales[b]), _mm256_set1_ps(xs[t].corrections[b]));
+                acc[t] = _mm256_fmadd_ps(dw, _mm256_fmsub_ps(sum, dx, cx), acc[t]);
             }
         }
         for t in 0..T {
             // SAFETY: 8 floats into this half of the row's 16.
-            unsafe { _mm256_storeu_ps(out[t].as_mut_ptr().add(h * HALF), _mm256_sub_ps(acc[t], corr[t])) };
+            unsafe { _mm256_storeu_ps(out[t].as_mut_ptr().add(h * HALF), acc[t]) };
         }
     }
     out
