@@ -639,7 +639,12 @@ mod tests {
         assert_eq!(cpu.max_num_batched_tokens, Settings::CPU_FALLBACK_TOKENS_PER_STEP);
         assert!(cpu.max_num_batched_tokens as u64 >= cpu.max_image_tokens);
         let peak = |s| verdict(&demo_info(), &device, s).unwrap().activation_peak_bytes;
-        assert!(peak(cpu) < peak(Settings::default()), "{} vs {}", peak(cpu), peak(Settings::default()));
+        assert!(
+            peak(cpu) < peak(Settings::default()),
+            "{} vs {}",
+            peak(cpu),
+            peak(Settings::default())
+        );
         let mut chosen = Settings {
             max_num_batched_tokens: 4096,
             ..Settings::default()

@@ -107,7 +107,7 @@ pub fn kernel_paths() -> String {
         ),
     ]);
     let bf16 = pick(&[(isa.avx512_fma, "avx512"), (isa.avx2_fma, "avx2")]);
-    let f16 = pick(&[(isa.avx512_fma, "avx512"), (isa.avx2_fma, "avx2+f16c")]);
+    let f16 = pick(&[(isa.avx2_fma, "avx2+f16c")]);
     let gemm = if bf16_gemm::available() {
         "bfloat16 GEMM (AVX-512 BF16)"
     } else {

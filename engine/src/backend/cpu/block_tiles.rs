@@ -203,9 +203,8 @@ fn prefetch_block(quants: *const u8, bytes: usize, scales: *const u16) {
 
 /// The products of one group (`scales`, `quants`) with activation rows `first..first + T`: per
 /// block and run of four weight bytes, one `vpdpbusd` per activation row against its four matching
-/// bytes broadcast; per block, each row's sums scaled by `d_x`, its correction subtracted, and
-/// the result scaled by `d_w` (one register of sums per activation row, which AVX2's sixteen
-/// registers need). For `q4_0` a run of four bytes holds elements `4k..4k+4` (low nibbles) and
+/// bytes broadcast; per block, each row's sums scaled by `d_w · d_x` and its correction
+/// subtracted. For `q4_0` a run of four bytes holds elements `4k..4k+4` (low nibbles) and
 /// `16+4k..16+4k+4` (high nibbles), which sit in the activations' pair order (see
 /// [`Activations`]).
 #[cfg(target_arch = "x86_64")]
@@ -228,6 +227,7 @@ fn tile_vnni<const Q4: bool, const T: usize>(
     }
     let low_nibbles = _mm512_set1_epi8(0x0F);
     let mut acc = [_mm512_setzero_ps(); T];
+    let mut corr = [_mm512_setzero_ps(); T];
     // The four activation bytes at `at` of row `t`, in every lane.
     let word = |t: usize, at: usize| -> __m512i {
         // SAFETY: `at + 4` ≤ the row's quants (asserted above for every `at` used below).
@@ -266,21 +266,22 @@ fn tile_vnni<const Q4: bool, const T: usize>(
             }
         }
         for t in 0..T {
-            // d_w · (d_x · sum − correction): the correction folded in per block.
-            let (dx, cx) = (_mm512_set1_ps(xs[t].scales[b]), _mm512_set1_ps(xs[t].corrections[b]));
-            acc[t] = _mm512_fmadd_ps(dw, _mm512_fmsub_ps(_mm512_cvtepi32_ps(sums[t]), dx, cx), acc[t]);
+            let dx = _mm512_set1_ps(xs[t].scales[b]);
+            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[t]), _mm512_mul_ps(dw, dx), acc[t]);
+            corr[t] = _mm512_fmadd_ps(dw, _mm512_set1_ps(xs[t].corrections[b]), corr[t]);
         }
     }
     std::array::from_fn(|t| {
         let mut out = [0f32; TILE_ROWS];
         // SAFETY: 16 floats.
-        unsafe { _mm512_storeu_ps(out.as_mut_ptr(), acc[t]) };
+        unsafe { _mm512_storeu_ps(out.as_mut_ptr(), _mm512_sub_ps(acc[t], corr[t])) };
         out
     })
 }
 
 /// [`tile_vnni`] for `q4_0` with AVX2: eight rows per 256-bit register (each run of the group is
-/// two registers), `vpmaddubsw` and `vpmaddwd` in place of `vpdpbusd`.
+/// two registers), `vpmaddubsw` and `vpmaddwd` in place of `vpdpbusd`, and per block
+/// `d_w · (d_x · sum − correction)` into one register per activation row (AVX2 has sixteen).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 #[allow(unsafe_code)]
