@@ -1044,7 +1044,8 @@ fn avx2_only(script_args: &[String]) -> bool {
 
 /// The release kvlens, built; for `avx2_only` without the `gemm-avx512` feature (so that the f32
 /// GEMM stops at AVX2 too, which `KVLENS_CPU_ISA` cannot ask of it) and copied to
-/// `release/kvlens-avx2-gemm`, so that the default build's binary stays as it was.
+/// `release/kvlens-avx2-gemm`, a name no other task runs (`release/kvlens` stays this build until
+/// the next default one, which every task that runs it makes first).
 fn release_kvlens(avx2_only: bool) -> Result<PathBuf> {
     let release = target_dir().join("release");
     if !avx2_only {
