@@ -14,7 +14,8 @@ bandwidth over the bytes a step reads). For F16, the greedy tokens of both on th
 image prompt through the projector to the first token: kvlens's own clock (`prefill_s`: the
 request's image encode, prefill and first token) against llama-mtmd-cli's, from its timestamped
 "encoding mtmd batch" line to its exit after one token (its log names no end of the prefill).
-Prints one table with kvlens ÷ llama.cpp ratios and writes it, with the versions, as JSON under
+Each figure is the median of `--reps` rounds, the two engines run in turn in each round. Prints one
+table with kvlens ÷ llama.cpp ratios and writes it, with the versions, as JSON under
 the work folder."""
 
 import argparse
@@ -22,6 +23,7 @@ import contextlib
 import json
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -105,11 +107,27 @@ def kvlens_generate(args, pair, prompt, max_tokens, image=None):
 
 def llama_bench(args, pair, prompt_tokens):
     out = sh([args.llama_bin / "llama-bench", "-m", pair[0], "-p", str(prompt_tokens), "-n", str(args.decode_tokens),
-              "-t", str(args.threads), "-r", str(args.reps), "-o", "json"])
+              "-t", str(args.threads), "-r", "1", "-o", "json"])
     rows = json.loads(out.stdout)
     pp = next(r for r in rows if r["n_prompt"] > 0)
     tg = next(r for r in rows if r["n_gen"] > 0)
     return pp, tg
+
+
+def rounds(args, pair, long_prompt):
+    """`args.reps` rounds, each kvlens's prompt and decode runs then llama-bench's (one repetition of
+    each): a change in the machine's load between rounds (a shared VM's neighbours) hits both
+    engines alike. Returns the per-round samples, kvlens's last prompt and decode runs and
+    llama-bench's last decode row."""
+    samples = {"kvlens_pp": [], "llama_pp": [], "kvlens_tg": [], "llama_tg": []}
+    for _ in range(args.reps):
+        pre = kvlens_generate(args, pair, long_prompt, 1)
+        dec = kvlens_generate(args, pair, SHORT_PROMPT, args.decode_tokens)
+        pp, tg = llama_bench(args, pair, len(pre["prompt_token_ids"]))
+        for key, value in [("kvlens_pp", pre["timing"]["prefill_tokens_per_s"]), ("llama_pp", pp["avg_ts"]),
+                           ("kvlens_tg", dec["timing"]["decode_tokens_per_s"]), ("llama_tg", tg["avg_ts"])]:
+            samples[key].append(value)
+    return samples, pre, dec, tg
 
 
 def image_first_token_llama(args, pair, image):
@@ -189,7 +207,8 @@ def peers_args(description):
 def main():
     ap = peers_args(__doc__)
     ap.add_argument("--formats", default=",".join(FORMATS))
-    ap.add_argument("--reps", type=int, default=2, help="llama-bench repetitions")
+    ap.add_argument("--reps", type=int, default=3,
+                    help="rounds of both engines' runs, interleaved; the table gives each one's median")
     ap.add_argument("--decode-tokens", type=int, default=128)
     ap.add_argument("--cpu-isa", help="KVLENS_CPU_ISA for the kvlens runs (avx2, portable)")
     ap.add_argument("--image", default="Q4_0",
@@ -209,17 +228,12 @@ def main():
     rows = []
     for fmt in args.formats.split(","):
         pair = pairs[fmt]
-        pre = kvlens_generate(args, pair, long_prompt, 1)
-        n_prompt = len(pre["prompt_token_ids"])
-        dec = kvlens_generate(args, pair, SHORT_PROMPT, args.decode_tokens)
-        pp, tg = llama_bench(args, pair, n_prompt)
+        samples, pre, dec, tg = rounds(args, pair, long_prompt)
         row = {
             "format": fmt,
-            "prompt_tokens": n_prompt,
-            "kvlens_pp": pre["timing"]["prefill_tokens_per_s"],
-            "llama_pp": pp["avg_ts"],
-            "kvlens_tg": dec["timing"]["decode_tokens_per_s"],
-            "llama_tg": tg["avg_ts"],
+            "prompt_tokens": len(pre["prompt_token_ids"]),
+            **{key: statistics.median(values) for key, values in samples.items()},
+            "samples": samples,
             "cpu_kernels": dec["timing"].get("cpu_kernels"),
             # The decode roofline: the read bandwidth over the bytes one step reads.
             "kvlens_tg_roofline": bandwidth["read_gb_s"] * 1e9

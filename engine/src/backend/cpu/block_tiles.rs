@@ -281,7 +281,7 @@ fn tile_vnni<const Q4: bool, const T: usize>(
 
 /// [`tile_vnni`] for `q4_0` with AVX2: eight rows per 256-bit register (each run of the group is
 /// two registers), `vpmaddubsw` and `vpmaddwd` in place of `vpdpbusd`, and per block
-/// `d_w · (d_x · sum − correction)` into one register per activation row (AVX2 has sixteen).
+/// `d_w · (d_x · sum − correction)` into one register per activation row and half (AVX2 has sixteen).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 #[allow(unsafe_code)]
@@ -306,51 +306,62 @@ fn tile_avx2_q4<const T: usize>(
         // SAFETY: `at + 4` ≤ the row's quants (asserted above for every `at` used below).
         _mm256_set1_epi32(unsafe { (xs[t].quants.as_ptr().add(at) as *const i32).read_unaligned() })
     };
+    // A decode (one activation row) takes both halves of each block in one pass, so every cache
+    // line is used whole while the stream runs ahead; a tile of rows takes one half per pass,
+    // which keeps its accumulators in registers (a second pass over data that left memory already
+    // and sits in the caches: prefill is not bound by the reads).
+    let halves = if T == 1 { 2 } else { 1 };
     let mut out = [[0f32; TILE_ROWS]; T];
-    for h in 0..2 {
-        let mut acc = [_mm256_setzero_ps(); T];
+    for pass in 0..2 / halves {
+        let mut acc = [[_mm256_setzero_ps(); 2]; T];
         for b in 0..nb {
-            // SAFETY: this half's 8 scales of block `b` and its runs are inside the group.
-            let (dw, wq) = unsafe {
-                (
-                    _mm256_cvtph_ps(_mm_loadu_si128(
-                        scales.as_ptr().add(b * TILE_ROWS + h * HALF) as *const __m128i
-                    )),
-                    quants.as_ptr().add(b * qb * TILE_ROWS + h * 32),
-                )
-            };
-            if h == 0 {
+            if pass == 0 {
+                // SAFETY: block `b`'s quants start inside the group.
+                let wq = unsafe { quants.as_ptr().add(b * qb * TILE_ROWS) };
                 prefetch_block(wq, qb * TILE_ROWS, scales[b * TILE_ROWS..].as_ptr());
             }
-            // The block's products per pair of i16 lanes: each i16 sums at most 16 · 15 · 128 =
-            // 30,720 over the block's four runs, so it neither saturates nor needs widening
-            // before the block ends.
-            let mut pairs = [_mm256_setzero_si256(); T];
             let base = (b / 2) * 2 * BLOCK + (b % 2) * BLOCK / 2;
-            for k in 0..4 {
-                // SAFETY: run `k` of block `b`, this half's 32 bytes.
-                let v = unsafe { _mm256_loadu_si256(wq.add(64 * k) as *const _) };
-                let lo = _mm256_and_si256(v, low_nibbles);
-                let hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low_nibbles);
-                for (t, pairs) in pairs.iter_mut().enumerate() {
-                    *pairs = _mm256_add_epi16(
-                        *pairs,
-                        _mm256_add_epi16(
-                            _mm256_maddubs_epi16(lo, word(t, base + 4 * k)),
-                            _mm256_maddubs_epi16(hi, word(t, base + BLOCK + 4 * k)),
-                        ),
-                    );
+            for (j, h) in (pass * halves..(pass + 1) * halves).enumerate() {
+                // SAFETY: this half's 8 scales of block `b` and its runs are inside the group.
+                let (dw, wq) = unsafe {
+                    (
+                        _mm256_cvtph_ps(_mm_loadu_si128(
+                            scales.as_ptr().add(b * TILE_ROWS + h * HALF) as *const __m128i
+                        )),
+                        quants.as_ptr().add(b * qb * TILE_ROWS + h * 32),
+                    )
+                };
+                // The block's products per pair of i16 lanes: each i16 sums at most 16 · 15 · 128
+                // = 30,720 over the block's four runs, so it neither saturates nor needs widening
+                // before the block ends.
+                let mut pairs = [_mm256_setzero_si256(); T];
+                for k in 0..4 {
+                    // SAFETY: run `k` of block `b`, this half's 32 bytes.
+                    let v = unsafe { _mm256_loadu_si256(wq.add(64 * k) as *const _) };
+                    let lo = _mm256_and_si256(v, low_nibbles);
+                    let hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low_nibbles);
+                    for (t, pairs) in pairs.iter_mut().enumerate() {
+                        *pairs = _mm256_add_epi16(
+                            *pairs,
+                            _mm256_add_epi16(
+                                _mm256_maddubs_epi16(lo, word(t, base + 4 * k)),
+                                _mm256_maddubs_epi16(hi, word(t, base + BLOCK + 4 * k)),
+                            ),
+                        );
+                    }
+                }
+                for t in 0..T {
+                    let sum = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs[t], ones));
+                    let (dx, cx) = (_mm256_set1_ps(xs[t].scales[b]), _mm256_set1_ps(xs[t].corrections[b]));
+                    acc[t][j] = _mm256_fmadd_ps(dw, _mm256_fmsub_ps(sum, dx, cx), acc[t][j]);
                 }
             }
-            for t in 0..T {
-                let sum = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs[t], ones));
-                let (dx, cx) = (_mm256_set1_ps(xs[t].scales[b]), _mm256_set1_ps(xs[t].corrections[b]));
-                acc[t] = _mm256_fmadd_ps(dw, _mm256_fmsub_ps(sum, dx, cx), acc[t]);
-            }
         }
-        for t in 0..T {
-            // SAFETY: 8 floats into this half of the row's 16.
-            unsafe { _mm256_storeu_ps(out[t].as_mut_ptr().add(h * HALF), acc[t]) };
+        for (t, acc) in acc.iter().enumerate() {
+            for (j, h) in (pass * halves..(pass + 1) * halves).enumerate() {
+                // SAFETY: 8 floats into half `h` of the row's 16.
+                unsafe { _mm256_storeu_ps(out[t].as_mut_ptr().add(h * HALF), acc[j]) };
+            }
         }
     }
     out
