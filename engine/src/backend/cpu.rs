@@ -118,7 +118,10 @@ pub fn kernel_paths() -> String {
             isa.avx512_vnni,
             "q8_0/q4_0 stored as integer tiles (AVX-512 VNNI) for every product",
         ),
-        (isa.avx2_fma, "q4_0 stored as integer tiles (AVX2) for every product"),
+        (
+            isa.avx2_fma,
+            "q8_0/q4_0 stored as integer tiles (AVX2) for every product",
+        ),
         (true, "no integer tiles"),
     ]);
     format!(

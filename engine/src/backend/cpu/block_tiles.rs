@@ -1,4 +1,4 @@
-//! `q8_0`/`q4_0` matrices stored for integer tiles, on CPUs that have them ([`tiles_for`]): groups
+//! `q8_0`/`q4_0` matrices stored for integer tiles, on CPUs that have them ([`available`]): groups
 //! of 16 weight rows interleaved so that one register holds the same four quant bytes of all 16
 //! rows (as llama.cpp repacks these formats for its CPU GEMM), multiplied by each activation row's
 //! four matching bytes broadcast. Every i32 lane sums a whole block of one (weight row, activation
@@ -26,13 +26,13 @@ const TILE: usize = 4;
 /// Products of one group with up to [`TILE`] activation rows, `[activation row][weight row]`.
 type Sums = [[f32; TILE_ROWS]; TILE];
 
-/// Whether this CPU multiplies `kind` by integer tiles: both formats with AVX-512 VNNI; `q4_0`
-/// with AVX2 (its `q8_0` tile, which needs the sign trick of the AVX2 row product per run,
-/// prefilled at 25 tokens/s against the f32 GEMM's 36–39 on the 2-core Xeon, where `q4_0`'s ran
-/// at 35).
-pub fn tiles_for(kind: BlockKind) -> bool {
+/// Whether this CPU multiplies `q8_0`/`q4_0` by integer tiles: with AVX-512 VNNI or AVX2. (On the
+/// AVX2 EPYC, `q8_0` prefill by tiles ran at 35.0/29.9/32.2 tokens/s against 31.8/30.0/31.0 by
+/// the f32 GEMM, alternated, and its decode level; on an AVX-512 CPU the f32 GEMM was faster than
+/// this AVX2 tile, but such a CPU has VNNI.)
+pub fn available() -> bool {
     let isa = super::isa::isa();
-    isa.avx512_vnni || (isa.avx2_fma && kind == BlockKind::Q4_0)
+    isa.avx512_vnni || isa.avx2_fma
 }
 
 /// A `q8_0`/`q4_0` matrix in groups of [`TILE_ROWS`] rows: per group and block, the 16 rows'
@@ -158,9 +158,10 @@ impl BlockTiles {
                 (true, false) => one(tile_vnni::<true, 1>(scales, quants, acts, first)),
             },
             avx2_fma => match (q4, t == TILE) {
-                (true, true) => tile_avx2_q4::<TILE>(scales, quants, acts, first),
-                (true, false) => one(tile_avx2_q4::<1>(scales, quants, acts, first)),
-                (false, _) => self.tile_portable(group, acts, first, t),
+                (false, true) => tile_avx2::<false, TILE>(scales, quants, acts, first),
+                (true, true) => tile_avx2::<true, TILE>(scales, quants, acts, first),
+                (false, false) => one(tile_avx2::<false, 1>(scales, quants, acts, first)),
+                (true, false) => one(tile_avx2::<true, 1>(scales, quants, acts, first)),
             },
             _ => self.tile_portable(group, acts, first, t),
         )
@@ -279,13 +280,16 @@ fn tile_vnni<const Q4: bool, const T: usize>(
     })
 }
 
-/// [`tile_vnni`] for `q4_0` with AVX2: eight rows per 256-bit register (each run of the group is
-/// two registers), `vpmaddubsw` and `vpmaddwd` in place of `vpdpbusd`, and per block
-/// `d_w · (d_x · sum − correction)` into one register per activation row and half (AVX2 has sixteen).
+/// [`tile_vnni`] with AVX2: eight rows per 256-bit register (each run of the group is two
+/// registers), `vpmaddubsw` and `vpmaddwd` in place of `vpdpbusd`, and per block
+/// `d_w · (d_x · sum − correction)` into one register per activation row and half (AVX2 has
+/// sixteen). `q8_0`'s stored quants (i8 + 128) are flipped back to i8 and multiplied by the sign
+/// trick of its row product (`|w|` times `x` with `w`'s sign), so no i16 pair can saturate and no
+/// correction is left; each run's pairs are widened to i32 at once (two runs could exceed i16).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 #[allow(unsafe_code)]
-fn tile_avx2_q4<const T: usize>(
+fn tile_avx2<const Q4: bool, const T: usize>(
     scales: &[u16],
     quants: &[u8],
     acts: &Activations,
@@ -294,14 +298,14 @@ fn tile_avx2_q4<const T: usize>(
     use std::arch::x86_64::*;
     const HALF: usize = TILE_ROWS / 2;
     let nb = scales.len() / TILE_ROWS;
-    let qb = BLOCK / 2;
+    let qb = if Q4 { BLOCK / 2 } else { BLOCK };
     let xs: [ActRow<'_>; T] = std::array::from_fn(|t| acts.row(first + t));
     // The reads below stay inside these lengths.
     assert!(scales.len() == nb * TILE_ROWS && quants.len() == nb * qb * TILE_ROWS);
     for x in &xs {
         assert!(x.scales.len() >= nb && x.corrections.len() >= nb && x.quants.len() >= nb * BLOCK);
     }
-    let (ones, low_nibbles) = (_mm256_set1_epi16(1), _mm256_set1_epi8(0x0F));
+    let (ones, low_nibbles, flip) = (_mm256_set1_epi16(1), _mm256_set1_epi8(0x0F), _mm256_set1_epi8(-128));
     let word = |t: usize, at: usize| -> __m256i {
         // SAFETY: `at + 4` ≤ the row's quants (asserted above for every `at` used below).
         _mm256_set1_epi32(unsafe { (xs[t].quants.as_ptr().add(at) as *const i32).read_unaligned() })
@@ -331,29 +335,51 @@ fn tile_avx2_q4<const T: usize>(
                         quants.as_ptr().add(b * qb * TILE_ROWS + h * 32),
                     )
                 };
-                // The block's products per pair of i16 lanes: each i16 sums at most 16 · 15 · 128
-                // = 30,720 over the block's four runs, so it neither saturates nor needs widening
-                // before the block ends.
-                let mut pairs = [_mm256_setzero_si256(); T];
-                for k in 0..4 {
-                    // SAFETY: run `k` of block `b`, this half's 32 bytes.
-                    let v = unsafe { _mm256_loadu_si256(wq.add(64 * k) as *const _) };
-                    let lo = _mm256_and_si256(v, low_nibbles);
-                    let hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low_nibbles);
-                    for (t, pairs) in pairs.iter_mut().enumerate() {
-                        *pairs = _mm256_add_epi16(
-                            *pairs,
-                            _mm256_add_epi16(
-                                _mm256_maddubs_epi16(lo, word(t, base + 4 * k)),
-                                _mm256_maddubs_epi16(hi, word(t, base + BLOCK + 4 * k)),
-                            ),
-                        );
+                let mut sums = [_mm256_setzero_si256(); T];
+                if Q4 {
+                    // The block's products per pair of i16 lanes: each i16 sums at most 16 · 15 ·
+                    // 128 = 30,720 over the block's four runs, so it neither saturates nor needs
+                    // widening before the block ends.
+                    let mut pairs = [_mm256_setzero_si256(); T];
+                    for k in 0..4 {
+                        // SAFETY: run `k` of block `b`, this half's 32 bytes.
+                        let v = unsafe { _mm256_loadu_si256(wq.add(64 * k) as *const _) };
+                        let lo = _mm256_and_si256(v, low_nibbles);
+                        let hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low_nibbles);
+                        for (t, pairs) in pairs.iter_mut().enumerate() {
+                            *pairs = _mm256_add_epi16(
+                                *pairs,
+                                _mm256_add_epi16(
+                                    _mm256_maddubs_epi16(lo, word(t, base + 4 * k)),
+                                    _mm256_maddubs_epi16(hi, word(t, base + BLOCK + 4 * k)),
+                                ),
+                            );
+                        }
+                    }
+                    for t in 0..T {
+                        sums[t] = _mm256_madd_epi16(pairs[t], ones);
+                    }
+                } else {
+                    for k in 0..8 {
+                        // SAFETY: run `k` of block `b`, this half's 32 bytes.
+                        let w = _mm256_xor_si256(unsafe { _mm256_loadu_si256(wq.add(64 * k) as *const _) }, flip);
+                        let magnitudes = _mm256_abs_epi8(w);
+                        for (t, sum) in sums.iter_mut().enumerate() {
+                            let signed = _mm256_sign_epi8(word(t, b * BLOCK + 4 * k), w);
+                            let pairs = _mm256_maddubs_epi16(magnitudes, signed);
+                            *sum = _mm256_add_epi32(*sum, _mm256_madd_epi16(pairs, ones));
+                        }
                     }
                 }
                 for t in 0..T {
-                    let sum = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs[t], ones));
-                    let (dx, cx) = (_mm256_set1_ps(xs[t].scales[b]), _mm256_set1_ps(xs[t].corrections[b]));
-                    acc[t][j] = _mm256_fmadd_ps(dw, _mm256_fmsub_ps(sum, dx, cx), acc[t][j]);
+                    let sum = _mm256_cvtepi32_ps(sums[t]);
+                    let dx = _mm256_set1_ps(xs[t].scales[b]);
+                    let scaled = if Q4 {
+                        _mm256_fmsub_ps(sum, dx, _mm256_set1_ps(xs[t].corrections[b]))
+                    } else {
+                        _mm256_mul_ps(sum, dx)
+                    };
+                    acc[t][j] = _mm256_fmadd_ps(dw, scaled, acc[t][j]);
                 }
             }
         }

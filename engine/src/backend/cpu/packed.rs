@@ -47,7 +47,7 @@ impl Packing {
     /// `q8_0`/`q4_0` blocks as integer tiles where this CPU has them and the rows make whole
     /// groups, else row by row.
     fn blocks(rows: BlockRows) -> Packing {
-        block_tiles::tiles_for(rows.kind())
+        block_tiles::available()
             .then(|| BlockTiles::from_rows(&rows))
             .flatten()
             .map_or(Packing::Blocks(rows), Packing::Tiled)
@@ -657,7 +657,7 @@ mod tests {
         for format in [WeightFormat::Q8_0, WeightFormat::Q4_0] {
             let q = PackedMatrix::quantize(format, &w, rows, cols).unwrap();
             let kind = format.block_kind().unwrap();
-            assert_eq!(q.is_tiled(), block_tiles::tiles_for(kind), "{format}");
+            assert_eq!(q.is_tiled(), block_tiles::available(), "{format}");
             assert!(!PackedMatrix::quantize(format, &w[..9 * cols], 9, cols)
                 .unwrap()
                 .is_tiled());
