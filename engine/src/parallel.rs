@@ -6,11 +6,27 @@ use std::sync::Mutex;
 /// Runs `f(i, piece)` for each `len`-long piece `i` of `out` (the last may be shorter), the pieces
 /// shared out over the pool's threads.
 pub(crate) fn for_each_piece<T: Send>(out: &mut [T], len: usize, f: impl Fn(usize, &mut [T]) + Sync) {
-    let pieces: Vec<Mutex<&mut [T]>> = out.chunks_mut(len.max(1)).map(Mutex::new).collect();
-    candle_core::utils::barrier_pool().execute_chunked(pieces.len(), |range| {
+    let len = len.max(1);
+    let ends: Vec<usize> = (1..=out.len().div_ceil(len))
+        .map(|i| (i * len).min(out.len()))
+        .collect();
+    for_each_part(out, &ends, f);
+}
+
+/// Runs `f(i, part)` for each part `i` of `out` that ends before `ends[i]` (ascending, the last
+/// `out.len()`), the parts shared out over the pool's threads.
+pub(crate) fn for_each_part<T: Send>(out: &mut [T], ends: &[usize], f: impl Fn(usize, &mut [T]) + Sync) {
+    let mut parts: Vec<Mutex<&mut [T]>> = Vec::with_capacity(ends.len());
+    let (mut rest, mut start) = (out, 0);
+    for &end in ends {
+        let (part, tail) = std::mem::take(&mut rest).split_at_mut(end - start);
+        parts.push(Mutex::new(part));
+        (rest, start) = (tail, end);
+    }
+    candle_core::utils::barrier_pool().execute_chunked(parts.len(), |range| {
         for i in range {
-            let mut piece = pieces[i].lock().unwrap_or_else(|e| e.into_inner());
-            f(i, &mut piece);
+            let mut part = parts[i].lock().unwrap_or_else(|e| e.into_inner());
+            f(i, &mut part);
         }
     });
 }
@@ -25,5 +41,12 @@ mod tests {
         for_each_piece(&mut v, 100, |i, piece| piece.iter_mut().for_each(|x| *x += i + 1));
         assert!(v.iter().enumerate().all(|(j, &x)| x == j / 100 + 1));
         for_each_piece(&mut [] as &mut [u8], 0, |_, _| unreachable!());
+    }
+
+    #[test]
+    fn parts_end_where_asked() {
+        let mut v = vec![0usize; 10];
+        for_each_part(&mut v, &[3, 3, 9, 10], |i, part| part.iter_mut().for_each(|x| *x = i));
+        assert_eq!(v, [0, 0, 0, 2, 2, 2, 2, 2, 2, 3]);
     }
 }

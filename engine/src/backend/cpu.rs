@@ -9,6 +9,7 @@ mod block_tiles;
 mod delta_net;
 mod isa;
 mod k_quant_dot;
+mod k_quant_tiles;
 mod packed;
 mod segment_attention;
 mod vector_math;

@@ -18,7 +18,7 @@ use crate::arch::ggml::{half_at, GgmlType, QK_K};
 
 /// Bytes of a `q4_K` super-block: d and dmin (f16), 12 bytes of 6-bit scales and minimums, 128 of
 /// nibbles.
-const Q4K_BYTES: usize = 144;
+pub(super) const Q4K_BYTES: usize = 144;
 
 /// Bytes of a `q6_K` super-block: 128 of low nibbles, 64 of high bit pairs, 16 i8 scales, d (f16).
 const Q6K_BYTES: usize = 210;
@@ -80,7 +80,18 @@ impl KRows {
         self.data.len() as u64
     }
 
-    fn row(&self, row: usize) -> &[u8] {
+    /// The format.
+    pub fn kind(&self) -> KQuant {
+        self.kind
+    }
+
+    /// Rows of the matrix.
+    pub(super) fn rows(&self) -> usize {
+        self.data.len().checked_div(self.row_bytes).unwrap_or(0)
+    }
+
+    /// Row `row`'s super-blocks as stored.
+    pub(super) fn row(&self, row: usize) -> &[u8] {
         &self.data[row * self.row_bytes..(row + 1) * self.row_bytes]
     }
 
@@ -101,10 +112,13 @@ pub struct KActivations {
 }
 
 /// One quantized activation row.
-struct KRow<'a> {
-    scales: &'a [f32],
-    sums: &'a [f32],
-    quants: &'a [i8],
+pub(super) struct KRow<'a> {
+    /// `d_x` per 32 values.
+    pub(super) scales: &'a [f32],
+    /// `d_x · Σ q_x` per 16 values.
+    pub(super) sums: &'a [f32],
+    /// The i8 values.
+    pub(super) quants: &'a [i8],
 }
 
 impl KRow<'_> {
@@ -139,7 +153,13 @@ impl KActivations {
         acts
     }
 
-    fn row(&self, i: usize) -> KRow<'_> {
+    /// Activation rows.
+    pub(super) fn rows(&self) -> usize {
+        self.quants.len().checked_div(self.cols).unwrap_or(0)
+    }
+
+    /// Activation row `i`.
+    pub(super) fn row(&self, i: usize) -> KRow<'_> {
         let blocks = self.cols / BLOCK;
         KRow {
             scales: &self.scales[i * blocks..(i + 1) * blocks],
@@ -192,7 +212,7 @@ fn scales_mins(packed: &[u8]) -> [u32; 4] {
 
 /// [`scales_mins`] as 16 bytes.
 #[inline(always)]
-fn scale_min_bytes(packed: &[u8]) -> [u8; 16] {
+pub(super) fn scale_min_bytes(packed: &[u8]) -> [u8; 16] {
     let mut out = [0u8; 16];
     for (o, w) in out.chunks_exact_mut(4).zip(scales_mins(packed)) {
         o.copy_from_slice(&w.to_le_bytes());
@@ -244,7 +264,7 @@ fn unpack_q6<const LOW: u32, const HIGH: u32>(ql: &[u8], qh: &[u8], out: &mut [u
 
 /// One row's product, in portable code: each run of 32 weights unpacked into an array, then
 /// [`int_dot`] per sub-block (`q4_K`) or per 16 values (`q6_K`).
-fn dot_portable(kind: KQuant, row: &[u8], x: &KRow<'_>) -> f32 {
+pub(super) fn dot_portable(kind: KQuant, row: &[u8], x: &KRow<'_>) -> f32 {
     let mut sum = 0f32;
     let mut q = [0u8; 32];
     match kind {
@@ -659,7 +679,7 @@ fn dots_fastest(kind: KQuant, row: &[u8], xs: &[&KRow<'_>; ROWS_AT_ONCE]) -> [f3
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
     use crate::arch::blocks::tests::values;
     use half::f16;
@@ -698,7 +718,7 @@ mod tests {
 
     /// Rows of random super-blocks (every bit pattern of the quants, scales and minimums), with
     /// their f16 scales set to moderate values of either sign.
-    fn random_rows(kind: KQuant, rows: usize, cols: usize, seed: u64) -> Vec<u8> {
+    pub(in crate::backend::cpu) fn random_rows(kind: KQuant, rows: usize, cols: usize, seed: u64) -> Vec<u8> {
         let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
         let mut next = move || {
             state ^= state << 13;

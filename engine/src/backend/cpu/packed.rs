@@ -13,10 +13,11 @@ use super::block_dot::{dot_row, Activations};
 use super::block_tiles::{self, BlockTiles, TILE_ROWS};
 use super::isa::fastest;
 use super::k_quant_dot::{self, KActivations, KQuant, KRows};
+use super::k_quant_tiles::{self, KTiles};
 use crate::arch::blocks::{BlockKind, BlockRows, BLOCK};
 use crate::arch::ggml::GgmlType;
 use crate::arch::weight_format::WeightFormat;
-use crate::parallel::for_each_piece;
+use crate::parallel::{for_each_part, for_each_piece};
 use candle_core::quantized::{GgmlDType, QTensor};
 use half::f16;
 use half::slice::HalfFloatSliceExt;
@@ -37,6 +38,8 @@ enum Packing {
     Tiled(BlockTiles),
     /// `q4_K` or `q6_K` super-blocks as a GGUF file stores them ([`k_quant_dot`]).
     KQuants(KRows),
+    /// `q4_K` super-blocks interleaved for integer tiles, on CPUs that have them.
+    KTiled(KTiles),
     /// Any other GGML block type as a GGUF file stores it (`q5_K`, `q4_1`, `q5_0`, `q5_1`),
     /// multiplied by candle's `k_quants` (the activations quantized to `q8_K` or `q8_0`/`q8_1`
     /// per block, as llama.cpp's CPU code does).
@@ -51,6 +54,15 @@ impl Packing {
             .then(|| BlockTiles::from_rows(&rows))
             .flatten()
             .map_or(Packing::Blocks(rows), Packing::Tiled)
+    }
+
+    /// K-quant super-blocks: `q4_K` as integer tiles where this CPU has them and the rows make
+    /// whole groups, else as stored.
+    fn k_quants(rows: KRows) -> Packing {
+        k_quant_tiles::available()
+            .then(|| KTiles::from_rows(&rows))
+            .flatten()
+            .map_or(Packing::KQuants(rows), Packing::KTiled)
     }
 }
 
@@ -235,6 +247,14 @@ fn block_activations(acts: &[Activations], kind: BlockKind) -> candle_core::Resu
     }
 }
 
+/// The activations quantized for K-quant products, if any matrix asked for them.
+fn k_activations(acts: &Option<KActivations>) -> candle_core::Result<&KActivations> {
+    match acts {
+        Some(a) => Ok(a),
+        None => candle_core::bail!("no K-quant activations"),
+    }
+}
+
 /// Activation rows per task of [`transpose`].
 const TRANSPOSE_ROWS: usize = 16;
 
@@ -275,22 +295,50 @@ thread_local! {
     static WIDE_ROW: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
-/// The products `[m, rows]` of `m` activation rows with each of several matrices, given as
-/// `(rows, dot)`. Their rows are shared out as one sequence, one contiguous run per thread of
-/// candle's pool (the one its other kernels use), so each thread reads one stream: in pieces of
-/// whole groups of [`TILE_ROWS`] rows taken in turns, every piece started cold and prefetched into
-/// the rows the other thread was about to read.
-fn by_weight_rows(parts: &[(usize, &RowDot<'_>)], m: usize) -> Vec<Vec<f32>> {
+/// One matrix of a product over the pool: its rows, its bytes and its [`RowDot`].
+type Part<'a> = (usize, u64, &'a RowDot<'a>);
+
+/// Where each of `threads` runs through the sequence of `parts`' rows ends: the bytes read shared
+/// out evenly (a `q6_K` row is 1.46 `q4_K` ones: split by rows, the thread given a `Q4_K_M`
+/// file's `q6_K` `v` after `q` and `k` kept the other waiting 11 % of a decode), each end on a
+/// group of [`TILE_ROWS`] rows of its part.
+fn run_ends(parts: &[Part<'_>], threads: usize) -> Vec<usize> {
+    let total_rows: usize = parts.iter().map(|p| p.0).sum();
+    let total_bytes: u64 = parts.iter().map(|p| p.1).sum();
+    let mut ends: Vec<usize> = Vec::with_capacity(threads);
+    for t in 1..threads {
+        let target = total_bytes as f64 * t as f64 / threads as f64;
+        let (mut first, mut before, mut end) = (0, 0f64, total_rows);
+        for &(rows, bytes, _) in parts {
+            if before + bytes as f64 >= target && bytes > 0 {
+                let groups = (target - before) / bytes as f64 * rows as f64 / TILE_ROWS as f64;
+                end = first + (groups.round() as usize * TILE_ROWS).min(rows);
+                break;
+            }
+            first += rows;
+            before += bytes as f64;
+        }
+        ends.push(end.max(ends.last().copied().unwrap_or(0)));
+    }
+    ends.push(total_rows);
+    ends
+}
+
+/// The products `[m, rows]` of `m` activation rows with each of several matrices. Their rows are
+/// shared out as one sequence, one contiguous run per thread of candle's pool (the one its other
+/// kernels use; [`run_ends`]), so each thread reads one stream, in pieces of whole groups of
+/// [`TILE_ROWS`] rows, the first of each matrix started cold.
+fn by_weight_rows(parts: &[Part<'_>], m: usize) -> Vec<Vec<f32>> {
     let total: usize = parts.iter().map(|p| p.0).sum();
     if m == 0 || total == 0 {
         return parts.iter().map(|p| vec![0f32; m * p.0]).collect();
     }
-    let threads = candle_core::utils::barrier_pool().n_workers() + 1;
-    let per_thread = total.div_ceil(threads).next_multiple_of(TILE_ROWS);
+    let ends = run_ends(parts, candle_core::utils::barrier_pool().n_workers() + 1);
+    let value_ends: Vec<usize> = ends.iter().map(|&e| e * m).collect();
     // Transposed, `[total, m]`, so that each run writes one contiguous part.
     let mut out_t = vec![0f32; total * m];
-    for_each_piece(&mut out_t, per_thread * m, |t, run| {
-        let mut row = t * per_thread;
+    for_each_part(&mut out_t, &value_ends, |t, run| {
+        let mut row = if t == 0 { 0 } else { ends[t - 1] };
         // The part holding `row`, and its first row in the sequence.
         let (mut j, mut first) = (0, 0);
         let mut cold = true;
@@ -306,7 +354,7 @@ fn by_weight_rows(parts: &[(usize, &RowDot<'_>)], m: usize) -> Vec<Vec<f32>> {
             let n = (TILE_ROWS - local % TILE_ROWS)
                 .min(first + parts[j].0 - row)
                 .min((run.len() - done) / m);
-            (parts[j].1)(local, n, cold, &mut run[done..done + n * m]);
+            (parts[j].2)(local, n, cold, &mut run[done..done + n * m]);
             cold = false;
             row += n;
             done += n * m;
@@ -315,7 +363,7 @@ fn by_weight_rows(parts: &[(usize, &RowDot<'_>)], m: usize) -> Vec<Vec<f32>> {
     let mut first = 0;
     parts
         .iter()
-        .map(|&(rows, _)| {
+        .map(|&(rows, _, _)| {
             let part = &out_t[first * m..(first + rows) * m];
             first += rows;
             transpose(part, m, rows)
@@ -359,7 +407,7 @@ impl PackedMatrix {
             return KRows::new(kind, data, rows, cols).map(|k| PackedMatrix {
                 rows,
                 cols,
-                packing: Packing::KQuants(k),
+                packing: Packing::k_quants(k),
             });
         }
         let dtype = match ggml {
@@ -438,6 +486,7 @@ impl PackedMatrix {
             Packing::Blocks(b) => b.bytes(),
             Packing::Tiled(t) => t.bytes(),
             Packing::KQuants(k) => k.bytes() as usize,
+            Packing::KTiled(t) => t.bytes(),
             Packing::Ggml(_, q) => q.storage_size_in_bytes(),
         }) as u64
     }
@@ -479,7 +528,7 @@ impl PackedMatrix {
         }
         let k_acts = mats
             .iter()
-            .find(|w| matches!(w.packing, Packing::KQuants(_)))
+            .find(|w| matches!(w.packing, Packing::KQuants(_) | Packing::KTiled(_)))
             .map(|w| KActivations::quantize(x, w.cols));
         let mut dots: Vec<Box<RowDot<'_>>> = Vec::with_capacity(mats.len());
         for w in mats {
@@ -502,22 +551,28 @@ impl PackedMatrix {
                     Box::new(move |row, n, _, out| t.products(row, n, a, out))
                 }
                 Packing::KQuants(k) => {
-                    let Some(a) = &k_acts else {
-                        candle_core::bail!("no K-quant activations");
-                    };
+                    let a = k_activations(&k_acts)?;
                     row_by_row(m, move |row, cold, out| k_quant_dot::dot_row(k, row, a, cold, out))
+                }
+                Packing::KTiled(t) => {
+                    let a = k_activations(&k_acts)?;
+                    Box::new(move |row, n, _, out| t.products(row, n, a, out))
                 }
                 Packing::Ggml(..) => candle_core::bail!("GGML block matrices are multiplied on their own"),
             });
         }
-        let parts: Vec<(usize, &RowDot<'_>)> = mats.iter().zip(&dots).map(|(w, d)| (w.rows, d.as_ref())).collect();
+        let parts: Vec<Part<'_>> = mats
+            .iter()
+            .zip(&dots)
+            .map(|(w, d)| (w.rows, w.bytes(), d.as_ref()))
+            .collect();
         Ok(by_weight_rows(&parts, m))
     }
 
-    /// Whether the values are stored as integer tiles ([`block_tiles`]), whose products are the
+    /// Whether the values are stored as integer tiles ([`block_tiles`], [`k_quant_tiles`]), whose products are the
     /// fastest for any number of activation rows, a prefill's included.
     pub fn is_tiled(&self) -> bool {
-        matches!(self.packing, Packing::Tiled(_))
+        matches!(self.packing, Packing::Tiled(_) | Packing::KTiled(_))
     }
 
     /// The whole matrix in f32 (row-major).
@@ -532,7 +587,11 @@ impl PackedMatrix {
                     part.iter_mut().zip(v).for_each(|(o, &b)| *o = widen(b))
                 }
                 Packing::F16(v) => v[first * cols..][..part.len()].convert_to_f32_slice(part),
-                Packing::Blocks(_) | Packing::Tiled(_) | Packing::KQuants(_) | Packing::Ggml(..) => {
+                Packing::Blocks(_)
+                | Packing::Tiled(_)
+                | Packing::KQuants(_)
+                | Packing::KTiled(_)
+                | Packing::Ggml(..) => {
                     for (r, row) in part.chunks_exact_mut(cols).enumerate() {
                         self.row_f32(first + r, row);
                     }
@@ -557,9 +616,12 @@ impl PackedMatrix {
     pub fn bf16_rows_scratch_bytes(&self, count: usize) -> usize {
         match &self.packing {
             Packing::Bf16(_) => 0,
-            Packing::Blocks(_) | Packing::Tiled(_) | Packing::KQuants(_) | Packing::Ggml(..) | Packing::F16(_) => {
-                count * self.cols * 2 + self.cols * 4
-            }
+            Packing::Blocks(_)
+            | Packing::Tiled(_)
+            | Packing::KQuants(_)
+            | Packing::KTiled(_)
+            | Packing::Ggml(..)
+            | Packing::F16(_) => count * self.cols * 2 + self.cols * 4,
         }
     }
 
@@ -569,7 +631,12 @@ impl PackedMatrix {
         let cols = self.cols;
         match &self.packing {
             Packing::Bf16(v) => Cow::Borrowed(&v[first * cols..(first + count) * cols]),
-            Packing::Blocks(_) | Packing::Tiled(_) | Packing::KQuants(_) | Packing::Ggml(..) | Packing::F16(_) => {
+            Packing::Blocks(_)
+            | Packing::Tiled(_)
+            | Packing::KQuants(_)
+            | Packing::KTiled(_)
+            | Packing::Ggml(..)
+            | Packing::F16(_) => {
                 let mut wide = vec![0f32; cols];
                 let mut out = vec![0u16; count * cols];
                 for (r, row) in out.chunks_exact_mut(cols).enumerate() {
@@ -589,7 +656,12 @@ impl PackedMatrix {
                 .iter()
                 .flat_map(|&id| v[id * self.cols..(id + 1) * self.cols].iter().map(|&b| widen(b)))
                 .collect(),
-            Packing::Blocks(_) | Packing::Tiled(_) | Packing::KQuants(_) | Packing::Ggml(..) | Packing::F16(_) => {
+            Packing::Blocks(_)
+            | Packing::Tiled(_)
+            | Packing::KQuants(_)
+            | Packing::KTiled(_)
+            | Packing::Ggml(..)
+            | Packing::F16(_) => {
                 let mut out = vec![0f32; ids.len() * self.cols];
                 for (&id, row) in ids.iter().zip(out.chunks_exact_mut(self.cols)) {
                     self.row_f32(id, row);
@@ -605,6 +677,7 @@ impl PackedMatrix {
             Packing::Blocks(b) => b.dequantize_row(row, out),
             Packing::Tiled(t) => t.dequantize_row(row, out),
             Packing::KQuants(k) => k.dequantize_row(row, out),
+            Packing::KTiled(t) => t.dequantize_row(row, out),
             Packing::Ggml(..) => self.ggml_row(row, out),
             Packing::Bf16(v) => out
                 .iter_mut()
@@ -858,6 +931,33 @@ mod tests {
     /// Several matrices of different formats and heights in one pass give each matrix's own
     /// product (the runs the threads take cross from one matrix into the next, and reach a tiled
     /// one off its groups), and a matrix of another width is refused.
+    /// The threads' runs read as many bytes each, within a group of rows, and end on groups.
+    #[test]
+    fn runs_share_out_the_bytes() {
+        let dot: Box<RowDot<'_>> = Box::new(|_, _, _, _| {});
+        // A `Q4_K_M` layer's q, k (`q4_K`) and v (`q6_K`), 8 super-blocks a row.
+        let parts: [Part<'_>; 3] = [
+            (2048, 2048 * 1152, &*dot),
+            (1024, 1024 * 1152, &*dot),
+            (1024, 1024 * 1680, &*dot),
+        ];
+        let ends = run_ends(&parts, 2);
+        assert_eq!(ends.len(), 2);
+        assert_eq!(ends[1], 4096);
+        // Half the bytes lie inside k: the first run takes q and part of k, not half the rows.
+        assert!(
+            ends[0] > 2048 && ends[0] < 3072 && ends[0].is_multiple_of(TILE_ROWS),
+            "{ends:?}"
+        );
+        let total: u64 = parts.iter().map(|p| p.1).sum();
+        let first_bytes = ends[0] as u64 * 1152;
+        assert!(first_bytes.abs_diff(total / 2) <= (TILE_ROWS * 1152) as u64, "{ends:?}");
+        // Equal rows split as before; more threads than groups leave some runs empty.
+        assert_eq!(run_ends(&parts[..1], 2), [1024, 2048]);
+        let small: [Part<'_>; 1] = [(16, 16 * 34, &*dot)];
+        assert_eq!(run_ends(&small, 4), [0, 16, 16, 16]);
+    }
+
     #[test]
     fn products_of_several_matrices_are_each_matrix_s_product() {
         let cols = 64;
