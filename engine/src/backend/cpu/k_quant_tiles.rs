@@ -11,8 +11,8 @@
 //! of four bytes. A decode, a batch of decodes and a prefill read the weights as one stream.
 
 use super::isa::fastest;
-use super::k_quant_dot::{self, scale_min_bytes, KActivations, KQuant, KRow, KRows, Q4K_BYTES};
-use crate::arch::ggml::{GgmlType, QK_K};
+use super::k_quant_dot::{self, scale_min_bytes, KActivations, KQuant, KRows, Q4K_BYTES};
+use crate::arch::ggml::GgmlType;
 
 /// Weight rows in one group: one i32 lane per row of a 256-bit register.
 pub const GROUP_ROWS: usize = 8;
@@ -198,8 +198,9 @@ impl KTiles {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 #[allow(unsafe_code)]
-fn tile_avx2<const T: usize>(data: &[u8], xs: &[KRow<'_>; T]) -> [[f32; GROUP_ROWS]; T] {
+fn tile_avx2<const T: usize>(data: &[u8], xs: &[k_quant_dot::KRow<'_>; T]) -> [[f32; GROUP_ROWS]; T] {
     use super::packed::PREFETCH_BYTES;
+    use crate::arch::ggml::QK_K;
     use std::arch::x86_64::*;
     let nb = data.len() / GROUP_BLOCK;
     // The reads below stay inside these lengths.
@@ -278,6 +279,7 @@ fn tile_avx2<const T: usize>(data: &[u8], xs: &[KRow<'_>; T]) -> [[f32; GROUP_RO
 mod tests {
     use super::*;
     use crate::arch::blocks::tests::values;
+    use crate::arch::ggml::QK_K;
     use crate::backend::cpu::k_quant_dot::tests::random_rows;
 
     /// Interleaving keeps every byte: each row comes back as the file stores it, in as many bytes;
