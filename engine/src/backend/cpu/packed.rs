@@ -616,12 +616,7 @@ impl PackedMatrix {
     pub fn bf16_rows_scratch_bytes(&self, count: usize) -> usize {
         match &self.packing {
             Packing::Bf16(_) => 0,
-            Packing::Blocks(_)
-            | Packing::Tiled(_)
-            | Packing::KQuants(_)
-            | Packing::KTiled(_)
-            | Packing::Ggml(..)
-            | Packing::F16(_) => count * self.cols * 2 + self.cols * 4,
+            _ => count * self.cols * 2 + self.cols * 4,
         }
     }
 
@@ -631,12 +626,8 @@ impl PackedMatrix {
         let cols = self.cols;
         match &self.packing {
             Packing::Bf16(v) => Cow::Borrowed(&v[first * cols..(first + count) * cols]),
-            Packing::Blocks(_)
-            | Packing::Tiled(_)
-            | Packing::KQuants(_)
-            | Packing::KTiled(_)
-            | Packing::Ggml(..)
-            | Packing::F16(_) => {
+            // Any other packing, row by row in f32.
+            _ => {
                 let mut wide = vec![0f32; cols];
                 let mut out = vec![0u16; count * cols];
                 for (r, row) in out.chunks_exact_mut(cols).enumerate() {
@@ -656,12 +647,8 @@ impl PackedMatrix {
                 .iter()
                 .flat_map(|&id| v[id * self.cols..(id + 1) * self.cols].iter().map(|&b| widen(b)))
                 .collect(),
-            Packing::Blocks(_)
-            | Packing::Tiled(_)
-            | Packing::KQuants(_)
-            | Packing::KTiled(_)
-            | Packing::Ggml(..)
-            | Packing::F16(_) => {
+            // Any other packing, row by row in f32.
+            _ => {
                 let mut out = vec![0f32; ids.len() * self.cols];
                 for (&id, row) in ids.iter().zip(out.chunks_exact_mut(self.cols)) {
                     self.row_f32(id, row);
