@@ -569,8 +569,8 @@ impl PackedMatrix {
         Ok(by_weight_rows(&parts, m))
     }
 
-    /// Whether the values are stored as integer tiles ([`block_tiles`], [`k_quant_tiles`]), whose products are the
-    /// fastest for any number of activation rows, a prefill's included.
+    /// Whether the values are stored as integer tiles ([`block_tiles`], [`k_quant_tiles`]), whose
+    /// products are the fastest for any number of activation rows, a prefill's included.
     pub fn is_tiled(&self) -> bool {
         matches!(self.packing, Packing::Tiled(_) | Packing::KTiled(_))
     }
@@ -915,9 +915,6 @@ mod tests {
         );
     }
 
-    /// Several matrices of different formats and heights in one pass give each matrix's own
-    /// product (the runs the threads take cross from one matrix into the next, and reach a tiled
-    /// one off its groups), and a matrix of another width is refused.
     /// The threads' runs read as many bytes each, within a group of rows, and end on groups.
     #[test]
     fn runs_share_out_the_bytes() {
@@ -945,6 +942,9 @@ mod tests {
         assert_eq!(run_ends(&small, 4), [0, 16, 16, 16]);
     }
 
+    /// Several matrices of different formats and heights in one pass give each matrix's own
+    /// product (the runs the threads take cross from one matrix into the next, and reach a tiled
+    /// one off its groups), and a matrix of another width is refused.
     #[test]
     fn products_of_several_matrices_are_each_matrix_s_product() {
         let cols = 64;
