@@ -121,7 +121,7 @@ pub fn kernel_paths() -> String {
         ),
         (
             isa.avx2_fma,
-            "q8_0/q4_0/q4_K stored as integer tiles (AVX2) for every product",
+            "q8_0/q4_0/q4_K/q6_K stored as integer tiles (AVX2) for every product",
         ),
         (true, "no integer tiles"),
     ]);

@@ -21,7 +21,7 @@ use crate::arch::ggml::{half_at, GgmlType, QK_K};
 pub(super) const Q4K_BYTES: usize = 144;
 
 /// Bytes of a `q6_K` super-block: 128 of low nibbles, 64 of high bit pairs, 16 i8 scales, d (f16).
-const Q6K_BYTES: usize = 210;
+pub(super) const Q6K_BYTES: usize = 210;
 
 /// The K-quant formats with products here.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -40,14 +40,16 @@ impl KQuant {
         }
     }
 
-    fn ggml(self) -> GgmlType {
+    /// The GGML type.
+    pub(super) fn ggml(self) -> GgmlType {
         match self {
             KQuant::Q4K => GgmlType::Q4K,
             KQuant::Q6K => GgmlType::Q6K,
         }
     }
 
-    fn block_bytes(self) -> usize {
+    /// Bytes of one super-block.
+    pub(super) fn block_bytes(self) -> usize {
         match self {
             KQuant::Q4K => Q4K_BYTES,
             KQuant::Q6K => Q6K_BYTES,

@@ -1,18 +1,19 @@
-//! `q4_K` matrices stored for integer tiles on AVX2 CPUs ([`available`]): groups of 8 weight rows
-//! interleaved so that one 256-bit register holds the same four nibble bytes of all 8 rows (as
-//! llama.cpp repacks `q4_K` eight rows at a time for its AVX2 GEMV and GEMM), multiplied by each
-//! activation row's four matching bytes broadcast. Every i32 lane sums a whole 32-value sub-block
-//! of one (weight row, activation row) pair, and the scaling by the sub-block's scale and minimum
-//! is done in f32 once per 8 products instead of once per lane group of one product.
+//! `q4_K` and `q6_K` matrices stored for integer tiles on AVX2 CPUs ([`available`]): groups of 8
+//! weight rows interleaved so that one 256-bit register holds the same four quant bytes of all 8
+//! rows (as llama.cpp repacks `q4_K` eight rows at a time for its AVX2 GEMV and GEMM), multiplied
+//! by each activation row's four matching bytes broadcast. Every i32 lane sums a whole 32-value
+//! piece of one (weight row, activation row) pair, and the scaling is done in f32 once per 8
+//! products instead of once per lane group of one product.
 //!
-//! The interleaving is done once, at load, into as many bytes as the file's: per super-block of
-//! the group, the 8 rows' `d` and `dmin`, their sub-blocks' 6-bit scales (one byte each, the top
-//! two bits holding the minimum's top two), the minimums' low nibbles, and the quants in runs
-//! of four bytes. A decode, a batch of decodes and a prefill read the weights as one stream.
+//! The interleaving is done once, at load, into as many bytes as the file's. Per super-block of
+//! a `q4_K` group: the 8 rows' `d` and `dmin`, their sub-blocks' 6-bit scales (one byte each, the
+//! top two bits holding the minimum's top two), the minimums' low nibbles, and the quants in runs
+//! of four bytes. Per super-block of a `q6_K` group: the 8 rows' `d`, their 16 scales, then the
+//! low nibbles' and the high bit pairs' bytes in runs of four. A decode, a batch of decodes and
+//! a prefill read the weights as one stream.
 
 use super::isa::fastest;
-use super::k_quant_dot::{self, scale_min_bytes, KActivations, KQuant, KRows, Q4K_BYTES};
-use crate::arch::ggml::GgmlType;
+use super::k_quant_dot::{self, scale_min_bytes, KActivations, KQuant, KRows, Q4K_BYTES, Q6K_BYTES};
 
 /// Weight rows in one group: one i32 lane per row of a 256-bit register.
 pub const GROUP_ROWS: usize = 8;
@@ -20,11 +21,8 @@ pub const GROUP_ROWS: usize = 8;
 /// Activation rows one kernel call takes: they share each unpacked register of weights.
 const TILE: usize = 4;
 
-/// Bytes of one super-block of a group: as many as its 8 rows' blocks in the file.
-const GROUP_BLOCK: usize = GROUP_ROWS * Q4K_BYTES;
-
-/// Where each part of a group's super-block starts: 8 f16 `d`, 8 f16 `dmin`, 64 scale bytes
-/// `[sub-block][row]`, 32 bytes of minimums' low nibbles `[pair of sub-blocks][row]` (even
+/// Where each part of a `q4_K` group's super-block starts: 8 f16 `d`, 8 f16 `dmin`, 64 scale
+/// bytes `[sub-block][row]`, 32 bytes of minimums' low nibbles `[pair of sub-blocks][row]` (even
 /// sub-block low), then 1024 bytes of quants `[32-byte chunk][run of 4][row]`.
 const D: usize = 0;
 const DMIN: usize = 16;
@@ -32,53 +30,82 @@ const SCALES: usize = 32;
 const MIN_LOW: usize = 96;
 const QUANTS: usize = 128;
 
+/// Where each part of a `q6_K` group's super-block starts: 8 f16 `d`, 128 i8 scales
+/// `[sub-block of 16][row]`, then 1536 bytes of quants `[half][run of 4 values][part][row]`, a
+/// run's three parts being the low nibbles' bytes `4·run..` and `32 + 4·run..` of the half's 64
+/// and the high bit pairs' bytes `4·run..` of its 32: a decode reads them in order.
+const Q6_D: usize = 0;
+const Q6_SCALES: usize = 16;
+const Q6_QUANTS: usize = 144;
+
+/// The parts of a super-block that move as runs: `(bytes into the file's block, start in the
+/// group's block, bytes per run, runs, stride)`; run `i` of row `lane` goes to `start + stride · i
+/// + bytes · lane`. (`q4_K`'s packed scales and minimums are rearranged apart.)
+fn runs(kind: KQuant) -> &'static [(usize, usize, usize, usize, usize)] {
+    match kind {
+        KQuant::Q4K => &[(0, D, 2, 1, 0), (2, DMIN, 2, 1, 0), (16, QUANTS, 4, 32, 32)],
+        KQuant::Q6K => &[
+            (208, Q6_D, 2, 1, 0),
+            (192, Q6_SCALES, 1, 16, 8),
+            (0, Q6_QUANTS, 4, 8, 96),
+            (32, Q6_QUANTS + 32, 4, 8, 96),
+            (128, Q6_QUANTS + 64, 4, 8, 96),
+            (64, Q6_QUANTS + 768, 4, 8, 96),
+            (96, Q6_QUANTS + 768 + 32, 4, 8, 96),
+            (160, Q6_QUANTS + 768 + 64, 4, 8, 96),
+        ],
+    }
+}
+
 /// Products of one group with up to [`TILE`] activation rows, `[activation row][weight row]`.
 type Sums = [[f32; GROUP_ROWS]; TILE];
 
-/// Whether this CPU multiplies `q4_K` by tiles: with AVX2 and no AVX-512 VNNI, whose row product
-/// (64 weights per `vpdpbusd`) stays where it was measured ahead of llama.cpp.
+/// Whether this CPU multiplies `q4_K` and `q6_K` by tiles: with AVX2 and no AVX-512 VNNI, whose
+/// row products (64 weights per `vpdpbusd`) stay where they were measured ahead of llama.cpp.
 pub fn available() -> bool {
     let isa = super::isa::isa();
     isa.avx2_fma && !isa.avx512_vnni
 }
 
-/// A `q4_K` matrix in groups of [`GROUP_ROWS`] rows (see the module's description).
+/// A `q4_K` or `q6_K` matrix in groups of [`GROUP_ROWS`] rows (see the module's description).
 #[derive(Debug)]
 pub struct KTiles {
+    kind: KQuant,
     blocks_per_row: usize,
     data: Vec<u8>,
 }
 
 impl KTiles {
-    /// `rows` interleaved, or None when they are not `q4_K` or not whole groups.
+    /// `rows` interleaved, or None when they are not whole groups.
     pub fn from_rows(rows: &KRows) -> Option<Self> {
-        let n = rows.rows();
-        if rows.kind() != KQuant::Q4K || n == 0 || !n.is_multiple_of(GROUP_ROWS) {
+        let (kind, n) = (rows.kind(), rows.rows());
+        if n == 0 || !n.is_multiple_of(GROUP_ROWS) {
             return None;
         }
-        let nb = rows.row(0).len() / Q4K_BYTES;
-        let mut data = vec![0u8; n * nb * Q4K_BYTES];
+        let bytes = kind.block_bytes();
+        let nb = rows.row(0).len() / bytes;
+        let mut data = vec![0u8; n * nb * bytes];
         for row in 0..n {
             let (group, lane) = (row / GROUP_ROWS, row % GROUP_ROWS);
-            for (b, src) in rows.row(row).chunks_exact(Q4K_BYTES).enumerate() {
-                let dst = &mut data[(group * nb + b) * GROUP_BLOCK..][..GROUP_BLOCK];
-                dst[D + 2 * lane..][..2].copy_from_slice(&src[0..2]);
-                dst[DMIN + 2 * lane..][..2].copy_from_slice(&src[2..4]);
-                let sm = scale_min_bytes(&src[4..16]);
-                for sub in 0..8 {
-                    let (scale, min) = (sm[sub], sm[8 + sub]);
-                    dst[SCALES + 8 * sub + lane] = scale | (min >> 4) << 6;
-                    dst[MIN_LOW + 8 * (sub / 2) + lane] |= (min & 0x0F) << (4 * (sub % 2));
+            for (b, src) in rows.row(row).chunks_exact(bytes).enumerate() {
+                let dst = &mut data[(group * nb + b) * GROUP_ROWS * bytes..][..GROUP_ROWS * bytes];
+                for &(from, start, len, count, stride) in runs(kind) {
+                    for i in 0..count {
+                        dst[start + stride * i + len * lane..][..len].copy_from_slice(&src[from + len * i..][..len]);
+                    }
                 }
-                for chunk in 0..4 {
-                    for run in 0..8 {
-                        let at = QUANTS + 256 * chunk + 32 * run + 4 * lane;
-                        dst[at..at + 4].copy_from_slice(&src[16 + 32 * chunk + 4 * run..][..4]);
+                if kind == KQuant::Q4K {
+                    let sm = scale_min_bytes(&src[4..16]);
+                    for sub in 0..8 {
+                        let (scale, min) = (sm[sub], sm[8 + sub]);
+                        dst[SCALES + 8 * sub + lane] = scale | (min >> 4) << 6;
+                        dst[MIN_LOW + 8 * (sub / 2) + lane] |= (min & 0x0F) << (4 * (sub % 2));
                     }
                 }
             }
         }
         Some(KTiles {
+            kind,
             blocks_per_row: nb,
             data,
         })
@@ -89,40 +116,45 @@ impl KTiles {
         self.data.len()
     }
 
+    /// Bytes of one super-block of a group.
+    fn group_block(&self) -> usize {
+        GROUP_ROWS * self.kind.block_bytes()
+    }
+
     /// Group `group`'s super-blocks.
     fn group(&self, group: usize) -> &[u8] {
-        &self.data[group * self.blocks_per_row * GROUP_BLOCK..][..self.blocks_per_row * GROUP_BLOCK]
+        let len = self.blocks_per_row * self.group_block();
+        &self.data[group * len..][..len]
     }
 
     /// Row `row`'s super-blocks as the file stores them.
     fn row(&self, row: usize) -> Vec<u8> {
-        let lane = row % GROUP_ROWS;
-        let mut out = vec![0u8; self.blocks_per_row * Q4K_BYTES];
+        let (lane, bytes) = (row % GROUP_ROWS, self.kind.block_bytes());
+        let mut out = vec![0u8; self.blocks_per_row * bytes];
         for (src, dst) in self
             .group(row / GROUP_ROWS)
-            .chunks_exact(GROUP_BLOCK)
-            .zip(out.chunks_exact_mut(Q4K_BYTES))
+            .chunks_exact(self.group_block())
+            .zip(out.chunks_exact_mut(bytes))
         {
-            dst[0..2].copy_from_slice(&src[D + 2 * lane..][..2]);
-            dst[2..4].copy_from_slice(&src[DMIN + 2 * lane..][..2]);
-            let (mut scale, mut min) = ([0u8; 8], [0u8; 8]);
-            for sub in 0..8 {
-                let packed = src[SCALES + 8 * sub + lane];
-                let low = (src[MIN_LOW + 8 * (sub / 2) + lane] >> (4 * (sub % 2))) & 0x0F;
-                scale[sub] = packed & 0x3F;
-                min[sub] = (packed >> 6) << 4 | low;
+            for &(to, start, len, count, stride) in runs(self.kind) {
+                for i in 0..count {
+                    dst[to + len * i..][..len].copy_from_slice(&src[start + stride * i + len * lane..][..len]);
+                }
             }
-            // GGML's 12 bytes: sub-blocks 0–3 in the low six bits of bytes 0–7, 4–7 in the
-            // nibbles of bytes 8–11 and the top two bits of bytes 0–7.
-            for j in 0..4 {
-                dst[4 + j] = scale[j] | (scale[j + 4] >> 4) << 6;
-                dst[8 + j] = min[j] | (min[j + 4] >> 4) << 6;
-                dst[12 + j] = (scale[j + 4] & 0x0F) | (min[j + 4] & 0x0F) << 4;
-            }
-            for chunk in 0..4 {
-                for run in 0..8 {
-                    let at = QUANTS + 256 * chunk + 32 * run + 4 * lane;
-                    dst[16 + 32 * chunk + 4 * run..][..4].copy_from_slice(&src[at..at + 4]);
+            if self.kind == KQuant::Q4K {
+                let (mut scale, mut min) = ([0u8; 8], [0u8; 8]);
+                for sub in 0..8 {
+                    let packed = src[SCALES + 8 * sub + lane];
+                    let low = (src[MIN_LOW + 8 * (sub / 2) + lane] >> (4 * (sub % 2))) & 0x0F;
+                    scale[sub] = packed & 0x3F;
+                    min[sub] = (packed >> 6) << 4 | low;
+                }
+                // GGML's 12 bytes: sub-blocks 0–3 in the low six bits of bytes 0–7, 4–7 in the
+                // nibbles of bytes 8–11 and the top two bits of bytes 0–7.
+                for j in 0..4 {
+                    dst[4 + j] = scale[j] | (scale[j + 4] >> 4) << 6;
+                    dst[8 + j] = min[j] | (min[j + 4] >> 4) << 6;
+                    dst[12 + j] = (scale[j + 4] & 0x0F) | (min[j + 4] & 0x0F) << 4;
                 }
             }
         }
@@ -131,7 +163,7 @@ impl KTiles {
 
     /// Row `row`'s values in f32, by GGML's dequantization.
     pub fn dequantize_row(&self, row: usize, out: &mut [f32]) {
-        GgmlType::Q4K.dequantize(&self.row(row), out);
+        self.kind.ggml().dequantize(&self.row(row), out);
     }
 
     /// The products of weight rows `row..row + n` with every activation row of `acts`, into
@@ -164,12 +196,16 @@ impl KTiles {
         let data = self.group(group);
         #[cfg(target_arch = "x86_64")]
         let rows = |k: usize| acts.row(first + k);
+        #[cfg(target_arch = "x86_64")]
+        let one = |sums: [[f32; GROUP_ROWS]; 1]| -> Sums {
+            std::array::from_fn(|k| if k == 0 { sums[0] } else { [0.0; GROUP_ROWS] })
+        };
         fastest!(
-            avx2_fma => if t == TILE {
-                tile_avx2::<TILE>(data, &std::array::from_fn(rows))
-            } else {
-                let sums = tile_avx2::<1>(data, &[rows(0)]);
-                std::array::from_fn(|k| if k == 0 { sums[0] } else { [0.0; GROUP_ROWS] })
+            avx2_fma => match (self.kind, t == TILE) {
+                (KQuant::Q4K, true) => q4k_avx2::<TILE>(data, &std::array::from_fn(rows)),
+                (KQuant::Q4K, false) => one(q4k_avx2::<1>(data, &[rows(0)])),
+                (KQuant::Q6K, true) => q6k_avx2::<TILE>(data, &std::array::from_fn(rows)),
+                (KQuant::Q6K, false) => one(q6k_avx2::<1>(data, &[rows(0)])),
             },
             _ => self.tile_portable(group, acts, first, t),
         )
@@ -181,7 +217,7 @@ impl KTiles {
         for lane in 0..GROUP_ROWS {
             let row = self.row(group * GROUP_ROWS + lane);
             for (k, sums) in sums.iter_mut().enumerate().take(t) {
-                sums[lane] = k_quant_dot::dot_portable(KQuant::Q4K, &row, &acts.row(first + k));
+                sums[lane] = k_quant_dot::dot_portable(self.kind, &row, &acts.row(first + k));
             }
         }
         sums
@@ -198,10 +234,10 @@ impl KTiles {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 #[allow(unsafe_code)]
-fn tile_avx2<const T: usize>(data: &[u8], xs: &[k_quant_dot::KRow<'_>; T]) -> [[f32; GROUP_ROWS]; T] {
-    use super::packed::PREFETCH_BYTES;
+fn q4k_avx2<const T: usize>(data: &[u8], xs: &[k_quant_dot::KRow<'_>; T]) -> [[f32; GROUP_ROWS]; T] {
     use crate::arch::ggml::QK_K;
     use std::arch::x86_64::*;
+    const GROUP_BLOCK: usize = GROUP_ROWS * Q4K_BYTES;
     let nb = data.len() / GROUP_BLOCK;
     // The reads below stay inside these lengths.
     assert_eq!(data.len(), nb * GROUP_BLOCK);
@@ -217,10 +253,7 @@ fn tile_avx2<const T: usize>(data: &[u8], xs: &[k_quant_dot::KRow<'_>; T]) -> [[
         // inside the activation rows' lengths (asserted above); a prefetch never faults.
         unsafe {
             let block = data.as_ptr().add(b * GROUP_BLOCK);
-            let ahead = block.wrapping_add(PREFETCH_BYTES);
-            for line in (0..GROUP_BLOCK).step_by(64) {
-                _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(line) as *const i8);
-            }
+            prefetch_ahead(block, GROUP_BLOCK);
             let d = _mm256_cvtph_ps(_mm_loadu_si128(block.add(D) as *const __m128i));
             let dmin = _mm256_cvtph_ps(_mm_loadu_si128(block.add(DMIN) as *const __m128i));
             // Sub-block `2 · chunk + high` (a constant `high`, so that no branch is left in the
@@ -275,6 +308,167 @@ fn tile_avx2<const T: usize>(data: &[u8], xs: &[k_quant_dot::KRow<'_>; T]) -> [[
     })
 }
 
+/// Asks the CPU to fetch the `bytes` of the super-block [`PREFETCH_BYTES`] past `block`: a
+/// group's super-blocks follow one another, so this runs ahead through a matrix as one stream. A
+/// hint, with no effect on the results; the addresses may lie past the matrix, which a prefetch
+/// never reads.
+///
+/// [`PREFETCH_BYTES`]: super::packed::PREFETCH_BYTES
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+#[allow(unsafe_code)]
+fn prefetch_ahead(block: *const u8, bytes: usize) {
+    use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+    let ahead = block.wrapping_add(super::packed::PREFETCH_BYTES);
+    for line in (0..bytes).step_by(64) {
+        // SAFETY: a prefetch reads nothing the program sees and never faults.
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(line) as *const i8) };
+    }
+}
+
+/// [`q4k_avx2`] for `q6_K`: per 32 values (piece `c` of half `h` of the super-block: values
+/// `128h + 32c..`, their low four bits in the low (`c` < 2) or high nibbles of the half's bytes
+/// `32(c % 2)..`, their top two at bit `2c` of its high bit pairs), one `vpmaddubsw` per run of
+/// four weight bytes (the 6-bit quants, 0–63) and activation row, two runs summed in i16 (at most 2 · 2 · 63 · 128 =
+/// 32,256) and widened by a `vpmaddwd` with the runs' sub-block scales, so the i32 lanes hold
+/// the piece's `Σ scale · q_w q_x`, scaled once by `d · d_x`. GGML's `q6_K` values are
+/// `q_w − 32`: the 32s' term `32 · d Σ scale · d_x Σ q_x` is summed apart per sub-block of 16 and
+/// subtracted at the end.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+#[allow(unsafe_code)]
+fn q6k_avx2<const T: usize>(data: &[u8], xs: &[k_quant_dot::KRow<'_>; T]) -> [[f32; GROUP_ROWS]; T] {
+    use crate::arch::ggml::QK_K;
+    use std::arch::x86_64::*;
+    const GROUP_BLOCK: usize = GROUP_ROWS * Q6K_BYTES;
+    let nb = data.len() / GROUP_BLOCK;
+    // The reads below stay inside these lengths.
+    assert_eq!(data.len(), nb * GROUP_BLOCK);
+    for x in xs {
+        assert!(x.quants.len() >= nb * QK_K && x.scales.len() >= 8 * nb && x.sums.len() >= 16 * nb);
+    }
+    let (low, high) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(0x30));
+    let mut acc = [_mm256_setzero_ps(); T];
+    let mut offsets = [_mm256_setzero_ps(); T];
+    for b in 0..nb {
+        // SAFETY: every read below is inside super-block `b` of the group (asserted above) or
+        // inside the activation rows' lengths (asserted above); a prefetch never faults.
+        unsafe {
+            let block = data.as_ptr().add(b * GROUP_BLOCK);
+            prefetch_ahead(block, GROUP_BLOCK);
+            let d = _mm256_cvtph_ps(_mm_loadu_si128(block.add(Q6_D) as *const __m128i));
+            let scales = |sub: usize| _mm_loadl_epi64(block.add(Q6_SCALES + 8 * sub) as *const __m128i);
+            for sub in 0..16 {
+                let scale = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(scales(sub))));
+                for (offsets, x) in offsets.iter_mut().zip(xs) {
+                    *offsets = _mm256_fmadd_ps(scale, _mm256_set1_ps(x.sums[16 * b + sub]), *offsets);
+                }
+            }
+            // Run `run` of half `h`: its low nibbles' two registers and its high bit pairs'.
+            let run_parts = |h: usize, run: usize| {
+                let at = |part: usize| {
+                    _mm256_loadu_si256(block.add(Q6_QUANTS + 768 * h + 96 * run + 32 * part) as *const __m256i)
+                };
+                (at(0), at(1), at(2))
+            };
+            // The 6-bit quants of piece `c` (a constant, so that the shifts are) from a run's parts.
+            macro_rules! quants {
+                ($parts:expr, $c:literal) => {{
+                    let (a, b, bits) = $parts;
+                    let (nibbles, bits) = match $c {
+                        0 => (a, _mm256_slli_epi16(bits, 4)),
+                        1 => (b, _mm256_slli_epi16(bits, 2)),
+                        2 => (_mm256_srli_epi16(a, 4), bits),
+                        _ => (_mm256_srli_epi16(b, 4), _mm256_srli_epi16(bits, 2)),
+                    };
+                    _mm256_or_si256(_mm256_and_si256(nibbles, low), _mm256_and_si256(bits, high))
+                }};
+            }
+            // Each i32 lane's two i16 take its row's scale of sub-block `sub`.
+            let pair_scales = |sub: usize| _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(scales(sub), scales(sub)));
+            let word = |x: &k_quant_dot::KRow<'_>, at: usize| {
+                _mm256_set1_epi32((x.quants.as_ptr().add(b * QK_K + at) as *const i32).read_unaligned())
+            };
+            if T == 1 {
+                // One activation row: each run's parts are read once, in memory order, and make
+                // all four pieces' quants.
+                let x = &xs[0];
+                for h in 0..2 {
+                    let mut sums = [_mm256_setzero_si256(); 4];
+                    for pair in 0..4 {
+                        let mut pairs = [_mm256_setzero_si256(); 4];
+                        for run in 2 * pair..2 * pair + 2 {
+                            let parts = run_parts(h, run);
+                            let w = [
+                                quants!(parts, 0),
+                                quants!(parts, 1),
+                                quants!(parts, 2),
+                                quants!(parts, 3),
+                            ];
+                            for (c, (pairs, w)) in pairs.iter_mut().zip(w).enumerate() {
+                                let xw = word(x, 128 * h + 32 * c + 4 * run);
+                                *pairs = _mm256_add_epi16(*pairs, _mm256_maddubs_epi16(w, xw));
+                            }
+                        }
+                        for (c, (sums, pairs)) in sums.iter_mut().zip(pairs).enumerate() {
+                            let scale = pair_scales(8 * h + 2 * c + pair / 2);
+                            *sums = _mm256_add_epi32(*sums, _mm256_madd_epi16(pairs, scale));
+                        }
+                    }
+                    for (c, sums) in sums.into_iter().enumerate() {
+                        let dx = _mm256_set1_ps(x.scales[8 * b + 4 * h + c]);
+                        acc[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(d, dx), acc[0]);
+                    }
+                }
+            } else {
+                // A tile of rows: one piece at a time, so that each row's sums stay in registers
+                // (the parts come from the first level cache again for each piece).
+                macro_rules! piece {
+                    ($h:expr, $c:literal) => {{
+                        let (h, c) = ($h, $c);
+                        let mut sums = [_mm256_setzero_si256(); T];
+                        for pair in 0..4 {
+                            let scale = pair_scales(8 * h + 2 * c + pair / 2);
+                            let mut pairs = [_mm256_setzero_si256(); T];
+                            for run in 2 * pair..2 * pair + 2 {
+                                let w = quants!(run_parts(h, run), $c);
+                                for (pairs, x) in pairs.iter_mut().zip(xs) {
+                                    let xw = word(x, 128 * h + 32 * c + 4 * run);
+                                    *pairs = _mm256_add_epi16(*pairs, _mm256_maddubs_epi16(w, xw));
+                                }
+                            }
+                            for (sums, pairs) in sums.iter_mut().zip(pairs) {
+                                *sums = _mm256_add_epi32(*sums, _mm256_madd_epi16(pairs, scale));
+                            }
+                        }
+                        for ((acc, sums), x) in acc.iter_mut().zip(sums).zip(xs) {
+                            let dx = _mm256_set1_ps(x.scales[8 * b + 4 * h + c]);
+                            *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(d, dx), *acc);
+                        }
+                    }};
+                }
+                for h in 0..2 {
+                    piece!(h, 0);
+                    piece!(h, 1);
+                    piece!(h, 2);
+                    piece!(h, 3);
+                }
+            }
+        }
+    }
+    std::array::from_fn(|t| {
+        let mut out = [0f32; GROUP_ROWS];
+        // SAFETY: 8 floats.
+        unsafe {
+            _mm256_storeu_ps(
+                out.as_mut_ptr(),
+                _mm256_fnmadd_ps(_mm256_set1_ps(32.0), offsets[t], acc[t]),
+            )
+        };
+        out
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -282,42 +476,42 @@ mod tests {
     use crate::arch::ggml::QK_K;
     use crate::backend::cpu::k_quant_dot::tests::random_rows;
 
-    /// Interleaving keeps every byte: each row comes back as the file stores it, in as many bytes;
-    /// rows not in whole groups and `q6_K` are refused.
+    /// Interleaving keeps every byte: each row comes back as the file stores it, in as many bytes,
+    /// in both formats; rows not in whole groups are refused.
     #[test]
     fn tiles_hold_the_rows_bytes() {
         let cols = 3 * QK_K;
-        let data = random_rows(KQuant::Q4K, 2 * GROUP_ROWS, cols, 7);
-        let rows = KRows::new(KQuant::Q4K, &data, 2 * GROUP_ROWS, cols).unwrap();
-        let tiles = KTiles::from_rows(&rows).unwrap();
-        assert_eq!(tiles.bytes() as u64, rows.bytes());
-        let (mut want, mut got) = (vec![0f32; cols], vec![0f32; cols]);
-        for r in 0..2 * GROUP_ROWS {
-            assert_eq!(tiles.row(r), rows.row(r), "row {r}");
-            rows.dequantize_row(r, &mut want);
-            tiles.dequantize_row(r, &mut got);
-            assert_eq!(got, want, "row {r}");
+        for kind in [KQuant::Q4K, KQuant::Q6K] {
+            let data = random_rows(kind, 2 * GROUP_ROWS, cols, 7);
+            let rows = KRows::new(kind, &data, 2 * GROUP_ROWS, cols).unwrap();
+            let tiles = KTiles::from_rows(&rows).unwrap();
+            assert_eq!(tiles.bytes() as u64, rows.bytes());
+            let (mut want, mut got) = (vec![0f32; cols], vec![0f32; cols]);
+            for r in 0..2 * GROUP_ROWS {
+                assert_eq!(tiles.row(r), rows.row(r), "{kind:?} row {r}");
+                rows.dequantize_row(r, &mut want);
+                tiles.dequantize_row(r, &mut got);
+                assert_eq!(got, want, "{kind:?} row {r}");
+            }
+            let odd_bytes = (GROUP_ROWS + 3) * 3 * kind.block_bytes();
+            let odd = KRows::new(kind, &data[..odd_bytes], GROUP_ROWS + 3, cols).unwrap();
+            assert!(KTiles::from_rows(&odd).is_none());
         }
-        let odd = KRows::new(
-            KQuant::Q4K,
-            &data[..(GROUP_ROWS + 3) * 3 * Q4K_BYTES],
-            GROUP_ROWS + 3,
-            cols,
-        )
-        .unwrap();
-        assert!(KTiles::from_rows(&odd).is_none());
-        let q6 = random_rows(KQuant::Q6K, GROUP_ROWS, QK_K, 7);
-        assert!(KTiles::from_rows(&KRows::new(KQuant::Q6K, &q6, GROUP_ROWS, QK_K).unwrap()).is_none());
     }
 
-    /// Every path's products of any span of rows are each row's product, for activation counts
-    /// off the tile size and spans that start, end and cross inside groups.
+    /// Every path's products of any span of rows are each row's product, in both formats, for
+    /// activation counts off the tile size and spans that start, end and cross inside groups.
     #[test]
     fn products_are_every_row_s_product() {
-        for cols in [QK_K, 5 * QK_K] {
+        for (kind, cols) in [
+            (KQuant::Q4K, QK_K),
+            (KQuant::Q4K, 5 * QK_K),
+            (KQuant::Q6K, QK_K),
+            (KQuant::Q6K, 3 * QK_K),
+        ] {
             let n = 3 * GROUP_ROWS;
-            let data = random_rows(KQuant::Q4K, n, cols, 3);
-            let rows = KRows::new(KQuant::Q4K, &data, n, cols).unwrap();
+            let data = random_rows(kind, n, cols, 3);
+            let rows = KRows::new(kind, &data, n, cols).unwrap();
             let tiles = KTiles::from_rows(&rows).unwrap();
             for m in [1, TILE + 3, 9] {
                 let acts = KActivations::quantize(&values(m * cols, 11), cols);
@@ -326,18 +520,18 @@ mod tests {
                     tiles.products(row, count, &acts, &mut got);
                     for r in 0..count {
                         for i in 0..m {
-                            let want = k_quant_dot::dot_portable(KQuant::Q4K, rows.row(row + r), &acts.row(i));
+                            let want = k_quant_dot::dot_portable(kind, rows.row(row + r), &acts.row(i));
                             let g = got[r * m + i];
                             assert!(
                                 (g - want).abs() <= 1e-4 * want.abs().max(1.0),
-                                "{cols} m={m} ({i}, {}): {g} vs {want}",
+                                "{kind:?} {cols} m={m} ({i}, {}): {g} vs {want}",
                                 row + r
                             );
                         }
                     }
                     let portable = tiles.tile_portable(row / GROUP_ROWS, &acts, 0, 1);
-                    let want = k_quant_dot::dot_portable(KQuant::Q4K, rows.row(row), &acts.row(0));
-                    assert_eq!(portable[0][row % GROUP_ROWS], want, "portable {cols}");
+                    let want = k_quant_dot::dot_portable(kind, rows.row(row), &acts.row(0));
+                    assert_eq!(portable[0][row % GROUP_ROWS], want, "{kind:?} portable {cols}");
                 }
             }
         }

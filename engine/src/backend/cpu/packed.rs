@@ -38,7 +38,7 @@ enum Packing {
     Tiled(BlockTiles),
     /// `q4_K` or `q6_K` super-blocks as a GGUF file stores them ([`k_quant_dot`]).
     KQuants(KRows),
-    /// `q4_K` super-blocks interleaved for integer tiles, on CPUs that have them.
+    /// `q4_K`/`q6_K` super-blocks interleaved for integer tiles, on CPUs that have them.
     KTiled(KTiles),
     /// Any other GGML block type as a GGUF file stores it (`q5_K`, `q4_1`, `q5_0`, `q5_1`),
     /// multiplied by candle's `k_quants` (the activations quantized to `q8_K` or `q8_0`/`q8_1`
@@ -56,8 +56,8 @@ impl Packing {
             .map_or(Packing::Blocks(rows), Packing::Tiled)
     }
 
-    /// K-quant super-blocks: `q4_K` as integer tiles where this CPU has them and the rows make
-    /// whole groups, else as stored.
+    /// K-quant super-blocks as integer tiles where this CPU has them and the rows make whole
+    /// groups, else as stored.
     fn k_quants(rows: KRows) -> Packing {
         k_quant_tiles::available()
             .then(|| KTiles::from_rows(&rows))
