@@ -13,7 +13,7 @@
 //! a prefill read the weights as one stream.
 
 use super::isa::fastest;
-use super::k_quant_dot::{self, scale_min_bytes, KActivations, KQuant, KRows, Q4K_BYTES, Q6K_BYTES};
+use super::k_quant_dot::{self, scale_min_bytes, KActivations, KQuant, KRows};
 
 /// Weight rows in one group: one i32 lane per row of a 256-bit register.
 pub const GROUP_ROWS: usize = 8;
@@ -237,13 +237,9 @@ impl KTiles {
 fn q4k_avx2<const T: usize>(data: &[u8], xs: &[k_quant_dot::KRow<'_>; T]) -> [[f32; GROUP_ROWS]; T] {
     use crate::arch::ggml::QK_K;
     use std::arch::x86_64::*;
-    const GROUP_BLOCK: usize = GROUP_ROWS * Q4K_BYTES;
-    let nb = data.len() / GROUP_BLOCK;
-    // The reads below stay inside these lengths.
-    assert_eq!(data.len(), nb * GROUP_BLOCK);
-    for x in xs {
-        assert!(x.quants.len() >= nb * QK_K && x.scales.len() >= 8 * nb && x.sums.len() >= 16 * nb);
-    }
+    const GROUP_BLOCK: usize = GROUP_ROWS * k_quant_dot::Q4K_BYTES;
+    // The reads below stay inside the lengths this checks.
+    let nb = super_blocks(data, GROUP_BLOCK, xs);
     let (ones, low) = (_mm256_set1_epi16(1), _mm256_set1_epi8(0x0F));
     let (six_bits, low_nibble, top_two) = (_mm_set1_epi8(0x3F), _mm_set1_epi8(0x0F), _mm_set1_epi8(0x30));
     let widen = |v: __m128i| _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v));
@@ -308,6 +304,20 @@ fn q4k_avx2<const T: usize>(data: &[u8], xs: &[k_quant_dot::KRow<'_>; T]) -> [[f
     })
 }
 
+/// The super-blocks in a group's `data` of `group_block` bytes each; panics unless `data` is
+/// whole super-blocks and every activation row of `xs` holds as many super-blocks' values,
+/// scales and sums (the SIMD kernels read within those lengths).
+#[cfg(target_arch = "x86_64")]
+fn super_blocks(data: &[u8], group_block: usize, xs: &[k_quant_dot::KRow<'_>]) -> usize {
+    use crate::arch::ggml::QK_K;
+    let nb = data.len() / group_block;
+    assert_eq!(data.len(), nb * group_block);
+    for x in xs {
+        assert!(x.quants.len() >= nb * QK_K && x.scales.len() >= 8 * nb && x.sums.len() >= 16 * nb);
+    }
+    nb
+}
+
 /// Asks the CPU to fetch the `bytes` of the super-block [`PREFETCH_BYTES`] past `block`: a
 /// group's super-blocks follow one another, so this runs ahead through a matrix as one stream. A
 /// hint, with no effect on the results; the addresses may lie past the matrix, which a prefetch
@@ -329,24 +339,20 @@ fn prefetch_ahead(block: *const u8, bytes: usize) {
 /// [`q4k_avx2`] for `q6_K`: per 32 values (piece `c` of half `h` of the super-block: values
 /// `128h + 32c..`, their low four bits in the low (`c` < 2) or high nibbles of the half's bytes
 /// `32(c % 2)..`, their top two at bit `2c` of its high bit pairs), one `vpmaddubsw` per run of
-/// four weight bytes (the 6-bit quants, 0–63) and activation row, two runs summed in i16 (at most 2 · 2 · 63 · 128 =
-/// 32,256) and widened by a `vpmaddwd` with the runs' sub-block scales, so the i32 lanes hold
-/// the piece's `Σ scale · q_w q_x`, scaled once by `d · d_x`. GGML's `q6_K` values are
-/// `q_w − 32`: the 32s' term `32 · d Σ scale · d_x Σ q_x` is summed apart per sub-block of 16 and
-/// subtracted at the end.
+/// four weight bytes (the 6-bit quants, 0–63) and activation row, two runs summed in i16 (at
+/// most 2 · 2 · 63 · 128 = 32,256) and widened by a `vpmaddwd` with the runs' sub-block
+/// scales, so the i32 lanes hold the piece's `Σ scale · q_w q_x`, scaled once by `d · d_x`.
+/// GGML's `q6_K` values are `q_w − 32`: the 32s' term `32 · d Σ scale · d_x Σ q_x` is summed
+/// apart per sub-block of 16 and subtracted at the end.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 #[allow(unsafe_code)]
 fn q6k_avx2<const T: usize>(data: &[u8], xs: &[k_quant_dot::KRow<'_>; T]) -> [[f32; GROUP_ROWS]; T] {
     use crate::arch::ggml::QK_K;
     use std::arch::x86_64::*;
-    const GROUP_BLOCK: usize = GROUP_ROWS * Q6K_BYTES;
-    let nb = data.len() / GROUP_BLOCK;
-    // The reads below stay inside these lengths.
-    assert_eq!(data.len(), nb * GROUP_BLOCK);
-    for x in xs {
-        assert!(x.quants.len() >= nb * QK_K && x.scales.len() >= 8 * nb && x.sums.len() >= 16 * nb);
-    }
+    const GROUP_BLOCK: usize = GROUP_ROWS * k_quant_dot::Q6K_BYTES;
+    // The reads below stay inside the lengths this checks.
+    let nb = super_blocks(data, GROUP_BLOCK, xs);
     let (low, high) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(0x30));
     let mut acc = [_mm256_setzero_ps(); T];
     let mut offsets = [_mm256_setzero_ps(); T];
