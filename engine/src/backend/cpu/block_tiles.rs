@@ -191,14 +191,10 @@ impl BlockTiles {
 #[allow(unsafe_code)]
 fn prefetch_block(quants: *const u8, bytes: usize, scales: *const u16) {
     use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-    let ahead = quants.wrapping_add(PREFETCH_BYTES);
-    for line in (0..bytes).step_by(64) {
-        // SAFETY: a prefetch reads nothing the program sees and never faults.
-        unsafe { _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(line) as *const i8) };
-    }
+    super::packed::prefetch_past(quants, bytes);
     // 32 bytes of scales per block, against `bytes` of quants.
     let scales_ahead = (scales as *const u8).wrapping_add(PREFETCH_BYTES * 2 * TILE_ROWS / bytes);
-    // SAFETY: as above.
+    // SAFETY: a prefetch reads nothing the program sees and never faults.
     unsafe { _mm_prefetch::<_MM_HINT_T0>(scales_ahead as *const i8) };
 }
 

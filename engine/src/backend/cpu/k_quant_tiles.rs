@@ -249,7 +249,7 @@ fn q4k_avx2<const T: usize>(data: &[u8], xs: &[k_quant_dot::KRow<'_>; T]) -> [[f
         // inside the activation rows' lengths (asserted above); a prefetch never faults.
         unsafe {
             let block = data.as_ptr().add(b * GROUP_BLOCK);
-            prefetch_ahead(block, GROUP_BLOCK);
+            super::packed::prefetch_past(block, GROUP_BLOCK);
             let d = _mm256_cvtph_ps(_mm_loadu_si128(block.add(D) as *const __m128i));
             let dmin = _mm256_cvtph_ps(_mm_loadu_si128(block.add(DMIN) as *const __m128i));
             // Sub-block `2 · chunk + high` (a constant `high`, so that no branch is left in the
@@ -318,24 +318,6 @@ fn super_blocks(data: &[u8], group_block: usize, xs: &[k_quant_dot::KRow<'_>]) -
     nb
 }
 
-/// Asks the CPU to fetch the `bytes` of the super-block [`PREFETCH_BYTES`] past `block`: a
-/// group's super-blocks follow one another, so this runs ahead through a matrix as one stream. A
-/// hint, with no effect on the results; the addresses may lie past the matrix, which a prefetch
-/// never reads.
-///
-/// [`PREFETCH_BYTES`]: super::packed::PREFETCH_BYTES
-#[cfg(target_arch = "x86_64")]
-#[inline(always)]
-#[allow(unsafe_code)]
-fn prefetch_ahead(block: *const u8, bytes: usize) {
-    use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-    let ahead = block.wrapping_add(super::packed::PREFETCH_BYTES);
-    for line in (0..bytes).step_by(64) {
-        // SAFETY: a prefetch reads nothing the program sees and never faults.
-        unsafe { _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(line) as *const i8) };
-    }
-}
-
 /// [`q4k_avx2`] for `q6_K`: per 32 values (piece `c` of half `h` of the super-block: values
 /// `128h + 32c..`, their low four bits in the low (`c` < 2) or high nibbles of the half's bytes
 /// `32(c % 2)..`, their top two at bit `2c` of its high bit pairs), one `vpmaddubsw` per run of
@@ -361,7 +343,7 @@ fn q6k_avx2<const T: usize>(data: &[u8], xs: &[k_quant_dot::KRow<'_>; T]) -> [[f
         // inside the activation rows' lengths (asserted above); a prefetch never faults.
         unsafe {
             let block = data.as_ptr().add(b * GROUP_BLOCK);
-            prefetch_ahead(block, GROUP_BLOCK);
+            super::packed::prefetch_past(block, GROUP_BLOCK);
             let d = _mm256_cvtph_ps(_mm_loadu_si128(block.add(Q6_D) as *const __m128i));
             let scales = |sub: usize| _mm_loadl_epi64(block.add(Q6_SCALES + 8 * sub) as *const __m128i);
             for sub in 0..16 {

@@ -231,6 +231,22 @@ pub(super) fn prefetch_ahead<T>(data: &[T], range: std::ops::Range<usize>, cold:
     let _ = (data, range, cold);
 }
 
+/// Asks the CPU to fetch the `bytes` at `block` [`PREFETCH_BYTES`] further on: the integer tiles'
+/// groups follow one another, so this runs ahead through a matrix as one stream, past a group's
+/// end into the next. A hint, with no effect on the results; the addresses may lie past the
+/// matrix, which a prefetch never reads.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+#[allow(unsafe_code)]
+pub(super) fn prefetch_past(block: *const u8, bytes: usize) {
+    use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+    let ahead = block.wrapping_add(PREFETCH_BYTES);
+    for line in (0..bytes).step_by(64) {
+        // SAFETY: a prefetch reads nothing the program sees and never faults.
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(line) as *const i8) };
+    }
+}
+
 /// Output rows (of the weight matrix) per task of [`PackedMatrix::dequantize`].
 const ROWS_PER_TASK: usize = 64;
 
