@@ -25,16 +25,16 @@ pub(super) fn round_small_to_even(y: f32) -> f32 {
     (y + SHIFTER) - SHIFTER
 }
 
-/// `out[i] = x_i · row` for `row` of `w` and each row `x_i` of `acts` (quantized for `w`'s
+/// `out[i] = x_{first + i} · row` for `row` of `w` and rows `x` of `acts` (quantized for `w`'s
 /// format); `cold`: the first row of a run (see [`prefetch_ahead`]).
-pub fn dot_row(w: &BlockRows, row: usize, acts: &Activations, cold: bool, out: &mut [f32]) {
+pub fn dot_row(w: &BlockRows, row: usize, acts: &Activations, first: usize, cold: bool, out: &mut [f32]) {
     debug_assert_eq!(acts.kind, w.kind());
     let (nb, qb) = (w.blocks_per_row(), w.kind().quant_bytes());
     prefetch_ahead(w.scales(), row * nb..(row + 1) * nb, cold);
     prefetch_ahead(w.quants(), row * nb * qb..(row + 1) * nb * qb, cold);
     let (scales, quants) = (w.row_scales(row), w.row_quants(row));
     for (i, o) in out.iter_mut().enumerate() {
-        *o = dot_fastest(w.kind(), scales, quants, &acts.row(i));
+        *o = dot_fastest(w.kind(), scales, quants, &acts.row(first + i));
     }
 }
 
@@ -45,7 +45,6 @@ pub fn dot_row(w: &BlockRows, row: usize, acts: &Activations, cold: bool, out: &
 #[derive(Debug)]
 pub struct Activations {
     kind: BlockKind,
-    rows: usize,
     padded_blocks: usize,
     scales: Vec<f32>,
     corrections: Vec<f32>,
@@ -65,11 +64,6 @@ impl Activations {
         self.kind
     }
 
-    /// Activation rows.
-    pub fn rows(&self) -> usize {
-        self.rows
-    }
-
     /// Quantizes the rows of `x` (`cols`, a multiple of 32, per row) for a `kind` matrix.
     pub fn quantize(kind: BlockKind, x: &[f32], cols: usize) -> Self {
         let nb = cols / BLOCK;
@@ -77,7 +71,6 @@ impl Activations {
         let m = x.len() / cols;
         let mut acts = Activations {
             kind,
-            rows: m,
             padded_blocks,
             scales: vec![0.0; m * padded_blocks],
             corrections: vec![0.0; m * padded_blocks],

@@ -13,9 +13,11 @@
 use super::block_dot::ActRow;
 use super::block_dot::{self, Activations};
 use super::isa::fastest;
+use super::packed::tiles_of;
 #[cfg(target_arch = "x86_64")]
 use super::packed::PREFETCH_BYTES;
 use crate::arch::blocks::{BlockKind, BlockRows, BLOCK};
+use std::ops::Range;
 
 /// Weight rows in one group: one i32 lane per row of a 512-bit register.
 pub const TILE_ROWS: usize = 16;
@@ -118,24 +120,25 @@ impl BlockTiles {
         }
     }
 
-    /// The products of weight rows `row..row + n` (inside one group) with every activation row of
-    /// `acts`, into `out` `[n, acts' rows]`.
-    pub fn products(&self, row: usize, n: usize, acts: &Activations, out: &mut [f32]) {
+    /// The products of weight rows `row..row + n` (inside one group) with activation rows `rows`
+    /// of `acts`, that of (activation row `i`, weight row `row + r`) into `out[i · stride + r]`.
+    pub fn products(
+        &self,
+        row: usize,
+        n: usize,
+        acts: &Activations,
+        rows: Range<usize>,
+        out: &mut [f32],
+        stride: usize,
+    ) {
         debug_assert_eq!(acts.kind(), self.kind);
         let (group, lane) = (row / TILE_ROWS, row % TILE_ROWS);
         assert!(lane + n <= TILE_ROWS, "rows {row}..{} cross a group", row + n);
-        let m = acts.rows();
-        let mut first = 0;
-        while first < m {
-            // Whole tiles of activation rows, then the rest one at a time.
-            let t = if m - first >= TILE { TILE } else { 1 };
+        for (first, t) in tiles_of(rows, TILE) {
             let sums = self.tile(group, acts, first, t);
             for (k, sums) in sums.iter().enumerate().take(t) {
-                for (r, &v) in sums[lane..lane + n].iter().enumerate() {
-                    out[r * m + first + k] = v;
-                }
+                out[(first + k) * stride..][..n].copy_from_slice(&sums[lane..lane + n]);
             }
-            first += t;
         }
     }
 
@@ -424,13 +427,16 @@ mod tests {
                 for m in [1, TILE + 3, 37] {
                     let acts = Activations::quantize(kind, &values(m * cols, 11), cols);
                     for (row, n) in [(0, TILE_ROWS), (TILE_ROWS + 3, 5), (2 * TILE_ROWS - 1, 1)] {
+                        // In two calls, the first ending off the tile size.
                         let mut got = vec![0f32; n * m];
-                        tiles.products(row, n, &acts, &mut got);
+                        for rows in [0..m / 2, m / 2..m] {
+                            tiles.products(row, n, &acts, rows, &mut got, n);
+                        }
                         for r in 0..n {
                             let (s, q) = (rows.row_scales(row + r), rows.row_quants(row + r));
                             for i in 0..m {
                                 let want = block_dot::dot_portable(kind, s, q, &acts.row(i));
-                                let g = got[r * m + i];
+                                let g = got[i * n + r];
                                 assert!(
                                     (g - want).abs() <= 1e-4 * want.abs().max(1.0),
                                     "{kind:?} {cols} m={m} ({i}, {}): {g} vs {want}",

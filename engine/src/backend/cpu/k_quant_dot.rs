@@ -155,11 +155,6 @@ impl KActivations {
         acts
     }
 
-    /// Activation rows.
-    pub(super) fn rows(&self) -> usize {
-        self.quants.len().checked_div(self.cols).unwrap_or(0)
-    }
-
     /// Activation row `i`.
     pub(super) fn row(&self, i: usize) -> KRow<'_> {
         let blocks = self.cols / BLOCK;
@@ -176,20 +171,20 @@ impl KActivations {
 /// of decodes).
 const ROWS_AT_ONCE: usize = 4;
 
-/// `out[i] = x_i · row` for row `row` of `w` and each row `x_i` of `acts`; `cold`: the first row
-/// of a run (see [`prefetch_ahead`]).
-pub fn dot_row(w: &KRows, row: usize, acts: &KActivations, cold: bool, out: &mut [f32]) {
+/// `out[i] = x_{first + i} · row` for row `row` of `w` and rows `x` of `acts`; `cold`: the first
+/// row of a run (see [`prefetch_ahead`]).
+pub fn dot_row(w: &KRows, row: usize, acts: &KActivations, first: usize, cold: bool, out: &mut [f32]) {
     prefetch_ahead(&w.data, row * w.row_bytes..(row + 1) * w.row_bytes, cold);
     let bytes = w.row(row);
     let mut i = 0;
     while i < out.len() {
         if out.len() - i >= ROWS_AT_ONCE {
-            let rows: [KRow<'_>; ROWS_AT_ONCE] = std::array::from_fn(|t| acts.row(i + t));
+            let rows: [KRow<'_>; ROWS_AT_ONCE] = std::array::from_fn(|t| acts.row(first + i + t));
             let xs = std::array::from_fn(|t| &rows[t]);
             out[i..i + ROWS_AT_ONCE].copy_from_slice(&dots_fastest(w.kind, bytes, &xs));
             i += ROWS_AT_ONCE;
         } else {
-            out[i] = dot_fastest(w.kind, bytes, &acts.row(i));
+            out[i] = dot_fastest(w.kind, bytes, &acts.row(first + i));
             i += 1;
         }
     }
@@ -771,7 +766,7 @@ pub(super) mod tests {
             let acts = KActivations::quantize(&values(m * cols, 3), cols);
             for r in 0..rows {
                 let mut out = vec![0f32; m];
-                dot_row(&w, r, &acts, true, &mut out);
+                dot_row(&w, r, &acts, 0, true, &mut out);
                 for (i, &got) in out.iter().enumerate() {
                     assert_eq!(got, dot_fastest(kind, w.row(r), &acts.row(i)), "{kind:?} ({r}, {i})");
                 }

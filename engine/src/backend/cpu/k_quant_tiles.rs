@@ -14,6 +14,8 @@
 
 use super::isa::fastest;
 use super::k_quant_dot::{self, scale_min_bytes, KActivations, KQuant, KRows};
+use super::packed::tiles_of;
+use std::ops::Range;
 
 /// Weight rows in one group: one i32 lane per row of a 256-bit register.
 pub const GROUP_ROWS: usize = 8;
@@ -166,25 +168,26 @@ impl KTiles {
         self.kind.ggml().dequantize(&self.row(row), out);
     }
 
-    /// The products of weight rows `row..row + n` with every activation row of `acts`, into
-    /// `out` `[n, acts' rows]`.
-    pub fn products(&self, row: usize, n: usize, acts: &KActivations, out: &mut [f32]) {
-        let m = acts.rows();
+    /// The products of weight rows `row..row + n` with activation rows `rows` of `acts`, that of
+    /// (activation row `i`, weight row `row + r`) into `out[i · stride + r]`.
+    pub fn products(
+        &self,
+        row: usize,
+        n: usize,
+        acts: &KActivations,
+        rows: Range<usize>,
+        out: &mut [f32],
+        stride: usize,
+    ) {
         let mut r = row;
         while r < row + n {
             let (group, lane) = (r / GROUP_ROWS, r % GROUP_ROWS);
             let take = (GROUP_ROWS - lane).min(row + n - r);
-            let mut first = 0;
-            while first < m {
-                // Whole tiles of activation rows, then the rest one at a time.
-                let t = if m - first >= TILE { TILE } else { 1 };
+            for (first, t) in tiles_of(rows.clone(), TILE) {
                 let sums = self.tile(group, acts, first, t);
                 for (k, sums) in sums.iter().enumerate().take(t) {
-                    for (i, &v) in sums[lane..lane + take].iter().enumerate() {
-                        out[(r - row + i) * m + first + k] = v;
-                    }
+                    out[(first + k) * stride + r - row..][..take].copy_from_slice(&sums[lane..lane + take]);
                 }
-                first += t;
             }
             r += take;
         }
@@ -504,12 +507,15 @@ mod tests {
             for m in [1, TILE + 3, 9] {
                 let acts = KActivations::quantize(&values(m * cols, 11), cols);
                 for (row, count) in [(0, n), (GROUP_ROWS + 3, 7), (n - 1, 1), (2, 4)] {
+                    // In two calls, the first ending off the tile size.
                     let mut got = vec![0f32; count * m];
-                    tiles.products(row, count, &acts, &mut got);
+                    for part in [0..m / 2, m / 2..m] {
+                        tiles.products(row, count, &acts, part, &mut got, count);
+                    }
                     for r in 0..count {
                         for i in 0..m {
                             let want = k_quant_dot::dot_portable(kind, rows.row(row + r), &acts.row(i));
-                            let g = got[r * m + i];
+                            let g = got[i * count + r];
                             assert!(
                                 (g - want).abs() <= 1e-4 * want.abs().max(1.0),
                                 "{kind:?} {cols} m={m} ({i}, {}): {g} vs {want}",
