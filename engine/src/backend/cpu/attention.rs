@@ -6,12 +6,13 @@
 //! into tiles would copy the whole context for every token.
 
 use super::isa::fastest;
+use super::segment_attention::{matmul, Operand};
 use super::vector_math::exp_shifted_by_max;
 use crate::memory::ledger::{Category, MemoryLedger};
 use crate::parallel::for_each_piece;
-use candle_core::{Device, Tensor, D};
+use candle_core::{Device, Tensor};
 
-/// Tile sizes: query rows per chunk and context positions per key tile; up to `in_place` query
+/// Tile sizes: query rows per task and context positions per key tile; up to `in_place` query
 /// rows, no tiles: the cache is read in place.
 #[derive(Debug, Clone, Copy)]
 pub(super) struct Tiles {
@@ -20,10 +21,12 @@ pub(super) struct Tiles {
     pub in_place: usize,
 }
 
-/// The tiles the backend uses.
+/// The tiles the backend uses: a task's scores (64 query rows times the heads sharing a KV head,
+/// by 512 positions) stay in a core's L2 cache, and a 519-token prompt makes nine tasks for the
+/// pool (causal rows cost more the later they sit, so a few large tasks would leave a thread idle).
 pub(super) const TILES: Tiles = Tiles {
-    queries: 512,
-    keys: 1024,
+    queries: 64,
+    keys: 512,
     in_place: 16,
 };
 
@@ -44,83 +47,171 @@ pub(super) struct SeqAttention<'a> {
 
 /// Attention output `[n, heads · d]` of one sequence.
 pub(super) fn attend(s: &SeqAttention<'_>, ledger: &MemoryLedger, tiles: Tiles) -> candle_core::Result<Tensor> {
-    let dev = &Device::Cpu;
     let (n, cols) = s.q.dims2()?;
-    let (kvh, d, ctx) = (s.kv_heads, s.head_dim, s.context_len);
-    let heads = cols / d;
-    let group = heads / kvh;
-    let width = kvh * d;
-    let scale = 1.0 / (d as f64).sqrt();
-    if n <= tiles.in_place {
-        let q = s.q.flatten_all()?.to_vec1::<f32>()?;
-        let out = attend_in_place(s, &q, n, scale as f32, ledger);
-        return Tensor::from_vec(out, (n, cols), dev);
-    }
-    let mut outs = Vec::new();
-    for q0 in (0..n).step_by(tiles.queries) {
-        let qn = tiles.queries.min(n - q0);
-        // Query row i of this chunk sits at position ctx − n + q0 + i.
-        let first_pos = ctx - n + q0;
-        let last_pos = first_pos + qn - 1;
+    let scale = 1.0 / (s.head_dim as f32).sqrt();
+    let q = s.q.flatten_all()?.to_vec1::<f32>()?;
+    let out = if n <= tiles.in_place {
+        attend_in_place(s, &q, n, scale, ledger)
+    } else {
+        attend_tiled(s, &q, n, scale, ledger, tiles)
+    };
+    Tensor::from_vec(out, (n, cols), &Device::Cpu)
+}
+
+/// One task of [`attend_tiled`]: what every task reads.
+struct Tiled<'a> {
+    keys: &'a [f32],
+    values: &'a [f32],
+    kv_heads: usize,
+    head_dim: usize,
+    context_len: usize,
+    /// The slot of each context position.
+    slots: &'a [usize],
+    q: &'a [f32],
+    n: usize,
+    scale: f32,
+    tiles: Tiles,
+}
+
+impl Tiled<'_> {
+    /// Query rows `first..` (as many as `out` holds, `[rows, heads · d]`), per KV head: the heads
+    /// sharing it gathered as one matrix of rows, the context in key tiles gathered from their
+    /// slots, each tile's scores by one product, their exponentials shifted by a running max, and
+    /// the values' weighted sum by another product into the running output.
+    fn run(&self, first: usize, out: &mut [f32]) {
+        let (kvh, d, ctx) = (self.kv_heads, self.head_dim, self.context_len);
+        let cols = self.q.len() / self.n;
+        let (qn, group, width) = (out.len() / cols, cols / d / kvh, kvh * d);
         let rows = group * qn;
-        let qs =
-            s.q.narrow(0, q0, qn)?
-                .reshape((qn, kvh, group, d))?
-                .permute((1, 2, 0, 3))?
-                .contiguous()?
-                .reshape((kvh, rows, d))?;
-        let _acc = ledger.hold(Category::Activations, (kvh * rows * (d + 2) * 4) as u64);
-        let mut m = Tensor::full(f32::NEG_INFINITY, (kvh, rows, 1), dev)?;
-        let mut l = Tensor::zeros((kvh, rows, 1), candle_core::DType::F32, dev)?;
-        let mut o = Tensor::zeros((kvh, rows, d), candle_core::DType::F32, dev)?;
-        for k0 in (0..=last_pos).step_by(tiles.keys) {
-            let kl = tiles.keys.min(last_pos + 1 - k0);
-            // Gathered keys and values and at most three score-sized buffers at once (scores,
-            // scores minus the row max, their exponentials); the mask, smaller than one, is
-            // dropped before the third exists.
-            let _tile = ledger.hold(
-                Category::Activations,
-                ((2 * kl * width + 3 * kvh * rows * kl) * 4) as u64,
-            );
-            let mut kc = Vec::with_capacity(kl * width);
-            let mut vc = Vec::with_capacity(kl * width);
-            for pos in k0..k0 + kl {
-                let slot = (s.slot_of)(pos);
-                kc.extend_from_slice(&s.keys[slot * width..(slot + 1) * width]);
-                vc.extend_from_slice(&s.values[slot * width..(slot + 1) * width]);
+        // Query row i sits at position first_pos + i; row r of a head's matrix is (head r / qn, i = r % qn).
+        let first_pos = ctx - self.n + first;
+        let last_pos = first_pos + qn - 1;
+        let keys = self.tiles.keys.max(1);
+        let (mut qs, mut o) = (vec![0f32; rows * d], vec![0f32; rows * d]);
+        let (mut kt, mut vt) = (vec![0f32; keys * d], vec![0f32; keys * d]);
+        let mut scores = vec![0f32; rows * keys];
+        let (mut max, mut sum) = (vec![0f32; rows], vec![0f32; rows]);
+        for h in 0..kvh {
+            for (r, row) in qs.chunks_exact_mut(d).enumerate() {
+                let (g, i) = (r / qn, r % qn);
+                row.copy_from_slice(&self.q[(first + i) * cols + (h * group + g) * d..][..d]);
             }
-            let k = Tensor::from_vec(kc, (kl, kvh, d), dev)?.transpose(0, 1)?.contiguous()?;
-            let v = Tensor::from_vec(vc, (kl, kvh, d), dev)?.transpose(0, 1)?.contiguous()?;
-            let mut scores = (qs.matmul(&k.t()?)? * scale)?;
-            if k0 + kl - 1 > first_pos {
-                // Keys past a query's own position are masked (the first tile always leaves
-                // position 0 visible, so every row's running max is finite after it).
-                let mut mask = vec![0.0f32; rows * kl];
-                for g in 0..group {
-                    for i in 0..qn {
-                        let visible = (first_pos + i + 1).saturating_sub(k0).min(kl);
-                        let row = &mut mask[(g * qn + i) * kl..(g * qn + i + 1) * kl];
-                        row[visible..].iter_mut().for_each(|x| *x = f32::NEG_INFINITY);
-                    }
+            o.fill(0.0);
+            max.fill(f32::NEG_INFINITY);
+            sum.fill(0.0);
+            for k0 in (0..=last_pos).step_by(keys) {
+                let kl = keys.min(last_pos + 1 - k0);
+                for j in 0..kl {
+                    let at = self.slots[k0 + j] * width + h * d;
+                    kt[j * d..][..d].copy_from_slice(&self.keys[at..][..d]);
+                    vt[j * d..][..d].copy_from_slice(&self.values[at..][..d]);
                 }
-                scores = scores.broadcast_add(&Tensor::from_vec(mask, (rows, kl), dev)?)?;
+                // Keys transposed by their strides: element (c, j) is key j's column c.
+                let (a, b) = (
+                    Operand {
+                        data: &qs,
+                        rows: d,
+                        cols: 1,
+                    },
+                    Operand {
+                        data: &kt,
+                        rows: 1,
+                        cols: d,
+                    },
+                );
+                matmul([rows, kl, d], &mut scores, kl, (a, b), self.scale, false);
+                for (r, row) in scores.chunks_exact_mut(kl).take(rows).enumerate() {
+                    // Keys past the query's own position are masked.
+                    let visible = (first_pos + r % qn + 1).saturating_sub(k0).min(kl);
+                    row[visible..].fill(0.0);
+                    if visible == 0 {
+                        continue;
+                    }
+                    let (tile_max, tile_sum) = exp_shifted_by_max(&mut row[..visible]);
+                    let new_max = max[r].max(tile_max);
+                    let (old, this) = ((max[r] - new_max).exp(), (tile_max - new_max).exp());
+                    if this != 1.0 {
+                        row[..visible].iter_mut().for_each(|p| *p *= this);
+                    }
+                    if old != 1.0 {
+                        o[r * d..][..d].iter_mut().for_each(|x| *x *= old);
+                    }
+                    sum[r] = sum[r] * old + tile_sum * this;
+                    max[r] = new_max;
+                }
+                let (p, v) = (
+                    Operand {
+                        data: &scores,
+                        rows: kl,
+                        cols: 1,
+                    },
+                    Operand {
+                        data: &vt,
+                        rows: d,
+                        cols: 1,
+                    },
+                );
+                matmul([rows, d, kl], &mut o, d, (p, v), 1.0, true);
             }
-            let m_new = m.maximum(&scores.max_keepdim(D::Minus1)?)?;
-            let p = scores.broadcast_sub(&m_new)?.exp()?;
-            let alpha = (m - &m_new)?.exp()?;
-            l = (l.broadcast_mul(&alpha)? + p.sum_keepdim(D::Minus1)?)?;
-            o = (o.broadcast_mul(&alpha)? + p.matmul(&v)?)?;
-            m = m_new;
+            for (r, row) in o.chunks_exact(d).enumerate() {
+                let (g, i) = (r / qn, r % qn);
+                let inv = 1.0 / sum[r];
+                let dst = &mut out[i * cols + (h * group + g) * d..][..d];
+                dst.iter_mut().zip(row).for_each(|(y, x)| *y = x * inv);
+            }
         }
-        let out = o.broadcast_div(&l)?;
-        outs.push(
-            out.reshape((kvh, group, qn, d))?
-                .permute((2, 0, 1, 3))?
-                .contiguous()?
-                .reshape((qn, heads * d))?,
-        );
     }
-    Tensor::cat(&outs, 0)
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    fn run_avx2(&self, first: usize, out: &mut [f32]) {
+        self.run(first, out)
+    }
+
+    /// [`Tiled::run`] compiled for the widest instructions this CPU has.
+    fn run_fastest(&self, first: usize, out: &mut [f32]) {
+        fastest!(avx2_fma => self.run_avx2(first, out), _ => self.run(first, out))
+    }
+}
+
+/// Attention of many query rows: tasks of [`Tiles::queries`] rows (all heads) shared out over
+/// the pool, each taking the context in tiles of [`Tiles::keys`] positions with an online softmax
+/// (running max and sum) across the tiles. Memory stays at one task's tiles per thread however
+/// long the context; they are recorded in `ledger` while they live.
+fn attend_tiled(
+    s: &SeqAttention<'_>,
+    q: &[f32],
+    n: usize,
+    scale: f32,
+    ledger: &MemoryLedger,
+    tiles: Tiles,
+) -> Vec<f32> {
+    let cols = q.len() / n.max(1);
+    let qn = tiles.queries.clamp(1, n.max(1));
+    let rows = cols / s.head_dim.max(1) / s.kv_heads.max(1) * qn;
+    let keys = tiles.keys.max(1);
+    let threads = candle_core::utils::barrier_pool().n_workers() + 1;
+    let slots: Vec<usize> = (0..s.context_len).map(s.slot_of).collect();
+    let _tiles = ledger.hold(
+        Category::Activations,
+        (threads * (2 * rows * s.head_dim + 2 * keys * s.head_dim + rows * keys + 2 * rows) * 4
+            + slots.len() * std::mem::size_of::<usize>()) as u64,
+    );
+    let task = Tiled {
+        keys: s.keys,
+        values: s.values,
+        kv_heads: s.kv_heads,
+        head_dim: s.head_dim,
+        context_len: s.context_len,
+        slots: &slots,
+        q,
+        n,
+        scale,
+        tiles,
+    };
+    let mut out = vec![0f32; n * cols];
+    for_each_piece(&mut out, qn * cols, |p, piece| task.run_fastest(p * qn, piece));
+    out
 }
 
 /// Lanes of the dot products' accumulators (vectorised by the compiler).

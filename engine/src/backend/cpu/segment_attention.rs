@@ -32,23 +32,32 @@ impl RowsView<'_> {
 
 /// A matrix operand of [`matmul`]: element (i, j) at `data[i · rows + j · cols]`.
 #[derive(Clone, Copy)]
-struct Operand<'a> {
-    data: &'a [f32],
-    rows: usize,
-    cols: usize,
+pub(super) struct Operand<'a> {
+    pub data: &'a [f32],
+    pub rows: usize,
+    pub cols: usize,
 }
 
-/// `dst = scale · a · b` for `a` m × k and `b` k × n; `dst`'s rows `dst_stride` apart. One
-/// thread (the callers run on candle's pool already).
+/// `dst = scale · a · b` (or `dst += scale · a · b` with `accumulate`) for `a` m × k and `b`
+/// k × n; `dst`'s rows `dst_stride` apart. One thread (the callers run on candle's pool already).
 #[allow(unsafe_code)]
-fn matmul([m, n, k]: [usize; 3], dst: &mut [f32], dst_stride: usize, a: Operand<'_>, b: Operand<'_>, scale: f32) {
+pub(super) fn matmul(
+    [m, n, k]: [usize; 3],
+    dst: &mut [f32],
+    dst_stride: usize,
+    (a, b): (Operand<'_>, Operand<'_>),
+    scale: f32,
+    accumulate: bool,
+) {
     if m == 0 || n == 0 {
         return;
     }
     let last = |o: Operand<'_>, r: usize, c: usize| (r - 1) * o.rows + (c - 1) * o.cols;
     assert!((m - 1) * dst_stride + n <= dst.len(), "matmul: destination too short");
     if k == 0 {
-        (0..m).for_each(|i| dst[i * dst_stride..][..n].fill(0.0));
+        if !accumulate {
+            (0..m).for_each(|i| dst[i * dst_stride..][..n].fill(0.0));
+        }
         return;
     }
     assert!(
@@ -65,14 +74,14 @@ fn matmul([m, n, k]: [usize; 3], dst: &mut [f32], dst_stride: usize, a: Operand<
             dst.as_mut_ptr(),
             1,
             dst_stride as isize,
-            false,
+            accumulate,
             a.data.as_ptr(),
             a.cols as isize,
             a.rows as isize,
             b.data.as_ptr(),
             b.cols as isize,
             b.rows as isize,
-            0.0,
+            if accumulate { 1.0 } else { 0.0 },
             scale,
             false,
             false,
@@ -117,7 +126,7 @@ impl Inputs<'_> {
             rows: 1,
             cols: self.k.row_stride,
         };
-        matmul([b.len, n, d], scores, n, q, kt, self.scale);
+        matmul([b.len, n, d], scores, n, (q, kt), self.scale, false);
         // A loop, not an iterator adapter: a closure would be compiled without `run_avx2`'s features.
         let mut sums = Vec::with_capacity(b.len);
         for row in scores.chunks_exact_mut(n) {
@@ -134,7 +143,7 @@ impl Inputs<'_> {
             cols: 1,
         };
         let mut out = vec![0f32; b.len * d];
-        matmul([b.len, d, n], &mut out, d, p, v, 1.0);
+        matmul([b.len, d, n], &mut out, d, (p, v), 1.0, false);
         for (row, sum) in out.chunks_exact_mut(d).zip(sums) {
             let inv = 1.0 / sum;
             row.iter_mut().for_each(|x| *x *= inv);
