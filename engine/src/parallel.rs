@@ -13,6 +13,17 @@ pub(crate) fn for_each_piece<T: Send>(out: &mut [T], len: usize, f: impl Fn(usiz
     for_each_part(out, &ends, f);
 }
 
+/// `f(range)` for each `len`-long range of `0..n` (the last may be shorter), the ranges shared
+/// out over the pool's threads; the results in order.
+pub(crate) fn map_ranges<T: Send>(n: usize, len: usize, f: impl Fn(std::ops::Range<usize>) -> T + Sync) -> Vec<T> {
+    let len = len.max(1);
+    let mut out: Vec<Option<T>> = (0..n.div_ceil(len)).map(|_| None).collect();
+    for_each_piece(&mut out, 1, |i, slot| {
+        slot[0] = Some(f(i * len..((i + 1) * len).min(n)))
+    });
+    out.into_iter().flatten().collect()
+}
+
 /// Runs `f(i, part)` for each part `i` of `out` that ends before `ends[i]` (ascending, the last
 /// `out.len()`), the parts shared out over the pool's threads.
 pub(crate) fn for_each_part<T: Send>(out: &mut [T], ends: &[usize], f: impl Fn(usize, &mut [T]) + Sync) {
@@ -34,6 +45,12 @@ pub(crate) fn for_each_part<T: Send>(out: &mut [T], ends: &[usize], f: impl Fn(u
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn ranges_map_in_order() {
+        assert_eq!(map_ranges(10, 4, |r| (r.start, r.end)), [(0, 4), (4, 8), (8, 10)]);
+        assert!(map_ranges(0, 4, |r| r.len()).is_empty());
+    }
 
     #[test]
     fn every_piece_once_with_its_index() {

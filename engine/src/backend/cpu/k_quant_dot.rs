@@ -10,11 +10,12 @@
 //! products keep them. AVX-512 VNNI (64 weights per `vpdpbusd`), AVX2 (32 per `vpmaddubsw`
 //! pair), wasm `simd128` (16 per `i16x8.extmul` pair), and portable code the compiler vectorises.
 
-use super::block_dot::round_small_to_even;
+use super::block_dot::{round_small_to_even, QUANTIZE_ROWS};
 use super::isa::fastest;
 use super::packed::prefetch_ahead;
 use crate::arch::blocks::{quantize_q8, BLOCK};
 use crate::arch::ggml::{half_at, GgmlType, QK_K};
+use crate::parallel::map_ranges;
 
 /// Bytes of a `q4_K` super-block: d and dmin (f16), 12 bytes of 6-bit scales and minimums, 128 of
 /// nibbles.
@@ -135,8 +136,27 @@ impl KRow<'_> {
 }
 
 impl KActivations {
-    /// Quantizes the rows of `x` (`cols`, a multiple of 256, per row).
+    /// Quantizes the rows of `x` (`cols`, a multiple of 256, per row); a prefill's rows in
+    /// pieces over the pool.
     pub fn quantize(x: &[f32], cols: usize) -> Self {
+        let m = x.len().checked_div(cols).unwrap_or(0);
+        if m < 2 * QUANTIZE_ROWS {
+            return Self::quantize_rows(x, cols);
+        }
+        let pieces = map_ranges(m, QUANTIZE_ROWS, |r| {
+            Self::quantize_rows(&x[r.start * cols..r.end * cols], cols)
+        });
+        let mut acts = Self::quantize_rows(&[], cols);
+        for p in pieces {
+            acts.scales.extend(p.scales);
+            acts.sums.extend(p.sums);
+            acts.quants.extend(p.quants);
+        }
+        acts
+    }
+
+    /// [`Self::quantize`] on the calling thread.
+    fn quantize_rows(x: &[f32], cols: usize) -> Self {
         let blocks = x.len() / BLOCK;
         let mut acts = KActivations {
             scales: vec![0.0; blocks],
@@ -680,6 +700,22 @@ pub(super) mod tests {
     use super::*;
     use crate::arch::blocks::tests::values;
     use half::f16;
+
+    /// A prefill's activations, quantized in pieces over the pool, are each row's quantized alone.
+    #[test]
+    fn rows_quantized_in_pieces_are_each_row_s() {
+        let (m, cols) = (3 * QUANTIZE_ROWS + 5, 2 * QK_K);
+        let x = values(m * cols, 5);
+        let all = KActivations::quantize(&x, cols);
+        for i in [0, QUANTIZE_ROWS, m - 1] {
+            let (one, got) = (KActivations::quantize(&x[i * cols..(i + 1) * cols], cols), all.row(i));
+            let want = one.row(0);
+            assert_eq!(
+                (got.scales, got.sums, got.quants),
+                (want.scales, want.sums, want.quants)
+            );
+        }
+    }
 
     /// The product by every path this CPU can run, named, whatever `KVLENS_CPU_ISA` asks for.
     #[allow(unsafe_code)]
