@@ -299,16 +299,16 @@ thread_local! {
 /// One matrix of a product over the pool: its rows, its bytes and its [`RowDot`].
 type Part<'a> = (usize, u64, &'a RowDot<'a>);
 
-/// Where each of `threads` runs through the sequence of `parts`' rows ends: the bytes read shared
+/// Where each of `runs` runs through the sequence of `parts`' rows ends: the bytes read shared
 /// out evenly (a `q6_K` row is 1.46 `q4_K` ones: split by rows, the thread given a `Q4_K_M`
 /// file's `q6_K` `v` after `q` and `k` kept the other waiting 11 % of a decode), each end on a
 /// group of [`TILE_ROWS`] rows of its part.
-fn run_ends(parts: &[Part<'_>], threads: usize) -> Vec<usize> {
+fn run_ends(parts: &[Part<'_>], runs: usize) -> Vec<usize> {
     let total_rows: usize = parts.iter().map(|p| p.0).sum();
     let total_bytes: u64 = parts.iter().map(|p| p.1).sum();
-    let mut ends: Vec<usize> = Vec::with_capacity(threads);
-    for t in 1..threads {
-        let target = total_bytes as f64 * t as f64 / threads as f64;
+    let mut ends: Vec<usize> = Vec::with_capacity(runs);
+    for t in 1..runs {
+        let target = total_bytes as f64 * t as f64 / runs as f64;
         let (mut first, mut before, mut end) = (0, 0f64, total_rows);
         for &(rows, bytes, _) in parts {
             if before + bytes as f64 >= target && bytes > 0 {
@@ -347,6 +347,15 @@ fn activation_slice(m: usize, cols: usize) -> usize {
     (ACTIVATION_SLICE_BYTES / (cols + cols / 4).max(1) / 4 * 4).clamp(4, m.max(4))
 }
 
+/// Activation rows from which a product's weight rows are shared out in [`FINE_RUNS_PER_THREAD`]
+/// runs per thread, taken from a shared cursor: a prefill is bound by arithmetic, not by one
+/// stream per thread, and on a shared VM one core can run slower than the other for a while
+/// (one run per thread left the main thread waiting at the barrier 3–7 % of a 519-token prefill).
+const FINE_RUNS_FROM: usize = 64;
+
+/// Runs per thread of a product with at least [`FINE_RUNS_FROM`] activation rows.
+const FINE_RUNS_PER_THREAD: usize = 8;
+
 /// Activation rows per task of [`by_weight_rows`]' gathering of each matrix's products.
 const GATHER_ROWS: usize = 16;
 
@@ -354,7 +363,7 @@ const GATHER_ROWS: usize = 16;
 /// matrices. Their rows are shared out as one sequence, one contiguous run per thread of candle's
 /// pool (the one its other kernels use; [`run_ends`]), so each thread reads one stream, in
 /// pieces of whole groups of [`TILE_ROWS`] rows, the first of each matrix started cold; once per
-/// [`activation_slice`] of the activation rows. Each run writes its own `[m, run's rows]` (a
+/// [`activation_slice`] of the activation rows (a prefill's runs are finer: [`FINE_RUNS_FROM`]). Each run writes its own `[m, run's rows]` (a
 /// tile's sums for one activation row and group are one cache line), and each matrix's products
 /// are then gathered from the runs that hold its rows.
 fn by_weight_rows(parts: &[Part<'_>], m: usize, cols: usize) -> Vec<Vec<f32>> {
@@ -362,7 +371,13 @@ fn by_weight_rows(parts: &[Part<'_>], m: usize, cols: usize) -> Vec<Vec<f32>> {
     if m == 0 || total == 0 {
         return parts.iter().map(|p| vec![0f32; m * p.0]).collect();
     }
-    let ends = run_ends(parts, candle_core::utils::barrier_pool().n_workers() + 1);
+    let threads = candle_core::utils::barrier_pool().n_workers() + 1;
+    let runs = if m >= FINE_RUNS_FROM {
+        threads * FINE_RUNS_PER_THREAD
+    } else {
+        threads
+    };
+    let ends = run_ends(parts, runs);
     let starts: Vec<usize> = std::iter::once(0).chain(ends.iter().copied()).collect();
     let value_ends: Vec<usize> = ends.iter().map(|&e| e * m).collect();
     let slice = activation_slice(m, cols);
