@@ -49,6 +49,8 @@ pub(super) struct SeqAttention<'a> {
 pub(super) fn attend(s: &SeqAttention<'_>, ledger: &MemoryLedger, tiles: Tiles) -> candle_core::Result<Tensor> {
     let (n, cols) = s.q.dims2()?;
     let scale = 1.0 / (s.head_dim as f32).sqrt();
+    // The queries' copy and the output, while both exist.
+    let _held = ledger.hold(Category::Activations, (2 * n * cols * 4) as u64);
     let q = s.q.flatten_all()?.to_vec1::<f32>()?;
     let out = if n <= tiles.in_place {
         attend_in_place(s, &q, n, scale, ledger)

@@ -79,13 +79,13 @@ impl Activations {
         let pieces = map_ranges(m, QUANTIZE_ROWS, |r| {
             Self::quantize_rows(kind, &x[r.start * cols..r.end * cols], cols)
         });
-        let mut acts = Self::quantize_rows(kind, &[], cols);
-        for p in pieces {
-            acts.scales.extend(p.scales);
-            acts.corrections.extend(p.corrections);
-            acts.quants.extend(p.quants);
+        Activations {
+            kind,
+            padded_blocks: pieces[0].padded_blocks,
+            scales: pieces.iter().map(|p| &p.scales[..]).collect::<Vec<_>>().concat(),
+            corrections: pieces.iter().map(|p| &p.corrections[..]).collect::<Vec<_>>().concat(),
+            quants: pieces.iter().map(|p| &p.quants[..]).collect::<Vec<_>>().concat(),
         }
-        acts
     }
 
     /// [`Self::quantize`] on the calling thread.

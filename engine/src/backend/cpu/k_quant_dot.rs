@@ -146,13 +146,12 @@ impl KActivations {
         let pieces = map_ranges(m, QUANTIZE_ROWS, |r| {
             Self::quantize_rows(&x[r.start * cols..r.end * cols], cols)
         });
-        let mut acts = Self::quantize_rows(&[], cols);
-        for p in pieces {
-            acts.scales.extend(p.scales);
-            acts.sums.extend(p.sums);
-            acts.quants.extend(p.quants);
+        KActivations {
+            scales: pieces.iter().map(|p| &p.scales[..]).collect::<Vec<_>>().concat(),
+            sums: pieces.iter().map(|p| &p.sums[..]).collect::<Vec<_>>().concat(),
+            quants: pieces.iter().map(|p| &p.quants[..]).collect::<Vec<_>>().concat(),
+            cols,
         }
-        acts
     }
 
     /// [`Self::quantize`] on the calling thread.

@@ -347,23 +347,22 @@ fn activation_slice(m: usize, cols: usize) -> usize {
     (ACTIVATION_SLICE_BYTES / (cols + cols / 4).max(1) / 4 * 4).clamp(4, m.max(4))
 }
 
-/// Activation rows from which a product's weight rows are shared out in [`FINE_RUNS_PER_THREAD`]
-/// runs per thread, taken from a shared cursor: a prefill is bound by arithmetic, not by one
-/// stream per thread, and on a shared VM one core can run slower than the other for a while
-/// (one run per thread left the main thread waiting at the barrier 3–7 % of a 519-token prefill).
-const FINE_RUNS_FROM: usize = 64;
-
-/// Runs per thread of a product with at least [`FINE_RUNS_FROM`] activation rows.
-const FINE_RUNS_PER_THREAD: usize = 8;
+/// Runs of weight rows per thread of a product, taken from the pool's cursor: on a shared VM one
+/// core runs slower than the other for a while, and one run per thread left the main thread
+/// waiting at the barrier for 5.5 % of a `Q4_K_M` decode and 3–7 % of a 519-token prefill. (On the
+/// AVX2 EPYC, alternated with one run per thread: decode `Q4_0` 13.4/14.0 → 15.2/15.5 tokens/s,
+/// `Q4_K_M` 11.9/12.7/11.7/12.3/10.8 → 13.2/12.4/13.6/13.4/12.5; prefill `Q4_0` 58.5/59.0/50.9 →
+/// 65.5/59.5/60.8, with the activations quantized over the pool.)
+const RUNS_PER_THREAD: usize = 8;
 
 /// Activation rows per task of [`by_weight_rows`]' gathering of each matrix's products.
 const GATHER_ROWS: usize = 16;
 
 /// The products `[m, rows]` of `m` activation rows (`cols` values each) with each of several
-/// matrices. Their rows are shared out as one sequence, one contiguous run per thread of candle's
-/// pool (the one its other kernels use; [`run_ends`]), so each thread reads one stream, in
-/// pieces of whole groups of [`TILE_ROWS`] rows, the first of each matrix started cold; once per
-/// [`activation_slice`] of the activation rows (a prefill's runs are finer: [`FINE_RUNS_FROM`]). Each run writes its own `[m, run's rows]` (a
+/// matrices. Their rows are shared out as one sequence, in [`RUNS_PER_THREAD`] contiguous runs
+/// per thread of candle's pool (the one its other kernels use; [`run_ends`]), so each thread reads
+/// a few streams, in pieces of whole groups of [`TILE_ROWS`] rows, the first of each run and
+/// matrix started cold; once per [`activation_slice`] of the activation rows. Each run writes its own `[m, run's rows]` (a
 /// tile's sums for one activation row and group are one cache line), and each matrix's products
 /// are then gathered from the runs that hold its rows.
 fn by_weight_rows(parts: &[Part<'_>], m: usize, cols: usize) -> Vec<Vec<f32>> {
@@ -372,12 +371,7 @@ fn by_weight_rows(parts: &[Part<'_>], m: usize, cols: usize) -> Vec<Vec<f32>> {
         return parts.iter().map(|p| vec![0f32; m * p.0]).collect();
     }
     let threads = candle_core::utils::barrier_pool().n_workers() + 1;
-    let runs = if m >= FINE_RUNS_FROM {
-        threads * FINE_RUNS_PER_THREAD
-    } else {
-        threads
-    };
-    let ends = run_ends(parts, runs);
+    let ends = run_ends(parts, threads * RUNS_PER_THREAD);
     let starts: Vec<usize> = std::iter::once(0).chain(ends.iter().copied()).collect();
     let value_ends: Vec<usize> = ends.iter().map(|&e| e * m).collect();
     let slice = activation_slice(m, cols);
