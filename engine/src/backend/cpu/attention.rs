@@ -60,18 +60,10 @@ pub(super) fn attend(s: &SeqAttention<'_>, ledger: &MemoryLedger, tiles: Tiles) 
     Tensor::from_vec(out, (n, cols), &Device::Cpu)
 }
 
-/// One task of [`attend_tiled`]: what every task reads.
+/// What the tasks of [`attend_tiled`] read: the sequence as [`attend_in_place`]'s read it, and
+/// the tile sizes.
 struct Tiled<'a> {
-    keys: &'a [f32],
-    values: &'a [f32],
-    kv_heads: usize,
-    head_dim: usize,
-    context_len: usize,
-    /// The slot of each context position.
-    slots: &'a [usize],
-    q: &'a [f32],
-    n: usize,
-    scale: f32,
+    seq: Resolved<'a>,
     tiles: Tiles,
 }
 
@@ -81,12 +73,13 @@ impl Tiled<'_> {
     /// slots, each tile's scores by one product, their exponentials shifted by a running max, and
     /// the values' weighted sum by another product into the running output.
     fn run(&self, first: usize, out: &mut [f32]) {
-        let (kvh, d, ctx) = (self.kv_heads, self.head_dim, self.context_len);
-        let cols = self.q.len() / self.n;
-        let (qn, group, width) = (out.len() / cols, cols / d / kvh, kvh * d);
+        let seq = &self.seq;
+        let (kvh, d, ctx) = (seq.kv_heads, seq.head_dim, seq.context_len);
+        let cols = seq.q.len() / seq.n;
+        let (qn, group, width) = (out.len() / cols, seq.group, kvh * d);
         let rows = group * qn;
         // Query row i sits at position first_pos + i; row r of a head's matrix is (head r / qn, i = r % qn).
-        let first_pos = ctx - self.n + first;
+        let first_pos = ctx - seq.n + first;
         let last_pos = first_pos + qn - 1;
         let keys = self.tiles.keys.max(1);
         let (mut qs, mut o) = (vec![0f32; rows * d], vec![0f32; rows * d]);
@@ -96,7 +89,7 @@ impl Tiled<'_> {
         for h in 0..kvh {
             for (r, row) in qs.chunks_exact_mut(d).enumerate() {
                 let (g, i) = (r / qn, r % qn);
-                row.copy_from_slice(&self.q[(first + i) * cols + (h * group + g) * d..][..d]);
+                row.copy_from_slice(&seq.q[(first + i) * cols + (h * group + g) * d..][..d]);
             }
             o.fill(0.0);
             max.fill(f32::NEG_INFINITY);
@@ -104,9 +97,9 @@ impl Tiled<'_> {
             for k0 in (0..=last_pos).step_by(keys) {
                 let kl = keys.min(last_pos + 1 - k0);
                 for j in 0..kl {
-                    let at = self.slots[k0 + j] * width + h * d;
-                    kt[j * d..][..d].copy_from_slice(&self.keys[at..][..d]);
-                    vt[j * d..][..d].copy_from_slice(&self.values[at..][..d]);
+                    let at = seq.slots[k0 + j] * width + h * d;
+                    kt[j * d..][..d].copy_from_slice(&seq.keys[at..][..d]);
+                    vt[j * d..][..d].copy_from_slice(&seq.values[at..][..d]);
                 }
                 // Keys transposed by their strides: element (c, j) is key j's column c.
                 let (a, b) = (
@@ -121,7 +114,7 @@ impl Tiled<'_> {
                         cols: d,
                     },
                 );
-                matmul([rows, kl, d], &mut scores, kl, (a, b), self.scale, false);
+                matmul([rows, kl, d], &mut scores, kl, (a, b), seq.scale, false);
                 for (r, row) in scores.chunks_exact_mut(kl).take(rows).enumerate() {
                     // Keys past the query's own position are masked.
                     let visible = (first_pos + r % qn + 1).saturating_sub(k0).min(kl);
@@ -200,15 +193,7 @@ fn attend_tiled(
             + slots.len() * std::mem::size_of::<usize>()) as u64,
     );
     let task = Tiled {
-        keys: s.keys,
-        values: s.values,
-        kv_heads: s.kv_heads,
-        head_dim: s.head_dim,
-        context_len: s.context_len,
-        slots: &slots,
-        q,
-        n,
-        scale,
+        seq: Resolved::new(s, q, n, scale, &slots),
         tiles,
     };
     let mut out = vec![0f32; n * cols];
@@ -243,9 +228,10 @@ fn add_scaled(out: &mut [f32], p: f32, v: &[f32]) {
 /// Context positions per task of [`attend_in_place`].
 const POSITIONS_PER_TASK: usize = 64;
 
-/// What the tasks of [`attend_in_place`] read. Rows are numbered `(kv_head · n + i) · group + g`
-/// for query row `i` and head `kv_head · group + g`.
-struct InPlace<'a> {
+/// One sequence's attention as its tasks read it: the cache, the slot of each context position
+/// and the queries. [`attend_in_place`] numbers rows `(kv_head · n + i) · group + g` for query row
+/// `i` and head `kv_head · group + g`.
+struct Resolved<'a> {
     keys: &'a [f32],
     values: &'a [f32],
     kv_heads: usize,
@@ -267,7 +253,24 @@ struct Partial {
     values: Vec<f32>,
 }
 
-impl InPlace<'_> {
+impl<'a> Resolved<'a> {
+    /// `s` with its slots resolved to `slots` and its queries `q` (`n` rows).
+    fn new(s: &SeqAttention<'a>, q: &'a [f32], n: usize, scale: f32, slots: &'a [usize]) -> Self {
+        let cols = q.len() / n.max(1);
+        Resolved {
+            keys: s.keys,
+            values: s.values,
+            kv_heads: s.kv_heads,
+            head_dim: s.head_dim,
+            context_len: s.context_len,
+            q,
+            slots,
+            n,
+            group: cols / s.head_dim.max(1) / s.kv_heads.max(1),
+            scale,
+        }
+    }
+
     fn rows(&self) -> usize {
         self.kv_heads * self.n * self.group
     }
@@ -332,7 +335,7 @@ impl InPlace<'_> {
         self.run(first, len)
     }
 
-    /// [`InPlace::run`] compiled for the widest instructions this CPU has.
+    /// [`Resolved::run`] compiled for the widest instructions this CPU has.
     fn run_fastest(&self, first: usize, len: usize) -> Partial {
         fastest!(avx2_fma => self.run_avx2(first, len), _ => self.run(first, len))
     }
@@ -343,21 +346,9 @@ impl InPlace<'_> {
 /// task's scores, softmax share and weighted values, see [`Partial`]), the shares then combined
 /// per row. Holds (and records) each task's scores and share.
 fn attend_in_place(s: &SeqAttention<'_>, q: &[f32], n: usize, scale: f32, ledger: &MemoryLedger) -> Vec<f32> {
-    let (kvh, d, ctx) = (s.kv_heads, s.head_dim, s.context_len);
-    let cols = q.len() / n.max(1);
+    let (d, ctx, cols) = (s.head_dim, s.context_len, q.len() / n.max(1));
     let slots: Vec<usize> = (0..ctx).map(s.slot_of).collect();
-    let job = InPlace {
-        keys: s.keys,
-        values: s.values,
-        kv_heads: kvh,
-        head_dim: d,
-        context_len: ctx,
-        q,
-        slots: &slots,
-        n,
-        group: cols / d / kvh.max(1),
-        scale,
-    };
+    let job = Resolved::new(s, q, n, scale, &slots);
     let rows = job.rows();
     let tasks = ctx.div_ceil(POSITIONS_PER_TASK);
     let _held = ledger.hold(
