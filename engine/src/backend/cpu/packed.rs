@@ -362,9 +362,9 @@ const GATHER_ROWS: usize = 16;
 /// matrices. Their rows are shared out as one sequence, in [`RUNS_PER_THREAD`] contiguous runs
 /// per thread of candle's pool (the one its other kernels use; [`run_ends`]), so each thread reads
 /// a few streams, in pieces of whole groups of [`TILE_ROWS`] rows, the first of each run and
-/// matrix started cold; once per [`activation_slice`] of the activation rows. Each run writes its own `[m, run's rows]` (a
-/// tile's sums for one activation row and group are one cache line), and each matrix's products
-/// are then gathered from the runs that hold its rows.
+/// matrix started cold; once per [`activation_slice`] of the activation rows. Each run writes its
+/// own `[m, run's rows]` (a tile's sums for one activation row and group are one cache line), and
+/// each matrix's products are then gathered from the runs that hold its rows.
 fn by_weight_rows(parts: &[Part<'_>], m: usize, cols: usize) -> Vec<Vec<f32>> {
     let total: usize = parts.iter().map(|p| p.0).sum();
     if m == 0 || total == 0 {
@@ -409,12 +409,15 @@ fn by_weight_rows(parts: &[Part<'_>], m: usize, cols: usize) -> Vec<Vec<f32>> {
             first += rows;
             let mut out = vec![0f32; m * rows];
             let task = |p: usize, piece: &mut [f32]| {
-                for (t, (&start, &end)) in starts.iter().zip(&ends).enumerate() {
+                for (&start, &end) in starts.iter().zip(&ends) {
                     let (lo, hi) = (start.max(mine.start), end.min(mine.end));
+                    if lo >= hi {
+                        continue;
+                    }
                     let width = end - start;
-                    for (di, o) in piece.chunks_exact_mut(rows).enumerate().filter(|_| lo < hi) {
+                    for (di, o) in piece.chunks_exact_mut(rows).enumerate() {
                         let i = p * GATHER_ROWS + di;
-                        let from = starts[t] * m + i * width + (lo - start);
+                        let from = start * m + i * width + (lo - start);
                         o[lo - mine.start..hi - mine.start].copy_from_slice(&runs[from..from + hi - lo]);
                     }
                 }
