@@ -24,8 +24,9 @@ pub const GROUP_ROWS: usize = 8;
 const TILE: usize = 4;
 
 /// Where each part of a `q4_K` group's super-block starts: 8 f16 `d`, 8 f16 `dmin`, 64 scale
-/// bytes `[sub-block][row]`, 32 bytes of minimums' low nibbles `[pair of sub-blocks][row]` (even
-/// sub-block low), then 1024 bytes of quants `[32-byte chunk][run of 4][row]`.
+/// bytes `[sub-block][row]`, 32 bytes of minimums' low nibbles `[sub-block % 4][row]` (sub-blocks
+/// 0–3 low, 4–7 high: each half lines up with 32 of the scale bytes), then 1024 bytes of quants
+/// `[32-byte chunk][run of 4][row]`.
 const D: usize = 0;
 const DMIN: usize = 16;
 const SCALES: usize = 32;
@@ -101,7 +102,7 @@ impl KTiles {
                     for sub in 0..8 {
                         let (scale, min) = (sm[sub], sm[8 + sub]);
                         dst[SCALES + 8 * sub + lane] = scale | (min >> 4) << 6;
-                        dst[MIN_LOW + 8 * (sub / 2) + lane] |= (min & 0x0F) << (4 * (sub % 2));
+                        dst[MIN_LOW + 8 * (sub % 4) + lane] |= (min & 0x0F) << (4 * (sub / 4));
                     }
                 }
             }
@@ -147,7 +148,7 @@ impl KTiles {
                 let (mut scale, mut min) = ([0u8; 8], [0u8; 8]);
                 for sub in 0..8 {
                     let packed = src[SCALES + 8 * sub + lane];
-                    let low = (src[MIN_LOW + 8 * (sub / 2) + lane] >> (4 * (sub % 2))) & 0x0F;
+                    let low = (src[MIN_LOW + 8 * (sub % 4) + lane] >> (4 * (sub / 4))) & 0x0F;
                     scale[sub] = packed & 0x3F;
                     min[sub] = (packed >> 6) << 4 | low;
                 }
@@ -231,9 +232,10 @@ impl KTiles {
 /// sub-block and run of four weight bytes, one `vpmaddubsw` per activation row against its four
 /// matching bytes broadcast, summed in i16 pairs (each at most 8 · 2 · 15 · 128 = 30,720 over
 /// the sub-block's eight runs) and widened by one `vpmaddwd`; per sub-block each row's sums
-/// scaled by `d · scale · d_x` and its minimum's term `dmin · min · d_x Σ q_x` subtracted. A
-/// chunk's 32 bytes hold two sub-blocks (low and high nibbles); the second is read from the
-/// first level cache.
+/// scaled by `d · scale · d_x`. The minimums' terms `dmin Σ min · d_x Σ q_x` are taken per
+/// super-block: its 64 six-bit minimums unpacked in two registers, each row's eight sums of 32
+/// `d_x Σ q_x` in one. A chunk's 32 bytes hold two sub-blocks (low and high nibbles); the second
+/// is read from the first level cache.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 #[allow(unsafe_code)]
@@ -244,8 +246,23 @@ fn q4k_avx2<const T: usize>(data: &[u8], xs: &[k_quant_dot::KRow<'_>; T]) -> [[f
     // The reads below stay inside the lengths this checks.
     let nb = super_blocks(data, GROUP_BLOCK, xs);
     let (ones, low) = (_mm256_set1_epi16(1), _mm256_set1_epi8(0x0F));
-    let (six_bits, low_nibble, top_two) = (_mm_set1_epi8(0x3F), _mm_set1_epi8(0x0F), _mm_set1_epi8(0x30));
-    let widen = |v: __m128i| _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v));
+    let (six_bits, top_two) = (_mm256_set1_epi8(0x3F), _mm256_set1_epi8(0x30));
+    // The 8 bytes of sub-block `sub` (of 4) of a register of `[sub-block][row]` bytes, widened.
+    let widen = |v: __m256i, sub: usize| {
+        let half = if sub < 2 {
+            _mm256_castsi256_si128(v)
+        } else {
+            _mm256_extracti128_si256::<1>(v)
+        };
+        let bytes = if sub % 2 == 1 {
+            _mm_unpackhi_epi64(half, half)
+        } else {
+            half
+        };
+        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes))
+    };
+    // Sums of 16 in sub-block order `[0, 1, 4, 5, 2, 3, 6, 7]` after `vhaddps`, put back.
+    let order = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7);
     let mut acc = [_mm256_setzero_ps(); T];
     for b in 0..nb {
         // SAFETY: every read below is inside super-block `b` of the group (asserted above) or
@@ -255,6 +272,30 @@ fn q4k_avx2<const T: usize>(data: &[u8], xs: &[k_quant_dot::KRow<'_>; T]) -> [[f
             super::packed::prefetch_past(block, GROUP_BLOCK);
             let d = _mm256_cvtph_ps(_mm_loadu_si128(block.add(D) as *const __m128i));
             let dmin = _mm256_cvtph_ps(_mm_loadu_si128(block.add(DMIN) as *const __m128i));
+            // Scale bytes of sub-blocks 0–3 and 4–7 (their top two bits the minimums' top two),
+            // and the minimums in the same order.
+            let packed = [
+                _mm256_loadu_si256(block.add(SCALES) as *const __m256i),
+                _mm256_loadu_si256(block.add(SCALES + 32) as *const __m256i),
+            ];
+            let lows = _mm256_loadu_si256(block.add(MIN_LOW) as *const __m256i);
+            let lows = [lows, _mm256_srli_epi16(lows, 4)];
+            let mins: [__m256i; 2] = std::array::from_fn(|h| {
+                _mm256_or_si256(
+                    _mm256_and_si256(lows[h], low),
+                    _mm256_and_si256(_mm256_srli_epi16(packed[h], 2), top_two),
+                )
+            });
+            let scales = packed.map(|p| _mm256_and_si256(p, six_bits));
+            // Each row's `d_x Σ q_x` per sub-block, to broadcast from.
+            let xsums: [[f32; 8]; T] = std::array::from_fn(|t| {
+                let sums = xs[t].sums.as_ptr().add(16 * b);
+                let pairs = _mm256_hadd_ps(_mm256_loadu_ps(sums), _mm256_loadu_ps(sums.add(8)));
+                let mut out = [0f32; 8];
+                _mm256_storeu_ps(out.as_mut_ptr(), _mm256_permutevar8x32_ps(pairs, order));
+                out
+            });
+            let mut offsets = [_mm256_setzero_ps(); T];
             // Sub-block `2 · chunk + high` (a constant `high`, so that no branch is left in the
             // runs' loop).
             macro_rules! sub_block {
@@ -275,27 +316,27 @@ fn q4k_avx2<const T: usize>(data: &[u8], xs: &[k_quant_dot::KRow<'_>; T]) -> [[f
                             *pairs = _mm256_add_epi16(*pairs, _mm256_maddubs_epi16(w, word));
                         }
                     }
-                    let packed = _mm_loadl_epi64(block.add(SCALES + 8 * sub) as *const __m128i);
-                    let lows = _mm_loadl_epi64(block.add(MIN_LOW + 8 * chunk) as *const __m128i);
-                    let lows = if high { _mm_srli_epi16(lows, 4) } else { lows };
-                    let min = _mm_or_si128(
-                        _mm_and_si128(lows, low_nibble),
-                        _mm_and_si128(_mm_srli_epi16(packed, 2), top_two),
-                    );
-                    let scale = _mm256_mul_ps(d, widen(_mm_and_si128(packed, six_bits)));
-                    let offset = _mm256_mul_ps(dmin, widen(min));
-                    let at = 8 * b + sub;
-                    for ((acc, pairs), x) in acc.iter_mut().zip(pairs).zip(xs) {
+                    let scale = _mm256_mul_ps(d, widen(scales[sub / 4], sub % 4));
+                    let min = widen(mins[sub / 4], sub % 4);
+                    let rows = acc
+                        .iter_mut()
+                        .zip(offsets.iter_mut())
+                        .zip(pairs)
+                        .zip(xs.iter().zip(&xsums));
+                    for (((acc, offsets), pairs), (x, xsums)) in rows {
                         let sum = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
-                        *acc = _mm256_fmadd_ps(sum, _mm256_mul_ps(scale, _mm256_set1_ps(x.scales[at])), *acc);
-                        let xsum = x.sums[2 * at] + x.sums[2 * at + 1];
-                        *acc = _mm256_fnmadd_ps(offset, _mm256_set1_ps(xsum), *acc);
+                        let dx = _mm256_set1_ps(x.scales[8 * b + sub]);
+                        *acc = _mm256_fmadd_ps(sum, _mm256_mul_ps(scale, dx), *acc);
+                        *offsets = _mm256_fmadd_ps(min, _mm256_set1_ps(xsums[sub]), *offsets);
                     }
                 }};
             }
             for chunk in 0..4 {
                 sub_block!(chunk, false);
                 sub_block!(chunk, true);
+            }
+            for (acc, offsets) in acc.iter_mut().zip(offsets) {
+                *acc = _mm256_fnmadd_ps(dmin, offsets, *acc);
             }
         }
     }
