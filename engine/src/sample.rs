@@ -2,6 +2,8 @@
 //! log-probabilities of the top tokens (of the model's distribution, before any processing, as vLLM
 //! reports them by default).
 
+use crate::backend::cpu::vector_math::log_sum_exp;
+use std::borrow::Cow;
 use std::collections::HashMap;
 
 /// The temperature at or below which sampling is greedy.
@@ -148,13 +150,6 @@ pub struct Sampled {
     pub top: Vec<(u32, f32)>,
 }
 
-/// `log Σ exp(l)` of a logits row, summed in f64: a token's log-probability is its logit minus this.
-fn log_normaliser(logits: &[f32]) -> f32 {
-    let max = logits.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
-    let z: f64 = logits.iter().map(|&l| ((l - max) as f64).exp()).sum();
-    z.ln() as f32 + max
-}
-
 /// Picks the next token from `logits` given the tokens so far (`prompt` and `output`). Only ids
 /// below `allowed` are chosen or listed (the rest of the row is padding with no token); the
 /// log-probabilities are the model's, normalized over the whole row as transformers does.
@@ -166,16 +161,22 @@ pub fn sample(
     p: &SamplingParams,
     rng: &mut Rng,
 ) -> Sampled {
-    let lz = log_normaliser(logits);
+    let lz = log_sum_exp(logits);
     let allowed = allowed.clamp(1, logits.len().max(1));
     let top = top_logprobs(logits, allowed, lz, p.logprobs.unwrap_or(0));
-    let mut l = logits[..allowed].to_vec();
-    for &(t, b) in &p.logit_bias {
-        if let Some(v) = l.get_mut(t as usize) {
-            *v += b;
+    let penalised = p.repetition_penalty != 1.0 || p.presence_penalty != 0.0 || p.frequency_penalty != 0.0;
+    let l = if p.logit_bias.is_empty() && !penalised {
+        Cow::Borrowed(&logits[..allowed])
+    } else {
+        let mut l = logits[..allowed].to_vec();
+        for &(t, b) in &p.logit_bias {
+            if let Some(v) = l.get_mut(t as usize) {
+                *v += b;
+            }
         }
-    }
-    apply_penalties(&mut l, prompt, output, p);
+        apply_penalties(&mut l, prompt, output, p);
+        Cow::Owned(l)
+    };
     let token = DeviceSampling::new(p, allowed, rng).choose(&l);
     Sampled {
         token: token as u32,
@@ -279,7 +280,7 @@ impl DeviceSampling {
     pub fn pick(&self, row: &[f32]) -> (u32, f32) {
         let allowed = self.allowed.clamp(1, row.len().max(1));
         let token = self.choose(&row[..allowed]);
-        (token as u32, row[token] - log_normaliser(row))
+        (token as u32, row[token] - log_sum_exp(row))
     }
 
     /// The chosen index of `l`, the processed logits of the allowed ids.
@@ -590,6 +591,6 @@ mod tests {
         assert_eq!(sample(&logits, usize::MAX, &[], &[], &p, &mut Rng::new(0)).token, 2);
         // The reported log-probability is the model's, before the bias.
         let s = sample(&logits, usize::MAX, &[], &[], &p, &mut Rng::new(0));
-        assert!((s.logprob - (logits[2] - log_normaliser(&logits))).abs() < 1e-6);
+        assert!((s.logprob - (logits[2] - log_sum_exp(&logits))).abs() < 1e-6);
     }
 }

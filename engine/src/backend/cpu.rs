@@ -12,7 +12,7 @@ mod k_quant_dot;
 mod k_quant_tiles;
 mod packed;
 mod segment_attention;
-mod vector_math;
+pub(crate) mod vector_math;
 
 use super::{
     ready, Activation, BResult, Backend, BackendError, DeltaNetInput, KvLayout, PagedBatch, RawDType, RawTensor,

@@ -364,7 +364,8 @@ const GATHER_ROWS: usize = 16;
 /// a few streams, in pieces of whole groups of [`TILE_ROWS`] rows, the first of each run and
 /// matrix started cold; once per [`activation_slice`] of the activation rows. Each run writes its
 /// own `[m, run's rows]` (a tile's sums for one activation row and group are one cache line), and
-/// each matrix's products are then gathered from the runs that hold its rows.
+/// each matrix's products are then gathered from the runs that hold its rows (one activation row's are
+/// the runs' outputs in sequence).
 fn by_weight_rows(parts: &[Part<'_>], m: usize, cols: usize) -> Vec<Vec<f32>> {
     let total: usize = parts.iter().map(|p| p.0).sum();
     if m == 0 || total == 0 {
@@ -401,6 +402,17 @@ fn by_weight_rows(parts: &[Part<'_>], m: usize, cols: usize) -> Vec<Vec<f32>> {
             }
         }
     });
+    if m == 1 {
+        // One activation row (a decode): the runs' products are the matrices' in sequence.
+        let mut rest = runs;
+        return parts
+            .iter()
+            .map(|p| {
+                let tail = rest.split_off(p.0);
+                std::mem::replace(&mut rest, tail)
+            })
+            .collect();
+    }
     let mut first = 0;
     parts
         .iter()
