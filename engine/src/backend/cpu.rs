@@ -7,6 +7,7 @@ mod bf16_gemm;
 mod block_dot;
 mod block_tiles;
 mod delta_net;
+mod f16_gemm;
 mod isa;
 mod k_quant_dot;
 mod k_quant_tiles;
@@ -113,6 +114,10 @@ pub fn kernel_paths() -> String {
         "bfloat16 GEMM (AVX-512 BF16)"
     } else {
         gemm_crate_kernels()
+    };
+    let gemm = match f16_gemm::available() {
+        true => format!("{gemm}; of f16 weights: f16 tiles (AVX2+F16C)"),
+        false => gemm.to_string(),
     };
     let tiles = pick(&[
         (
@@ -471,6 +476,13 @@ impl Backend for CpuBackend {
                     // A matrix stored as integer tiles (any number of rows), or few rows
                     // (decode): the stored values read once, the activations quantized once.
                     let y = with_values(&x.t, |x| q.matmul(x, m).map_err(lib))?;
+                    Tensor::from_vec(y, (m, rows), &Device::Cpu).map_err(lib)?
+                } else if let Some(values) = q.f16_values().filter(|_| f16_gemm::available()) {
+                    // Many rows of an f16 matrix on an AVX2 CPU: the weights as stored, widened
+                    // in registers (no f32 copy of the matrix).
+                    let y = with_values(&x.t, |x| {
+                        f16_gemm::matmul(x, m, values, rows, &self.ledger).map_err(BackendError::Shape)
+                    })?;
                     Tensor::from_vec(y, (m, rows), &Device::Cpu).map_err(lib)?
                 } else if bf16_gemm::available() && !q.is_f16() {
                     // Many rows on a CPU with AVX-512 BF16: computed in bfloat16, bfloat16

@@ -536,6 +536,14 @@ impl PackedMatrix {
         matches!(self.packing, Packing::F16(_))
     }
 
+    /// The values of an f16 matrix, row-major; None for any other packing.
+    pub fn f16_values(&self) -> Option<&[f16]> {
+        match &self.packing {
+            Packing::F16(v) => Some(v),
+            _ => None,
+        }
+    }
+
     /// A bfloat16 matrix from its bit patterns (row-major), or None when the count is not
     /// `rows · cols`.
     pub fn bf16(bits: Vec<u16>, rows: usize, cols: usize) -> Option<Self> {
