@@ -533,7 +533,7 @@ impl PackedMatrix {
 
     /// Whether the values are IEEE half precision (computed in f32, never rounded to bfloat16).
     pub fn is_f16(&self) -> bool {
-        matches!(self.packing, Packing::F16(_))
+        self.f16_values().is_some()
     }
 
     /// The values of an f16 matrix, row-major; None for any other packing.
