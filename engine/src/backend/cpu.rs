@@ -122,7 +122,7 @@ pub fn kernel_paths() -> String {
     let tiles = pick(&[
         (
             isa.avx512_vnni,
-            "q8_0/q4_0 stored as integer tiles (AVX-512 VNNI) for every product",
+            "q8_0/q4_0 stored as integer tiles (AVX-512 VNNI), q4_K/q6_K (AVX2), for every product",
         ),
         (
             isa.avx2_fma,

@@ -13,9 +13,9 @@
 use super::block_dot::ActRow;
 use super::block_dot::{self, Activations};
 use super::isa::fastest;
-use super::packed::tiles_of;
 #[cfg(target_arch = "x86_64")]
-use super::packed::PREFETCH_BYTES;
+use super::packed::prefetch_bytes;
+use super::packed::tiles_of;
 use crate::arch::blocks::{BlockKind, BlockRows, BLOCK};
 use std::ops::Range;
 
@@ -183,10 +183,10 @@ impl BlockTiles {
     }
 }
 
-/// Asks the CPU to fetch the quants [`PREFETCH_BYTES`] past the block of `bytes` at `quants`, and
+/// Asks the CPU to fetch the quants [`prefetch_bytes`] past the block of `bytes` at `quants`, and
 /// the scales a proportional distance past the block's at `scales`: the groups of a matrix follow
 /// one another, so this runs ahead through them as one stream per matrix (the hardware prefetcher
-/// alone leaves the reads well below the memory's bandwidth; see [`PREFETCH_BYTES`]). A hint,
+/// alone leaves the reads well below the memory's bandwidth; see [`prefetch_bytes`]). A hint,
 /// with no effect on the results; the addresses may lie past the matrix, which a prefetch never
 /// reads.
 #[cfg(target_arch = "x86_64")]
@@ -196,7 +196,7 @@ fn prefetch_block(quants: *const u8, bytes: usize, scales: *const u16) {
     use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
     super::packed::prefetch_past(quants, bytes);
     // 32 bytes of scales per block, against `bytes` of quants.
-    let scales_ahead = (scales as *const u8).wrapping_add(PREFETCH_BYTES * 2 * TILE_ROWS / bytes);
+    let scales_ahead = (scales as *const u8).wrapping_add(prefetch_bytes() * 2 * TILE_ROWS / bytes);
     // SAFETY: a prefetch reads nothing the program sees and never faults.
     unsafe { _mm_prefetch::<_MM_HINT_T0>(scales_ahead as *const i8) };
 }

@@ -202,13 +202,27 @@ fn dot_rows_f16_avx2(w: &[f16], xs: &[f32], out: &mut [f32]) {
     }
 }
 
-/// How far ahead of the weights a product reads it asks the CPU to fetch them (measured on the
-/// 2-core EPYC with Qwen3-VL-2B: `q4_0` decodes 1.3× faster with 8 KiB than with 512 bytes; its
-/// hardware prefetcher alone leaves a row-by-row GEMV well below the memory's read bandwidth).
+/// How far ahead of the weights a product reads it asks the CPU to fetch them, by the CPU's
+/// maker, as measured with Qwen3-VL-2B decodes on two 2-core VMs (docs/PERFORMANCE.md): on the
+/// AMD EPYC, `q4_0` decodes 1.3× faster with 8 KiB than with 512 bytes (its hardware prefetcher
+/// alone leaves a row-by-row GEMV well below the memory's read bandwidth); on the Intel Xeon,
+/// 1 KiB decodes 1.2–1.4× faster than 8 KiB (`q4_0`, `q4_K`, f16), as fast as 512 bytes.
 #[cfg(target_arch = "x86_64")]
-pub(super) const PREFETCH_BYTES: usize = 8192;
+pub(super) fn prefetch_bytes() -> usize {
+    static BYTES: std::sync::LazyLock<usize> = std::sync::LazyLock::new(|| {
+        // CPUID leaf 0: the maker's name.
+        let id = std::arch::x86_64::__cpuid(0);
+        let intel = [id.ebx, id.edx, id.ecx] == [0x756e_6547, 0x4965_6e69, 0x6c65_746e];
+        if intel {
+            1024
+        } else {
+            8192
+        }
+    });
+    *BYTES
+}
 
-/// Asks the CPU to bring `data[range]`'s elements `PREFETCH_BYTES` further on into its caches
+/// Asks the CPU to bring `data[range]`'s elements [`prefetch_bytes`] further on into its caches
 /// (clamped to `data`); `cold`, the first range of a run, also from `range.start` on, since no
 /// earlier range asked for it. A hint, no effect on the results.
 #[allow(unsafe_code)]
@@ -217,7 +231,7 @@ pub(super) fn prefetch_ahead<T>(data: &[T], range: std::ops::Range<usize>, cold:
     {
         use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
         let size = std::mem::size_of::<T>().max(1);
-        let ahead = PREFETCH_BYTES / size;
+        let ahead = prefetch_bytes() / size;
         let (start, end) = (
             (if cold { range.start } else { range.start + ahead }).min(data.len()),
             (range.end + ahead).min(data.len()),
@@ -232,7 +246,7 @@ pub(super) fn prefetch_ahead<T>(data: &[T], range: std::ops::Range<usize>, cold:
     let _ = (data, range, cold);
 }
 
-/// Asks the CPU to fetch the `bytes` at `block` [`PREFETCH_BYTES`] further on: the integer tiles'
+/// Asks the CPU to fetch the `bytes` at `block` [`prefetch_bytes`] further on: the integer tiles'
 /// groups follow one another, so this runs ahead through a matrix as one stream, past a group's
 /// end into the next. A hint, with no effect on the results; the addresses may lie past the
 /// matrix, which a prefetch never reads.
@@ -241,7 +255,7 @@ pub(super) fn prefetch_ahead<T>(data: &[T], range: std::ops::Range<usize>, cold:
 #[allow(unsafe_code)]
 pub(super) fn prefetch_past(block: *const u8, bytes: usize) {
     use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-    let ahead = block.wrapping_add(PREFETCH_BYTES);
+    let ahead = block.wrapping_add(prefetch_bytes());
     for line in (0..bytes).step_by(64) {
         // SAFETY: a prefetch reads nothing the program sees and never faults.
         unsafe { _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(line) as *const i8) };
