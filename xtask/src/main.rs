@@ -58,8 +58,13 @@ fn main() -> Result<()> {
     }
 }
 
+/// The workspace this xtask was run from: `cargo run` sets `CARGO_MANIFEST_DIR` for the process
+/// (clones sharing one target directory may run a binary that cargo built for another clone, so
+/// the value compiled in is only the fallback).
 fn workspace_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
+    let manifest_dir =
+        env::var_os("CARGO_MANIFEST_DIR").map_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")), PathBuf::from);
+    manifest_dir
         .parent()
         .map(Path::to_path_buf)
         .unwrap_or_else(|| PathBuf::from("."))

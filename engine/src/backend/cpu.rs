@@ -2,6 +2,7 @@
 //! quantized on load ([`WeightFormat`]), a paged KV cache in host memory with attention written out
 //! over the block tables.
 
+mod amx_gemm;
 mod attention;
 mod bf16_gemm;
 mod block_dot;
@@ -115,9 +116,13 @@ pub fn kernel_paths() -> String {
     } else {
         gemm_crate_kernels()
     };
+    let gemm = match amx_gemm::available() {
+        true => format!("of bf16 weights (and f16 ones that are all bf16 values): AMX bf16 tiles, the activations in two bf16 halves; of others: {gemm}"),
+        false => gemm.to_string(),
+    };
     let gemm = match f16_gemm::available() {
         true => format!("{gemm}; of f16 weights: f16 tiles (AVX2+F16C)"),
-        false => gemm.to_string(),
+        false => gemm,
     };
     let tiles = pick(&[
         (
@@ -476,6 +481,13 @@ impl Backend for CpuBackend {
                     // A matrix stored as integer tiles (any number of rows), or few rows
                     // (decode): the stored values read once, the activations quantized once.
                     let y = with_values(&x.t, |x| q.matmul(x, m).map_err(lib))?;
+                    Tensor::from_vec(y, (m, rows), &Device::Cpu).map_err(lib)?
+                } else if let Some(bits) = q.bf16_values().filter(|_| amx_gemm::fits(rows, cols)) {
+                    // Many rows of a bfloat16 matrix on a CPU with AMX: tiles of the weights as
+                    // stored against the activations in two bfloat16 halves.
+                    let y = with_values(&x.t, |x| {
+                        amx_gemm::matmul(x, m, bits, rows, &self.ledger).map_err(BackendError::Shape)
+                    })?;
                     Tensor::from_vec(y, (m, rows), &Device::Cpu).map_err(lib)?
                 } else if let Some(values) = q.f16_values().filter(|_| f16_gemm::available()) {
                     // Many rows of an f16 matrix on an AVX2 CPU: the weights as stored, widened

@@ -7,7 +7,7 @@
 use std::sync::LazyLock;
 
 /// The instruction sets the CPU kernels have versions for. Off x86_64 the x86 fields stay false
-/// (only `avx512_bf16` is read there: the other versions are not compiled); off aarch64,
+/// (only `avx512_bf16` and `amx_bf16` are read there: the other versions are not compiled); off aarch64,
 /// `neon`.
 #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 #[derive(Clone, Copy, Debug, Default)]
@@ -22,6 +22,8 @@ pub(super) struct Isa {
     pub avx512_vnni: bool,
     /// AVX-512F with AVX-512 BF16.
     pub avx512_bf16: bool,
+    /// AMX tiles with bfloat16 products, which Linux has let this process use.
+    pub amx_bf16: bool,
 }
 
 /// The instruction sets the kernels use: this CPU's, capped by `KVLENS_CPU_ISA`.
@@ -73,6 +75,45 @@ pub(super) fn detected() -> Isa {
         avx512_fma: avx512f && fma,
         avx512_vnni: avx512f && bw && vl && vnni,
         avx512_bf16: avx512f && bf16,
+        amx_bf16: amx_bf16_granted(),
+    }
+}
+
+/// Whether the CPU has AMX tiles with bfloat16 products (CPUID leaf 7: AMX-BF16, AMX-TILE), the
+/// OS saves their state, and Linux granted this process the tile data state (`arch_prctl(ARCH_REQ_XCOMP_PERM,
+/// XFEATURE_XTILEDATA)`, which every thread of the process then has).
+#[cfg(target_arch = "x86_64")]
+#[allow(unsafe_code)]
+fn amx_bf16_granted() -> bool {
+    use std::arch::x86_64::{__cpuid, __cpuid_count};
+    let leaf7 = (__cpuid(0).eax >= 7).then(|| __cpuid_count(7, 0).edx);
+    let has = leaf7.is_some_and(|edx| edx & (1 << 22) != 0 && edx & (1 << 24) != 0);
+    // The OS saves the tile state (XCR0 bits 17 and 18), read where it enabled XGETBV (OSXSAVE).
+    let saved = __cpuid(1).ecx & (1 << 27) != 0 && {
+        let (low, _high): (u32, u32);
+        // SAFETY: OSXSAVE is set, so XGETBV exists; it reads XCR0 into eax:edx.
+        unsafe { std::arch::asm!("xgetbv", in("ecx") 0, out("eax") low, out("edx") _high, options(nomem, nostack)) };
+        low & (3 << 17) == 3 << 17
+    };
+    has && saved && cfg!(target_os = "linux") && {
+        const ARCH_PRCTL: i64 = 158;
+        const ARCH_REQ_XCOMP_PERM: i64 = 0x1023;
+        const XFEATURE_XTILEDATA: i64 = 18;
+        let ret: i64;
+        // SAFETY: the arch_prctl system call only changes which state the kernel saves for this
+        // process; it reads no memory of ours. `syscall` clobbers rcx and r11.
+        unsafe {
+            std::arch::asm!(
+                "syscall",
+                inlateout("rax") ARCH_PRCTL => ret,
+                in("rdi") ARCH_REQ_XCOMP_PERM,
+                in("rsi") XFEATURE_XTILEDATA,
+                lateout("rcx") _,
+                lateout("r11") _,
+                options(nostack)
+            );
+        }
+        ret == 0
     }
 }
 
@@ -141,12 +182,13 @@ mod tests {
             avx512_fma: true,
             avx512_vnni: true,
             avx512_bf16: true,
+            amx_bf16: true,
         };
-        let sets = |i: Isa| [i.avx2_fma, i.avx512_fma, i.avx512_vnni, i.avx512_bf16];
-        assert_eq!(sets(all.capped(None)), [true; 4]);
-        assert_eq!(sets(all.capped(Some("native"))), [true; 4]);
-        assert_eq!(sets(all.capped(Some("avx2"))), [true, false, false, false]);
-        assert_eq!(sets(all.capped(Some("portable"))), [false; 4]);
-        assert_eq!(sets(Isa::default().capped(Some("avx2"))), [false; 4]);
+        let sets = |i: Isa| [i.avx2_fma, i.avx512_fma, i.avx512_vnni, i.avx512_bf16, i.amx_bf16];
+        assert_eq!(sets(all.capped(None)), [true; 5]);
+        assert_eq!(sets(all.capped(Some("native"))), [true; 5]);
+        assert_eq!(sets(all.capped(Some("avx2"))), [true, false, false, false, false]);
+        assert_eq!(sets(all.capped(Some("portable"))), [false; 5]);
+        assert_eq!(sets(Isa::default().capped(Some("avx2"))), [false; 5]);
     }
 }

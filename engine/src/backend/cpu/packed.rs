@@ -8,6 +8,7 @@
 //! round the activations to bfloat16 as well. Block rows are multiplied by integer dot products
 //! against activations quantized once per product.
 
+use super::amx_gemm;
 use super::bf16_gemm::round_bf16;
 use super::block_dot::{dot_row, Activations};
 use super::block_tiles::{self, BlockTiles, TILE_ROWS};
@@ -79,6 +80,21 @@ pub struct PackedMatrix {
 #[inline(always)]
 fn widen(bits: u16) -> f32 {
     f32::from_bits((bits as u32) << 16)
+}
+
+/// The bfloat16 bit patterns of `values` when every one is exactly a bfloat16 value, else None.
+fn exact_bf16(values: &[f16]) -> Option<Vec<u16>> {
+    let mut wide = [0f32; 4096];
+    let mut bits = Vec::with_capacity(values.len());
+    for chunk in values.chunks(wide.len()) {
+        let wide = &mut wide[..chunk.len()];
+        chunk.convert_to_f32_slice(wide);
+        if wide.iter().any(|v| v.to_bits() & 0xFFFF != 0) {
+            return None;
+        }
+        bits.extend(wide.iter().map(|v| (v.to_bits() >> 16) as u16));
+    }
+    Some(bits)
 }
 
 /// Lanes of the dot product's accumulators: four AVX-512 or eight AVX2 registers, independent
@@ -536,13 +552,18 @@ impl PackedMatrix {
     }
 
     /// A half-precision matrix from its values (row-major), or None when the count is not
-    /// `rows · cols`.
+    /// `rows · cols`. On CPUs with AMX, a matrix whose values are all bfloat16 values too (an
+    /// F16 file converted from a bfloat16 checkpoint, as Qwen's are) is stored as bfloat16: the
+    /// same bytes and values, multiplied by AMX's bfloat16 tiles ([`amx_gemm`]).
     pub fn f16(values: Vec<f16>, rows: usize, cols: usize) -> Option<Self> {
-        (values.len() == rows * cols).then_some(PackedMatrix {
-            rows,
-            cols,
-            packing: Packing::F16(values),
-        })
+        if values.len() != rows * cols {
+            return None;
+        }
+        let packing = match amx_gemm::fits(rows, cols).then(|| exact_bf16(&values)).flatten() {
+            Some(bits) => Packing::Bf16(bits),
+            None => Packing::F16(values),
+        };
+        Some(PackedMatrix { rows, cols, packing })
     }
 
     /// Whether the values are IEEE half precision (computed in f32, never rounded to bfloat16).
@@ -554,6 +575,14 @@ impl PackedMatrix {
     pub fn f16_values(&self) -> Option<&[f16]> {
         match &self.packing {
             Packing::F16(v) => Some(v),
+            _ => None,
+        }
+    }
+
+    /// The bit patterns of a bfloat16 matrix, row-major; None for any other packing.
+    pub fn bf16_values(&self) -> Option<&[u16]> {
+        match &self.packing {
+            Packing::Bf16(v) => Some(v),
             _ => None,
         }
     }
@@ -944,6 +973,33 @@ mod tests {
                         got[i * rows + j]
                     );
                 }
+            }
+        }
+    }
+
+    /// An f16 matrix whose values are all bfloat16 values is stored as bfloat16 where AMX would
+    /// multiply it (the same values, bytes and products), and stays f16 elsewhere or when one
+    /// value is not a bfloat16 value.
+    #[test]
+    fn f16_weights_that_are_bf16_values_are_stored_as_bf16_for_amx() {
+        let (rows, cols) = (64, 96);
+        let bf16_values: Vec<f32> = matrix(rows, cols).iter().map(|&v| widen(round_bf16(v))).collect();
+        let w: Vec<f16> = bf16_values.iter().map(|&v| f16::from_f32(v)).collect();
+        assert!(w.iter().zip(&bf16_values).all(|(h, &v)| h.to_f32() == v));
+        let q = PackedMatrix::f16(w.clone(), rows, cols).unwrap();
+        assert_eq!(q.bf16_values().is_some(), amx_gemm::fits(rows, cols));
+        assert_eq!(q.is_f16(), !amx_gemm::fits(rows, cols));
+        assert_eq!(q.bytes(), (rows * cols * 2) as u64);
+        assert_eq!(q.dequantize(), bf16_values);
+        let mut off = w;
+        off[5] = f16::from_bits(off[5].to_bits() ^ 1);
+        assert!(PackedMatrix::f16(off, rows, cols).unwrap().is_f16());
+        let x = matrix(40, cols);
+        let got = q.matmul(&x, 40).unwrap();
+        for i in 0..40 {
+            for j in 0..rows {
+                let want: f32 = (0..cols).map(|c| x[i * cols + c] * bf16_values[j * cols + c]).sum();
+                assert!((got[i * rows + j] - want).abs() <= 1e-4, "[{i},{j}]");
             }
         }
     }
