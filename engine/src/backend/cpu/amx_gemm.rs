@@ -153,9 +153,8 @@ fn block_product(w: &[u16], acts: &[u32], k: usize, sums: &mut Sums) {
     assert!(w.len() >= BLOCK * k && acts.len() >= BLOCK * k && k.is_multiple_of(TILE_K));
     #[cfg(target_arch = "x86_64")]
     // SAFETY: the tiles read lie in `w` (rows 0..32, k values each) and `acts` (four blocks of
-    // k / 2 pairs × 16 lanes),
-    // as asserted, and the tiles written in `sums`; the caller configured the tiles (16 rows of
-    // 64 bytes).
+    // k / 2 pairs × 16 lanes), as asserted, and the tiles written in `sums`; the caller
+    // configured the tiles (16 rows of 64 bytes).
     unsafe {
         let kp = k / 2;
         let w_stride = k * 2;
@@ -217,6 +216,7 @@ fn block_product(w: &[u16], acts: &[u32], k: usize, sums: &mut Sums) {
 
 #[cfg(test)]
 mod tests {
+    use super::super::bf16_gemm::round_bf16;
     use super::*;
 
     /// Whole and partial row blocks, one and several bands and chunks, against the product in
@@ -245,7 +245,7 @@ mod tests {
         ] {
             let x: Vec<f32> = (0..m * k).map(|i| ((i * 37 % 101) as f32 - 50.0) / 7.3).collect();
             let w: Vec<u16> = (0..n * k)
-                .map(|i| super::super::bf16_gemm::round_bf16(((i * 53 % 89) as f32 - 44.0) / 13.0))
+                .map(|i| round_bf16(((i * 53 % 89) as f32 - 44.0) / 13.0))
                 .collect();
             let got = matmul(&x, m, &w, n, &ledger).unwrap();
             assert_eq!(ledger.total(), 0);

@@ -7,8 +7,8 @@
 use std::sync::LazyLock;
 
 /// The instruction sets the CPU kernels have versions for. Off x86_64 the x86 fields stay false
-/// (only `avx512_bf16` and `amx_bf16` are read there: the other versions are not compiled); off aarch64,
-/// `neon`.
+/// (only `avx512_bf16` and `amx_bf16` are read there: the other versions are not compiled); off
+/// aarch64, `neon`.
 #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 #[derive(Clone, Copy, Debug, Default)]
 pub(super) struct Isa {
@@ -80,8 +80,9 @@ pub(super) fn detected() -> Isa {
 }
 
 /// Whether the CPU has AMX tiles with bfloat16 products (CPUID leaf 7: AMX-BF16, AMX-TILE), the
-/// OS saves their state, and Linux granted this process the tile data state (`arch_prctl(ARCH_REQ_XCOMP_PERM,
-/// XFEATURE_XTILEDATA)`, which every thread of the process then has).
+/// OS saves their state, and Linux granted this process the tile data state
+/// (`arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)`, which every thread of the process then
+/// has).
 #[cfg(target_arch = "x86_64")]
 #[allow(unsafe_code)]
 fn amx_bf16_granted() -> bool {
