@@ -194,6 +194,9 @@ impl BlockTiles {
 #[allow(unsafe_code)]
 fn prefetch_block(quants: *const u8, bytes: usize, scales: *const u16) {
     use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+    if prefetch_bytes() == 0 {
+        return;
+    }
     super::packed::prefetch_past(quants, bytes);
     // 32 bytes of scales per block, against `bytes` of quants.
     let scales_ahead = (scales as *const u8).wrapping_add(prefetch_bytes() * 2 * TILE_ROWS / bytes);

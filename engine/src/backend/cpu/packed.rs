@@ -218,19 +218,30 @@ fn dot_rows_f16_avx2(w: &[f16], xs: &[f32], out: &mut [f32]) {
     }
 }
 
-/// How far ahead of the weights a product reads it asks the CPU to fetch them, by the CPU's
-/// maker, as measured with Qwen3-VL-2B decodes on two 2-core VMs (docs/PERFORMANCE.md): on the
-/// AMD EPYC, `q4_0` decodes 1.3× faster with 8 KiB than with 512 bytes (its hardware prefetcher
-/// alone leaves a row-by-row GEMV well below the memory's read bandwidth); on the Intel Xeon,
-/// 1 KiB decodes 1.2–1.4× faster than 8 KiB (`q4_0`, `q4_K`, f16), as fast as 512 bytes.
+/// How far ahead of the weights a product reads it asks the CPU to fetch them (0: it asks for
+/// nothing), by the CPU's maker and family, as measured with Qwen3-VL-2B decodes on 2-core VMs
+/// (docs/PERFORMANCE.md): on the AMD EPYCs of Zen 3 and Zen 5, `q4_0` decodes 1.3× faster with
+/// 8 KiB than with 512 bytes (their hardware prefetchers alone leave a row-by-row GEMV well below
+/// the memory's read bandwidth); on the Intel Xeon, 1 KiB decodes 1.2–1.4× faster than 8 KiB
+/// (`q4_0`, `q4_K`, f16), as fast as 512 bytes; on the Zen 4 EPYC, no hints at all decode f16
+/// 1.3× faster than 8 KiB and `q4_0` as fast as 1 KiB (8 KiB is the slowest there).
 #[cfg(target_arch = "x86_64")]
 pub(super) fn prefetch_bytes() -> usize {
     static BYTES: std::sync::LazyLock<usize> = std::sync::LazyLock::new(|| {
-        // CPUID leaf 0: the maker's name.
+        // CPUID leaf 0: the maker's name; leaf 1: the family. Zen 4 is AMD's family 0x19 with
+        // AVX-512 (Zen 3, the same family, has none; Zen 5 is family 0x1A).
         let id = std::arch::x86_64::__cpuid(0);
         let intel = [id.ebx, id.edx, id.ecx] == [0x756e_6547, 0x4965_6e69, 0x6c65_746e];
+        let signature = std::arch::x86_64::__cpuid(1).eax;
+        let family = match (signature >> 8) & 0xF {
+            0xF => 0xF + ((signature >> 20) & 0xFF),
+            base => base,
+        };
+        let zen4 = !intel && family == 0x19 && std::is_x86_feature_detected!("avx512f");
         if intel {
             1024
+        } else if zen4 {
+            0
         } else {
             8192
         }
@@ -246,6 +257,9 @@ pub(super) fn prefetch_ahead<T>(data: &[T], range: std::ops::Range<usize>, cold:
     #[cfg(target_arch = "x86_64")]
     {
         use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        if prefetch_bytes() == 0 {
+            return;
+        }
         let size = std::mem::size_of::<T>().max(1);
         let ahead = prefetch_bytes() / size;
         let (start, end) = (
@@ -271,6 +285,9 @@ pub(super) fn prefetch_ahead<T>(data: &[T], range: std::ops::Range<usize>, cold:
 #[allow(unsafe_code)]
 pub(super) fn prefetch_past(block: *const u8, bytes: usize) {
     use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+    if prefetch_bytes() == 0 {
+        return;
+    }
     let ahead = block.wrapping_add(prefetch_bytes());
     for line in (0..bytes).step_by(64) {
         // SAFETY: a prefetch reads nothing the program sees and never faults.
