@@ -22,6 +22,9 @@ pub(super) struct Isa {
     pub avx512_vnni: bool,
     /// AVX-512F with AVX-512 BF16.
     pub avx512_bf16: bool,
+    /// AVX-512 run as two 256-bit halves (AMD Zen 4: family 0x19 with AVX-512), where AVX2
+    /// kernels keep up with AVX-512 ones.
+    pub avx512_split: bool,
     /// AMX tiles with bfloat16 products, which Linux has let this process use.
     pub amx_bf16: bool,
 }
@@ -75,8 +78,23 @@ pub(super) fn detected() -> Isa {
         avx512_fma: avx512f && fma,
         avx512_vnni: avx512f && bw && vl && vnni,
         avx512_bf16: avx512f && bf16,
+        avx512_split: avx512f && amd_family() == Some(0x19),
         amx_bf16: amx_bf16_granted(),
     }
+}
+
+/// The CPU's family (CPUID leaf 1, the extended family added) where AMD made it.
+#[cfg(target_arch = "x86_64")]
+fn amd_family() -> Option<u32> {
+    use std::arch::x86_64::__cpuid;
+    let id = __cpuid(0);
+    let amd = [id.ebx, id.edx, id.ecx] == [0x6874_7541, 0x6974_6e65, 0x444d_4163];
+    let signature = __cpuid(1).eax;
+    let family = match (signature >> 8) & 0xF {
+        0xF => 0xF + ((signature >> 20) & 0xFF),
+        base => base,
+    };
+    amd.then_some(family)
 }
 
 /// Whether the CPU has AMX tiles with bfloat16 products (CPUID leaf 7: AMX-BF16, AMX-TILE), the
@@ -183,13 +201,26 @@ mod tests {
             avx512_fma: true,
             avx512_vnni: true,
             avx512_bf16: true,
+            avx512_split: true,
             amx_bf16: true,
         };
-        let sets = |i: Isa| [i.avx2_fma, i.avx512_fma, i.avx512_vnni, i.avx512_bf16, i.amx_bf16];
-        assert_eq!(sets(all.capped(None)), [true; 5]);
-        assert_eq!(sets(all.capped(Some("native"))), [true; 5]);
-        assert_eq!(sets(all.capped(Some("avx2"))), [true, false, false, false, false]);
-        assert_eq!(sets(all.capped(Some("portable"))), [false; 5]);
-        assert_eq!(sets(Isa::default().capped(Some("avx2"))), [false; 5]);
+        let sets = |i: Isa| {
+            [
+                i.avx2_fma,
+                i.avx512_fma,
+                i.avx512_vnni,
+                i.avx512_bf16,
+                i.avx512_split,
+                i.amx_bf16,
+            ]
+        };
+        assert_eq!(sets(all.capped(None)), [true; 6]);
+        assert_eq!(sets(all.capped(Some("native"))), [true; 6]);
+        assert_eq!(
+            sets(all.capped(Some("avx2"))),
+            [true, false, false, false, false, false]
+        );
+        assert_eq!(sets(all.capped(Some("portable"))), [false; 6]);
+        assert_eq!(sets(Isa::default().capped(Some("avx2"))), [false; 6]);
     }
 }

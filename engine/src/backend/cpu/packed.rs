@@ -228,16 +228,10 @@ fn dot_rows_f16_avx2(w: &[f16], xs: &[f32], out: &mut [f32]) {
 #[cfg(target_arch = "x86_64")]
 pub(super) fn prefetch_bytes() -> usize {
     static BYTES: std::sync::LazyLock<usize> = std::sync::LazyLock::new(|| {
-        // CPUID leaf 0: the maker's name; leaf 1: the family. Zen 4 is AMD's family 0x19 with
-        // AVX-512 (Zen 3, the same family, has none; Zen 5 is family 0x1A).
+        // CPUID leaf 0: the maker's name.
         let id = std::arch::x86_64::__cpuid(0);
         let intel = [id.ebx, id.edx, id.ecx] == [0x756e_6547, 0x4965_6e69, 0x6c65_746e];
-        let signature = std::arch::x86_64::__cpuid(1).eax;
-        let family = match (signature >> 8) & 0xF {
-            0xF => 0xF + ((signature >> 20) & 0xFF),
-            base => base,
-        };
-        let zen4 = !intel && family == 0x19 && std::is_x86_feature_detected!("avx512f");
+        let zen4 = super::isa::detected().avx512_split;
         if intel {
             1024
         } else if zen4 {
