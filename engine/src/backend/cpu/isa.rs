@@ -78,23 +78,32 @@ pub(super) fn detected() -> Isa {
         avx512_fma: avx512f && fma,
         avx512_vnni: avx512f && bw && vl && vnni,
         avx512_bf16: avx512f && bf16,
-        avx512_split: avx512f && amd_family() == Some(0x19),
+        avx512_split: zen4(),
         amx_bf16: amx_bf16_granted(),
     }
 }
 
-/// The CPU's family (CPUID leaf 1, the extended family added) where AMD made it.
+/// The CPU's maker, as CPUID leaf 0 names it (`GenuineIntel`, `AuthenticAMD`).
 #[cfg(target_arch = "x86_64")]
-fn amd_family() -> Option<u32> {
-    use std::arch::x86_64::__cpuid;
-    let id = __cpuid(0);
-    let amd = [id.ebx, id.edx, id.ecx] == [0x6874_7541, 0x6974_6e65, 0x444d_4163];
-    let signature = __cpuid(1).eax;
+pub(super) fn maker() -> [u8; 12] {
+    let id = std::arch::x86_64::__cpuid(0);
+    let mut name = [0u8; 12];
+    for (bytes, reg) in name.chunks_exact_mut(4).zip([id.ebx, id.edx, id.ecx]) {
+        bytes.copy_from_slice(&reg.to_le_bytes());
+    }
+    name
+}
+
+/// Whether the CPU is AMD's Zen 4: family 0x19 (CPUID leaf 1, the extended family added) with
+/// AVX-512, which Zen 3, the same family, lacks.
+#[cfg(target_arch = "x86_64")]
+pub(super) fn zen4() -> bool {
+    let signature = std::arch::x86_64::__cpuid(1).eax;
     let family = match (signature >> 8) & 0xF {
         0xF => 0xF + ((signature >> 20) & 0xFF),
         base => base,
     };
-    amd.then_some(family)
+    &maker() == b"AuthenticAMD" && family == 0x19 && std::is_x86_feature_detected!("avx512f")
 }
 
 /// Whether the CPU has AMX tiles with bfloat16 products (CPUID leaf 7: AMX-BF16, AMX-TILE), the

@@ -228,13 +228,9 @@ fn dot_rows_f16_avx2(w: &[f16], xs: &[f32], out: &mut [f32]) {
 #[cfg(target_arch = "x86_64")]
 pub(super) fn prefetch_bytes() -> usize {
     static BYTES: std::sync::LazyLock<usize> = std::sync::LazyLock::new(|| {
-        // CPUID leaf 0: the maker's name.
-        let id = std::arch::x86_64::__cpuid(0);
-        let intel = [id.ebx, id.edx, id.ecx] == [0x756e_6547, 0x4965_6e69, 0x6c65_746e];
-        let zen4 = super::isa::detected().avx512_split;
-        if intel {
+        if &super::isa::maker() == b"GenuineIntel" {
             1024
-        } else if zen4 {
+        } else if super::isa::zen4() {
             0
         } else {
             8192
