@@ -115,6 +115,7 @@ pub struct KActivations {
 }
 
 /// One quantized activation row.
+#[derive(Clone, Copy)]
 pub(super) struct KRow<'a> {
     /// `d_x` per 32 values.
     pub(super) scales: &'a [f32],

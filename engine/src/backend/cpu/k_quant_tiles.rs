@@ -11,6 +11,10 @@
 //! of four bytes. Per super-block of a `q6_K` group: the 8 rows' `d`, their 16 scales, then the
 //! low nibbles' and the high bit pairs' bytes in runs of four. A decode, a batch of decodes and
 //! a prefill read the weights as one stream.
+//!
+//! On CPUs with AVX-512 VNNI the same 256-bit kernels sum each run with `vpdpbusd` ([`q4k_vnni`],
+//! [`q6k_vnni`]): the same integers, fewer instructions (on the 2-core Zen 4 EPYC, a `Q4_K_M` decode
+//! 1.04–1.05× and a 519-token prefill 1.13× the AVX2 kernels', alternated).
 
 use super::isa::fastest;
 use super::k_quant_dot::{self, scale_min_bytes, KActivations, KQuant, KRows};
@@ -206,6 +210,12 @@ impl KTiles {
             std::array::from_fn(|k| if k == 0 { sums[0] } else { [0.0; GROUP_ROWS] })
         };
         fastest!(
+            avx512_vnni => match (self.kind, t == TILE) {
+                (KQuant::Q4K, true) => q4k_vnni::<TILE>(data, &std::array::from_fn(rows)),
+                (KQuant::Q4K, false) => one(q4k_vnni::<1>(data, &[rows(0)])),
+                (KQuant::Q6K, true) => q6k_vnni::<TILE>(data, &std::array::from_fn(rows)),
+                (KQuant::Q6K, false) => one(q6k_vnni::<1>(data, &[rows(0)])),
+            },
             avx2_fma => match (self.kind, t == TILE) {
                 (KQuant::Q4K, true) => q4k_avx2::<TILE>(data, &std::array::from_fn(rows)),
                 (KQuant::Q4K, false) => one(q4k_avx2::<1>(data, &[rows(0)])),
@@ -239,8 +249,33 @@ impl KTiles {
 /// is read from the first level cache.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
-#[allow(unsafe_code)]
 fn q4k_avx2<const T: usize>(data: &[u8], xs: &[k_quant_dot::KRow<'_>; T]) -> [[f32; GROUP_ROWS]; T] {
+    // SAFETY: compiled for AVX2, FMA and F16C, which the caller's CPU has.
+    #[allow(unsafe_code)]
+    unsafe {
+        q4k_tiles::<false, T>(data, xs)
+    }
+}
+
+/// [`q4k_avx2`] with `vpdpbusd` (AVX-512 VNNI on 256-bit registers) in place of each run's
+/// `vpmaddubsw` and `vpaddw` and each sub-block's `vpmaddwd`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+fn q4k_vnni<const T: usize>(data: &[u8], xs: &[k_quant_dot::KRow<'_>; T]) -> [[f32; GROUP_ROWS]; T] {
+    // SAFETY: compiled for AVX-512 VNNI and AVX2, which the caller's CPU has.
+    #[allow(unsafe_code)]
+    unsafe {
+        q4k_tiles::<true, T>(data, xs)
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+#[allow(unsafe_code, unsafe_op_in_unsafe_fn)]
+unsafe fn q4k_tiles<const VNNI: bool, const T: usize>(
+    data: &[u8],
+    xs: &[k_quant_dot::KRow<'_>; T],
+) -> [[f32; GROUP_ROWS]; T] {
     use crate::arch::ggml::QK_K;
     use std::arch::x86_64::*;
     const GROUP_BLOCK: usize = GROUP_ROWS * k_quant_dot::Q4K_BYTES;
@@ -314,7 +349,11 @@ fn q4k_avx2<const T: usize>(data: &[u8], xs: &[k_quant_dot::KRow<'_>; T]) -> [[f
                         for (pairs, x) in pairs.iter_mut().zip(xs) {
                             let at = b * QK_K + 32 * sub + 4 * run;
                             let word = _mm256_set1_epi32((x.quants.as_ptr().add(at) as *const i32).read_unaligned());
-                            *pairs = _mm256_add_epi16(*pairs, _mm256_maddubs_epi16(w, word));
+                            *pairs = if VNNI {
+                                _mm256_dpbusd_epi32(*pairs, w, word)
+                            } else {
+                                _mm256_add_epi16(*pairs, _mm256_maddubs_epi16(w, word))
+                            };
                         }
                     }
                     let scale = _mm256_mul_ps(d, widen(scales[sub / 4], sub % 4));
@@ -325,7 +364,11 @@ fn q4k_avx2<const T: usize>(data: &[u8], xs: &[k_quant_dot::KRow<'_>; T]) -> [[f
                         .zip(pairs)
                         .zip(xs.iter().zip(&xsums));
                     for (((acc, offsets), pairs), (x, xsums)) in rows {
-                        let sum = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
+                        let sum = _mm256_cvtepi32_ps(if VNNI {
+                            pairs
+                        } else {
+                            _mm256_madd_epi16(pairs, ones)
+                        });
                         let dx = _mm256_set1_ps(x.scales[8 * b + sub]);
                         *acc = _mm256_fmadd_ps(sum, _mm256_mul_ps(scale, dx), *acc);
                         *offsets = _mm256_fmadd_ps(min, _mm256_set1_ps(xsums[sub]), *offsets);
@@ -373,8 +416,33 @@ fn super_blocks(data: &[u8], group_block: usize, xs: &[k_quant_dot::KRow<'_>]) -
 /// apart per sub-block of 16 and subtracted at the end.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
-#[allow(unsafe_code)]
 fn q6k_avx2<const T: usize>(data: &[u8], xs: &[k_quant_dot::KRow<'_>; T]) -> [[f32; GROUP_ROWS]; T] {
+    // SAFETY: compiled for AVX2, FMA and F16C, which the caller's CPU has.
+    #[allow(unsafe_code)]
+    unsafe {
+        q6k_tiles::<false, T>(data, xs)
+    }
+}
+
+/// [`q6k_avx2`] with `vpdpbusd` (AVX-512 VNNI on 256-bit registers): two runs summed in i32 and
+/// multiplied by their sub-block's scales with `vpmulld`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+fn q6k_vnni<const T: usize>(data: &[u8], xs: &[k_quant_dot::KRow<'_>; T]) -> [[f32; GROUP_ROWS]; T] {
+    // SAFETY: compiled for AVX-512 VNNI and AVX2, which the caller's CPU has.
+    #[allow(unsafe_code)]
+    unsafe {
+        q6k_tiles::<true, T>(data, xs)
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+#[allow(unsafe_code, unsafe_op_in_unsafe_fn)]
+unsafe fn q6k_tiles<const VNNI: bool, const T: usize>(
+    data: &[u8],
+    xs: &[k_quant_dot::KRow<'_>; T],
+) -> [[f32; GROUP_ROWS]; T] {
     use crate::arch::ggml::QK_K;
     use std::arch::x86_64::*;
     const GROUP_BLOCK: usize = GROUP_ROWS * k_quant_dot::Q6K_BYTES;
@@ -417,8 +485,23 @@ fn q6k_avx2<const T: usize>(data: &[u8], xs: &[k_quant_dot::KRow<'_>; T]) -> [[f
                     _mm256_or_si256(_mm256_and_si256(nibbles, low), _mm256_and_si256(bits, high))
                 }};
             }
-            // Each i32 lane's two i16 take its row's scale of sub-block `sub`.
-            let pair_scales = |sub: usize| _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(scales(sub), scales(sub)));
+            // Two runs' products of four weight bytes with four activation bytes: i16 pairs
+            // (`vpmaddubsw`), or i32 lanes with VNNI (`vpdpbusd`).
+            let accumulate = |sums: __m256i, w: __m256i, x: __m256i| {
+                if VNNI {
+                    _mm256_dpbusd_epi32(sums, w, x)
+                } else {
+                    _mm256_add_epi16(sums, _mm256_maddubs_epi16(w, x))
+                }
+            };
+            // Those sums times each row's scale of sub-block `sub`, as i32 lanes.
+            let scaled = |sums: __m256i, sub: usize| {
+                if VNNI {
+                    _mm256_mullo_epi32(sums, _mm256_cvtepi8_epi32(scales(sub)))
+                } else {
+                    _mm256_madd_epi16(sums, _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(scales(sub), scales(sub))))
+                }
+            };
             let word = |x: &k_quant_dot::KRow<'_>, at: usize| {
                 _mm256_set1_epi32((x.quants.as_ptr().add(b * QK_K + at) as *const i32).read_unaligned())
             };
@@ -440,12 +523,11 @@ fn q6k_avx2<const T: usize>(data: &[u8], xs: &[k_quant_dot::KRow<'_>; T]) -> [[f
                             ];
                             for (c, (pairs, w)) in pairs.iter_mut().zip(w).enumerate() {
                                 let xw = word(x, 128 * h + 32 * c + 4 * run);
-                                *pairs = _mm256_add_epi16(*pairs, _mm256_maddubs_epi16(w, xw));
+                                *pairs = accumulate(*pairs, w, xw);
                             }
                         }
                         for (c, (sums, pairs)) in sums.iter_mut().zip(pairs).enumerate() {
-                            let scale = pair_scales(8 * h + 2 * c + pair / 2);
-                            *sums = _mm256_add_epi32(*sums, _mm256_madd_epi16(pairs, scale));
+                            *sums = _mm256_add_epi32(*sums, scaled(pairs, 8 * h + 2 * c + pair / 2));
                         }
                     }
                     for (c, sums) in sums.into_iter().enumerate() {
@@ -461,17 +543,17 @@ fn q6k_avx2<const T: usize>(data: &[u8], xs: &[k_quant_dot::KRow<'_>; T]) -> [[f
                         let (h, c) = ($h, $c);
                         let mut sums = [_mm256_setzero_si256(); T];
                         for pair in 0..4 {
-                            let scale = pair_scales(8 * h + 2 * c + pair / 2);
+                            let sub = 8 * h + 2 * c + pair / 2;
                             let mut pairs = [_mm256_setzero_si256(); T];
                             for run in 2 * pair..2 * pair + 2 {
                                 let w = quants!(run_parts(h, run), $c);
                                 for (pairs, x) in pairs.iter_mut().zip(xs) {
                                     let xw = word(x, 128 * h + 32 * c + 4 * run);
-                                    *pairs = _mm256_add_epi16(*pairs, _mm256_maddubs_epi16(w, xw));
+                                    *pairs = accumulate(*pairs, w, xw);
                                 }
                             }
                             for (sums, pairs) in sums.iter_mut().zip(pairs) {
-                                *sums = _mm256_add_epi32(*sums, _mm256_madd_epi16(pairs, scale));
+                                *sums = _mm256_add_epi32(*sums, scaled(pairs, sub));
                             }
                         }
                         for ((acc, sums), x) in acc.iter_mut().zip(sums).zip(xs) {
@@ -534,6 +616,45 @@ mod tests {
 
     /// Every path's products of any span of rows are each row's product, in both formats, for
     /// activation counts off the tile size and spans that start, end and cross inside groups.
+    /// The VNNI kernels sum the same integers as the AVX2 ones: the same products, bit for bit,
+    /// for one activation row and a tile (checked where the CPU has AVX-512 VNNI).
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn vnni_tiles_equal_the_avx2_tiles() {
+        if !crate::backend::cpu::isa::isa().avx512_vnni {
+            return;
+        }
+        for kind in [KQuant::Q4K, KQuant::Q6K] {
+            let (n, cols) = (2 * GROUP_ROWS, 3 * QK_K);
+            let data = random_rows(kind, n, cols, 5);
+            let tiles = KTiles::from_rows(&KRows::new(kind, &data, n, cols).unwrap()).unwrap();
+            let acts = KActivations::quantize(&values(TILE * cols, 13), cols);
+            let xs: [k_quant_dot::KRow<'_>; TILE] = std::array::from_fn(|k| acts.row(k));
+            for group in 0..n / GROUP_ROWS {
+                let g = tiles.group(group);
+                // SAFETY: this CPU has AVX-512 VNNI (checked above), and with it AVX2.
+                #[allow(unsafe_code)]
+                let (avx2, vnni, one) = unsafe {
+                    match kind {
+                        KQuant::Q4K => (
+                            q4k_avx2(g, &xs),
+                            q4k_vnni(g, &xs),
+                            (q4k_avx2(g, &[xs[1]]), q4k_vnni(g, &[xs[1]])),
+                        ),
+                        KQuant::Q6K => (
+                            q6k_avx2(g, &xs),
+                            q6k_vnni(g, &xs),
+                            (q6k_avx2(g, &[xs[1]]), q6k_vnni(g, &[xs[1]])),
+                        ),
+                    }
+                };
+                assert_eq!(avx2, vnni, "{kind:?} group {group}, a tile");
+                assert_eq!(one.0, one.1, "{kind:?} group {group}, one row");
+                assert!(avx2.iter().flatten().any(|&v| v != 0.0));
+            }
+        }
+    }
+
     #[test]
     fn products_are_every_row_s_product() {
         for (kind, cols) in [
