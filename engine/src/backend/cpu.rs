@@ -120,14 +120,17 @@ pub fn kernel_paths() -> String {
         true => format!("of bf16 weights (and f16 ones that are all bf16 values): AMX bf16 tiles, the activations in two bf16 halves; of others: {gemm}"),
         false => gemm.to_string(),
     };
-    let gemm = match f16_gemm::available() {
-        true => format!("{gemm}; of f16 weights: f16 tiles (AVX2+F16C)"),
-        false => gemm,
+    let gemm = match (f16_gemm::available(), bf16_gemm::available()) {
+        (true, true) => {
+            format!("{gemm}, f16 weights too where all are bf16 values; of other f16 weights: f16 tiles (AVX2+F16C)")
+        }
+        (true, false) => format!("{gemm}; of f16 weights: f16 tiles (AVX2+F16C)"),
+        _ => gemm,
     };
     let tiles = pick(&[
         (
             isa.avx512_vnni,
-            "q8_0/q4_0 stored as integer tiles (AVX-512 VNNI), q4_K/q6_K (AVX2), for every product",
+            "q8_0/q4_0 stored as integer tiles (AVX-512 VNNI), q4_K/q6_K (AVX2 with 256-bit VNNI), for every product",
         ),
         (
             isa.avx2_fma,
@@ -489,19 +492,20 @@ impl Backend for CpuBackend {
                         amx_gemm::matmul(x, m, bits, rows, &self.ledger).map_err(BackendError::Shape)
                     })?;
                     Tensor::from_vec(y, (m, rows), &Device::Cpu).map_err(lib)?
+                } else if bf16_gemm::available() && (!q.is_f16() || q.is_bf16_valued_f16()) {
+                    // Many rows on a CPU with AVX-512 BF16: computed in bfloat16, bfloat16
+                    // weights read as stored, f16 ones whose values are all bfloat16 values
+                    // converted exactly, quantized ones dequantized to bfloat16 (other f16
+                    // weights, which bfloat16 would round, take the f16 tiles or the f32 GEMM).
+                    let y = with_values(&x.t, |x| {
+                        bf16_gemm::matmul(x, m, q, &self.ledger).map_err(BackendError::Shape)
+                    })?;
+                    Tensor::from_vec(y, (m, rows), &Device::Cpu).map_err(lib)?
                 } else if let Some(values) = q.f16_values().filter(|_| f16_gemm::available()) {
                     // Many rows of an f16 matrix on an AVX2 CPU: the weights as stored, widened
                     // in registers (no f32 copy of the matrix).
                     let y = with_values(&x.t, |x| {
                         f16_gemm::matmul(x, m, values, rows, &self.ledger).map_err(BackendError::Shape)
-                    })?;
-                    Tensor::from_vec(y, (m, rows), &Device::Cpu).map_err(lib)?
-                } else if bf16_gemm::available() && !q.is_f16() {
-                    // Many rows on a CPU with AVX-512 BF16: computed in bfloat16, bfloat16
-                    // weights read as stored, quantized ones dequantized to bfloat16 (f16
-                    // weights, which bfloat16 would round, take the f32 GEMM below).
-                    let y = with_values(&x.t, |x| {
-                        bf16_gemm::matmul(x, m, q, &self.ledger).map_err(BackendError::Shape)
                     })?;
                     Tensor::from_vec(y, (m, rows), &Device::Cpu).map_err(lib)?
                 } else {

@@ -9,7 +9,7 @@
 //! against activations quantized once per product.
 
 use super::amx_gemm;
-use super::bf16_gemm::round_bf16;
+use super::bf16_gemm::{self, round_bf16};
 use super::block_dot::{dot_row, Activations};
 use super::block_tiles::{self, BlockTiles, TILE_ROWS};
 use super::isa::fastest;
@@ -32,8 +32,9 @@ enum Packing {
     /// bfloat16 bit patterns, row-major.
     Bf16(Vec<u16>),
     /// IEEE half precision as a GGUF or safetensors file stores it, row-major; each row widened
-    /// to f32 for the product.
-    F16(Vec<f16>),
+    /// to f32 for the product. `bf16`: every value is a bfloat16 value too
+    /// ([`PackedMatrix::is_bf16_valued_f16`]).
+    F16 { values: Vec<f16>, bf16: bool },
     /// `q8_0`/`q4_0` blocks row by row.
     Blocks(BlockRows),
     /// `q8_0`/`q4_0` blocks interleaved for integer tiles, on CPUs that have them.
@@ -82,19 +83,14 @@ fn widen(bits: u16) -> f32 {
     f32::from_bits((bits as u32) << 16)
 }
 
-/// The bfloat16 bit patterns of `values` when every one is exactly a bfloat16 value, else None.
-fn exact_bf16(values: &[f16]) -> Option<Vec<u16>> {
+/// Whether every one of `values` is exactly a bfloat16 value (its f32 form ends in 16 zero bits).
+fn all_bf16(values: &[f16]) -> bool {
     let mut wide = [0f32; 4096];
-    let mut bits = Vec::with_capacity(values.len());
-    for chunk in values.chunks(wide.len()) {
+    values.chunks(wide.len()).all(|chunk| {
         let wide = &mut wide[..chunk.len()];
         chunk.convert_to_f32_slice(wide);
-        if wide.iter().any(|v| v.to_bits() & 0xFFFF != 0) {
-            return None;
-        }
-        bits.extend(wide.iter().map(|v| (v.to_bits() >> 16) as u16));
-    }
-    Some(bits)
+        wide.iter().all(|v| v.to_bits() & 0xFFFF == 0)
+    })
 }
 
 /// Lanes of the dot product's accumulators: four AVX-512 or eight AVX2 registers, independent
@@ -559,18 +555,30 @@ impl PackedMatrix {
     }
 
     /// A half-precision matrix from its values (row-major), or None when the count is not
-    /// `rows · cols`. On CPUs with AMX, a matrix whose values are all bfloat16 values too (an
-    /// F16 file converted from a bfloat16 checkpoint, as Qwen's are) is stored as bfloat16: the
-    /// same bytes and values, multiplied by AMX's bfloat16 tiles ([`amx_gemm`]).
+    /// `rows · cols`. Where a bfloat16 GEMM runs the prefill (AMX, AVX-512 BF16), the values are
+    /// checked once for being all bfloat16 values too (an F16 file converted from a bfloat16
+    /// checkpoint, as Qwen's are): on CPUs with AMX such a matrix is stored as bfloat16 (the same
+    /// bytes and values, multiplied by AMX's tiles, [`amx_gemm`]); elsewhere it stays f16 (its
+    /// decode rows widen faster: on the Zen 4 EPYC bfloat16 rows decoded 20 % slower) and is marked
+    /// for [`bf16_gemm`].
     pub fn f16(values: Vec<f16>, rows: usize, cols: usize) -> Option<Self> {
         if values.len() != rows * cols {
             return None;
         }
-        let packing = match amx_gemm::fits(rows, cols).then(|| exact_bf16(&values)).flatten() {
-            Some(bits) => Packing::Bf16(bits),
-            None => Packing::F16(values),
+        let amx = amx_gemm::fits(rows, cols);
+        let bf16 = (amx || bf16_gemm::available()) && all_bf16(&values);
+        let packing = if amx && bf16 {
+            Packing::Bf16(values.iter().map(|v| (v.to_f32().to_bits() >> 16) as u16).collect())
+        } else {
+            Packing::F16 { values, bf16 }
         };
         Some(PackedMatrix { rows, cols, packing })
+    }
+
+    /// Whether the values are f16 that are all bfloat16 values too (checked on CPUs with a
+    /// bfloat16 GEMM only), which that GEMM multiplies without rounding them.
+    pub fn is_bf16_valued_f16(&self) -> bool {
+        matches!(self.packing, Packing::F16 { bf16: true, .. })
     }
 
     /// Whether the values are IEEE half precision (computed in f32, never rounded to bfloat16).
@@ -581,7 +589,7 @@ impl PackedMatrix {
     /// The values of an f16 matrix, row-major; None for any other packing.
     pub fn f16_values(&self) -> Option<&[f16]> {
         match &self.packing {
-            Packing::F16(v) => Some(v),
+            Packing::F16 { values, .. } => Some(values),
             _ => None,
         }
     }
@@ -613,7 +621,7 @@ impl PackedMatrix {
     pub fn bytes(&self) -> u64 {
         (match &self.packing {
             Packing::Bf16(v) => std::mem::size_of_val(v.as_slice()),
-            Packing::F16(v) => std::mem::size_of_val(v.as_slice()),
+            Packing::F16 { values, .. } => std::mem::size_of_val(values.as_slice()),
             Packing::Blocks(b) => b.bytes(),
             Packing::Tiled(t) => t.bytes(),
             Packing::KQuants(k) => k.bytes() as usize,
@@ -670,7 +678,7 @@ impl PackedMatrix {
                     let xs = &x[first * cols..(first + out.len()) * cols];
                     dot_rows_fastest(&bits[row * cols..(row + 1) * cols], xs, out)
                 }),
-                Packing::F16(values) => row_by_row(move |row, first, cold, out| {
+                Packing::F16 { values, .. } => row_by_row(move |row, first, cold, out| {
                     prefetch_ahead(values, row * cols..(row + 1) * cols, cold);
                     let xs = &x[first * cols..(first + out.len()) * cols];
                     dot_rows_f16(&values[row * cols..(row + 1) * cols], xs, out)
@@ -719,7 +727,7 @@ impl PackedMatrix {
                     let v = &v[first * cols..][..part.len()];
                     part.iter_mut().zip(v).for_each(|(o, &b)| *o = widen(b))
                 }
-                Packing::F16(v) => v[first * cols..][..part.len()].convert_to_f32_slice(part),
+                Packing::F16 { values, .. } => values[first * cols..][..part.len()].convert_to_f32_slice(part),
                 Packing::Blocks(_)
                 | Packing::Tiled(_)
                 | Packing::KQuants(_)
@@ -803,7 +811,7 @@ impl PackedMatrix {
                 .iter_mut()
                 .zip(&v[row * self.cols..(row + 1) * self.cols])
                 .for_each(|(o, &b)| *o = widen(b)),
-            Packing::F16(v) => v[row * self.cols..(row + 1) * self.cols].convert_to_f32_slice(out),
+            Packing::F16 { values, .. } => values[row * self.cols..(row + 1) * self.cols].convert_to_f32_slice(out),
         }
     }
 }
@@ -988,7 +996,7 @@ mod tests {
     /// multiply it (the same values, bytes and products), and stays f16 elsewhere or when one
     /// value is not a bfloat16 value.
     #[test]
-    fn f16_weights_that_are_bf16_values_are_stored_as_bf16_for_amx() {
+    fn f16_weights_that_are_bf16_values_are_stored_as_bf16_for_amx_and_marked_for_the_bf16_gemm() {
         let (rows, cols) = (64, 96);
         let bf16_values: Vec<f32> = matrix(rows, cols).iter().map(|&v| widen(round_bf16(v))).collect();
         let w: Vec<f16> = bf16_values.iter().map(|&v| f16::from_f32(v)).collect();
@@ -996,11 +1004,15 @@ mod tests {
         let q = PackedMatrix::f16(w.clone(), rows, cols).unwrap();
         assert_eq!(q.bf16_values().is_some(), amx_gemm::fits(rows, cols));
         assert_eq!(q.is_f16(), !amx_gemm::fits(rows, cols));
+        // Kept f16 without AMX, and marked for the bfloat16 GEMM where the CPU has one.
+        let gemm = bf16_gemm::available();
+        assert_eq!(q.is_bf16_valued_f16(), gemm && !amx_gemm::fits(rows, cols));
         assert_eq!(q.bytes(), (rows * cols * 2) as u64);
         assert_eq!(q.dequantize(), bf16_values);
         let mut off = w;
         off[5] = f16::from_bits(off[5].to_bits() ^ 1);
-        assert!(PackedMatrix::f16(off, rows, cols).unwrap().is_f16());
+        let off = PackedMatrix::f16(off, rows, cols).unwrap();
+        assert!(off.is_f16() && !off.is_bf16_valued_f16());
         let x = matrix(40, cols);
         let got = q.matmul(&x, 40).unwrap();
         for i in 0..40 {
