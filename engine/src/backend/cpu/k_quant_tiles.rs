@@ -614,8 +614,6 @@ mod tests {
         }
     }
 
-    /// Every path's products of any span of rows are each row's product, in both formats, for
-    /// activation counts off the tile size and spans that start, end and cross inside groups.
     /// The VNNI kernels sum the same integers as the AVX2 ones: the same products, bit for bit,
     /// for one activation row and a tile (checked where the CPU has AVX-512 VNNI).
     #[cfg(target_arch = "x86_64")]
@@ -655,6 +653,8 @@ mod tests {
         }
     }
 
+    /// Every path's products of any span of rows are each row's product, in both formats, for
+    /// activation counts off the tile size and spans that start, end and cross inside groups.
     #[test]
     fn products_are_every_row_s_product() {
         for (kind, cols) in [

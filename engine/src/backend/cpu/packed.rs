@@ -581,7 +581,8 @@ impl PackedMatrix {
         matches!(self.packing, Packing::F16 { bf16: true, .. })
     }
 
-    /// Whether the values are IEEE half precision (computed in f32, never rounded to bfloat16).
+    /// Whether the values are IEEE half precision (multiplied in f32, except where
+    /// [`Self::is_bf16_valued_f16`] lets a prefill take the bfloat16 GEMM).
     pub fn is_f16(&self) -> bool {
         self.f16_values().is_some()
     }
