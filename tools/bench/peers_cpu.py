@@ -115,15 +115,21 @@ def llama_bench(args, pair, prompt_tokens):
 
 
 def rounds(args, pair, long_prompt):
-    """`args.reps` rounds, each kvlens's prompt and decode runs then llama-bench's (one repetition of
-    each): a change in the machine's load between rounds (a shared VM's neighbours) hits both
-    engines alike. Returns the per-round samples, kvlens's last prompt and decode runs and
-    llama-bench's last decode row."""
+    """`args.reps` rounds, each kvlens's prompt and decode runs and llama-bench's (one repetition of
+    each), the order swapped every round (kvlens first in the first): a change in the machine's
+    load between rounds (a shared VM's neighbours) hits both engines alike, and neither always
+    runs on the heels of the other. Returns the per-round samples, kvlens's last prompt and decode
+    runs and llama-bench's last decode row."""
     samples = {"kvlens_pp": [], "llama_pp": [], "kvlens_tg": [], "llama_tg": []}
-    for _ in range(args.reps):
+    prompt_tokens = None
+    for rep in range(args.reps):
+        if rep % 2 == 1:
+            pp, tg = llama_bench(args, pair, prompt_tokens)
         pre = kvlens_generate(args, pair, long_prompt, 1)
         dec = kvlens_generate(args, pair, SHORT_PROMPT, args.decode_tokens)
-        pp, tg = llama_bench(args, pair, len(pre["prompt_token_ids"]))
+        prompt_tokens = len(pre["prompt_token_ids"])
+        if rep % 2 == 0:
+            pp, tg = llama_bench(args, pair, prompt_tokens)
         for key, value in [("kvlens_pp", pre["timing"]["prefill_tokens_per_s"]), ("llama_pp", pp["avg_ts"]),
                            ("kvlens_tg", dec["timing"]["decode_tokens_per_s"]), ("llama_tg", tg["avg_ts"])]:
             samples[key].append(value)
