@@ -1,6 +1,7 @@
 //! Work split over candle's thread pool (the one its own kernels use, so ours never compete with
 //! them for the cores).
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 
 /// Runs `f(i, piece)` for each `len`-long piece `i` of `out` (the last may be shorter), the pieces
@@ -34,12 +35,34 @@ pub(crate) fn for_each_part<T: Send>(out: &mut [T], ends: &[usize], f: impl Fn(u
         parts.push(Mutex::new(part));
         (rest, start) = (tail, end);
     }
-    candle_core::utils::barrier_pool().execute_chunked(parts.len(), |range| {
-        for i in range {
-            let mut part = parts[i].lock().unwrap_or_else(|e| e.into_inner());
-            f(i, &mut part);
+    let run = |i: usize| {
+        let mut part = parts[i].lock().unwrap_or_else(|e| e.into_inner());
+        f(i, &mut part);
+    };
+    if IN_POOL.get() || parts.len() < 2 {
+        // Called from inside a task (the pool's lock is held): run here.
+        (0..parts.len()).for_each(run);
+        return;
+    }
+    // One part per grab: the callers size their parts, and the pool's own chunking (eight grabs
+    // per thread) would join the small last parts a caller made to even out the threads' ends.
+    let cursor = AtomicUsize::new(0);
+    candle_core::utils::barrier_pool().execute(|_| {
+        IN_POOL.set(true);
+        loop {
+            let i = cursor.fetch_add(1, Ordering::Relaxed);
+            if i >= parts.len() {
+                break;
+            }
+            run(i);
         }
+        IN_POOL.set(false);
     });
+}
+
+thread_local! {
+    /// Whether this thread is running a task of [`for_each_part`].
+    static IN_POOL: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
 #[cfg(test)]
@@ -58,6 +81,15 @@ mod tests {
         for_each_piece(&mut v, 100, |i, piece| piece.iter_mut().for_each(|x| *x += i + 1));
         assert!(v.iter().enumerate().all(|(j, &x)| x == j / 100 + 1));
         for_each_piece(&mut [] as &mut [u8], 0, |_, _| unreachable!());
+    }
+
+    #[test]
+    fn a_task_may_share_out_parts_of_its_own() {
+        let mut v = vec![0usize; 64];
+        for_each_piece(&mut v, 16, |i, piece| {
+            for_each_piece(piece, 4, |j, inner| inner.iter_mut().for_each(|x| *x = 10 * i + j))
+        });
+        assert!(v.iter().enumerate().all(|(k, &x)| x == 10 * (k / 16) + (k % 16) / 4));
     }
 
     #[test]
