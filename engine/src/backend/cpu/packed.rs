@@ -398,8 +398,9 @@ const DECODE_RUNS_PER_THREAD: usize = 32;
 const GATHER_ROWS: usize = 16;
 
 /// The products `[m, rows]` of `m` activation rows (`cols` values each) with each of several
-/// matrices. Their rows are shared out as one sequence, in [`RUNS_PER_THREAD`] (or [`DECODE_RUNS_PER_THREAD`]) contiguous runs
-/// per thread of candle's pool (the one its other kernels use; [`run_ends`]), so each thread reads
+/// matrices. Their rows are shared out as one sequence, in [`RUNS_PER_THREAD`] (for one row
+/// [`DECODE_RUNS_PER_THREAD`]) contiguous runs per thread of candle's pool (the one its other
+/// kernels use; [`run_ends`]), so each thread reads
 /// a few streams, in pieces of whole groups of [`TILE_ROWS`] rows, the first of each run and
 /// matrix started cold; once per [`activation_slice`] of the activation rows. Each run writes its
 /// own `[m, run's rows]` (a tile's sums for one activation row and group are one cache line), and
