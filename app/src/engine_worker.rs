@@ -52,21 +52,45 @@ fn link(selector: &str) -> Result<String, String> {
         .ok_or_else(|| format!("{selector} has no href"))
 }
 
+/// Threads for the CPU backend in wasm: the page's `?threads=N`, else the cores the browser
+/// reports (at most 4).
+fn threads() -> usize {
+    let window = web_sys::window();
+    let asked = window
+        .as_ref()
+        .and_then(|w| w.location().search().ok())
+        .and_then(|q| web_sys::UrlSearchParams::new_with_str(&q).ok())
+        .and_then(|q| q.get("threads"))
+        .and_then(|t| t.parse::<usize>().ok());
+    let cores = window.map_or(1.0, |w| w.navigator().hardware_concurrency()) as usize;
+    asked.unwrap_or(cores.min(4)).max(1)
+}
+
+/// A module Web Worker named `name` running the page's module (its `glue` and `wasm`), which
+/// finds the module's address and the thread count in `globalThis.kvlensModule`.
+pub fn module_worker(glue: &str, wasm: &str, name: &str, threads: usize) -> Result<Worker, String> {
+    let script = format!(
+        "globalThis.kvlensModule = {{ glue: {glue:?}, wasm: {wasm:?}, threads: {threads} }};\n\
+         import init from {glue:?};\nawait init({{ module_or_path: {wasm:?} }});\n"
+    );
+    let parts = js_sys::Array::of1(&JsValue::from_str(&script));
+    let props = BlobPropertyBag::new();
+    props.set_type("text/javascript");
+    let blob = Blob::new_with_str_sequence_and_options(&parts, &props).map_err(|e| format!("{e:?}"))?;
+    let url = Url::create_object_url_with_blob(&blob).map_err(|e| format!("{e:?}"))?;
+    let options = WorkerOptions::new();
+    options.set_type(WorkerType::Module);
+    options.set_name(name);
+    Worker::new_with_options(&url, &options).map_err(|e| format!("{e:?}"))
+}
+
 impl EngineWorker {
     /// Starts the worker; `on_event` gets every message not about a request.
     pub fn spawn(on_event: impl Fn(FromWorker) + 'static) -> Result<Rc<Self>, String> {
         // The page's own module: trunk preloads its glue and its wasm.
         let glue = link("link[rel=modulepreload]")?;
         let wasm = link("link[rel=preload][as=fetch]")?;
-        let script = format!("import init from {glue:?};\nawait init({{ module_or_path: {wasm:?} }});\n");
-        let parts = js_sys::Array::of1(&JsValue::from_str(&script));
-        let props = BlobPropertyBag::new();
-        props.set_type("text/javascript");
-        let blob = Blob::new_with_str_sequence_and_options(&parts, &props).map_err(|e| format!("{e:?}"))?;
-        let url = Url::create_object_url_with_blob(&blob).map_err(|e| format!("{e:?}"))?;
-        let options = WorkerOptions::new();
-        options.set_type(WorkerType::Module);
-        let worker = Worker::new_with_options(&url, &options).map_err(|e| format!("{e:?}"))?;
+        let worker = module_worker(&glue, &wasm, "kvlens-engine", threads())?;
         let requests: Rc<RefCell<HashMap<String, RequestListener>>> = Rc::default();
         let routed = Rc::clone(&requests);
         let on_message = Closure::<dyn Fn(MessageEvent)>::new(move |e: MessageEvent| {

@@ -111,7 +111,10 @@ impl Device {
     pub fn describe(&self) -> String {
         match self {
             Device::WebGpu(b) => format!("WebGPU: {} ({})", b.adapter_info().name, b.describe()),
-            Device::Cpu(why) => format!("CPU backend in wasm (no WebGPU: {why})"),
+            Device::Cpu(why) => format!(
+                "CPU backend in wasm, {} (no WebGPU: {why})",
+                crate::row_helper::threads()
+            ),
         }
     }
 }

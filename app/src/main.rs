@@ -14,6 +14,7 @@ mod planner;
 mod playground;
 mod protocol;
 mod recorder;
+mod row_helper;
 mod server_mode;
 mod worker;
 
@@ -22,7 +23,12 @@ use leptos::prelude::*;
 fn main() {
     console_error_panic_hook::set_once();
     if web_sys::window().is_none() {
-        worker::run();
+        let scope: web_sys::DedicatedWorkerGlobalScope = wasm_bindgen::JsCast::unchecked_into(js_sys::global());
+        if scope.name() == row_helper::NAME {
+            row_helper::run();
+        } else {
+            worker::run();
+        }
         return;
     }
     leptos::mount::mount_to_body(App);

@@ -70,6 +70,9 @@ pub fn run() {
     handler.forget();
     wasm_bindgen_futures::spawn_local(async move {
         let device = Device::open().await;
+        if matches!(device, Device::Cpu(_)) {
+            crate::row_helper::start_for_engine().await;
+        }
         post(&FromWorker::Device {
             text: device.describe(),
             cpu: matches!(device, Device::Cpu(_)),
@@ -189,7 +192,7 @@ fn load(state: Rc<RefCell<State>>, source: Source, s: Settings) {
         match result {
             Ok(local) => {
                 post(&FromWorker::Loaded {
-                    device: local.device.clone(),
+                    device: format!("{}{}", local.device, crate::row_helper::holdings()),
                     budget: local.budget(),
                 });
                 st.local = Some(local);

@@ -1392,7 +1392,17 @@ fn any_origin_may_read_the_api_and_the_planner_is_the_playground_page() {
             .unwrap_or_default()
             .starts_with("text/html"));
     }
-    assert_eq!(server.get("/").status, 200);
+    // Cross-origin isolated, so that the tab's CPU backend may share memory with helper workers.
+    let page = server.get("/");
+    assert_eq!(page.status, 200);
+    assert_eq!(
+        header_value(&page.head, "cross-origin-opener-policy").as_deref(),
+        Some("same-origin")
+    );
+    assert_eq!(
+        header_value(&page.head, "cross-origin-embedder-policy").as_deref(),
+        Some("require-corp")
+    );
     server.get("/planner/x").assert_error(404, "below /planner");
     server.get("/v1/nothing").assert_error(404, "an unknown API path");
     http(port, "POST", "/planner", &[], b"").assert_error(405, "POST /planner");

@@ -315,19 +315,26 @@ async function weightsPlanned(page, format) {
 // header is fetched by a range request first (`ranged`: the server answers it with 206); the
 // greedy tokens are native generate's on the same pair. From disk, the text model is then loaded
 // alone: fewer bytes planned and held, images refused, the pair's reply to a text prompt.
-async function playgroundGguf(base, webgpu, { fromDisk = false, ranged = false } = {}) {
+// `threads`: the CPU backend's threads asked for by the page's `?threads=` (helper workers, on a
+// cross-origin isolated page); the products' rows they compute (the lm_head's, on the demo
+// model) must give the same tokens.
+async function playgroundGguf(base, webgpu, { fromDisk = false, ranged = false, threads = 0 } = {}) {
   const b = await browser(webgpu);
   try {
-    const page = await newPage(b, `${webgpu ? 'webgpu' : 'cpu'}-gguf${fromDisk ? '-disk' : ''}`);
+    const page = await newPage(b, `${webgpu ? 'webgpu' : 'cpu'}-gguf${fromDisk ? '-disk' : ''}${threads ? `-${threads}-threads` : ''}`);
     const fetched = [];
     // Responses as their headers arrive: the page stops reading a header's response once it has
     // the header, so such a request never finishes.
     page.context().on('response', (r) => {
       if (r.url().endsWith('.gguf')) fetched.push({ url: r.url(), range: r.request().headers().range || null, status: r.status() });
     });
-    await page.goto(`${base}/`);
+    await page.goto(`${base}/${threads ? `?threads=${threads}` : ''}`);
     const device = webgpu ? 'WebGPU' : 'CPU backend';
     await page.waitForFunction((d) => (document.querySelector('[data-testid="device"]')?.textContent ?? '').startsWith(d), device, { timeout: LONG });
+    if (threads) {
+      const text = await byTest(page, 'device').textContent();
+      assert(text.includes(`, ${threads} threads`), `asked for ${threads} threads: ${text}`);
+    }
     if (fromDisk) {
       await byTest(page, 'checkpoint-files').setInputFiles(GGUF.map((f) => path.join(DIST, f)));
       await byTest(page, 'load-files').click();
@@ -337,7 +344,9 @@ async function playgroundGguf(base, webgpu, { fromDisk = false, ranged = false }
       await byTest(page, 'load-url').click();
     }
     const planned = await weightsPlanned(page, 'as stored in the GGUF files');
-    await loadDemo(page, false);
+    const status = await loadDemo(page, false);
+    // The demo model's one matrix of enough rows, the lm_head, shared with the helper.
+    if (threads) assert(/helper workers hold [1-9][\d.]* MiB of weight rows/.test(status), `no rows shared with the helpers: ${status}`);
     const held = bytesOf(await weightsHeld(page, ''));
     assert(Math.abs(held - planned) <= 0.01 * planned, `the device holds ${held} bytes of weights, the verdict planned ${planned}`);
     sameTokens(await ask(page, 0), `GGUF pair on ${device}`, EXPECTED_GGUF);
@@ -640,6 +649,8 @@ async function playgroundOnCpu(base) {
     await page.waitForFunction(() => !(document.querySelector('[data-testid="device"]')?.textContent ?? 'looking').includes('looking'), null, { timeout: LONG });
     const device = await byTest(page, 'device').textContent();
     assert(device.startsWith('CPU backend'), `WebGPU was off, yet: ${device}`);
+    // A plain static server sends no cross-origin-isolation headers: no helper workers.
+    assert(device.includes('1 thread (the page is not cross-origin isolated'), `on a page that is not isolated: ${device}`);
     await loadDemo(page);
     // The engine runs in a Web Worker started from the page's own module (a blob: URL).
     const workers = page.workers().map((w) => w.url());
@@ -930,6 +941,7 @@ async function watchOnVllmEvents() {
     await check('playground on the CPU backend (WebGPU off), static dist/', () => playgroundOnCpu(site));
     await check('playground on the CPU backend with q4_0 weights', () => playgroundQuantized(site, false));
     await check('playground on the CPU backend, a GGUF pair by URL (a server without ranges)', () => playgroundGguf(site, false));
+    await check('playground on the CPU backend at 2 threads (helper workers; kvlens serve isolates the page), a GGUF pair by URL', () => playgroundGguf(served, false, { threads: 2 }));
     await check('server mode: a kvlens serve on another origin', () => serverModeOnKvlens(site, served));
     const hybrid = await kvlensServe('kvlens-serve-hybrid', ['--model', HYBRID]);
     await check('server mode: a hybrid model\'s state slots fill while a request streams and empty when its client leaves', () => serverModeOnHybrid(site, hybrid));

@@ -8,8 +8,9 @@
 // One static server answers everything with the cross-origin-isolation headers wllama's threads
 // need (COOP same-origin, COEP require-corp) and with range requests (our loader reads the file
 // in ranges). Each engine runs in a fresh browser with WebGPU off, so both are wasm on the CPU:
-//   - kvlens: the playground's CPU fallback (one thread: it has no wasm thread pool yet), the
-//     model loaded by URL, one chat turn; prefill and decode rates from the reply's stats line.
+//   - kvlens, at 1 thread and at `--threads` (`kvlens-n`: the page's `?threads=N`, helper workers
+//     computing shares of the products' rows): the playground's CPU fallback, the model loaded by
+//     URL, one chat turn; prefill and decode rates from the reply's stats line.
 //   - wllama, at 1 thread (like for like) and at `--threads` (its default, all cores): the same
 //     file by URL, the same chat prompt (the model's own template), greedy; llama.cpp's timings.
 //   - kvlens on the page's WebGPU (`kvlens-webgpu`, in a browser with WebGPU on): without a GPU
@@ -23,8 +24,8 @@ const { execFileSync } = require('child_process');
 const { chromium } = require('playwright-core');
 
 const argv = process.argv.slice(2);
-// kvlens's CPU fallback, wllama at one thread and at `--threads`, kvlens on the page's WebGPU.
-const ENGINES = ['kvlens', 'wllama-1', 'wllama-n', 'kvlens-webgpu'];
+// kvlens's CPU fallback and wllama, each at one thread and at `--threads`; kvlens on the page's WebGPU.
+const ENGINES = ['kvlens', 'kvlens-n', 'wllama-1', 'wllama-n', 'kvlens-webgpu'];
 const KNOWN = ['site', 'wllama', 'model', 'out', 'threads', 'tokens', 'prompt', 'engines', 'max-num-batched-tokens',
   'webgpu-tokens', 'webgpu-max-num-batched-tokens'];
 for (let i = 0; i < argv.length; i += 2) {
@@ -185,7 +186,7 @@ async function inBrowser(f, webgpu = false) {
   }
 }
 
-async function runKvlens(base, webgpu) {
+async function runKvlens(base, webgpu, nThreads = 1) {
   const [steps, newTokens] = webgpu ? [webgpuMnbt, webgpuTokens] : [mnbt, tokens];
   return inBrowser(async (page) => {
     const byTest = (id) => page.locator(`[data-testid="${id}"]`);
@@ -193,9 +194,10 @@ async function runKvlens(base, webgpu) {
       await byTest(id).fill(String(value));
       await byTest(id).dispatchEvent('change');
     };
-    await page.goto(`${base}/`);
+    await page.goto(`${base}/?threads=${nThreads}`);
     await page.waitForFunction(() => !(document.querySelector('[data-testid="device"]')?.textContent ?? 'looking').includes('looking'), null, { timeout: 120e3 });
-    const device = (await byTest('device').textContent()).slice(0, 120);
+    const device = (await byTest('device').textContent()).slice(0, 160);
+    if (!webgpu && nThreads > 1 && !device.includes(`${nThreads} threads`)) throw new Error(`asked for ${nThreads} threads: ${device}`);
     await byTest('checkpoint-url').fill(`${base}/model.gguf`);
     await set('max-model-len', 1024);
     await set('kv-blocks', 64);
@@ -229,8 +231,8 @@ async function runKvlens(base, webgpu) {
     const m = /prefill (\d+) tokens at ([\d.]+) tok\/s · decode (\d+) tokens at ([\d.]+) tok\/s/.exec(stats);
     if (!m) throw new Error(`no rates in the reply's stats: ${stats}`);
     return {
-      engine: webgpu ? `kvlens (WebGPU: ${/swiftshader/i.test(device) ? 'SwiftShader, a correctness run' : 'the adapter'})` : 'kvlens (wasm CPU, 1 thread)',
-      device, max_num_batched_tokens: steps, load_s, phases, reply_s, stats,
+      engine: webgpu ? `kvlens (WebGPU: ${/swiftshader/i.test(device) ? 'SwiftShader, a correctness run' : 'the adapter'})` : `kvlens (wasm CPU, ${nThreads} thread${nThreads > 1 ? 's' : ''})`,
+      threads: webgpu ? null : nThreads, status, device, max_num_batched_tokens: steps, load_s, phases, reply_s, stats,
       prompt_tokens: Number(m[1]), prefill_tok_s: Number(m[2]), decode_tokens: Number(m[3]), decode_tok_s: Number(m[4]),
       token_ids: (await reply.getAttribute('data-token-ids')).split(',').map(Number),
     };
@@ -245,7 +247,7 @@ async function runWllama(base, nThreads) {
     const t = r.timings || {};
     return {
       engine: `wllama (wasm CPU, ${r.threads} thread${r.threads > 1 ? 's' : ''}${r.multithread ? ', multi-thread build' : ''})`,
-      load_s: r.load_s, reply_s: r.reply_s, version: r.version,
+      threads: r.threads, load_s: r.load_s, reply_s: r.reply_s, version: r.version,
       prompt_tokens: t.prompt_n, prefill_tok_s: t.prompt_per_second, decode_tokens: t.predicted_n, decode_tok_s: t.predicted_per_second,
       text: r.text.slice(0, 200),
     };
@@ -262,7 +264,7 @@ async function runWllama(base, nThreads) {
     for (const engine of engines) {
       console.log(`${engine} …`);
       try {
-        const row = engine.startsWith('kvlens') ? await runKvlens(base, engine === 'kvlens-webgpu')
+        const row = engine.startsWith('kvlens') ? await runKvlens(base, engine === 'kvlens-webgpu', engine === 'kvlens-n' ? threads : 1)
           : await runWllama(base, engine === 'wllama-1' ? 1 : threads);
         console.log(' ', JSON.stringify(row));
         rows.push(row);
@@ -275,11 +277,13 @@ async function runWllama(base, nThreads) {
   } finally {
     server.close();
   }
-  const kv = rows.find((r) => !r.failed && r.engine.startsWith('kvlens (wasm'));
+  // Like for like: kvlens's wasm row at the same threads.
+  const kvAt = (n) => rows.find((r) => !r.failed && r.engine.startsWith('kvlens (wasm') && r.threads === n);
   console.log(`\n${path.basename(model)}, ${chromiumVersion}, wllama ${wllamaVersion}, ${tokens} new tokens (${webgpuTokens} on WebGPU)`);
-  console.log('| engine | load s | prefill tok/s (prompt tokens) | decode tok/s | kvlens decode ÷ this | peak RSS GiB |');
+  console.log('| engine | load s | prefill tok/s (prompt tokens) | decode tok/s | kvlens decode (same threads) ÷ this | peak RSS GiB |');
   console.log('|---|---|---|---|---|---|');
   for (const r of rows.filter((r) => !r.failed)) {
+    const kv = kvAt(r.threads);
     const ratio = kv && !r.engine.startsWith('kvlens') ? `${(kv.decode_tok_s / r.decode_tok_s).toFixed(2)}×` : '';
     console.log(`| ${r.engine} | ${r.load_s.toFixed(1)} | ${r.prefill_tok_s?.toFixed(2)} (${r.prompt_tokens}) | ${r.decode_tok_s?.toFixed(2)} | ${ratio} | ${r.peak_rss_gib.toFixed(2)} |`);
   }

@@ -167,6 +167,22 @@ impl BlockRows {
         })
     }
 
+    /// Rows `rows` as GGML stores them, [`BlockRows::from_ggml`]'s input.
+    pub fn to_ggml(&self, rows: std::ops::Range<usize>) -> Vec<u8> {
+        let (nb, qb) = (self.blocks_per_row(), self.kind.quant_bytes());
+        let blocks = rows.start * nb..rows.end * nb;
+        let mut out = Vec::with_capacity(blocks.len() * self.kind.block_bytes());
+        for b in blocks {
+            out.extend_from_slice(&self.scales[b].to_le_bytes());
+            let quants = &self.quants[b * qb..(b + 1) * qb];
+            match self.kind {
+                BlockKind::Q8_0 => out.extend(quants.iter().map(|&q| (q as i16 - 128) as i8 as u8)),
+                BlockKind::Q4_0 => out.extend_from_slice(quants),
+            }
+        }
+        out
+    }
+
     /// The format.
     pub fn kind(&self) -> BlockKind {
         self.kind

@@ -13,6 +13,7 @@ mod isa;
 mod k_quant_dot;
 mod k_quant_tiles;
 mod packed;
+pub mod row_partners;
 mod segment_attention;
 pub(crate) mod vector_math;
 
@@ -204,7 +205,11 @@ impl CpuBackend {
     fn weight(&self, m: Matrix) -> CpuWeight {
         let bytes = match &m {
             Matrix::Dense(t) => t.elem_count() as u64 * 4,
-            Matrix::Packed(q) => q.bytes(),
+            Matrix::Packed(q) => {
+                // Shared out now where this thread has row partners, not in the first decode.
+                q.share_rows();
+                q.bytes()
+            }
         };
         CpuWeight {
             m,
@@ -377,9 +382,7 @@ impl Backend for CpuBackend {
             // As stored: q8_0 and q4_0 are the packed formats' own blocks; candle multiplies
             // the K-quants and the other block types. Rows candle cannot multiply (q4_1/q5_*
             // rows of one block, in tiny models only) are widened to f32 below.
-            let m = PackedMatrix::ggml_blocks(t, &raw.data, rows, cols)
-                .or_else(|| PackedMatrix::ggml(t, &raw.data, rows, cols));
-            if let Some(m) = m {
+            if let Some(m) = PackedMatrix::from_gguf(t, &raw.data, rows, cols) {
                 return Ok(self.weight(Matrix::Packed(Arc::new(m))));
             }
         }

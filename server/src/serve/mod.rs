@@ -28,7 +28,7 @@ use crate::UsageError;
 use anyhow::{Context, Result};
 use axum::extract::State;
 use axum::handler::HandlerWithoutStateExt;
-use axum::http::{header, StatusCode, Uri};
+use axum::http::{header, HeaderName, HeaderValue, StatusCode, Uri};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, get_service, post};
@@ -47,6 +47,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use subscribers::Subscribers;
 use tokio::sync::{oneshot, watch};
 use tower_http::services::{ServeDir, ServeFile};
+use tower_http::set_header::SetResponseHeaderLayer;
 
 /// How often a shutdown drain looks whether the requests in flight have finished.
 const DRAIN_POLL: Duration = Duration::from_millis(50);
@@ -418,6 +419,16 @@ fn router(app: Arc<App>, playground: &Path) -> Router {
             .route("/lessons/", page.clone())
             .route("/lessons/{name}", page)
             .fallback_service(ServeDir::new(playground).not_found_service(not_found.into_service()))
+            // Cross-origin isolated, so that the tab's CPU backend may share memory with its
+            // helper workers (`SharedArrayBuffer`).
+            .layer(SetResponseHeaderLayer::if_not_present(
+                HeaderName::from_static("cross-origin-opener-policy"),
+                HeaderValue::from_static("same-origin"),
+            ))
+            .layer(SetResponseHeaderLayer::if_not_present(
+                HeaderName::from_static("cross-origin-embedder-policy"),
+                HeaderValue::from_static("require-corp"),
+            ))
     } else {
         routes.route("/", get(no_playground)).fallback(not_found)
     };

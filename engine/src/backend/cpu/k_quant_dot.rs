@@ -93,6 +93,11 @@ impl KRows {
         self.data.len().checked_div(self.row_bytes).unwrap_or(0)
     }
 
+    /// Rows `rows`' super-blocks as stored.
+    pub(super) fn rows_bytes(&self, rows: std::ops::Range<usize>) -> &[u8] {
+        &self.data[rows.start * self.row_bytes..rows.end * self.row_bytes]
+    }
+
     /// Row `row`'s super-blocks as stored.
     pub(super) fn row(&self, row: usize) -> &[u8] {
         &self.data[row * self.row_bytes..(row + 1) * self.row_bytes]

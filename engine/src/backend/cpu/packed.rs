@@ -15,6 +15,7 @@ use super::block_tiles::{self, BlockTiles, TILE_ROWS};
 use super::isa::fastest;
 use super::k_quant_dot::{self, KActivations, KQuant, KRows};
 use super::k_quant_tiles::{self, KTiles};
+use super::row_partners::{self, RowPartner, Shares};
 use crate::arch::blocks::{BlockKind, BlockRows, BLOCK};
 use crate::arch::ggml::GgmlType;
 use crate::arch::weight_format::WeightFormat;
@@ -24,7 +25,8 @@ use half::f16;
 use half::slice::HalfFloatSliceExt;
 use std::borrow::Cow;
 use std::ops::Range;
-use std::sync::Arc;
+use std::rc::Rc;
+use std::sync::{Arc, OnceLock};
 
 /// The values of one matrix.
 #[derive(Debug)]
@@ -75,6 +77,9 @@ pub struct PackedMatrix {
     rows: usize,
     cols: usize,
     packing: Packing,
+    /// Which rows [`row_partners`] compute, once the first product with partners has shared them
+    /// (None: all here).
+    shares: OnceLock<Option<Shares>>,
 }
 
 /// A bfloat16 bit pattern as the f32 it stands for (exact).
@@ -489,7 +494,24 @@ fn by_weight_rows(parts: &[Part<'_>], m: usize, cols: usize) -> Vec<Vec<f32>> {
         .collect()
 }
 
+impl Drop for PackedMatrix {
+    fn drop(&mut self) {
+        if let Some(Some(shares)) = self.shares.get() {
+            row_partners::forget(shares);
+        }
+    }
+}
+
 impl PackedMatrix {
+    fn new(rows: usize, cols: usize, packing: Packing) -> Self {
+        PackedMatrix {
+            rows,
+            cols,
+            packing,
+            shares: OnceLock::new(),
+        }
+    }
+
     /// Quantizes `values` (row-major `[rows, cols]`), or None when `format` keeps this shape.
     pub fn quantize(format: WeightFormat, values: &[f32], rows: usize, cols: usize) -> Option<Self> {
         if !format.quantizes(&[rows, cols]) || values.len() != rows * cols {
@@ -497,7 +519,7 @@ impl PackedMatrix {
         }
         let kind = format.block_kind()?;
         let packing = Packing::blocks(BlockRows::quantize(kind, values, cols));
-        Some(PackedMatrix { rows, cols, packing })
+        Some(PackedMatrix::new(rows, cols, packing))
     }
 
     /// A matrix of GGML `q8_0` or `q4_0` blocks as a GGUF file stores them (see
@@ -509,11 +531,7 @@ impl PackedMatrix {
             _ => return None,
         };
         let blocks = BlockRows::from_ggml(kind, data, cols)?;
-        (blocks.scales().len() * BLOCK == rows * cols).then_some(PackedMatrix {
-            rows,
-            cols,
-            packing: Packing::blocks(blocks),
-        })
+        (blocks.scales().len() * BLOCK == rows * cols).then(|| PackedMatrix::new(rows, cols, Packing::blocks(blocks)))
     }
 
     /// A matrix of any other GGML block type from a GGUF tensor's bytes: `q4_K` and `q6_K` for
@@ -522,11 +540,7 @@ impl PackedMatrix {
     /// blocks (which candle cannot multiply).
     pub fn ggml(ggml: GgmlType, data: &[u8], rows: usize, cols: usize) -> Option<Self> {
         if let Some(kind) = KQuant::from_ggml(ggml) {
-            return KRows::new(kind, data, rows, cols).map(|k| PackedMatrix {
-                rows,
-                cols,
-                packing: Packing::k_quants(k),
-            });
+            return KRows::new(kind, data, rows, cols).map(|k| PackedMatrix::new(rows, cols, Packing::k_quants(k)));
         }
         let dtype = match ggml {
             GgmlType::Q4_1 => GgmlDType::Q4_1,
@@ -559,11 +573,7 @@ impl PackedMatrix {
             &candle_core::Device::Cpu,
         )
         .ok()?;
-        Some(PackedMatrix {
-            rows,
-            cols,
-            packing: Packing::Ggml(ggml, Arc::new(q)),
-        })
+        Some(PackedMatrix::new(rows, cols, Packing::Ggml(ggml, Arc::new(q))))
     }
 
     /// A half-precision matrix from its values (row-major), or None when the count is not
@@ -584,7 +594,7 @@ impl PackedMatrix {
         } else {
             Packing::F16 { values, bf16 }
         };
-        Some(PackedMatrix { rows, cols, packing })
+        Some(PackedMatrix::new(rows, cols, packing))
     }
 
     /// Whether the values are f16 that are all bfloat16 values too (checked on CPUs with a
@@ -618,11 +628,7 @@ impl PackedMatrix {
     /// A bfloat16 matrix from its bit patterns (row-major), or None when the count is not
     /// `rows · cols`.
     pub fn bf16(bits: Vec<u16>, rows: usize, cols: usize) -> Option<Self> {
-        (bits.len() == rows * cols).then_some(PackedMatrix {
-            rows,
-            cols,
-            packing: Packing::Bf16(bits),
-        })
+        (bits.len() == rows * cols).then(|| PackedMatrix::new(rows, cols, Packing::Bf16(bits)))
     }
 
     /// `[rows, cols]`.
@@ -649,24 +655,176 @@ impl PackedMatrix {
     }
 
     /// `x · wᵀ` for each matrix `w` of `mats` (all `cols` wide) and `x [m, cols]`, in one pass over
-    /// the thread pool, the activations quantized once per block format.
+    /// the thread pool, the activations quantized once per block format; where this thread has
+    /// [`row_partners`], their shares of the rows computed by them meanwhile.
     pub fn matmul_many(mats: &[&PackedMatrix], x: &[f32], m: usize) -> candle_core::Result<Vec<Vec<f32>>> {
         if let Some(w) = mats.iter().find(|w| x.len() != m * w.cols) {
             candle_core::bail!("{} values are not {m} rows of {}", x.len(), w.cols);
         }
-        if mats.iter().any(|w| matches!(w.packing, Packing::Ggml(..))) {
+        let partners = row_partners::partners();
+        let shares: Vec<Option<&Shares>> = mats.iter().map(|w| w.share(&partners)).collect();
+        if m == 0 || shares.iter().all(Option::is_none) {
+            let whole: Vec<_> = mats.iter().map(|&w| (w, w.rows)).collect();
+            return Self::products(&whole, x, m);
+        }
+        let cols = mats[0].cols;
+        let widest = (0..partners.len())
+            .map(|i| shares.iter().flatten().map(|s| s.of(i).len()).sum::<usize>())
+            .max()
+            .unwrap_or(0);
+        let capacity = partners.iter().map(|p| p.capacity()).min().unwrap_or(0);
+        let slice = (capacity / (cols + widest)).max(1);
+        let mut outs: Vec<Vec<f32>> = mats.iter().map(|w| Vec::with_capacity(m * w.rows)).collect();
+        for from in (0..m).step_by(slice) {
+            let n = slice.min(m - from);
+            let xs = &x[from * cols..(from + n) * cols];
+            let theirs = Self::with_partners(&partners, &shares, xs, n, |xs| {
+                let here: Vec<_> = mats
+                    .iter()
+                    .zip(&shares)
+                    .map(|(&w, s)| (w, s.map_or(w.rows, |s| s.here())))
+                    .collect();
+                Self::products(&here, xs, n)
+            })?;
+            let (here, theirs) = theirs;
+            let mut k = 0;
+            for ((out, mine), s) in outs.iter_mut().zip(&here).zip(&shares) {
+                let Some(s) = s else {
+                    out.extend_from_slice(mine);
+                    continue;
+                };
+                for r in 0..n {
+                    out.extend_from_slice(&mine[r * s.here()..(r + 1) * s.here()]);
+                    for (i, products) in theirs.iter().enumerate() {
+                        let width = s.of(i).len();
+                        out.extend_from_slice(&products[k][r * width..(r + 1) * width]);
+                    }
+                }
+                k += 1;
+            }
+        }
+        Ok(outs)
+    }
+
+    /// Starts each partner on its rows of the shared matrices (`x [m, cols]`), runs `here`, then
+    /// waits for every partner started: `here`'s products and each partner's, per shared matrix.
+    #[allow(clippy::type_complexity)]
+    fn with_partners(
+        partners: &[Rc<dyn RowPartner>],
+        shares: &[Option<&Shares>],
+        x: &[f32],
+        m: usize,
+        here: impl FnOnce(&[f32]) -> candle_core::Result<Vec<Vec<f32>>>,
+    ) -> candle_core::Result<(Vec<Vec<f32>>, Vec<Vec<Vec<f32>>>)> {
+        let mut started = Ok(0);
+        for (i, p) in partners.iter().enumerate() {
+            let ids: Vec<u32> = shares.iter().flatten().map(|s| s.ids[i]).collect();
+            if let Err(e) = p.start(&ids, x, m) {
+                started = Err(e);
+                break;
+            }
+            started = Ok(i + 1);
+        }
+        let mine = match started {
+            Ok(_) => here(x),
+            Err(ref e) => Err(candle_core::Error::Msg(format!("a row partner did not start: {e}"))),
+        };
+        let count = *started.as_ref().unwrap_or(&0);
+        let theirs: Result<Vec<_>, String> = partners[..count].iter().map(|p| p.finish()).collect();
+        let theirs = theirs.map_err(|e| candle_core::Error::Msg(format!("a row partner failed: {e}")))?;
+        Ok((mine?, theirs))
+    }
+
+    /// Shares this matrix's rows out to this thread's [`row_partners`], if it has any and has not
+    /// yet (else the first product with partners does it).
+    pub fn share_rows(&self) {
+        self.share(&row_partners::partners());
+    }
+
+    /// This matrix's [`Shares`] among `partners`, shared out on the first call that has partners
+    /// (None: too few rows, a packing that stays here, or a partner that could not take it).
+    fn share(&self, partners: &[Rc<dyn RowPartner>]) -> Option<&Shares> {
+        if partners.is_empty() && self.shares.get().is_none() {
+            return None;
+        }
+        self.shares
+            .get_or_init(|| {
+                if self.rows < row_partners::MIN_SHARED_ROWS || self.ggml_rows(0..0).is_none() {
+                    return None;
+                }
+                let ends = row_partners::share_ends(self.rows, partners.len() + 1, TILE_ROWS);
+                let mut shares = Shares {
+                    ends,
+                    ids: Vec::new(),
+                    bytes: 0,
+                };
+                for (i, p) in partners.iter().enumerate() {
+                    let rows = shares.of(i);
+                    let (ggml, bytes) = self.ggml_rows(rows.clone())?;
+                    match p.adopt(ggml, &bytes, rows.len(), self.cols) {
+                        Ok(id) => {
+                            shares.ids.push(id);
+                            shares.bytes += bytes.len() as u64;
+                            row_partners::adopted(bytes.len() as u64);
+                        }
+                        Err(_) => {
+                            row_partners::forget(&shares);
+                            return None;
+                        }
+                    }
+                }
+                Some(shares)
+            })
+            .as_ref()
+    }
+
+    /// Rows `rows` as a GGUF file stores them; None for a packing a partner does not take
+    /// (integer tiles, which wasm has not, and candle's GGML types).
+    fn ggml_rows(&self, rows: Range<usize>) -> Option<(GgmlType, Vec<u8>)> {
+        let values = rows.start * self.cols..rows.end * self.cols;
+        Some(match &self.packing {
+            Packing::Bf16(v) => (GgmlType::Bf16, bytemuck::cast_slice(&v[values]).to_vec()),
+            Packing::F16 { values: v, .. } => (GgmlType::F16, bytemuck::cast_slice(&v[values]).to_vec()),
+            Packing::Blocks(b) => (
+                match b.kind() {
+                    BlockKind::Q8_0 => GgmlType::Q8_0,
+                    BlockKind::Q4_0 => GgmlType::Q4_0,
+                },
+                b.to_ggml(rows),
+            ),
+            Packing::KQuants(k) => (k.kind().ggml(), k.rows_bytes(rows).to_vec()),
+            Packing::Tiled(_) | Packing::KTiled(_) | Packing::Ggml(..) => return None,
+        })
+    }
+
+    /// A matrix from a GGUF tensor's bytes in any type [`PackedMatrix`] keeps (`f16`, `bf16` and
+    /// the block types of [`PackedMatrix::ggml_blocks`] and [`PackedMatrix::ggml`]), or None.
+    pub fn from_gguf(ggml: GgmlType, data: &[u8], rows: usize, cols: usize) -> Option<Self> {
+        let halves = || data.chunks_exact(2).map(|b| u16::from_le_bytes([b[0], b[1]]));
+        match ggml {
+            GgmlType::F16 => Self::f16(halves().map(f16::from_bits).collect(), rows, cols),
+            GgmlType::Bf16 => Self::bf16(halves().collect(), rows, cols),
+            _ => Self::ggml_blocks(ggml, data, rows, cols).or_else(|| Self::ggml(ggml, data, rows, cols)),
+        }
+    }
+
+    /// The products of `x [m, cols]` with the first `rows` rows of each matrix, `[m, rows]` each.
+    fn products(mats: &[(&PackedMatrix, usize)], x: &[f32], m: usize) -> candle_core::Result<Vec<Vec<f32>>> {
+        if mats.iter().any(|(w, _)| matches!(w.packing, Packing::Ggml(..))) {
             // candle's products run on their own; the others share a pass over the thread pool.
             return mats
                 .iter()
-                .map(|w| match &w.packing {
+                .map(|&(w, rows)| match &w.packing {
                     Packing::Ggml(_, q) => {
                         let xt = candle_core::Tensor::from_slice(x, (m, w.cols), &candle_core::Device::Cpu)?;
                         xt.apply_op1_no_bwd(q.as_ref())?.flatten_all()?.to_vec1::<f32>()
                     }
-                    _ => Ok(Self::matmul_many(&[w], x, m)?.pop().unwrap_or_default()),
+                    _ => Ok(Self::products(&[(w, rows)], x, m)?.pop().unwrap_or_default()),
                 })
                 .collect();
         }
+        let (rows, mats): (Vec<usize>, Vec<&PackedMatrix>) = mats.iter().map(|&(w, rows)| (rows, w)).unzip();
+        let mats = mats.as_slice();
         let mut acts: Vec<Activations> = Vec::new();
         for w in mats {
             let kind = match &w.packing {
@@ -717,8 +875,9 @@ impl PackedMatrix {
         }
         let parts: Vec<Part<'_>> = mats
             .iter()
+            .zip(&rows)
             .zip(&dots)
-            .map(|(w, d)| (w.rows, w.bytes(), d.as_ref()))
+            .map(|((w, &rows), d)| (rows, w.bytes() * rows as u64 / w.rows.max(1) as u64, d.as_ref()))
             .collect();
         Ok(by_weight_rows(&parts, m, x.len() / m.max(1)))
     }
@@ -833,6 +992,110 @@ impl PackedMatrix {
 mod tests {
     use super::*;
 
+    /// A partner on this thread: it keeps its copies as a helper worker would, and computes them
+    /// when started.
+    #[derive(Default)]
+    struct Partner {
+        mats: std::cell::RefCell<std::collections::HashMap<u32, PackedMatrix>>,
+        next: std::cell::Cell<u32>,
+        done: std::cell::RefCell<Vec<Vec<f32>>>,
+        capacity: usize,
+    }
+
+    impl RowPartner for Partner {
+        fn adopt(&self, ggml: GgmlType, bytes: &[u8], rows: usize, cols: usize) -> Result<u32, String> {
+            let w = PackedMatrix::from_gguf(ggml, bytes, rows, cols).ok_or("not a matrix")?;
+            self.next.set(self.next.get() + 1);
+            self.mats.borrow_mut().insert(self.next.get(), w);
+            Ok(self.next.get())
+        }
+        fn start(&self, ids: &[u32], x: &[f32], m: usize) -> Result<(), String> {
+            let mats = self.mats.borrow();
+            let mine: Vec<_> = ids.iter().map(|id| (&mats[id], mats[id].rows)).collect();
+            assert!(m * (mine[0].0.cols + mine.iter().map(|w| w.1).sum::<usize>()) <= self.capacity);
+            *self.done.borrow_mut() = PackedMatrix::products(&mine, x, m).map_err(|e| e.to_string())?;
+            Ok(())
+        }
+        fn finish(&self) -> Result<Vec<Vec<f32>>, String> {
+            Ok(std::mem::take(&mut *self.done.borrow_mut()))
+        }
+        fn forget(&self, id: u32) {
+            self.mats.borrow_mut().remove(&id);
+        }
+        fn capacity(&self) -> usize {
+            self.capacity
+        }
+    }
+
+    /// With partners, every packing they take gives the products it gives alone (each row's sum
+    /// is computed the same way wherever it runs), in slices of activation rows where the
+    /// partners' buffers are small; a dropped matrix is dropped by the partners too.
+    #[test]
+    fn products_shared_with_partners_are_the_products_alone() {
+        let (rows, cols) = (300, 256);
+        let values = matrix(rows, cols);
+        let q4k = super::k_quant_dot::tests::random_rows(KQuant::Q4K, rows, cols, 5);
+        let mats = [
+            PackedMatrix::bf16(
+                values.iter().map(|&v| half::bf16::from_f32(v).to_bits()).collect(),
+                rows,
+                cols,
+            ),
+            PackedMatrix::f16(values.iter().map(|&v| f16::from_f32(v * 1.001)).collect(), rows, cols),
+            Some(PackedMatrix::new(
+                rows,
+                cols,
+                Packing::Blocks(BlockRows::quantize(BlockKind::Q8_0, &values, cols)),
+            )),
+            Some(PackedMatrix::new(
+                rows,
+                cols,
+                Packing::Blocks(BlockRows::quantize(BlockKind::Q4_0, &values, cols)),
+            )),
+            Some(PackedMatrix::new(
+                rows,
+                cols,
+                Packing::KQuants(KRows::new(KQuant::Q4K, &q4k, rows, cols).unwrap()),
+            )),
+            PackedMatrix::bf16(vec![0; 16 * cols], 16, cols),
+        ]
+        .map(Option::unwrap);
+        let alone: Vec<_> = [1, 7]
+            .map(|m| PackedMatrix::matmul_many(&mats.each_ref(), &matrix(m, cols), m).unwrap())
+            .into();
+        let partners: Vec<Rc<Partner>> = (0..2)
+            .map(|_| {
+                Rc::new(Partner {
+                    capacity: 3 * (cols + 5 * 100),
+                    ..Default::default()
+                })
+            })
+            .collect();
+        row_partners::install(partners.iter().map(|p| Rc::clone(p) as Rc<dyn RowPartner>).collect());
+        let shared: Vec<_> = [1, 7]
+            .map(|m| PackedMatrix::matmul_many(&mats.each_ref(), &matrix(m, cols), m).unwrap())
+            .into();
+        for (k, w) in mats.iter().enumerate() {
+            let want = if k < 5 { Some(vec![96, 192, 300]) } else { None };
+            assert_eq!(w.shares.get().cloned().flatten().map(|s| s.ends), want, "matrix {k}");
+        }
+        for (alone, shared) in alone.iter().zip(&shared) {
+            for (k, (a, b)) in alone.iter().zip(shared).enumerate() {
+                assert_eq!(a.len(), b.len());
+                let close = a.iter().zip(b).all(|(a, b)| (a - b).abs() <= 1e-5 * a.abs().max(1.0));
+                assert!(close, "matrix {k}");
+            }
+        }
+        assert!(partners.iter().all(|p| p.mats.borrow().len() == 5));
+        // Two thirds of each shared matrix's bytes, the first row of each tile group kept here.
+        let shared: u64 = mats[..5].iter().map(|w| w.bytes() * 204 / 300).sum();
+        assert_eq!(row_partners::shared_bytes(), shared);
+        drop(mats);
+        assert!(partners.iter().all(|p| p.mats.borrow().is_empty()));
+        assert_eq!(row_partners::shared_bytes(), 0);
+        row_partners::install(Vec::new());
+    }
+
     fn matrix(rows: usize, cols: usize) -> Vec<f32> {
         (0..rows * cols)
             .map(|i| ((i * 7919 % 1000) as f32 / 500.0 - 1.0) * 0.1)
@@ -902,11 +1165,7 @@ mod tests {
             assert!(!PackedMatrix::quantize(format, &w[..9 * cols], 9, cols)
                 .unwrap()
                 .is_tiled());
-            let by_rows = PackedMatrix {
-                rows,
-                cols,
-                packing: Packing::Blocks(BlockRows::quantize(kind, &w, cols)),
-            };
+            let by_rows = PackedMatrix::new(rows, cols, Packing::Blocks(BlockRows::quantize(kind, &w, cols)));
             assert_eq!(q.bytes(), by_rows.bytes());
             assert_eq!(q.dequantize(), by_rows.dequantize());
             assert_eq!(q.gather(&[17, 3]), by_rows.gather(&[17, 3]));
