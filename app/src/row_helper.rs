@@ -143,6 +143,9 @@ impl Drop for Helper {
 
 impl RowPartner for Helper {
     fn adopt(&self, ggml: GgmlType, bytes: &[u8], rows: usize, cols: usize) -> Result<u32, String> {
+        if bytes.is_empty() {
+            return Err("no rows to adopt".into());
+        }
         let part = Buffer::capacity() * 4;
         let mut chunks = bytes.chunks(part).peekable();
         while let Some(chunk) = chunks.next() {
@@ -153,9 +156,6 @@ impl RowPartner for Helper {
                 self.send(ADOPT, &[chunk.len() as i32, ggml.id() as i32, rows as i32, cols as i32]);
             }
             self.answer()?;
-        }
-        if bytes.is_empty() {
-            return Err("no rows to adopt".into());
         }
         let id = self.buffer.get(ARGS) as u32;
         self.rows.borrow_mut().insert(id, rows);

@@ -678,7 +678,7 @@ impl PackedMatrix {
         for from in (0..m).step_by(slice) {
             let n = slice.min(m - from);
             let xs = &x[from * cols..(from + n) * cols];
-            let theirs = Self::with_partners(&partners, &shares, xs, n, |xs| {
+            let (here, theirs) = Self::with_partners(&partners, &shares, xs, n, |xs| {
                 let here: Vec<_> = mats
                     .iter()
                     .zip(&shares)
@@ -686,7 +686,6 @@ impl PackedMatrix {
                     .collect();
                 Self::products(&here, xs, n)
             })?;
-            let (here, theirs) = theirs;
             let mut k = 0;
             for ((out, mine), s) in outs.iter_mut().zip(&here).zip(&shares) {
                 let Some(s) = s else {
