@@ -8,7 +8,8 @@
 //! are scaled in f32: `Σ d_w · d_x · Σ q_w q_x − offsets`. llama.cpp takes one activation scale
 //! per 256 values (`q8_K`); one per 32 keeps the activations as close as the `q8_0`/`q4_0`
 //! products keep them. AVX-512 VNNI (64 weights per `vpdpbusd`), AVX2 (32 per `vpmaddubsw`
-//! pair), wasm `simd128` (16 per `i16x8.extmul` pair), and portable code the compiler vectorises.
+//! pair), wasm `simd128` (`k_quant_wasm`: 8 per `i32x4.dot_i16x8`), and portable code the
+//! compiler vectorises.
 
 use super::block_dot::{round_small_to_even, QUANTIZE_ROWS};
 use super::isa::fastest;
@@ -116,6 +117,10 @@ pub struct KActivations {
     scales: Vec<f32>,
     sums: Vec<f32>,
     quants: Vec<i8>,
+    /// The values in i16, each 16's even-indexed first, then the odd-indexed: what wasm's
+    /// `i32x4.dot_i16x8` takes against weights unpacked into i16 lanes (`k_quant_wasm`).
+    #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+    wide: Vec<i16>,
     cols: usize,
 }
 
@@ -128,16 +133,21 @@ pub(super) struct KRow<'a> {
     pub(super) sums: &'a [f32],
     /// The i8 values.
     pub(super) quants: &'a [i8],
+    /// The values in i16, each 16's even-indexed first, then the odd-indexed.
+    #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+    pub(super) wide: &'a [i16],
 }
 
 impl KRow<'_> {
     /// Panics unless `row` is whole super-blocks of `block_bytes` and this activation row holds
     /// as many super-blocks' values, scales and sums: the SIMD products read within those lengths.
     #[cfg(any(target_arch = "x86_64", all(target_arch = "wasm32", target_feature = "simd128")))]
-    fn check(&self, row: &[u8], block_bytes: usize) {
+    pub(super) fn check(&self, row: &[u8], block_bytes: usize) {
         let n = row.len() / block_bytes;
         assert!(row.len() == n * block_bytes && self.quants.len() == n * QK_K);
         assert!(self.scales.len() == 8 * n && self.sums.len() == 16 * n);
+        #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+        assert!(self.wide.len() == n * QK_K);
     }
 }
 
@@ -156,6 +166,8 @@ impl KActivations {
             scales: pieces.iter().map(|p| &p.scales[..]).collect::<Vec<_>>().concat(),
             sums: pieces.iter().map(|p| &p.sums[..]).collect::<Vec<_>>().concat(),
             quants: pieces.iter().map(|p| &p.quants[..]).collect::<Vec<_>>().concat(),
+            #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+            wide: pieces.iter().map(|p| &p.wide[..]).collect::<Vec<_>>().concat(),
             cols,
         }
     }
@@ -167,6 +179,8 @@ impl KActivations {
             scales: vec![0.0; blocks],
             sums: vec![0.0; 2 * blocks],
             quants: vec![0; blocks * BLOCK],
+            #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+            wide: Vec::new(),
             cols,
         };
         let pieces = x.chunks_exact(BLOCK).zip(acts.quants.chunks_exact_mut(BLOCK));
@@ -176,6 +190,12 @@ impl KActivations {
             for (h, half) in q.chunks_exact(BLOCK / 2).enumerate() {
                 acts.sums[2 * b + h] = d * half.iter().map(|&v| v as i32).sum::<i32>() as f32;
             }
+        }
+        #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+        {
+            acts.wide = (acts.quants.chunks_exact(16))
+                .flat_map(|q| (0..16).map(move |j| q[2 * (j % 8) + j / 8] as i16))
+                .collect();
         }
         acts
     }
@@ -187,6 +207,8 @@ impl KActivations {
             scales: &self.scales[i * blocks..(i + 1) * blocks],
             sums: &self.sums[2 * i * blocks..2 * (i + 1) * blocks],
             quants: &self.quants[i * self.cols..(i + 1) * self.cols],
+            #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+            wide: &self.wide[i * self.cols..(i + 1) * self.cols],
         }
     }
 }
@@ -218,7 +240,7 @@ pub fn dot_row(w: &KRows, row: usize, acts: &KActivations, first: usize, cold: b
 /// `q4_K`'s eight 6-bit scales (bytes 0–7 of the four little-endian words) and eight minimums
 /// (bytes 8–15) from its 12 packed bytes, four at a time as llama.cpp unpacks them.
 #[inline(always)]
-fn scales_mins(packed: &[u8]) -> [u32; 4] {
+pub(super) fn scales_mins(packed: &[u8]) -> [u32; 4] {
     const SIX: u32 = 0x3f3f_3f3f;
     const FOUR: u32 = 0x0f0f_0f0f;
     const TWO: u32 = 0x0303_0303;
@@ -606,87 +628,14 @@ fn dot_fastest(kind: KQuant, row: &[u8], x: &KRow<'_>) -> f32 {
         },
         _ => {
             #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
-            return dot_simd128(kind, row, x);
+            return match kind {
+                KQuant::Q4K => super::k_quant_wasm::q4k(row, x),
+                KQuant::Q6K => super::k_quant_wasm::q6k(row, x),
+            };
             #[allow(unreachable_code)]
             dot_portable(kind, row, x)
         },
     )
-}
-
-/// [`dot_portable`] with wasm's 128-bit SIMD (the tab's CPU fallback): each 16 unpacked weights
-/// times their activations by `i16x8.extmul` (at most 63 · 128 each, two summed per i16), summed
-/// in pairs into i32 lanes; each 16 (`q6_K`) or 32 (`q4_K`) values' lanes scaled in f32 lanes,
-/// summed across once per row; the offsets' terms in scalar code, once per 16 or 32 values.
-#[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
-#[allow(unsafe_code)]
-fn dot_simd128(kind: KQuant, row: &[u8], x: &KRow<'_>) -> f32 {
-    use std::arch::wasm32::*;
-    /// 16 bytes at `at` of `bytes` (checked).
-    #[inline(always)]
-    fn load(bytes: &[u8], at: usize) -> v128 {
-        let bytes = &bytes[at..at + 16];
-        // SAFETY: 16 bytes, just checked; wasm's loads need no alignment.
-        unsafe { v128_load(bytes.as_ptr() as *const v128) }
-    }
-    /// 16 weights in `0..64` times 16 activations, in four i32 lanes.
-    #[inline(always)]
-    fn products(w: v128, x: v128) -> v128 {
-        i32x4_extadd_pairwise_i16x8(i16x8_add(i16x8_extmul_low_i8x16(w, x), i16x8_extmul_high_i8x16(w, x)))
-    }
-    x.check(row, kind.block_bytes());
-    // SAFETY (the activations' loads): `check` asserted whole blocks of quants per super-block.
-    let xq = |at: usize| unsafe { v128_load(x.quants.as_ptr().add(at) as *const v128) };
-    let low = u8x16_splat(0x0F);
-    let mut acc = f32x4_splat(0.0);
-    let mut offsets = 0f32;
-    match kind {
-        KQuant::Q4K => {
-            for (b, block) in row.chunks_exact(Q4K_BYTES).enumerate() {
-                let sm = scale_min_bytes(&block[4..16]);
-                let (d, dmin) = (half_at(block, 0), half_at(block, 2));
-                let (xs, sums) = (&x.scales[8 * b..][..8], &x.sums[16 * b..][..16]);
-                for pair in 0..4 {
-                    let at = 16 + 32 * pair;
-                    let (w0, w1) = (load(block, at), load(block, at + 16));
-                    for (sub, shift) in [(2 * pair, 0), (2 * pair + 1, 4)] {
-                        let nibbles = |w: v128| v128_and(u8x16_shr(w, shift), low);
-                        let xa = b * QK_K + 32 * sub;
-                        let isum = i32x4_add(products(nibbles(w0), xq(xa)), products(nibbles(w1), xq(xa + 16)));
-                        let scale = d * sm[sub] as f32 * xs[sub];
-                        acc = f32x4_add(acc, f32x4_mul(f32x4_convert_i32x4(isum), f32x4_splat(scale)));
-                        offsets += dmin * sm[8 + sub] as f32 * (sums[2 * sub] + sums[2 * sub + 1]);
-                    }
-                }
-            }
-        }
-        KQuant::Q6K => {
-            let two_bits = u8x16_splat(3);
-            for (b, block) in row.chunks_exact(Q6K_BYTES).enumerate() {
-                let d = half_at(block, 208);
-                let (xs, sums) = (&x.scales[8 * b..][..8], &x.sums[16 * b..][..16]);
-                // Runs of 32 values as in `dot_portable`: run `t` of half `h`.
-                for run in 0..8 {
-                    let (h, t) = (run / 4, run % 4);
-                    let (ql, qh) = (64 * h + 32 * (t % 2), 128 + 32 * h);
-                    let (nibble_shift, pair_shift) = (4 * (t as u32 / 2), 2 * t as u32);
-                    for half in 0..2 {
-                        let k = 2 * run + half;
-                        let nibbles = v128_and(u8x16_shr(load(block, ql + 16 * half), nibble_shift), low);
-                        let pairs = v128_and(u8x16_shr(load(block, qh + 16 * half), pair_shift), two_bits);
-                        let w = v128_or(nibbles, u8x16_shl(pairs, 4));
-                        let isum = products(w, xq(b * QK_K + 16 * k));
-                        let scale = d * block[192 + k] as i8 as f32;
-                        acc = f32x4_add(
-                            acc,
-                            f32x4_mul(f32x4_convert_i32x4(isum), f32x4_splat(scale * xs[k / 2])),
-                        );
-                        offsets += scale * 32.0 * sums[k];
-                    }
-                }
-            }
-        }
-    }
-    super::block_dot::lane_sum(acc) - offsets
 }
 
 /// [`dot_fastest`] for [`ROWS_AT_ONCE`] activation rows.
