@@ -289,7 +289,7 @@ impl CpuBackend {
 /// Rows of activations from which a packed matrix goes through a GEMM (the bfloat16 one where the
 /// CPU has AVX-512 BF16, else widened to f32 for the f32 GEMM) instead of being multiplied row
 /// by row; matrices stored as integer tiles ([`PackedMatrix::is_tiled`]: `q8_0`/`q4_0`, and `q4_K`
-/// on AVX2) never are.
+/// on AVX2) and quantized matrices in wasm ([`PackedMatrix::prefills_by_rows`]) never are.
 /// Measured on Qwen3-VL-2B, 2-core EPYC: `q8_0`'s row-by-row kernel
 /// prefilled at 17.3 tokens/s against 20.7 through the f32 GEMM with AVX2 kernels, 27.3 with its
 /// AVX-512 ones; decode's few rows are bound by the bytes read.
@@ -485,7 +485,7 @@ impl Backend for CpuBackend {
             Matrix::Packed(q) => {
                 let (m, _) = dims2(&x.t)?;
                 let (rows, cols) = q.dims();
-                if q.is_tiled() || m < DEQUANTIZE_FROM_ROWS {
+                if q.prefills_by_rows() || m < DEQUANTIZE_FROM_ROWS {
                     // A matrix stored as integer tiles (any number of rows), or few rows
                     // (decode): the stored values read once, the activations quantized once.
                     let y = with_values(&x.t, |x| q.matmul(x, m).map_err(lib))?;
@@ -540,7 +540,7 @@ impl Backend for CpuBackend {
                 Matrix::Dense(_) => None,
             })
             .collect();
-        let Some(packed) = packed.filter(|p| m < DEQUANTIZE_FROM_ROWS || p.iter().all(|w| w.is_tiled())) else {
+        let Some(packed) = packed.filter(|p| m < DEQUANTIZE_FROM_ROWS || p.iter().all(|w| w.prefills_by_rows())) else {
             return ws.iter().map(|&(w, b)| self.linear(x, w, b)).collect();
         };
         let ys = with_values(&x.t, |x| PackedMatrix::matmul_many(&packed, x, m).map_err(lib))?;
