@@ -41,27 +41,26 @@ fn sum_lanes4(a: v128, b: v128, c: v128, d: v128) -> v128 {
     i32x4_add(i32x4_shuffle::<0, 1, 4, 5>(ab, cd), i32x4_shuffle::<2, 3, 6, 7>(ab, cd))
 }
 
-/// 16 unsigned bytes as f32, four lanes at a time.
+/// 16 bytes, unsigned or `SIGNED`, as f32, four lanes at a time.
 #[inline(always)]
-fn bytes_f32(v: v128) -> [v128; 4] {
-    let (lo, hi) = (u16x8_extend_low_u8x16(v), u16x8_extend_high_u8x16(v));
+fn bytes_f32<const SIGNED: bool>(v: v128) -> [v128; 4] {
+    let quarters = |h: v128| match SIGNED {
+        true => [i32x4_extend_low_i16x8(h), i32x4_extend_high_i16x8(h)],
+        false => [u32x4_extend_low_u16x8(h), u32x4_extend_high_u16x8(h)],
+    };
+    let [a, b] = quarters(match SIGNED {
+        true => i16x8_extend_low_i8x16(v),
+        false => u16x8_extend_low_u8x16(v),
+    });
+    let [c, d] = quarters(match SIGNED {
+        true => i16x8_extend_high_i8x16(v),
+        false => u16x8_extend_high_u8x16(v),
+    });
     [
-        f32x4_convert_i32x4(u32x4_extend_low_u16x8(lo)),
-        f32x4_convert_i32x4(u32x4_extend_high_u16x8(lo)),
-        f32x4_convert_i32x4(u32x4_extend_low_u16x8(hi)),
-        f32x4_convert_i32x4(u32x4_extend_high_u16x8(hi)),
-    ]
-}
-
-/// 16 signed bytes as f32, four lanes at a time.
-#[inline(always)]
-fn signed_bytes_f32(v: v128) -> [v128; 4] {
-    let (lo, hi) = (i16x8_extend_low_i8x16(v), i16x8_extend_high_i8x16(v));
-    [
-        f32x4_convert_i32x4(i32x4_extend_low_i16x8(lo)),
-        f32x4_convert_i32x4(i32x4_extend_high_i16x8(lo)),
-        f32x4_convert_i32x4(i32x4_extend_low_i16x8(hi)),
-        f32x4_convert_i32x4(i32x4_extend_high_i16x8(hi)),
+        f32x4_convert_i32x4(a),
+        f32x4_convert_i32x4(b),
+        f32x4_convert_i32x4(c),
+        f32x4_convert_i32x4(d),
     ]
 }
 
@@ -91,7 +90,7 @@ pub(super) fn q4k(row: &[u8], x: &KRow<'_>) -> f32 {
     let (mut acc, mut offsets) = (f32x4_splat(0.0), f32x4_splat(0.0));
     for (b, block) in row.chunks_exact(Q4K_BYTES).enumerate() {
         let w = scales_mins(&block[4..16]);
-        let [s0, s1, m0, m1] = bytes_f32(u32x4(w[0], w[1], w[2], w[3]));
+        let [s0, s1, m0, m1] = bytes_f32::<false>(u32x4(w[0], w[1], w[2], w[3]));
         let (d, dmin) = (f32x4_splat(half_at(block, 0)), f32x4_splat(half_at(block, 2)));
         let (xs, sums) = (&x.scales[8 * b..][..8], &x.sums[16 * b..][..16]);
         // The minimums' terms: per sub-block dmin · m · its two 16 values' sums.
@@ -164,7 +163,7 @@ pub(super) fn q6k(row: &[u8], x: &KRow<'_>) -> f32 {
     let (mut acc, mut offsets) = (f32x4_splat(0.0), f32x4_splat(0.0));
     for (b, block) in row.chunks_exact(Q6K_BYTES).enumerate() {
         let d = f32x4_splat(half_at(block, 208));
-        let scales = signed_bytes_f32(load(block, 192));
+        let scales = bytes_f32::<true>(load(block, 192));
         let (xs, sums) = (&x.scales[8 * b..][..8], &x.sums[16 * b..][..16]);
         // Each 16 values' activation scale: the scale of the 32 they are in.
         let (xa, xb) = (load_f32(xs, 0), load_f32(xs, 4));
