@@ -12,12 +12,12 @@ mod f16_gemm;
 mod isa;
 mod k_quant_dot;
 mod k_quant_tiles;
-#[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
-mod k_quant_wasm;
 mod packed;
 pub mod row_partners;
 mod segment_attention;
 pub(crate) mod vector_math;
+#[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+mod wasm_dot;
 
 use super::{
     ready, Activation, BResult, Backend, BackendError, DeltaNetInput, KvLayout, PagedBatch, RawDType, RawTensor,

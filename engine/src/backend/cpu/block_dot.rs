@@ -3,9 +3,9 @@
 //! Products quantize the activations once per call, as GGML does (`q8_0`, but with an f32 scale),
 //! and sum `Σ_b d_w · (d_x · Σ q_w q_x − offset · d_x · Σ q_x)` per row: integer dot products with
 //! AVX-512 VNNI where the CPU has it (64 weights per instruction), else AVX2 (32 per
-//! instruction pair), else NEON, else wasm's `simd128` in the tab, else a portable loop. These
-//! are the products of matrices stored row by row; [`super::block_tiles`] holds those stored for
-//! integer tiles, which reuse these quantized activations.
+//! instruction pair), else NEON, else wasm's `simd128` in the tab ([`super::wasm_dot`]), else a
+//! portable loop. These are the products of matrices stored row by row; [`super::block_tiles`]
+//! holds those stored for integer tiles, which reuse these quantized activations.
 
 use super::isa::fastest;
 use super::packed::prefetch_ahead;
@@ -54,6 +54,10 @@ pub struct Activations {
     scales: Vec<f32>,
     corrections: Vec<f32>,
     quants: Vec<i8>,
+    /// The values in i16, block by block in natural order, each 16's even-indexed first
+    /// (`wasm_dot::even_odd`): what wasm's products take.
+    #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+    wide: Vec<i16>,
 }
 
 /// One quantized activation row.
@@ -61,6 +65,8 @@ pub(super) struct ActRow<'a> {
     pub scales: &'a [f32],
     pub corrections: &'a [f32],
     pub quants: &'a [i8],
+    #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+    pub wide: &'a [i16],
 }
 
 impl Activations {
@@ -85,6 +91,8 @@ impl Activations {
             scales: pieces.iter().map(|p| &p.scales[..]).collect::<Vec<_>>().concat(),
             corrections: pieces.iter().map(|p| &p.corrections[..]).collect::<Vec<_>>().concat(),
             quants: pieces.iter().map(|p| &p.quants[..]).collect::<Vec<_>>().concat(),
+            #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+            wide: pieces.iter().map(|p| &p.wide[..]).collect::<Vec<_>>().concat(),
         }
     }
 
@@ -99,6 +107,8 @@ impl Activations {
             scales: vec![0.0; m * padded_blocks],
             corrections: vec![0.0; m * padded_blocks],
             quants: vec![0; m * padded_blocks * BLOCK],
+            #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+            wide: vec![0; m * padded_blocks * BLOCK],
         };
         let mut q = [0i8; BLOCK];
         for (i, row) in x.chunks_exact(cols).enumerate() {
@@ -109,6 +119,13 @@ impl Activations {
                 acts.scales[at] = d;
                 acts.corrections[at] = kind.offset() * d * sum as f32;
                 let base = at * BLOCK;
+                #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+                for (w, v) in acts.wide[base..base + BLOCK]
+                    .iter_mut()
+                    .zip(super::wasm_dot::even_odd(&q))
+                {
+                    *w = v;
+                }
                 match kind {
                     BlockKind::Q8_0 => acts.quants[base..base + BLOCK].copy_from_slice(&q),
                     BlockKind::Q4_0 => {
@@ -130,6 +147,8 @@ impl Activations {
             scales: &self.scales[s..s + n],
             corrections: &self.corrections[s..s + n],
             quants: &self.quants[s * BLOCK..(s + n) * BLOCK],
+            #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+            wide: &self.wide[s * BLOCK..(s + n) * BLOCK],
         }
     }
 }
@@ -368,82 +387,13 @@ fn dot_fastest(kind: BlockKind, scales: &[u16], quants: &[u8], x: &ActRow<'_>) -
         _ => {
             #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
             return match kind {
-                BlockKind::Q8_0 => dot_simd128::<false>(scales, quants, x),
-                BlockKind::Q4_0 => dot_simd128::<true>(scales, quants, x),
+                BlockKind::Q8_0 => super::wasm_dot::blocks::<false>(scales, quants, x),
+                BlockKind::Q4_0 => super::wasm_dot::blocks::<true>(scales, quants, x),
             };
             #[allow(unreachable_code)]
             dot_portable(kind, scales, quants, x)
         },
     )
-}
-
-/// The product with wasm's 128-bit SIMD (the tab's CPU fallback; the build enables `simd128`), per
-/// block: byte products widened to i16 (`i16x8.extmul`) and summed in pairs into i32 lanes
-/// (`i32x4.extadd_pairwise`), converted and scaled by `d_w · d_x` in f32 lanes, summed across
-/// the lanes once per row. `q4_0`'s nibbles go against the activations in their pair order (four
-/// products of at most 15 · 128 share an i16 before widening), the offset taken off by the
-/// correction; `q8_0`'s stored quants are flipped back to signed, so it needs no correction (as
-/// in [`dot_neon`]). The compiler alone vectorised [`dot_portable`] to 0.88× wllama's decode in
-/// the tab.
-#[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
-#[allow(unsafe_code)]
-fn dot_simd128<const Q4: bool>(scales: &[u16], quants: &[u8], x: &ActRow<'_>) -> f32 {
-    use std::arch::wasm32::*;
-    /// `a · b`'s 16 byte products, summed in pairs into four i32 lanes.
-    #[inline(always)]
-    fn products(a: v128, b: v128) -> v128 {
-        i32x4_add(
-            i32x4_extadd_pairwise_i16x8(i16x8_extmul_low_i8x16(a, b)),
-            i32x4_extadd_pairwise_i16x8(i16x8_extmul_high_i8x16(a, b)),
-        )
-    }
-    let nb = scales.len();
-    let qb = if Q4 { BLOCK / 2 } else { BLOCK };
-    // The reads below stay inside these lengths (the activations hold whole pairs of blocks).
-    assert!(quants.len() == nb * qb && x.scales.len() >= nb.next_multiple_of(2));
-    assert!(x.corrections.len() == x.scales.len() && x.quants.len() == x.scales.len() * BLOCK);
-    let mut acc = f32x4_splat(0.0);
-    let mut correction = 0f32;
-    for (b, &d) in scales.iter().enumerate() {
-        let dw = f16::from_bits(d).to_f32();
-        // SAFETY: `b * qb + qb <= quants.len()`; the activation reads end inside block `b`'s pair.
-        // wasm's loads need no alignment.
-        let isum = unsafe {
-            let w = quants.as_ptr().add(b * qb);
-            if Q4 {
-                let v = v128_load(w as *const v128);
-                let (lo, hi) = (v128_and(v, u8x16_splat(0x0F)), u8x16_shr(v, 4));
-                let xs = x.quants.as_ptr().add((b / 2) * 2 * BLOCK + (b % 2) * BLOCK / 2);
-                let (xl, xh) = (v128_load(xs as *const v128), v128_load(xs.add(BLOCK) as *const v128));
-                let low = i16x8_add(i16x8_extmul_low_i8x16(lo, xl), i16x8_extmul_low_i8x16(hi, xh));
-                let high = i16x8_add(i16x8_extmul_high_i8x16(lo, xl), i16x8_extmul_high_i8x16(hi, xh));
-                i32x4_extadd_pairwise_i16x8(i16x8_add(low, high))
-            } else {
-                let flip = u8x16_splat(0x80);
-                let w0 = v128_xor(v128_load(w as *const v128), flip);
-                let w1 = v128_xor(v128_load(w.add(16) as *const v128), flip);
-                let xs = x.quants.as_ptr().add(b * BLOCK);
-                i32x4_add(
-                    products(w0, v128_load(xs as *const v128)),
-                    products(w1, v128_load(xs.add(16) as *const v128)),
-                )
-            }
-        };
-        acc = f32x4_add(acc, f32x4_mul(f32x4_convert_i32x4(isum), f32x4_splat(dw * x.scales[b])));
-        if Q4 {
-            correction += dw * x.corrections[b];
-        }
-    }
-    lane_sum(acc) - correction
-}
-
-/// The sum of `v`'s four f32 lanes.
-#[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
-#[inline(always)]
-pub(super) fn lane_sum(v: std::arch::wasm32::v128) -> f32 {
-    use std::arch::wasm32::f32x4_extract_lane;
-    (f32x4_extract_lane::<0>(v) + f32x4_extract_lane::<1>(v))
-        + (f32x4_extract_lane::<2>(v) + f32x4_extract_lane::<3>(v))
 }
 
 /// The product with NEON (every aarch64 CPU has it), per block: byte products widened to i16

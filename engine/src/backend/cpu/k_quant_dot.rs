@@ -8,7 +8,7 @@
 //! are scaled in f32: `Σ d_w · d_x · Σ q_w q_x − offsets`. llama.cpp takes one activation scale
 //! per 256 values (`q8_K`); one per 32 keeps the activations as close as the `q8_0`/`q4_0`
 //! products keep them. AVX-512 VNNI (64 weights per `vpdpbusd`), AVX2 (32 per `vpmaddubsw`
-//! pair), wasm `simd128` (`k_quant_wasm`: 8 per `i32x4.dot_i16x8`), and portable code the
+//! pair), wasm `simd128` (`wasm_dot`: 8 per `i32x4.dot_i16x8`), and portable code the
 //! compiler vectorises.
 
 use super::block_dot::{round_small_to_even, QUANTIZE_ROWS};
@@ -118,7 +118,7 @@ pub struct KActivations {
     sums: Vec<f32>,
     quants: Vec<i8>,
     /// The values in i16, each 16's even-indexed first, then the odd-indexed: what wasm's
-    /// `i32x4.dot_i16x8` takes against weights unpacked into i16 lanes (`k_quant_wasm`).
+    /// `i32x4.dot_i16x8` takes against weights unpacked into i16 lanes (`wasm_dot`).
     #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
     wide: Vec<i16>,
     cols: usize,
@@ -193,9 +193,7 @@ impl KActivations {
         }
         #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
         {
-            acts.wide = (acts.quants.chunks_exact(16))
-                .flat_map(|q| (0..16).map(move |j| q[2 * (j % 8) + j / 8] as i16))
-                .collect();
+            acts.wide = super::wasm_dot::even_odd(&acts.quants).collect();
         }
         acts
     }
@@ -629,8 +627,8 @@ fn dot_fastest(kind: KQuant, row: &[u8], x: &KRow<'_>) -> f32 {
         _ => {
             #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
             return match kind {
-                KQuant::Q4K => super::k_quant_wasm::q4k(row, x),
-                KQuant::Q6K => super::k_quant_wasm::q6k(row, x),
+                KQuant::Q4K => super::wasm_dot::q4k(row, x),
+                KQuant::Q6K => super::wasm_dot::q6k(row, x),
             };
             #[allow(unreachable_code)]
             dot_portable(kind, row, x)

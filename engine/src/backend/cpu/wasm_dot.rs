@@ -1,21 +1,32 @@
-//! The K-quant products with wasm's 128-bit SIMD: the tab's CPU fallback for a `Q4_K_M` file.
+//! The integer products with wasm's 128-bit SIMD, the tab's CPU fallback: `q8_0`/`q4_0` blocks
+//! and `q4_K`/`q6_K` super-blocks against activations quantized to 8 bits.
 //!
 //! The weights are unpacked straight into i16 lanes, each 16 values' even-indexed ones apart from
 //! the odd-indexed ones (a mask or a shift per vector: the two bytes of an i16 lane are an even
-//! and an odd value), and multiplied with the activations' matching halves ([`KRow::wide`]) by
-//! `i32x4.dot_i16x8`, one instruction on x86 and ARM. Four sub-blocks' i32 sums are reduced
-//! across their lanes together and scaled in f32 lanes; the offsets' terms are f32 lanes too.
+//! and an odd value), and multiplied with the activations' matching halves (kept beside their i8
+//! values in that order, [`even_odd`]) by `i32x4.dot_i16x8`, one instruction on x86 and ARM.
+//! Four blocks' (or sub-blocks') i32 sums are reduced across their lanes together and scaled in
+//! f32 lanes; the offsets' terms are f32 lanes too.
 //!
-//! The kernel before this one multiplied bytes by `i16x8.extmul`: LLVM splits an extmul of
-//! unsigned weights by signed activations into four extends and two multiplies, and it scaled
-//! each sub-block in scalar code. This one took the tab's `Q4_K_M` decode from 0.81× wllama's to
-//! 1.59× at one thread (docs/PERFORMANCE.md, "The tab against wllama").
+//! The kernels before these multiplied bytes by `i16x8.extmul`: LLVM splits an extmul of
+//! unsigned weights by signed activations into four extends and two multiplies, and they scaled
+//! each block in scalar code. The K-quant ones took the tab's `Q4_K_M` decode from 0.81× wllama's
+//! to 1.59× at one thread (docs/PERFORMANCE.md, "The tab against wllama").
 #![allow(unsafe_code)]
 
 use std::arch::wasm32::*;
 
+use super::block_dot::ActRow;
 use super::k_quant_dot::{scales_mins, KRow, Q4K_BYTES, Q6K_BYTES};
+use crate::arch::blocks::BLOCK;
 use crate::arch::ggml::{half_at, QK_K};
+
+/// `q` (whole 16s of i8 values) in i16, each 16's even-indexed values first, then the odd-indexed:
+/// the order the products here take the activations in.
+pub(super) fn even_odd(q: &[i8]) -> impl Iterator<Item = i16> + '_ {
+    q.chunks_exact(16)
+        .flat_map(|q| (0..16).map(move |j| q[2 * (j % 8) + j / 8] as i16))
+}
 
 /// 16 bytes at `at` of `bytes` (checked; constant offsets into a super-block cost no check).
 #[inline(always)]
@@ -31,6 +42,13 @@ fn load_f32(values: &[f32], at: usize) -> v128 {
     let values = &values[at..at + 4];
     // SAFETY: as in `load`.
     unsafe { v128_load(values.as_ptr() as *const v128) }
+}
+
+/// The sum of `v`'s four f32 lanes.
+#[inline(always)]
+fn lane_sum(v: v128) -> f32 {
+    (f32x4_extract_lane::<0>(v) + f32x4_extract_lane::<1>(v))
+        + (f32x4_extract_lane::<2>(v) + f32x4_extract_lane::<3>(v))
 }
 
 /// `[Σ a, Σ b, Σ c, Σ d]` of four vectors of i32 lanes.
@@ -64,22 +82,83 @@ fn bytes_f32<const SIGNED: bool>(v: v128) -> [v128; 4] {
     ]
 }
 
-/// The activations' i16 halves for 16 values at `at`: `(even, odd)`.
+/// 16 weights in i16 lanes, `(even, odd)`, times the activations' [`even_odd`] values at `at` of
+/// `wide`, in four i32 lanes.
 #[inline(always)]
-fn wide(x: &KRow<'_>, at: usize) -> (v128, v128) {
-    // SAFETY: `KRow::check` asserted that `wide` holds every super-block's values that `row` has
-    // weights for; `at + 16` stays inside them.
-    unsafe {
-        let p = x.wide.as_ptr().add(at);
+fn dot16(even: v128, odd: v128, wide: &[i16], at: usize) -> v128 {
+    // SAFETY: every caller asserted that `wide` holds the values of every block (or super-block)
+    // its weight row has, and `at + 16` stays inside them.
+    let (xe, xo) = unsafe {
+        let p = wide.as_ptr().add(at);
         (v128_load(p as *const v128), v128_load(p.add(8) as *const v128))
-    }
+    };
+    i32x4_add(i32x4_dot_i16x8(even, xe), i32x4_dot_i16x8(odd, xo))
 }
 
-/// 16 weights in i16 lanes, `(even, odd)`, times the activations at `at`, in four i32 lanes.
+/// Four f16 bit patterns (the low halves of four u32 lanes) as f32, as `half` converts them
+/// (subnormals, infinities and NaN included).
 #[inline(always)]
-fn dot16(even: v128, odd: v128, x: &KRow<'_>, at: usize) -> v128 {
-    let (xe, xo) = wide(x, at);
-    i32x4_add(i32x4_dot_i16x8(even, xe), i32x4_dot_i16x8(odd, xo))
+fn halves_f32(h: v128) -> v128 {
+    let sign = i32x4_shl(v128_and(h, u32x4_splat(0x8000)), 16);
+    let magnitude = v128_and(h, u32x4_splat(0x7FFF));
+    // The exponent and fraction moved into f32's place, then scaled by 2^112 (127 − 15): right
+    // for normal and subnormal values and zero; infinities and NaN take the top exponent.
+    let moved = i32x4_shl(magnitude, 13);
+    let finite = f32x4_mul(moved, f32x4_splat(f32::from_bits(0x7780_0000)));
+    let special = v128_or(moved, u32x4_splat(0x7F80_0000));
+    v128_or(
+        sign,
+        v128_bitselect(special, finite, u32x4_ge(magnitude, u32x4_splat(0x7C00))),
+    )
+}
+
+/// One `q8_0` (`Q4` false: stored with 128 added, as `block_dot` keeps them) or `q4_0` weight
+/// row (f16 `scales`, `quants`) times one activation row, four blocks at a time.
+pub(super) fn blocks<const Q4: bool>(scales: &[u16], quants: &[u8], x: &ActRow<'_>) -> f32 {
+    let nb = scales.len();
+    let qb = if Q4 { BLOCK / 2 } else { BLOCK };
+    assert!(quants.len() == nb * qb && x.scales.len() >= nb && x.corrections.len() >= nb);
+    assert!(x.wide.len() >= nb * BLOCK);
+    let nibble = u16x8_splat(0x000F);
+    // Block `b`'s integer sums in four i32 lanes.
+    let block = |b: usize| {
+        let at = b * BLOCK;
+        if Q4 {
+            // Byte j holds value j (low nibble) and j + 16 (high nibble).
+            let w = load(quants, b * qb);
+            let bits = |shift: u32| v128_and(u16x8_shr(w, shift), nibble);
+            i32x4_add(
+                dot16(v128_and(w, nibble), bits(8), x.wide, at),
+                dot16(bits(4), u16x8_shr(w, 12), x.wide, at + 16),
+            )
+        } else {
+            let signed = |w: v128| {
+                let w = v128_xor(w, u8x16_splat(0x80));
+                (i16x8_shr(i16x8_shl(w, 8), 8), i16x8_shr(w, 8))
+            };
+            let ((e0, o0), (e1, o1)) = (signed(load(quants, b * qb)), signed(load(quants, b * qb + 16)));
+            i32x4_add(dot16(e0, o0, x.wide, at), dot16(e1, o1, x.wide, at + 16))
+        }
+    };
+    let (mut acc, mut corrections) = (f32x4_splat(0.0), f32x4_splat(0.0));
+    let mut b = 0;
+    while b + 4 <= nb {
+        let isum = f32x4_convert_i32x4(sum_lanes4(block(b), block(b + 1), block(b + 2), block(b + 3)));
+        let s = &scales[b..b + 4];
+        let dw = halves_f32(u32x4(s[0] as u32, s[1] as u32, s[2] as u32, s[3] as u32));
+        acc = f32x4_add(acc, f32x4_mul(f32x4_mul(dw, load_f32(x.scales, b)), isum));
+        if Q4 {
+            corrections = f32x4_add(corrections, f32x4_mul(dw, load_f32(x.corrections, b)));
+        }
+        b += 4;
+    }
+    let mut rest = 0f32;
+    for (b, &d) in scales.iter().enumerate().skip(b) {
+        let dw = half::f16::from_bits(d).to_f32();
+        let isum = lane_sum(f32x4_convert_i32x4(block(b)));
+        rest += dw * x.scales[b] * isum - if Q4 { dw * x.corrections[b] } else { 0.0 };
+    }
+    lane_sum(f32x4_sub(acc, corrections)) + rest
 }
 
 /// `q4_K`: per pair of sub-blocks 32 bytes of nibbles, the low nibbles sub-block `2p` and the
@@ -108,12 +187,12 @@ pub(super) fn q4k(row: &[u8], x: &KRow<'_>) -> f32 {
             // odd value's 8–11 and 12–15.
             let bits = |w: v128, shift: u32| v128_and(u16x8_shr(w, shift), nibble);
             sub[0] = i32x4_add(
-                dot16(v128_and(w0, nibble), bits(w0, 8), x, at),
-                dot16(v128_and(w1, nibble), bits(w1, 8), x, at + 16),
+                dot16(v128_and(w0, nibble), bits(w0, 8), x.wide, at),
+                dot16(v128_and(w1, nibble), bits(w1, 8), x.wide, at + 16),
             );
             sub[1] = i32x4_add(
-                dot16(bits(w0, 4), u16x8_shr(w0, 12), x, at + 32),
-                dot16(bits(w1, 4), u16x8_shr(w1, 12), x, at + 48),
+                dot16(bits(w0, 4), u16x8_shr(w0, 12), x.wide, at + 32),
+                dot16(bits(w1, 4), u16x8_shr(w1, 12), x.wide, at + 48),
             );
         }
         for (half, (s, sums)) in [(s0, &isums[..4]), (s1, &isums[4..])].into_iter().enumerate() {
@@ -121,7 +200,7 @@ pub(super) fn q4k(row: &[u8], x: &KRow<'_>) -> f32 {
             acc = f32x4_add(acc, f32x4_mul(f32x4_mul(d, s), f32x4_mul(load_f32(xs, 4 * half), isum)));
         }
     }
-    super::block_dot::lane_sum(f32x4_sub(acc, offsets))
+    lane_sum(f32x4_sub(acc, offsets))
 }
 
 /// `q6_K`'s 16 weights (`0..64`) of run `T` of a half (see `dot_portable`), their low nibbles at
@@ -152,7 +231,7 @@ fn q6k_run<const T: u32>(block: &[u8], h: usize, x: &KRow<'_>, b: usize) -> [v12
     let (ql, qh) = (64 * h + 32 * (T as usize % 2), 128 + 32 * h);
     std::array::from_fn(|half| {
         let (even, odd) = q6k_weights::<T>(block, ql + 16 * half, qh + 16 * half);
-        dot16(even, odd, x, b * QK_K + 16 * (2 * run + half))
+        dot16(even, odd, x.wide, b * QK_K + 16 * (2 * run + half))
     })
 }
 
@@ -189,5 +268,5 @@ pub(super) fn q6k(row: &[u8], x: &KRow<'_>) -> f32 {
             }
         }
     }
-    super::block_dot::lane_sum(acc) - 32.0 * super::block_dot::lane_sum(offsets)
+    lane_sum(acc) - 32.0 * lane_sum(offsets)
 }
