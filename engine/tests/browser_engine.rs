@@ -290,9 +290,9 @@ async fn wgpu_backend_on_webgpu_gives_native_greedy_tokens() {
 
 /// The CPU backend's block products in wasm (its `simd128` kernels) are the products of the
 /// dequantized weights with the activations as GGML rounds them (8 bits per value, a scale per
-/// 32), to f32 rounding (the largest error seen was 5e-6 of the product): `q8_0` and `q4_0` for
-/// rows of 35 blocks (an odd count, off the pairs `q4_0`'s activations come in), and `q4_K` and
-/// `q6_K` (a `Q4_K_M` file's formats) as a GGUF file stores them.
+/// 32), to f32 rounding (within 1e-5 of the terms' summed sizes): `q8_0` and `q4_0` for rows of 35
+/// blocks (not a multiple of the four the products take at once), also with subnormal and zero
+/// f16 scales, and `q4_K` and `q6_K` (a `Q4_K_M` file's formats) as a GGUF file stores them.
 #[wasm_bindgen_test]
 fn block_products_in_wasm_are_the_dequantized_products() {
     // The build's `+simd128` (.cargo/config.toml) is what puts the kernels under test; a RUSTFLAGS
@@ -305,9 +305,16 @@ fn block_products_in_wasm_are_the_dequantized_products() {
     let mut matrices: Vec<(PackedMatrix, String)> = Vec::new();
     let cols = 35 * 32;
     let values: Vec<f32> = (0..rows * cols).map(|i| wave(i, 7919, 1013)).collect();
+    // The same values times 1e-4: every block's f16 scale subnormal, each row's first block zeros
+    // (a zero scale), which the products widen four at a time in f32 lanes.
+    let tiny: Vec<f32> = (values.iter().enumerate())
+        .map(|(i, v)| if i % cols < 32 { 0.0 } else { v * 1e-4 })
+        .collect();
     for format in [WeightFormat::Q8_0, WeightFormat::Q4_0] {
-        let w = PackedMatrix::quantize(format, &values, rows, cols).expect("a quantizable shape");
-        matrices.push((w, format!("{format:?}")));
+        for (values, what) in [(&values, ""), (&tiny, ", subnormal scales")] {
+            let w = PackedMatrix::quantize(format, values, rows, cols).expect("a quantizable shape");
+            matrices.push((w, format!("{format:?}{what}")));
+        }
     }
     // K-quant super-blocks of pseudo-random bytes, their f16 scales set to small normal values.
     let cols = 3 * 256;
@@ -344,15 +351,15 @@ fn block_products_in_wasm_are_the_dequantized_products() {
         let wide = w.dequantize();
         for i in 0..m {
             for r in 0..rows {
-                let want: f64 = wide[r * cols..][..cols]
+                let terms = wide[r * cols..][..cols]
                     .iter()
                     .zip(&rounded[i * cols..][..cols])
-                    .map(|(&a, &b)| a as f64 * b)
-                    .sum();
+                    .map(|(&a, &b)| a as f64 * b);
+                let (want, size) = terms.fold((0.0, 0.0), |(sum, size), t| (sum + t, size + t.abs()));
                 let g = got[i * rows + r] as f64;
                 assert!(
-                    (g - want).abs() <= 1e-4 * want.abs().max(1.0),
-                    "{name} row {r}, x {i}: {g} vs {want}"
+                    size > 0.0 && (g - want).abs() <= 1e-5 * size,
+                    "{name} row {r}, x {i}: {g} vs {want} (terms' sizes {size})"
                 );
             }
         }
