@@ -95,6 +95,15 @@ fn dot16(even: v128, odd: v128, wide: &[i16], at: usize) -> v128 {
     i32x4_add(i32x4_dot_i16x8(even, xe), i32x4_dot_i16x8(odd, xo))
 }
 
+/// 16 bytes of nibbles in i16 lanes: `[low even, low odd, high even, high odd]` (in each i16 lane
+/// the even byte's nibbles are bits 0–3 and 4–7, the odd byte's 8–11 and 12–15).
+#[inline(always)]
+fn nibble_lanes(w: v128) -> [v128; 4] {
+    let nibble = u16x8_splat(0x000F);
+    let bits = |shift: u32| v128_and(u16x8_shr(w, shift), nibble);
+    [v128_and(w, nibble), bits(8), bits(4), u16x8_shr(w, 12)]
+}
+
 /// Four f16 bit patterns (the low halves of four u32 lanes) as f32, as `half` converts them
 /// (subnormals, infinities and NaN included).
 #[inline(always)]
@@ -119,18 +128,13 @@ pub(super) fn blocks<const Q4: bool>(scales: &[u16], quants: &[u8], x: &ActRow<'
     let qb = if Q4 { BLOCK / 2 } else { BLOCK };
     assert!(quants.len() == nb * qb && x.scales.len() >= nb && x.corrections.len() >= nb);
     assert!(x.wide.len() >= nb * BLOCK);
-    let nibble = u16x8_splat(0x000F);
     // Block `b`'s integer sums in four i32 lanes.
     let block = |b: usize| {
         let at = b * BLOCK;
         if Q4 {
             // Byte j holds value j (low nibble) and j + 16 (high nibble).
-            let w = load(quants, b * qb);
-            let bits = |shift: u32| v128_and(u16x8_shr(w, shift), nibble);
-            i32x4_add(
-                dot16(v128_and(w, nibble), bits(8), x.wide, at),
-                dot16(bits(4), u16x8_shr(w, 12), x.wide, at + 16),
-            )
+            let [le, lo, he, ho] = nibble_lanes(load(quants, b * qb));
+            i32x4_add(dot16(le, lo, x.wide, at), dot16(he, ho, x.wide, at + 16))
         } else {
             let signed = |w: v128| {
                 let w = v128_xor(w, u8x16_splat(0x80));
@@ -165,7 +169,6 @@ pub(super) fn blocks<const Q4: bool>(scales: &[u16], quants: &[u8], x: &ActRow<'
 /// high ones `2p + 1`.
 pub(super) fn q4k(row: &[u8], x: &KRow<'_>) -> f32 {
     x.check(row, Q4K_BYTES);
-    let nibble = u16x8_splat(0x000F);
     let (mut acc, mut offsets) = (f32x4_splat(0.0), f32x4_splat(0.0));
     for (b, block) in row.chunks_exact(Q4K_BYTES).enumerate() {
         let w = scales_mins(&block[4..16]);
@@ -181,19 +184,11 @@ pub(super) fn q4k(row: &[u8], x: &KRow<'_>) -> f32 {
         offsets = f32x4_add(offsets, f32x4_mul(f32x4_mul(dmin, m1), pairs(8)));
         let mut isums = [i32x4_splat(0); 8];
         for (pair, sub) in isums.chunks_exact_mut(2).enumerate() {
-            let (w0, w1) = (load(block, 16 + 32 * pair), load(block, 32 + 32 * pair));
+            let [le0, lo0, he0, ho0] = nibble_lanes(load(block, 16 + 32 * pair));
+            let [le1, lo1, he1, ho1] = nibble_lanes(load(block, 32 + 32 * pair));
             let at = b * QK_K + 64 * pair;
-            // In each i16 lane the even value's nibbles are bits 0–3 (low) and 4–7 (high), the
-            // odd value's 8–11 and 12–15.
-            let bits = |w: v128, shift: u32| v128_and(u16x8_shr(w, shift), nibble);
-            sub[0] = i32x4_add(
-                dot16(v128_and(w0, nibble), bits(w0, 8), x.wide, at),
-                dot16(v128_and(w1, nibble), bits(w1, 8), x.wide, at + 16),
-            );
-            sub[1] = i32x4_add(
-                dot16(bits(w0, 4), u16x8_shr(w0, 12), x.wide, at + 32),
-                dot16(bits(w1, 4), u16x8_shr(w1, 12), x.wide, at + 48),
-            );
+            sub[0] = i32x4_add(dot16(le0, lo0, x.wide, at), dot16(le1, lo1, x.wide, at + 16));
+            sub[1] = i32x4_add(dot16(he0, ho0, x.wide, at + 32), dot16(he1, ho1, x.wide, at + 48));
         }
         for (half, (s, sums)) in [(s0, &isums[..4]), (s1, &isums[4..])].into_iter().enumerate() {
             let isum = f32x4_convert_i32x4(sum_lanes4(sums[0], sums[1], sums[2], sums[3]));
