@@ -6,6 +6,7 @@
 //! are handed over chunk by chunk, so a checkpoint is never held whole in wasm memory. What was
 //! fetched whole is kept in Cache Storage, so a reload does not download it again.
 
+use crate::cache_copy::CacheCopy;
 use js_sys::{Reflect, Uint8Array};
 use kvlens_engine::arch::config::ModelConfig;
 use kvlens_engine::arch::gguf::Gguf;
@@ -143,12 +144,43 @@ async fn cached(cache: Option<&Cache>, url: &str) -> Option<Response> {
     hit.dyn_into::<Response>().ok()
 }
 
-/// The response for `url`, from Cache Storage when it holds it, else fetched (and stored there
-/// while it is read; a cache that refuses, e.g. over quota, only costs the next reload).
-async fn fetch_cached(url: &str) -> Result<Option<Response>, String> {
+/// A fetched file: its response, and its copy into Cache Storage when it came from the network.
+struct Fetched {
+    response: Response,
+    copy: Option<CacheCopy>,
+}
+
+impl Fetched {
+    /// Reads the body chunk by chunk into `each`, copying each chunk into Cache Storage on the way.
+    async fn read(self, name: &str, mut each: impl FnMut(&[u8]) -> Result<(), String>) -> Result<(), String> {
+        let body = self.response.body().ok_or_else(|| format!("{name}: empty response"))?;
+        let reader: ReadableStreamDefaultReader = body.get_reader().unchecked_into();
+        loop {
+            let chunk = JsFuture::from(reader.read()).await.map_err(|e| js_error(name, e))?;
+            if Reflect::get(&chunk, &"done".into()).ok().and_then(|d| d.as_bool()) != Some(false) {
+                break;
+            }
+            let value: Uint8Array = Reflect::get(&chunk, &"value".into())
+                .map_err(|e| js_error(name, e))?
+                .unchecked_into();
+            each(&value.to_vec())?;
+            if let Some(copy) = &self.copy {
+                copy.write(&value).await;
+            }
+        }
+        if let Some(copy) = self.copy {
+            copy.finish();
+        }
+        Ok(())
+    }
+}
+
+/// The file at `url`, from Cache Storage when it holds it, else fetched (and copied there while it
+/// is read; a cache that refuses, e.g. over quota, only costs the next reload); None on HTTP 404.
+async fn fetch_cached(url: &str) -> Result<Option<Fetched>, String> {
     let (scope, cache) = worker_cache().await?;
     if let Some(response) = cached(cache.as_ref(), url).await {
-        return Ok(Some(response));
+        return Ok(Some(Fetched { response, copy: None }));
     }
     let response: Response = JsFuture::from(scope.fetch_with_str(url))
         .await
@@ -159,15 +191,8 @@ async fn fetch_cached(url: &str) -> Result<Option<Response>, String> {
         404 => return Ok(None),
         s => return Err(format!("fetching {url}: HTTP {s}")),
     }
-    if let (Some(cache), Ok(copy)) = (cache, response.clone()) {
-        let put = cache.put_with_str(url, &copy);
-        wasm_bindgen_futures::spawn_local(async move {
-            if let Err(e) = JsFuture::from(put).await {
-                web_sys::console::warn_1(&JsValue::from_str(&js_error("not kept in Cache Storage", e)));
-            }
-        });
-    }
-    Ok(Some(response))
+    let copy = cache.and_then(|cache| CacheCopy::start(&cache, url, &response));
+    Ok(Some(Fetched { response, copy }))
 }
 
 /// A header's value, when the response has it and the page may read it.
@@ -347,10 +372,19 @@ impl Source {
     /// A whole small file; None when the checkpoint has no such file.
     pub async fn bytes(&self, name: &str) -> Result<Option<Vec<u8>>, String> {
         let buffer = match self.url_of(name) {
-            Some(url) => match fetch_cached(&url).await? {
-                Some(r) => r.array_buffer().map_err(|e| js_error(name, e))?,
-                None => return Ok(None),
-            },
+            Some(url) => {
+                let Some(fetched) = fetch_cached(&url).await? else {
+                    return Ok(None);
+                };
+                let mut out = Vec::new();
+                fetched
+                    .read(name, |chunk| {
+                        out.extend_from_slice(chunk);
+                        Ok(())
+                    })
+                    .await?;
+                return Ok(Some(out));
+            }
             None => match self.file(name) {
                 Some(f) => f.array_buffer(),
                 None => return Ok(None),
@@ -454,26 +488,9 @@ impl Source {
                 Ok(())
             }
             Some(url) => {
-                let response = fetch_cached(&url).await?.ok_or_else(|| format!("{name} is missing"))?;
-                length(
-                    response
-                        .headers()
-                        .get("content-length")
-                        .ok()
-                        .flatten()
-                        .and_then(|l| l.parse().ok()),
-                );
-                let body = response.body().ok_or_else(|| format!("{name}: empty response"))?;
-                let reader: ReadableStreamDefaultReader = body.get_reader().unchecked_into();
-                loop {
-                    let chunk = JsFuture::from(reader.read()).await.map_err(|e| js_error(name, e))?;
-                    let done = Reflect::get(&chunk, &"done".into()).ok().and_then(|d| d.as_bool());
-                    if done != Some(false) {
-                        return Ok(());
-                    }
-                    let value = Reflect::get(&chunk, &"value".into()).map_err(|e| js_error(name, e))?;
-                    each(&Uint8Array::new(&value).to_vec())?;
-                }
+                let fetched = fetch_cached(&url).await?.ok_or_else(|| format!("{name} is missing"))?;
+                length(header(&fetched.response, "content-length").and_then(|l| l.parse().ok()));
+                fetched.read(name, each).await
             }
         }
     }

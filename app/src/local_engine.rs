@@ -243,6 +243,16 @@ fn now_s() -> f64 {
     js_sys::Date::now() / 1e3
 }
 
+/// This tab's side of [`ProcessMemory`]: the engine's wasm memory (the browser tells no RSS).
+fn tab_memory() -> ProcessMemory {
+    let memory: js_sys::WebAssembly::Memory = wasm_bindgen::JsCast::unchecked_into(wasm_bindgen::memory());
+    let buffer: js_sys::ArrayBuffer = wasm_bindgen::JsCast::unchecked_into(memory.buffer());
+    ProcessMemory {
+        resident_bytes: None,
+        wasm_memory_bytes: Some(buffer.byte_length() as u64),
+    }
+}
+
 /// What `ledger` holds, for an error message: the memory at the moment something failed.
 fn held(ledger: &MemoryLedger) -> String {
     let entries = ledger
@@ -415,7 +425,7 @@ impl Local {
             &self.input,
             self.seq.get(),
             now_s(),
-            ProcessMemory::default(),
+            tab_memory(),
         );
         (self.on_step)(occupancy);
     }
@@ -519,13 +529,7 @@ impl Local {
             let mut watch = |w: Watch<'_>| match w {
                 Watch::Stepped(e) => {
                     self.seq.set(self.seq.get() + 1);
-                    (self.on_step)(Occupancy::of(
-                        e,
-                        &self.input,
-                        self.seq.get(),
-                        now_s(),
-                        ProcessMemory::default(),
-                    ));
+                    (self.on_step)(Occupancy::of(e, &self.input, self.seq.get(), now_s(), tab_memory()));
                 }
                 Watch::Done(i, step) => on_step(i, step),
                 Watch::Setting(said) => on_setting(said),

@@ -4,6 +4,7 @@
 //! Both pages run the engine crate's own code in wasm. The same module started in a Web Worker
 //! (no window there) runs the in-browser engine instead of the page ([`worker`]).
 
+mod cache_copy;
 mod chat;
 mod checkpoint;
 mod engine_worker;

@@ -4,7 +4,7 @@
 
 use kvlens_engine::cache::{KvBlockState, KvSummary};
 use kvlens_engine::memory::ledger::Category;
-use kvlens_engine::occupancy::Occupancy;
+use kvlens_engine::occupancy::{Occupancy, ProcessMemory};
 use kvlens_engine::runner::StateSlots;
 use leptos::prelude::*;
 use std::collections::{BTreeMap, HashMap};
@@ -137,20 +137,24 @@ fn segments(o: &Occupancy, budget: Option<&Budget>) -> (Vec<Segment>, u64) {
 
 /// The ledger counts what the engine has set aside (the whole KV cache from start-up, the peak of
 /// a step's activations, which are freed between steps); the operating system counts the pages the
-/// process has touched. Both, named, where the process figure is known (a server; not a tab).
-fn resident_line(reserved: u64, resident: Option<u64>) -> String {
-    match resident {
-        Some(r) => format!(
+/// process has touched (a server), a tab the engine's wasm memory, which never shrinks. Both,
+/// named, where the second is known.
+fn resident_line(reserved: u64, process: &ProcessMemory) -> String {
+    let ledger = "KV blocks count from start-up; activations are freed between steps, so the ledger shows their peak";
+    match (process.resident_bytes, process.wasm_memory_bytes) {
+        (Some(r), _) => format!(
             "reserved (ledger): {} · resident (OS): {}: KV blocks count in the ledger from start-up, in \
              resident memory once written; activations are freed between steps, so the ledger shows their peak",
             size(reserved),
             size(r)
         ),
-        None => format!(
-            "reserved (ledger): {}: KV blocks count from start-up; activations are freed between steps, so \
-             the ledger shows their peak",
-            size(reserved)
+        (None, Some(w)) => format!(
+            "reserved (ledger): {} · wasm memory: {}: {ledger}; wasm memory grows to the most ever held at once \
+             (the load's buffers too) and never shrinks",
+            size(reserved),
+            size(w)
         ),
+        (None, None) => format!("reserved (ledger): {}: {ledger}", size(reserved)),
     }
 }
 
@@ -426,7 +430,7 @@ pub fn MemoryView(
             <h3 class:lit=lit("ledger")>"Device memory"</h3>
             <div class="bar ledger" data-testid="ledger-bar" title="against the start-up budget">{bar}</div>
             <p class="muted">{format!("allocated: {} (zoomed)", size(held_total))}</p>
-            <p class="muted" data-testid="reserved-vs-resident">{resident_line(held_total, o.process.resident_bytes)}</p>
+            <p class="muted" data-testid="reserved-vs-resident">{resident_line(held_total, &o.process)}</p>
             <div class="bar ledger zoom">{zoom}</div>
             <ul class="legend">{legend}</ul>
             <p class="muted">{budget.map(|b| format!(

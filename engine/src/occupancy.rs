@@ -50,4 +50,8 @@ impl Occupancy {
 pub struct ProcessMemory {
     /// Resident set size in bytes (Linux `VmRSS`; absent elsewhere, in the browser too).
     pub resident_bytes: Option<u64>,
+    /// In the browser: the engine's wasm linear memory in bytes. It grows to the most the engine
+    /// ever held at once and never shrinks, so after a load it still counts the load's buffers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub wasm_memory_bytes: Option<u64>,
 }

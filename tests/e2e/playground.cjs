@@ -9,7 +9,8 @@
 // The greedy tokens of runs 1 and 2 must equal native `kvlens generate --backend cpu`'s. Runs 1
 // and 2 also load the demo model's f16 GGUF pair (dist/demo-gguf/) by URL, the header first by a
 // range request (kvlens serve answers it; the static server ignores it and the page reads only the
-// start), and from disk; its tokens must equal native generate's on the same pair.
+// start), and from disk; its tokens must equal native generate's on the same pair. In a profile
+// kept on disk, the pair by URL is kept in Cache Storage whole and a reload reads it from there.
 //
 // 5. `kvlens watch` against a fake vLLM KV event publisher (vLLM's event classes, msgspec, pyzmq)
 // and a recent vLLM's /metrics: the grid follows stores, removals, a lost batch (replay) and a
@@ -359,6 +360,56 @@ async function playgroundGguf(base, webgpu, { fromDisk = false, ranged = false, 
     if (webgpu) await screenshot(page, `playground-gguf${fromDisk ? '-disk' : ''}.png`);
   } finally {
     await b.close();
+  }
+}
+
+// The demo model's GGUF pair by URL in a browser profile kept on disk (Cache Storage lasts there):
+// the first load reads the files from the network and keeps them whole in Cache Storage, byte for
+// byte; the page reloaded loads them from there, with no request for either file, and answers
+// with the same tokens.
+async function playgroundGgufKept(base) {
+  const profile = fs.mkdtempSync(path.join(require('os').tmpdir(), 'kvlens-e2e-profile-'));
+  const args = CHROMIUM_ARGS.filter((a) => !a.includes('webgpu')).concat('--disable-features=WebGPU');
+  const context = await chromium.launchPersistentContext(profile, { executablePath: CHROMIUM, args, headless: true });
+  try {
+    const page = context.pages()[0] ?? (await context.newPage());
+    page.on('console', (m) => fs.appendFileSync(path.join(ARTIFACTS, 'cpu-gguf-kept-console.log'), `${m.type()}: ${m.text()}\n`));
+    const fetched = [];
+    context.on('response', (r) => {
+      if (r.url().endsWith('.gguf')) fetched.push({ url: r.url(), range: r.request().headers().range || null });
+    });
+    const load = async () => {
+      await page.goto(`${base}/`);
+      await page.waitForFunction(() => (document.querySelector('[data-testid="device"]')?.textContent ?? '').startsWith('CPU backend'), null, { timeout: LONG });
+      await byTest(page, 'checkpoint-url').fill(`${base}/${GGUF[0]}`);
+      await byTest(page, 'checkpoint-mmproj-url').fill(`${base}/${GGUF[1]}`);
+      await byTest(page, 'load-url').click();
+      await loadDemo(page, false);
+      sameTokens(await ask(page, 0), 'GGUF pair by URL, kept in Cache Storage', EXPECTED_GGUF);
+    };
+    await load();
+    const whole = fetched.filter((f) => !f.range).map((f) => f.url);
+    assert(GGUF.every((g) => whole.includes(`${base}/${g}`)), `the first load did not fetch both files whole: ${JSON.stringify(fetched)}`);
+    // The copies are written while the files are read and kept once read whole.
+    const digests = await page.waitForFunction(
+      async (urls) => {
+        const cache = await caches.open('kvlens-checkpoints');
+        const kept = await Promise.all(urls.map((u) => cache.match(u)));
+        if (kept.some((r) => !r)) return false;
+        const hex = (b) => [...new Uint8Array(b)].map((x) => x.toString(16).padStart(2, '0')).join('');
+        return Promise.all(kept.map(async (r) => hex(await crypto.subtle.digest('SHA-256', await r.arrayBuffer()))));
+      },
+      GGUF.map((g) => `${base}/${g}`),
+      { timeout: LONG, polling: 500 },
+    );
+    const want = GGUF.map((g) => require('crypto').createHash('sha256').update(fs.readFileSync(path.join(DIST, g))).digest('hex'));
+    assert(JSON.stringify(await digests.jsonValue()) === JSON.stringify(want), 'Cache Storage keeps other bytes than the files');
+    fetched.length = 0;
+    await load();
+    assert(fetched.length === 0, `the reload fetched the pair again: ${JSON.stringify(fetched)}`);
+  } finally {
+    await context.close();
+    fs.rmSync(profile, { recursive: true, force: true });
   }
 }
 
@@ -941,6 +992,7 @@ async function watchOnVllmEvents() {
     await check('playground on the CPU backend (WebGPU off), static dist/', () => playgroundOnCpu(site));
     await check('playground on the CPU backend with q4_0 weights', () => playgroundQuantized(site, false));
     await check('playground on the CPU backend, a GGUF pair by URL (a server without ranges)', () => playgroundGguf(site, false));
+    await check('playground on the CPU backend, a GGUF pair by URL kept in Cache Storage: the reload reads it from there', () => playgroundGgufKept(site));
     await check('playground on the CPU backend at 2 threads (helper workers; kvlens serve isolates the page), a GGUF pair by URL', () => playgroundGguf(served, false, { threads: 2 }));
     await check('server mode: a kvlens serve on another origin', () => serverModeOnKvlens(site, served));
     const hybrid = await kvlensServe('kvlens-serve-hybrid', ['--model', HYBRID]);

@@ -16,7 +16,8 @@
 //   - kvlens on the page's WebGPU (`kvlens-webgpu`, in a browser with WebGPU on): without a GPU
 //     that is SwiftShader, a correctness run of `--webgpu-tokens` tokens, not a speed figure.
 // Load time is from the click (or call) to ready; peak memory is the largest Chromium process's
-// RSS among this script's descendants, sampled every 200 ms while the engine loads and answers.
+// RSS among this script's descendants, sampled every 200 ms while the engine loads and answers, and
+// taken again once the reply is done.
 const fs = require('fs');
 const http = require('http');
 const path = require('path');
@@ -162,7 +163,7 @@ function largestRss(root) {
   return largest;
 }
 
-/** Runs `f(page)` in a fresh browser, sampling the peak RSS meanwhile. */
+/** Runs `f(page)` in a fresh browser, sampling the peak RSS meanwhile and taking it at the end. */
 async function inBrowser(f, webgpu = false) {
   const gpu = webgpu ? ['--enable-unsafe-webgpu', '--enable-webgpu-developer-features'] : ['--disable-webgpu'];
   const browser = await chromium.launch({
@@ -174,12 +175,17 @@ async function inBrowser(f, webgpu = false) {
   const sampler = setInterval(() => { peak = Math.max(peak, largestRss(process.pid)); }, 200);
   try {
     const page = await browser.newPage();
-    // Errors in the page, but not the browser's own request for a favicon none of the pages has.
+    // Warnings (Cache Storage refusing a copy) and errors in the page, but not the browser's own
+    // request for a favicon none of the pages has.
     page.on('console', (m) => {
+      if (m.type() === 'warning') console.log('  page warning:', m.text().slice(0, 300));
       if (m.type() === 'error' && !/404 \(Not Found\)/.test(m.text())) console.log('  page error:', m.text().slice(0, 300));
     });
     const result = await f(page);
-    return { ...result, peak_rss_gib: peak / 2 ** 30 };
+    // What stays once the reply is done: the peak less this is what the load or the reply held
+    // only for a while.
+    const end = largestRss(process.pid);
+    return { ...result, peak_rss_gib: Math.max(peak, end) / 2 ** 30, end_rss_gib: end / 2 ** 30 };
   } finally {
     clearInterval(sampler);
     await browser.close();
@@ -220,6 +226,13 @@ async function runKvlens(base, webgpu, nThreads = 1) {
     for (const [t, phase] of phases) console.log(`  ${t.toFixed(1)} s: ${phase}`);
     if (!/ready/.test(status)) throw new Error(`kvlens did not load: ${status.slice(0, 300)}`);
     const load_s = (Date.now() - started) / 1e3;
+    // The memory view's ledger total and the engine's wasm memory (which never shrinks).
+    const memory = async () => {
+      const line = (await byTest('reserved-vs-resident').textContent()) || '';
+      const mib = (re) => Number(re.exec(line)?.[1] ?? NaN) / 1024;
+      return { ledger_gib: mib(/reserved \(ledger\): ([\d.]+) MiB/), wasm_gib: mib(/wasm memory: ([\d.]+) MiB/) };
+    };
+    const loaded = await memory();
     await set('max-tokens', newTokens);
     await byTest('chat-input').fill(prompt);
     const asked = Date.now();
@@ -230,7 +243,9 @@ async function runKvlens(base, webgpu, nThreads = 1) {
     const stats = await reply.locator('.stats').textContent();
     const m = /prefill (\d+) tokens at ([\d.]+) tok\/s · decode (\d+) tokens at ([\d.]+) tok\/s/.exec(stats);
     if (!m) throw new Error(`no rates in the reply's stats: ${stats}`);
+    const answered = await memory();
     return {
+      ledger_gib: answered.ledger_gib, wasm_loaded_gib: loaded.wasm_gib, wasm_end_gib: answered.wasm_gib,
       engine: webgpu ? `kvlens (WebGPU: ${/swiftshader/i.test(device) ? 'SwiftShader, a correctness run' : 'the adapter'})` : `kvlens (wasm CPU, ${nThreads} thread${nThreads > 1 ? 's' : ''})`,
       threads: webgpu ? null : nThreads, status, device, max_num_batched_tokens: steps, load_s, phases, reply_s, stats,
       prompt_tokens: Number(m[1]), prefill_tok_s: Number(m[2]), decode_tokens: Number(m[3]), decode_tok_s: Number(m[4]),
@@ -280,12 +295,15 @@ async function runWllama(base, nThreads) {
   // Like for like: kvlens's wasm row at the same threads.
   const kvAt = (n) => rows.find((r) => !r.failed && r.engine.startsWith('kvlens (wasm') && r.threads === n);
   console.log(`\n${path.basename(model)}, ${chromiumVersion}, wllama ${wllamaVersion}, ${tokens} new tokens (${webgpuTokens} on WebGPU)`);
-  console.log('| engine | load s | prefill tok/s (prompt tokens) | decode tok/s | kvlens decode (same threads) ÷ this | peak RSS GiB |');
-  console.log('|---|---|---|---|---|---|');
+  console.log('| engine | load s | prefill tok/s (prompt tokens) | decode tok/s | kvlens decode (same threads) ÷ this | peak RSS GiB | RSS at the end GiB |');
+  console.log('|---|---|---|---|---|---|---|');
   for (const r of rows.filter((r) => !r.failed)) {
     const kv = kvAt(r.threads);
     const ratio = kv && !r.engine.startsWith('kvlens') ? `${(kv.decode_tok_s / r.decode_tok_s).toFixed(2)}×` : '';
-    console.log(`| ${r.engine} | ${r.load_s.toFixed(1)} | ${r.prefill_tok_s?.toFixed(2)} (${r.prompt_tokens}) | ${r.decode_tok_s?.toFixed(2)} | ${ratio} | ${r.peak_rss_gib.toFixed(2)} |`);
+    console.log(`| ${r.engine} | ${r.load_s.toFixed(1)} | ${r.prefill_tok_s?.toFixed(2)} (${r.prompt_tokens}) | ${r.decode_tok_s?.toFixed(2)} | ${ratio} | ${r.peak_rss_gib.toFixed(2)} | ${r.end_rss_gib.toFixed(2)} |`);
+  }
+  for (const r of rows.filter((r) => !r.failed && r.wasm_end_gib)) {
+    console.log(`${r.engine}: ledger ${r.ledger_gib.toFixed(2)} GiB; the engine's wasm memory ${r.wasm_loaded_gib.toFixed(2)} GiB once loaded, ${r.wasm_end_gib.toFixed(2)} at the end`);
   }
   if (out) {
     fs.writeFileSync(out, JSON.stringify({

@@ -252,7 +252,10 @@ fn process_memory() -> ProcessMemory {
             .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
             .map(|kib| kib << 10)
     });
-    ProcessMemory { resident_bytes }
+    ProcessMemory {
+        resident_bytes,
+        wasm_memory_bytes: None,
+    }
 }
 
 impl EngineLoop {
