@@ -8,7 +8,7 @@ use std::sync::OnceLock;
 use crate::arch::config::{bundled_config, Family, ImageLimits, ModelConfig, ProcessorKwargs};
 use crate::arch::gguf::Gguf;
 use crate::backend::cpu::CpuBackend;
-use crate::backend::Backend;
+use crate::backend::{Backend, MatrixUse};
 use crate::input::chat::{default_template, image_sources, ChatMessage, ChatTemplate, RenderOptions};
 use crate::input::image::{decode_image, ProcessorSettings};
 use crate::memory::ledger::MemoryLedger;
@@ -75,7 +75,7 @@ pub fn safetensors(data: &[u8]) {
         for name in files.names() {
             if let Ok(Some(raw)) = files.raw(name) {
                 let _ = match raw.matrix_dims() {
-                    Some(_) => backend.load_weight(raw).map(drop),
+                    Some(_) => backend.load_weight(raw, MatrixUse::Products).map(drop),
                     None => backend.load_tensor(raw).map(drop),
                 };
             }

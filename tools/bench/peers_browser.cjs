@@ -178,7 +178,7 @@ async function inBrowser(f, webgpu = false) {
     // Warnings (Cache Storage refusing a copy) and errors in the page, but not the browser's own
     // request for a favicon none of the pages has.
     page.on('console', (m) => {
-      if (m.type() === 'warning') console.log('  page warning:', m.text().slice(0, 300));
+      if (m.type() === 'warning' && !/integrity. attribute/.test(m.text())) console.log('  page warning:', m.text().slice(0, 300));
       if (m.type() === 'error' && !/404 \(Not Found\)/.test(m.text())) console.log('  page error:', m.text().slice(0, 300));
     });
     const result = await f(page);

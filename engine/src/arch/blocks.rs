@@ -199,6 +199,15 @@ impl BlockRows {
         &self.quants
     }
 
+    /// Drops every row from `rows` on (their memory too).
+    pub fn keep_rows(&mut self, rows: usize) {
+        let nb = self.blocks_per_row();
+        self.scales.truncate(rows * nb);
+        self.scales.shrink_to_fit();
+        self.quants.truncate(rows * nb * self.kind.quant_bytes());
+        self.quants.shrink_to_fit();
+    }
+
     /// Bytes of scales and quants.
     pub fn bytes(&self) -> usize {
         self.scales.len() * 2 + self.quants.len()

@@ -83,6 +83,27 @@ pub struct TensorSpec {
     /// Every expert's matrix of one projection, stacked `[experts, …]`: loaded as one weight
     /// matrix per expert.
     pub experts: Option<ExpertLayout>,
+    /// What the model does with a weight matrix's rows.
+    pub matrix_use: MatrixUse,
+}
+
+/// What the model does with a weight matrix's rows, which decides where a backend may keep them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum MatrixUse {
+    /// Products `x · wᵀ` only.
+    #[default]
+    Products,
+    /// Rows gathered by token id only (token embeddings not tied to the lm_head).
+    Gathers,
+    /// Both (token embeddings tied to the lm_head).
+    GathersAndProducts,
+}
+
+impl MatrixUse {
+    /// Whether the model gathers rows of the matrix.
+    pub fn gathers(self) -> bool {
+        self != MatrixUse::Products
+    }
 }
 
 /// How a stacked expert tensor holds each expert's matrix.
@@ -364,6 +385,7 @@ impl<'a> Builder<'a> {
             host: self.host,
             kernel: false,
             experts: None,
+            matrix_use: MatrixUse::Products,
         };
         self.out.push(t.clone());
         t
@@ -586,12 +608,20 @@ fn text(cfg: &ModelConfig, out: &mut Vec<TensorSpec>) -> TextSpec {
         t.num_key_value_heads,
         t.intermediate_size,
     );
-    let embed_tokens = b.weight(
+    let mut embed_tokens = b.weight(
         &format!("{p}.embed_tokens"),
         &[t.vocab_size, h],
         Split(0),
         "embed_tokens",
     );
+    embed_tokens.matrix_use = if cfg.tie_word_embeddings {
+        MatrixUse::GathersAndProducts
+    } else {
+        MatrixUse::Gathers
+    };
+    if let Some(last) = b.out.last_mut() {
+        last.matrix_use = embed_tokens.matrix_use;
+    }
     b.part = Part::Text;
     let mut layers = Vec::with_capacity(t.num_hidden_layers);
     for n in 0..t.num_hidden_layers {

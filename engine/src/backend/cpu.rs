@@ -20,8 +20,8 @@ pub(crate) mod vector_math;
 mod wasm_dot;
 
 use super::{
-    ready, Activation, BResult, Backend, BackendError, DeltaNetInput, KvLayout, PagedBatch, RawDType, RawTensor,
-    Readback, StateLayout, StateSeq, TableWrite,
+    ready, Activation, BResult, Backend, BackendError, DeltaNetInput, KvLayout, MatrixUse, PagedBatch, RawDType,
+    RawTensor, Readback, StateLayout, StateSeq, TableWrite,
 };
 use crate::arch::weight_format::WeightFormat;
 use crate::memory::ledger::{Category, Held, MemoryLedger};
@@ -203,15 +203,18 @@ impl CpuBackend {
         }
     }
 
+    /// A packed weight matrix, its rows shared out now where this thread has row partners (not in
+    /// the first decode), recorded as weights.
+    fn packed(&self, mut q: PackedMatrix, usage: MatrixUse) -> CpuWeight {
+        q.share_rows(usage);
+        self.weight(Matrix::Packed(Arc::new(q)))
+    }
+
     /// A weight matrix, recorded as weights.
     fn weight(&self, m: Matrix) -> CpuWeight {
         let bytes = match &m {
             Matrix::Dense(t) => t.elem_count() as u64 * 4,
-            Matrix::Packed(q) => {
-                // Shared out now where this thread has row partners, not in the first decode.
-                q.share_rows();
-                q.bytes()
-            }
+            Matrix::Packed(q) => q.bytes(),
         };
         CpuWeight {
             m,
@@ -376,7 +379,7 @@ impl Backend for CpuBackend {
         &self.ledger
     }
 
-    fn load_weight(&self, raw: RawTensor<'_>) -> BResult<CpuWeight> {
+    fn load_weight(&self, raw: RawTensor<'_>, usage: MatrixUse) -> BResult<CpuWeight> {
         let Some((rows, cols)) = raw.matrix_dims() else {
             return Err(BackendError::Shape(format!("a weight matrix of shape {:?}", raw.shape)));
         };
@@ -385,7 +388,7 @@ impl Backend for CpuBackend {
             // the K-quants and the other block types. Rows candle cannot multiply (q4_1/q5_*
             // rows of one block, in tiny models only) are widened to f32 below.
             if let Some(m) = PackedMatrix::from_gguf(t, &raw.data, rows, cols) {
-                return Ok(self.weight(Matrix::Packed(Arc::new(m))));
+                return Ok(self.packed(m, usage));
             }
         }
         if raw.dtype == RawDType::F16 && !self.weights.quantizes(&raw.shape) {
@@ -396,14 +399,14 @@ impl Backend for CpuBackend {
                 .map(|b| half::f16::from_le_bytes([b[0], b[1]]))
                 .collect();
             if let Some(m) = PackedMatrix::f16(values, rows, cols) {
-                return Ok(self.weight(Matrix::Packed(Arc::new(m))));
+                return Ok(self.packed(m, usage));
             }
         }
         if raw.shape.len() == 2 {
             if self.weights.quantizes(&raw.shape) {
                 let values = crate::model::weights::host_f32(&raw);
                 if let Some(q) = PackedMatrix::quantize(self.weights, &values, rows, cols) {
-                    return Ok(self.weight(Matrix::Packed(Arc::new(q))));
+                    return Ok(self.packed(q, usage));
                 }
             } else if self.bf16_matrices {
                 let bits = match raw.dtype {
@@ -418,7 +421,7 @@ impl Backend for CpuBackend {
                         .collect(),
                 };
                 if let Some(m) = PackedMatrix::bf16(bits, rows, cols) {
-                    return Ok(self.weight(Matrix::Packed(Arc::new(m))));
+                    return Ok(self.packed(m, usage));
                 }
             }
         }
@@ -561,6 +564,9 @@ impl Backend for CpuBackend {
             )));
         }
         match &table.m {
+            Matrix::Packed(q) if !q.holds_every_row() => Err(BackendError::Shape(
+                "rows gathered from a matrix loaded for products only, whose rows are partly elsewhere".into(),
+            )),
             Matrix::Packed(q) => {
                 let rows: Vec<usize> = ids.iter().map(|&i| i as usize).collect();
                 self.upload(q.gather(&rows), &[ids.len(), dim])

@@ -137,8 +137,8 @@ impl<B: Backend> Backend for Instrumented<B> {
     fn ledger(&self) -> &MemoryLedger {
         self.inner.ledger()
     }
-    fn load_weight(&self, raw: RawTensor<'_>) -> BResult<Self::Weight> {
-        self.inner.load_weight(raw)
+    fn load_weight(&self, raw: RawTensor<'_>, usage: super::MatrixUse) -> BResult<Self::Weight> {
+        self.inner.load_weight(raw, usage)
     }
     fn load_tensor(&self, raw: RawTensor<'_>) -> BResult<Self::Tensor> {
         self.inner.load_tensor(raw)

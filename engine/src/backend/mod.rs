@@ -17,6 +17,7 @@ pub mod suite;
 pub mod wgpu;
 
 use crate::arch::ggml::GgmlType;
+pub use crate::arch::spec::MatrixUse;
 use crate::memory::ledger::MemoryLedger;
 use crate::sample::DeviceSampling;
 pub use paged::PagedRows;
@@ -504,7 +505,9 @@ pub trait Backend: std::fmt::Debug + 'static {
     /// Stores a checkpoint matrix (recorded as weights): `[out, in]`, or a tensor of higher rank
     /// viewed as `[shape[0], the rest]` (the patch embedding), in the format the backend was
     /// opened with for its shape ([`crate::arch::weight_format::WeightFormat::quantizes`]).
-    fn load_weight(&self, raw: RawTensor<'_>) -> BResult<Self::Weight>;
+    /// `usage`: what the model does with its rows (a backend that spreads rows elsewhere keeps
+    /// the rows the model gathers).
+    fn load_weight(&self, raw: RawTensor<'_>, usage: MatrixUse) -> BResult<Self::Weight>;
     /// Converts a checkpoint vector (a norm, a bias) to the compute dtype (recorded as weights).
     fn load_tensor(&self, raw: RawTensor<'_>) -> BResult<Self::Tensor>;
     /// Uploads host floats as an activation.

@@ -73,11 +73,14 @@ fn t<B: Backend>(b: &B, data: &[f32], rows: usize, cols: usize) -> B::Tensor {
 /// A weight matrix `[rows, cols]` of f32 values, stored as the backend stores checkpoint matrices.
 pub fn weight<B: Backend>(b: &B, data: &[f32], rows: usize, cols: usize) -> B::Weight {
     let bytes: Vec<u8> = data.iter().flat_map(|v| v.to_le_bytes()).collect();
-    b.load_weight(crate::backend::RawTensor {
-        dtype: crate::backend::RawDType::F32,
-        shape: vec![rows, cols],
-        data: bytes.into(),
-    })
+    b.load_weight(
+        crate::backend::RawTensor {
+            dtype: crate::backend::RawDType::F32,
+            shape: vec![rows, cols],
+            data: bytes.into(),
+        },
+        crate::backend::MatrixUse::Products,
+    )
     .unwrap()
 }
 

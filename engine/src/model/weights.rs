@@ -5,7 +5,7 @@
 
 use super::ModelError;
 use crate::arch::config::CheckpointLayout;
-use crate::arch::spec::{ExpertLayout, TensorSpec};
+use crate::arch::spec::{ExpertLayout, MatrixUse, TensorSpec};
 use crate::backend::{Backend, RawDType, RawTensor};
 use std::collections::HashMap;
 
@@ -46,11 +46,13 @@ impl<B: Backend> Converted<B> {
     /// Converts `raw` as the model reads `spec`.
     pub(super) fn of(backend: &B, spec: &TensorSpec, raw: RawTensor<'_>) -> Result<Self, ModelError> {
         Ok(if let Some(layout) = spec.experts {
-            Converted::Experts(expert_matrices(&raw, layout, |m| Ok(backend.load_weight(m)?))?)
+            Converted::Experts(expert_matrices(&raw, layout, |m| {
+                Ok(backend.load_weight(m, MatrixUse::Products)?)
+            })?)
         } else if spec.host {
             Converted::Host(host_f32(&raw))
         } else if spec.is_matrix() {
-            Converted::Matrix(backend.load_weight(raw)?)
+            Converted::Matrix(backend.load_weight(raw, spec.matrix_use)?)
         } else {
             Converted::Tensor(backend.load_tensor(raw)?)
         })

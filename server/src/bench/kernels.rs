@@ -13,7 +13,7 @@ use anyhow::{bail, Context, Result};
 use kvlens_engine::arch::weight_format::WeightFormat;
 use kvlens_engine::backend::cpu::CpuBackend;
 use kvlens_engine::backend::wgpu::{WgpuBackend, WgpuOptions};
-use kvlens_engine::backend::{block_on, Backend, RawDType, RawTensor};
+use kvlens_engine::backend::{block_on, Backend, MatrixUse, RawDType, RawTensor};
 use kvlens_engine::memory::ledger::MemoryLedger;
 use std::time::{Duration, Instant};
 
@@ -197,7 +197,7 @@ fn measure<B: Backend>(
     budget: Duration,
 ) -> Result<Measured> {
     let weights = (0..copies)
-        .map(|_| be.load_weight(raw.clone()))
+        .map(|_| be.load_weight(raw.clone(), MatrixUse::Products))
         .collect::<Result<Vec<_>, _>>()
         .with_context(|| format!("{}: loading the weights", case.name))?;
     let sample = |xt: &B::Tensor| -> Result<(Duration, B::Tensor)> {

@@ -79,6 +79,12 @@ impl KRows {
         })
     }
 
+    /// Drops every row from `rows` on (their memory too).
+    pub fn keep_rows(&mut self, rows: usize) {
+        self.data.truncate(rows * self.row_bytes);
+        self.data.shrink_to_fit();
+    }
+
     /// Bytes of the stored blocks.
     pub fn bytes(&self) -> u64 {
         self.data.len() as u64

@@ -18,6 +18,7 @@ use super::k_quant_tiles::{self, KTiles};
 use super::row_partners::{self, RowPartner, Shares};
 use crate::arch::blocks::{BlockKind, BlockRows, BLOCK};
 use crate::arch::ggml::GgmlType;
+use crate::arch::spec::MatrixUse;
 use crate::arch::weight_format::WeightFormat;
 use crate::parallel::{for_each_part, for_each_piece};
 use candle_core::quantized::{GgmlDType, QTensor};
@@ -80,6 +81,9 @@ pub struct PackedMatrix {
     /// Which rows [`row_partners`] compute, once the first product with partners has shared them
     /// (None: all here).
     shares: OnceLock<Option<Shares>>,
+    /// Rows held here: `rows`, or the rows not shared out where the partners' ones were dropped
+    /// ([`PackedMatrix::share_rows`]).
+    held_rows: usize,
 }
 
 /// A bfloat16 bit pattern as the f32 it stands for (exact).
@@ -509,6 +513,7 @@ impl PackedMatrix {
             cols,
             packing,
             shares: OnceLock::new(),
+            held_rows: rows,
         }
     }
 
@@ -661,9 +666,12 @@ impl PackedMatrix {
         if let Some(w) = mats.iter().find(|w| x.len() != m * w.cols) {
             candle_core::bail!("{} values are not {m} rows of {}", x.len(), w.cols);
         }
+        if m == 0 {
+            return Ok(mats.iter().map(|_| Vec::new()).collect());
+        }
         let partners = row_partners::partners();
         let shares: Vec<Option<&Shares>> = mats.iter().map(|w| w.share(&partners)).collect();
-        if m == 0 || shares.iter().all(Option::is_none) {
+        if shares.iter().all(Option::is_none) {
             let whole: Vec<_> = mats.iter().map(|&w| (w, w.rows)).collect();
             return Self::products(&whole, x, m);
         }
@@ -734,10 +742,31 @@ impl PackedMatrix {
         Ok((mine?, theirs))
     }
 
-    /// Shares this matrix's rows out to this thread's [`row_partners`], if it has any and has not
-    /// yet (else the first product with partners does it).
-    pub fn share_rows(&self) {
-        self.share(&row_partners::partners());
+    /// Shares this matrix's rows out to this thread's [`row_partners`], if it has any (else the
+    /// first product with partners does it), unless the model only gathers its rows (`usage`).
+    /// Where the model never gathers them and every product of the matrix runs by rows
+    /// (`q8_0`/`q4_0`/`q4_K`/`q6_K`), the rows the partners hold are dropped here: in the tab, a
+    /// 2-thread `Q4_K_M` 2B model kept 0.4 GB of rows twice.
+    pub fn share_rows(&mut self, usage: MatrixUse) {
+        if usage == MatrixUse::Gathers {
+            return;
+        }
+        let Some(here) = self.share(&row_partners::partners()).map(Shares::here) else {
+            return;
+        };
+        if !usage.gathers() {
+            match &mut self.packing {
+                Packing::Blocks(b) => b.keep_rows(here),
+                Packing::KQuants(k) => k.keep_rows(here),
+                _ => return,
+            }
+            self.held_rows = here;
+        }
+    }
+
+    /// Whether every row is held here ([`PackedMatrix::share_rows`] drops the partners' ones).
+    pub fn holds_every_row(&self) -> bool {
+        self.held_rows == self.rows
     }
 
     /// This matrix's [`Shares`] among `partners`, shared out on the first call that has partners
@@ -895,6 +924,7 @@ impl PackedMatrix {
     /// the GEMM's 8.2, and at 11.0 on two.
     pub fn prefills_by_rows(&self) -> bool {
         self.is_tiled()
+            || !self.holds_every_row()
             || (cfg!(target_arch = "wasm32")
                 && matches!(self.packing, Packing::Blocks(_) | Packing::KQuants(_))
                 && matches!(self.shares.get(), Some(Some(_))))
@@ -1037,6 +1067,76 @@ mod tests {
         fn capacity(&self) -> usize {
             self.capacity
         }
+    }
+
+    /// Rows shared out at load are dropped here where the model only multiplies by the matrix
+    /// and every product of it runs by rows (a prefill's too, from then on): the products stay
+    /// the products alone, and only the rows kept here are counted. A matrix the model gathers
+    /// rows from keeps every row (one it only gathers from is not shared at all), and so does a
+    /// bfloat16 one, whose prefill is a GEMM over every row.
+    #[test]
+    fn rows_shared_at_load_are_dropped_here_where_nothing_reads_them() {
+        let (rows, cols) = (300, 256);
+        let values = matrix(rows, cols);
+        let q4k = super::k_quant_dot::tests::random_rows(KQuant::Q4K, rows, cols, 9);
+        let k_rows = || Packing::KQuants(KRows::new(KQuant::Q4K, &q4k, rows, cols).unwrap());
+        let make = || {
+            [
+                Packing::Blocks(BlockRows::quantize(BlockKind::Q8_0, &values, cols)),
+                Packing::Blocks(BlockRows::quantize(BlockKind::Q4_0, &values, cols)),
+                k_rows(),
+                Packing::Bf16(values.iter().map(|&v| half::bf16::from_f32(v).to_bits()).collect()),
+                k_rows(),
+                k_rows(),
+            ]
+            .map(|p| PackedMatrix::new(rows, cols, p))
+        };
+        use MatrixUse::{Gathers, GathersAndProducts, Products};
+        let uses = [Products, Products, Products, Products, GathersAndProducts, Gathers];
+        let dropped = [true, true, true, false, false, false];
+        let alone = make();
+        let products = |mats: &[PackedMatrix; 6], m: usize| {
+            PackedMatrix::matmul_many(&mats.each_ref(), &matrix(m, cols), m).unwrap()
+        };
+        let want = [1, 40].map(|m| products(&alone, m));
+        let partners: Vec<Rc<Partner>> = (0..2)
+            .map(|_| {
+                Rc::new(Partner {
+                    capacity: 40 * (cols + 6 * 100),
+                    ..Default::default()
+                })
+            })
+            .collect();
+        row_partners::install(partners.iter().map(|p| Rc::clone(p) as Rc<dyn RowPartner>).collect());
+        let mut mats = make();
+        for (w, &usage) in mats.iter_mut().zip(&uses) {
+            w.share_rows(usage);
+        }
+        for (k, (w, a)) in mats.iter().zip(&alone).enumerate() {
+            assert_eq!(!w.holds_every_row(), dropped[k], "matrix {k}");
+            let kept = if dropped[k] { a.bytes() * 96 / 300 } else { a.bytes() };
+            assert_eq!(w.bytes(), kept, "matrix {k}");
+            assert_eq!(
+                w.shares.get().is_some_and(Option::is_some),
+                uses[k] != Gathers,
+                "matrix {k}"
+            );
+            if dropped[k] {
+                assert!(w.prefills_by_rows(), "matrix {k}");
+            }
+        }
+        assert!(partners.iter().all(|p| p.mats.borrow().len() == 5));
+        for (want, got) in want.iter().zip([1, 40].map(|m| products(&mats, m))) {
+            for (k, (a, b)) in want.iter().zip(&got).enumerate() {
+                assert_eq!(a.len(), b.len());
+                let close = a.iter().zip(b).all(|(a, b)| (a - b).abs() <= 1e-5 * a.abs().max(1.0));
+                assert!(close, "matrix {k}");
+            }
+        }
+        // The rows the partners hold are still gathered from a matrix the model gathers from.
+        assert_eq!(mats[4].gather(&[0, 150, 299]), alone[4].gather(&[0, 150, 299]));
+        drop(mats);
+        row_partners::install(Vec::new());
     }
 
     /// With partners, every packing they take gives the products it gives alone (each row's sum

@@ -469,7 +469,7 @@ impl Backend for CudaBackend {
         &self.ledger
     }
 
-    fn load_weight(&self, raw: RawTensor<'_>) -> BResult<CudaWeight> {
+    fn load_weight(&self, raw: RawTensor<'_>, _usage: super::MatrixUse) -> BResult<CudaWeight> {
         let Some((rows, cols)) = raw.matrix_dims() else {
             return Err(BackendError::Shape(format!("a weight matrix of shape {:?}", raw.shape)));
         };

@@ -6,7 +6,7 @@
 use super::{CudaBackend, CudaOptions};
 use crate::backend::cpu::CpuBackend;
 use crate::backend::suite::{block_tables, host, max_err, noise};
-use crate::backend::{block_on, Backend, KvLayout, PagedBatch, PagedSeq, RawDType, RawTensor, TableShape};
+use crate::backend::{block_on, Backend, KvLayout, MatrixUse, PagedBatch, PagedSeq, RawDType, RawTensor, TableShape};
 use crate::memory::ledger::{Category, MemoryLedger};
 
 fn backend_with(bf16_weights: bool) -> CudaBackend {
@@ -89,12 +89,12 @@ fn bf16_linear_matches_the_cpu_on_the_same_rounded_inputs() {
             &cpu,
             &cpu.linear(
                 &cpu.upload(x.clone(), &[n, k]).unwrap(),
-                &cpu.load_weight(raw()).unwrap(),
+                &cpu.load_weight(raw(), MatrixUse::Products).unwrap(),
                 None,
             )
             .unwrap(),
         );
-        let wg = gpu.load_weight(raw()).unwrap();
+        let wg = gpu.load_weight(raw(), MatrixUse::Products).unwrap();
         assert_eq!(
             gpu.ledger().bytes(Category::Weights),
             (2 * m * k) as u64,

@@ -571,7 +571,7 @@ impl Backend for WgpuBackend {
         Some(self.inner.gpu.max_binding)
     }
 
-    fn load_weight(&self, raw: RawTensor<'_>) -> BResult<WgpuWeight> {
+    fn load_weight(&self, raw: RawTensor<'_>, _usage: super::MatrixUse) -> BResult<WgpuWeight> {
         let Some((rows, cols)) = raw.matrix_dims() else {
             return Err(shape_err(format!("a weight matrix of shape {:?}", raw.shape)));
         };

@@ -4,7 +4,9 @@
 
 use super::{WgpuBackend, WgpuOptions};
 use crate::backend::suite::{block_tables, host, max_err, noise, Reference as CpuBackend};
-use crate::backend::{block_on, Activation, Backend, KvLayout, PagedBatch, PagedSeq, RawDType, RawTensor, TableShape};
+use crate::backend::{
+    block_on, Activation, Backend, KvLayout, MatrixUse, PagedBatch, PagedSeq, RawDType, RawTensor, TableShape,
+};
 use crate::memory::ledger::MemoryLedger;
 
 /// A backend on this machine's adapter (`KVLENS_WGPU_ADAPTER` picks one, as in the server);
@@ -62,11 +64,14 @@ fn raw(data: &[f32], shape: &[usize]) -> (Vec<u8>, Vec<usize>) {
 }
 
 fn weight<B: Backend>(b: &B, bytes: &(Vec<u8>, Vec<usize>)) -> B::Weight {
-    b.load_weight(RawTensor {
-        dtype: RawDType::F32,
-        shape: bytes.1.clone(),
-        data: bytes.0.as_slice().into(),
-    })
+    b.load_weight(
+        RawTensor {
+            dtype: RawDType::F32,
+            shape: bytes.1.clone(),
+            data: bytes.0.as_slice().into(),
+        },
+        MatrixUse::Products,
+    )
     .unwrap()
 }
 
@@ -316,7 +321,7 @@ fn gguf_block_types_hold_the_cpu_values_in_every_kernel() {
                 ..Default::default()
             });
             let before = g.ledger().bytes(Category::Weights);
-            let wg = g.load_weight(stored.clone()).unwrap();
+            let wg = g.load_weight(stored.clone(), MatrixUse::Products).unwrap();
             let rows = if cap.is_some() { per_part } else { out };
             assert_eq!(wg.parts.len(), out.div_ceil(rows), "{what}");
             let held: u64 = wg
