@@ -1069,6 +1069,29 @@ mod tests {
         }
     }
 
+    /// Two partners of `capacity` installed on this thread.
+    fn install_partners(capacity: usize) -> Vec<Rc<Partner>> {
+        let partners: Vec<Rc<Partner>> = (0..2)
+            .map(|_| {
+                Rc::new(Partner {
+                    capacity,
+                    ..Default::default()
+                })
+            })
+            .collect();
+        row_partners::install(partners.iter().map(|p| Rc::clone(p) as Rc<dyn RowPartner>).collect());
+        partners
+    }
+
+    /// Each matrix's products shared out are its products alone, within f32 rounding.
+    fn assert_same_products(alone: &[Vec<f32>], shared: &[Vec<f32>]) {
+        for (k, (a, b)) in alone.iter().zip(shared).enumerate() {
+            assert_eq!(a.len(), b.len());
+            let close = a.iter().zip(b).all(|(a, b)| (a - b).abs() <= 1e-5 * a.abs().max(1.0));
+            assert!(close, "matrix {k}");
+        }
+    }
+
     /// Rows shared out at load are dropped here where the model only multiplies by the matrix
     /// and every product of it runs by rows (a prefill's too, from then on): the products stay
     /// the products alone, and only the rows kept here are counted. A matrix the model gathers
@@ -1099,15 +1122,7 @@ mod tests {
             PackedMatrix::matmul_many(&mats.each_ref(), &matrix(m, cols), m).unwrap()
         };
         let want = [1, 40].map(|m| products(&alone, m));
-        let partners: Vec<Rc<Partner>> = (0..2)
-            .map(|_| {
-                Rc::new(Partner {
-                    capacity: 40 * (cols + 6 * 100),
-                    ..Default::default()
-                })
-            })
-            .collect();
-        row_partners::install(partners.iter().map(|p| Rc::clone(p) as Rc<dyn RowPartner>).collect());
+        let partners = install_partners(40 * (cols + 6 * 100));
         let mut mats = make();
         for (w, &usage) in mats.iter_mut().zip(&uses) {
             w.share_rows(usage);
@@ -1127,11 +1142,7 @@ mod tests {
         }
         assert!(partners.iter().all(|p| p.mats.borrow().len() == 5));
         for (want, got) in want.iter().zip([1, 40].map(|m| products(&mats, m))) {
-            for (k, (a, b)) in want.iter().zip(&got).enumerate() {
-                assert_eq!(a.len(), b.len());
-                let close = a.iter().zip(b).all(|(a, b)| (a - b).abs() <= 1e-5 * a.abs().max(1.0));
-                assert!(close, "matrix {k}");
-            }
+            assert_same_products(want, &got);
         }
         // The rows the partners hold are still gathered from a matrix the model gathers from.
         assert_eq!(mats[4].gather(&[0, 150, 299]), alone[4].gather(&[0, 150, 299]));
@@ -1175,15 +1186,7 @@ mod tests {
         let alone: Vec<_> = [1, 7]
             .map(|m| PackedMatrix::matmul_many(&mats.each_ref(), &matrix(m, cols), m).unwrap())
             .into();
-        let partners: Vec<Rc<Partner>> = (0..2)
-            .map(|_| {
-                Rc::new(Partner {
-                    capacity: 3 * (cols + 5 * 100),
-                    ..Default::default()
-                })
-            })
-            .collect();
-        row_partners::install(partners.iter().map(|p| Rc::clone(p) as Rc<dyn RowPartner>).collect());
+        let partners = install_partners(3 * (cols + 5 * 100));
         let shared: Vec<_> = [1, 7]
             .map(|m| PackedMatrix::matmul_many(&mats.each_ref(), &matrix(m, cols), m).unwrap())
             .into();
@@ -1192,11 +1195,7 @@ mod tests {
             assert_eq!(w.shares.get().cloned().flatten().map(|s| s.ends), want, "matrix {k}");
         }
         for (alone, shared) in alone.iter().zip(&shared) {
-            for (k, (a, b)) in alone.iter().zip(shared).enumerate() {
-                assert_eq!(a.len(), b.len());
-                let close = a.iter().zip(b).all(|(a, b)| (a - b).abs() <= 1e-5 * a.abs().max(1.0));
-                assert!(close, "matrix {k}");
-            }
+            assert_same_products(alone, shared);
         }
         assert!(partners.iter().all(|p| p.mats.borrow().len() == 5));
         // Two thirds of each shared matrix's bytes, the first row of each tile group kept here.
