@@ -451,11 +451,11 @@ async function textModelAlone(page, pairPlanned) {
 // The demo model loaded in f32, then in q4_0, on WebGPU or (`webgpu` false) on the CPU backend in
 // wasm: what the device holds shrinks by what the planner's verdict says it saves (within 1 %;
 // both also count buffers that do not change), and the engine generates on the quantized weights.
-async function playgroundQuantized(base, webgpu) {
+async function playgroundQuantized(base, webgpu, threads = 0) {
   const b = await browser(webgpu);
   try {
-    const page = await newPage(b, webgpu ? 'webgpu-q4_0' : 'cpu-q4_0');
-    await page.goto(`${base}/`);
+    const page = await newPage(b, `${webgpu ? 'webgpu' : 'cpu'}-q4_0${threads ? `-${threads}-threads` : ''}`);
+    await page.goto(`${base}/${threads ? `?threads=${threads}` : ''}`);
     const device = webgpu ? 'WebGPU' : 'CPU backend';
     await page.waitForFunction((d) => (document.querySelector('[data-testid="device"]')?.textContent ?? '').startsWith(d), device, { timeout: LONG });
     await loadDemo(page);
@@ -467,7 +467,12 @@ async function playgroundQuantized(base, webgpu) {
     const planned4 = await weightsPlanned(page, 'q4_0');
     await loadDemo(page, false);
     const held4Text = await weightsHeld(page, held32Text);
-    const [held32, held4] = [bytesOf(held32Text), bytesOf(held4Text)];
+    const [held32, engine4] = [bytesOf(held32Text), bytesOf(held4Text)];
+    // With helpers the engine holds none of the rows they hold of a q4_0 matrix it only
+    // multiplies by (the untied lm_head): the two together are the weights.
+    const helpers = /helper workers hold ([\d.]+) MiB of weight rows/.exec(await byTest(page, 'model-status').textContent());
+    if (threads) assert(helpers && Number(helpers[1]) > 0, 'no rows shared with the helpers');
+    const held4 = engine4 + (threads ? Number(helpers[1]) * 1048576 : 0);
     assert(held4 < 0.3 * held32, `q4_0 weights ${held4} bytes against f32 ${held32}`);
     const saved = held32 - held4;
     const plannedSaving = planned32 - planned4;
@@ -991,6 +996,7 @@ async function watchOnVllmEvents() {
     const site = await staticServer('static-server');
     await check('playground on the CPU backend (WebGPU off), static dist/', () => playgroundOnCpu(site));
     await check('playground on the CPU backend with q4_0 weights', () => playgroundQuantized(site, false));
+    await check('playground on the CPU backend with q4_0 weights at 2 threads (the helpers\' rows not held twice)', () => playgroundQuantized(served, false, 2));
     await check('playground on the CPU backend, a GGUF pair by URL (a server without ranges)', () => playgroundGguf(site, false));
     await check('playground on the CPU backend, a GGUF pair by URL kept in Cache Storage: the reload reads it from there', () => playgroundGgufKept(site));
     await check('playground on the CPU backend at 2 threads (helper workers; kvlens serve isolates the page), a GGUF pair by URL', () => playgroundGguf(served, false, { threads: 2 }));
