@@ -406,6 +406,17 @@ impl<'a> Builder<'a> {
         t
     }
 
+    /// The token embeddings `{prefix}.weight`, split by rows, whose rows the model gathers
+    /// ([`TensorSpec::matrix_use`]).
+    fn embeddings(&mut self, prefix: &str, shape: &[usize], usage: MatrixUse) -> TensorSpec {
+        let mut t = self.weight(prefix, shape, Shard::Split(0), "embed_tokens");
+        t.matrix_use = usage;
+        if let Some(last) = self.out.last_mut() {
+            last.matrix_use = usage;
+        }
+        t
+    }
+
     /// Stacked expert matrices `name [experts, …]` ([`TensorSpec::experts`]).
     fn experts(&mut self, name: String, shape: &[usize], layout: ExpertLayout, shard: Shard) -> TensorSpec {
         let mut t = self.tensor(name, shape, shard, "layers.experts", Init::Normal);
@@ -608,20 +619,15 @@ fn text(cfg: &ModelConfig, out: &mut Vec<TensorSpec>) -> TextSpec {
         t.num_key_value_heads,
         t.intermediate_size,
     );
-    let mut embed_tokens = b.weight(
+    let embed_tokens = b.embeddings(
         &format!("{p}.embed_tokens"),
         &[t.vocab_size, h],
-        Split(0),
-        "embed_tokens",
+        if cfg.tie_word_embeddings {
+            MatrixUse::GathersAndProducts
+        } else {
+            MatrixUse::Gathers
+        },
     );
-    embed_tokens.matrix_use = if cfg.tie_word_embeddings {
-        MatrixUse::GathersAndProducts
-    } else {
-        MatrixUse::Gathers
-    };
-    if let Some(last) = b.out.last_mut() {
-        last.matrix_use = embed_tokens.matrix_use;
-    }
     b.part = Part::Text;
     let mut layers = Vec::with_capacity(t.num_hidden_layers);
     for n in 0..t.num_hidden_layers {

@@ -917,7 +917,8 @@ impl PackedMatrix {
     }
 
     /// Whether a prefill's products go row by row too, like decode's, rather than through a GEMM
-    /// of the matrix dequantized: integer tiles ([`Self::is_tiled`]), and in wasm a
+    /// of the matrix dequantized: integer tiles ([`Self::is_tiled`]), a matrix that holds only
+    /// some of its rows ([`Self::holds_every_row`]), and in wasm a
     /// `q8_0`/`q4_0`/`q4_K`/`q6_K` matrix shared with the tab's helper workers. There the GEMM
     /// runs on one thread, and the row products, which unpack each weight row once per activation
     /// row, prefilled a `Q4_K_M` 2B model's 237-token prompt at 6.0 tokens/s on one thread against
