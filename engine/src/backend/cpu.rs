@@ -13,6 +13,7 @@ mod isa;
 mod k_quant_dot;
 mod k_quant_tiles;
 mod packed;
+mod row_ops;
 pub mod row_partners;
 mod segment_attention;
 pub(crate) mod vector_math;
@@ -298,13 +299,6 @@ impl CpuBackend {
 /// AVX-512 ones; decode's few rows are bound by the bytes read.
 const DEQUANTIZE_FROM_ROWS: usize = 32;
 
-fn rotate_half(x: &Tensor) -> candle_core::Result<Tensor> {
-    let d = x.dim(D::Minus1)?;
-    let a = x.narrow(D::Minus1, 0, d / 2)?;
-    let b = x.narrow(D::Minus1, d / 2, d / 2)?;
-    Tensor::cat(&[&b.neg()?, &a], D::Minus1)
-}
-
 fn dims2(t: &Tensor) -> BResult<(usize, usize)> {
     t.dims2().map_err(lib)
 }
@@ -579,12 +573,15 @@ impl Backend for CpuBackend {
     }
 
     fn rms_norm(&self, x: &CpuTensor, w: &CpuTensor, eps: f64) -> BResult<CpuTensor> {
-        let f = || -> candle_core::Result<Tensor> {
-            let ms = x.t.sqr()?.mean_keepdim(D::Minus1)?;
-            let inv = (ms + eps)?.sqrt()?.recip()?;
-            x.t.broadcast_mul(&inv)?.broadcast_mul(&w.t)
-        };
-        self.act(f())
+        let width = w.t.elem_count();
+        if x.t.dims().last() != Some(&width) {
+            return Err(BackendError::Shape(format!(
+                "rms_norm: rows of {:?} against a weight of {width}",
+                x.t.dims()
+            )));
+        }
+        let y = with_values(&x.t, |x| with_values(&w.t, |w| Ok(row_ops::rms_norm(x, w, eps as f32))))?;
+        self.upload(y, x.t.dims())
     }
 
     fn layer_norm(&self, x: &CpuTensor, w: &CpuTensor, b: &CpuTensor, eps: f64) -> BResult<CpuTensor> {
@@ -610,25 +607,29 @@ impl Backend for CpuBackend {
     }
 
     fn add(&self, a: &CpuTensor, b: &CpuTensor) -> BResult<CpuTensor> {
-        self.act(a.t.add(&b.t))
+        if a.t.dims() != b.t.dims() {
+            return Err(BackendError::Shape(format!(
+                "add: {:?} and {:?} differ",
+                a.t.dims(),
+                b.t.dims()
+            )));
+        }
+        let y = with_values(&a.t, |a| with_values(&b.t, |b| Ok(row_ops::sum(a, b))))?;
+        self.upload(y, a.t.dims())
     }
 
     fn rope(&self, x: &CpuTensor, cos: &CpuTensor, sin: &CpuTensor) -> BResult<CpuTensor> {
         let (n, cols) = dims2(&x.t)?;
-        let (_, d) = dims2(&cos.t)?;
-        if d == 0 || cols % d != 0 {
+        let (rows, d) = dims2(&cos.t)?;
+        if d == 0 || d % 2 != 0 || cols % d != 0 || rows != n || dims2(&sin.t)? != (rows, d) {
             return Err(BackendError::Shape(format!(
-                "rope: {cols} columns are not whole heads of {d}"
+                "rope: {n}×{cols} in heads of {d} against {rows} rows of cos/sin"
             )));
         }
-        let f = || -> candle_core::Result<Tensor> {
-            let x3 = x.t.reshape((n, cols / d, d))?;
-            let c = cos.t.unsqueeze(1)?;
-            let s = sin.t.unsqueeze(1)?;
-            let y = x3.broadcast_mul(&c)?.add(&rotate_half(&x3)?.broadcast_mul(&s)?)?;
-            y.reshape((n, cols))
-        };
-        self.act(f())
+        let y = with_values(&x.t, |x| {
+            with_values(&cos.t, |c| with_values(&sin.t, |s| Ok(row_ops::rope(x, cols, c, s, d))))
+        })?;
+        self.upload(y, &[n, cols])
     }
 
     fn rope_partial(&self, x: &CpuTensor, cos: &CpuTensor, sin: &CpuTensor, head_dim: usize) -> BResult<CpuTensor> {

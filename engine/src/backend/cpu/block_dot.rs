@@ -26,6 +26,39 @@ pub(super) fn round_small_to_even(y: f32) -> f32 {
     (y + SHIFTER) - SHIFTER
 }
 
+/// [`quantize_q8`] with [`round_small_to_even`], the activations' rounding, in a form the
+/// compiler vectorises: the largest magnitude as an integer maximum of the values' bits (for
+/// finite non-negative floats the same order) and each value's integer read from the bits of
+/// `y + 1.5 · 2²³`. Blocks the shortcut does not cover (a NaN or an infinity among the values, or
+/// a scale so small that its inverse overflows) take [`quantize_q8`] itself: the same results.
+#[inline(always)]
+pub(super) fn quantize_q8_to_even(values: &[f32], out: &mut [i8]) -> f32 {
+    const SHIFTER: f32 = 12_582_912.0;
+    const LANES: usize = 8;
+    let mut lanes = [0u32; LANES];
+    let chunks = values.chunks_exact(LANES);
+    let tail = chunks
+        .remainder()
+        .iter()
+        .fold(0, |m, v| m.max(v.to_bits() & 0x7fff_ffff));
+    for c in chunks {
+        for l in 0..LANES {
+            lanes[l] = lanes[l].max(c[l].to_bits() & 0x7fff_ffff);
+        }
+    }
+    let amax = lanes.iter().fold(tail, |m, &b| m.max(b));
+    let d = f32::from_bits(amax) / 127.0;
+    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+    if amax >= f32::INFINITY.to_bits() || !id.is_finite() {
+        return quantize_q8(values, out, round_small_to_even);
+    }
+    // |v · id| ≤ 127 (to a rounding), so each integer fits an i8 and the bits' difference is it.
+    for (q, &v) in out.iter_mut().zip(values) {
+        *q = ((v * id + SHIFTER).to_bits() as i32 - SHIFTER.to_bits() as i32) as i8;
+    }
+    d
+}
+
 /// `out[i] = x_{first + i} · row` for `row` of `w` and rows `x` of `acts` (quantized for `w`'s
 /// format); `cold`: the first row of a run (see [`prefetch_ahead`]).
 pub fn dot_row(w: &BlockRows, row: usize, acts: &Activations, first: usize, cold: bool, out: &mut [f32]) {
@@ -98,6 +131,17 @@ impl Activations {
 
     /// [`Self::quantize`] on the calling thread.
     fn quantize_rows(kind: BlockKind, x: &[f32], cols: usize) -> Self {
+        fastest!(avx2_fma => Self::quantize_rows_avx2(kind, x, cols), _ => Self::quantize_rows_portable(kind, x, cols))
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    fn quantize_rows_avx2(kind: BlockKind, x: &[f32], cols: usize) -> Self {
+        Self::quantize_rows_portable(kind, x, cols)
+    }
+
+    #[inline(always)]
+    fn quantize_rows_portable(kind: BlockKind, x: &[f32], cols: usize) -> Self {
         let nb = cols / BLOCK;
         let padded_blocks = nb.div_ceil(SCALE_GROUP) * SCALE_GROUP;
         let m = x.len() / cols;
@@ -113,7 +157,7 @@ impl Activations {
         let mut q = [0i8; BLOCK];
         for (i, row) in x.chunks_exact(cols).enumerate() {
             for (b, block) in row.chunks_exact(BLOCK).enumerate() {
-                let d = quantize_q8(block, &mut q, round_small_to_even);
+                let d = quantize_q8_to_even(block, &mut q);
                 let sum: i32 = q.iter().map(|&v| v as i32).sum();
                 let at = i * padded_blocks + b;
                 acts.scales[at] = d;
@@ -541,6 +585,30 @@ mod tests {
             .chain([127.000_01, -127.000_01, 0.499_999_97, -0.5, 2.5])
         {
             assert_eq!(round_small_to_even(y), y.round_ties_even(), "{y}");
+        }
+    }
+
+    /// The vectorised activation quantization gives `quantize_q8`'s scale and values, bit for bit,
+    /// on ordinary blocks and on those its shortcut hands back (NaN, infinities, tiny scales).
+    #[test]
+    fn vectorised_activation_quantization_is_quantize_q8() {
+        let mut blocks: Vec<Vec<f32>> = (0..200).map(|i| values(BLOCK, i)).collect();
+        let ramp: Vec<f32> = (0..BLOCK).map(|i| i as f32 - 15.5).collect();
+        blocks.push(ramp.iter().map(|v| v * 127.0 / 15.5).collect()); // halves: ties
+        blocks.push(vec![0.0; BLOCK]);
+        blocks.push(vec![-0.0; BLOCK]);
+        blocks.push(ramp.iter().map(|v| v * 1e-30).collect());
+        blocks.push(ramp.iter().map(|v| v * 1e-42).collect()); // subnormal: an infinite inverse
+        for special in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY, f32::MAX, -f32::MAX] {
+            let mut b = values(BLOCK, 9);
+            b[5] = special;
+            blocks.push(b);
+        }
+        for b in &blocks {
+            let (mut fast, mut want) = ([0i8; BLOCK], [0i8; BLOCK]);
+            let d = quantize_q8_to_even(b, &mut fast);
+            let d_want = quantize_q8(b, &mut want, round_small_to_even);
+            assert_eq!((d.to_bits(), fast), (d_want.to_bits(), want), "{b:?}");
         }
     }
 

@@ -11,10 +11,10 @@
 //! pair), wasm `simd128` (`wasm_dot`: 8 per `i32x4.dot_i16x8`), and portable code the
 //! compiler vectorises.
 
-use super::block_dot::{round_small_to_even, QUANTIZE_ROWS};
+use super::block_dot::{quantize_q8_to_even, QUANTIZE_ROWS};
 use super::isa::fastest;
 use super::packed::prefetch_ahead;
-use crate::arch::blocks::{quantize_q8, BLOCK};
+use crate::arch::blocks::BLOCK;
 use crate::arch::ggml::{half_at, GgmlType, QK_K};
 use crate::parallel::map_ranges;
 
@@ -180,6 +180,17 @@ impl KActivations {
 
     /// [`Self::quantize`] on the calling thread.
     fn quantize_rows(x: &[f32], cols: usize) -> Self {
+        fastest!(avx2_fma => Self::quantize_rows_avx2(x, cols), _ => Self::quantize_rows_portable(x, cols))
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    fn quantize_rows_avx2(x: &[f32], cols: usize) -> Self {
+        Self::quantize_rows_portable(x, cols)
+    }
+
+    #[inline(always)]
+    fn quantize_rows_portable(x: &[f32], cols: usize) -> Self {
         let blocks = x.len() / BLOCK;
         let mut acts = KActivations {
             scales: vec![0.0; blocks],
@@ -191,7 +202,7 @@ impl KActivations {
         };
         let pieces = x.chunks_exact(BLOCK).zip(acts.quants.chunks_exact_mut(BLOCK));
         for (b, (values, q)) in pieces.enumerate() {
-            let d = quantize_q8(values, q, round_small_to_even);
+            let d = quantize_q8_to_even(values, q);
             acts.scales[b] = d;
             for (h, half) in q.chunks_exact(BLOCK / 2).enumerate() {
                 acts.sums[2 * b + h] = d * half.iter().map(|&v| v as i32).sum::<i32>() as f32;
