@@ -213,9 +213,11 @@ def peers_args(description):
 def main():
     ap = peers_args(__doc__)
     ap.add_argument("--formats", default=",".join(FORMATS))
-    ap.add_argument("--reps", type=int, default=3,
-                    help="rounds of both engines' runs, interleaved; the table gives each one's median "
-                         "and the median of the rounds' ratios")
+    ap.add_argument("--reps", type=int, default=4,
+                    help="rounds of both engines' runs, interleaved, each engine first in every other "
+                         "round (an even count puts each first equally often, so a drift of the "
+                         "machine's speed over the run favours neither); the table gives each one's "
+                         "median and the median of the rounds' ratios")
     ap.add_argument("--decode-tokens", type=int, default=128)
     ap.add_argument("--cpu-isa", help="KVLENS_CPU_ISA for the kvlens runs (avx2, portable)")
     ap.add_argument("--image", default="Q4_0",
