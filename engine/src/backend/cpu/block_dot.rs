@@ -22,9 +22,11 @@ const SCALE_GROUP: usize = 16;
 /// x86_64.
 #[inline(always)]
 pub(super) fn round_small_to_even(y: f32) -> f32 {
-    const SHIFTER: f32 = 12_582_912.0;
     (y + SHIFTER) - SHIFTER
 }
+
+/// 1.5 · 2²³: a float below 2²² plus it holds its value rounded (ties to even) in its low bits.
+const SHIFTER: f32 = 12_582_912.0;
 
 /// [`quantize_q8`] with [`round_small_to_even`], the activations' rounding, in a form the
 /// compiler vectorises: the largest magnitude as an integer maximum of the values' bits (for
@@ -33,7 +35,6 @@ pub(super) fn round_small_to_even(y: f32) -> f32 {
 /// a scale so small that its inverse overflows) take [`quantize_q8`] itself: the same results.
 #[inline(always)]
 pub(super) fn quantize_q8_to_even(values: &[f32], out: &mut [i8]) -> f32 {
-    const SHIFTER: f32 = 12_582_912.0;
     const LANES: usize = 8;
     let mut lanes = [0u32; LANES];
     let chunks = values.chunks_exact(LANES);
