@@ -229,9 +229,11 @@ fn dot_rows_f16_avx2(w: &[f16], xs: &[f32], out: &mut [f32]) {
 /// with 4096, 20 with 6144 and 19 with 12288 (the f32 activations, 24 kB and more, no longer stay
 /// in the 32 kB L1 beside the weights streaming through it); four rows at once 25–26 at every
 /// width (29 at 6144 in a second run), but 25 at 2048.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 const LONG_ROW: usize = 4096;
 
 /// Weight rows per pass over the activations from [`LONG_ROW`] columns on.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 const LONG_ROWS_AT_ONCE: usize = 4;
 
 /// `out[r] = w_r · x` for the `out.len()` rows `w_r` of `w` (each `x.len()` long) and one
