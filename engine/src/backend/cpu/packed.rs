@@ -233,7 +233,6 @@ fn dot_rows_f16_avx2(w: &[f16], xs: &[f32], out: &mut [f32]) {
 const LONG_ROW: usize = 4096;
 
 /// Weight rows per pass over the activations from [`LONG_ROW`] columns on.
-#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 const LONG_ROWS_AT_ONCE: usize = 4;
 
 /// `out[r] = w_r · x` for the `out.len()` rows `w_r` of `w` (each `x.len()` long) and one
@@ -954,8 +953,13 @@ impl PackedMatrix {
                     dot_rows_fastest(&bits[row * cols..(row + 1) * cols], xs, out)
                 }),
                 Packing::F16 { values, .. } if m == 1 => Box::new(move |row, n, _, cold, out, _| {
-                    prefetch_ahead(values, row * cols..(row + n) * cols, cold);
-                    dot_f16_rows_one(&values[row * cols..(row + n) * cols], &x[..cols], &mut out[..n])
+                    // The prefetch hints (where the CPU takes them) stay interleaved with the
+                    // reads, a few rows at a time, as when each row was its own call.
+                    for (k, o) in out[..n].chunks_mut(LONG_ROWS_AT_ONCE).enumerate() {
+                        let rows = (row + k * LONG_ROWS_AT_ONCE) * cols..(row + k * LONG_ROWS_AT_ONCE + o.len()) * cols;
+                        prefetch_ahead(values, rows.clone(), cold && k == 0);
+                        dot_f16_rows_one(&values[rows], &x[..cols], o)
+                    }
                 }),
                 Packing::F16 { values, .. } => row_by_row(move |row, first, cold, out| {
                     prefetch_ahead(values, row * cols..(row + 1) * cols, cold);
