@@ -154,10 +154,11 @@ const GGUF_F32: Run = Run {
 };
 
 /// The CPU on the f16 pair: each matrix rounded to f16 as the converter rounds it, embedding and
-/// output head included (norms, biases and the position table stay f32). Measured here (the test
-/// prints it): top-1 agreement 60/60 in each family; largest log-probability difference 0.089,
-/// 0.222, 0.024, mean 0.007, 0.010, 0.003 (Qwen2-VL, Qwen2.5-VL, Qwen3-VL). Tokens must agree
-/// where the reference's margin exceeds twice the bound.
+/// output head included (norms, biases and the position table stay f32), and a decode's
+/// activations rounded to f16 for those matrices, as llama.cpp rounds them. Measured here (the
+/// test prints it): top-1 agreement 60/60, 58/59, 60/60; largest log-probability difference
+/// 0.099, 0.202, 0.028, mean 0.008, 0.014, 0.004 (Qwen2-VL, Qwen2.5-VL, Qwen3-VL). Tokens must
+/// agree where the reference's margin exceeds twice the bound.
 const GGUF_F16: Run = Run {
     args: &["--backend", "cpu"],
     gguf: Some("f16"),

@@ -8,6 +8,7 @@ mod bf16_gemm;
 mod block_dot;
 mod block_tiles;
 mod delta_net;
+mod f16_decode;
 mod f16_gemm;
 mod isa;
 mod k_quant_dot;

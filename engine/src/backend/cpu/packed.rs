@@ -12,6 +12,7 @@ use super::amx_gemm;
 use super::bf16_gemm::{self, round_bf16};
 use super::block_dot::{dot_row, Activations};
 use super::block_tiles::{self, BlockTiles, TILE_ROWS};
+use super::f16_decode::{rounded_rows, DecodeActivations, LONG_ROWS_AT_ONCE};
 use super::isa::fastest;
 use super::k_quant_dot::{self, KActivations, KQuant, KRows};
 use super::k_quant_tiles::{self, KTiles};
@@ -182,7 +183,7 @@ fn dot_rows_f16(w: &[f16], xs: &[f32], out: &mut [f32]) {
     )
 }
 
-fn dot_rows_f16_portable(w: &[f16], xs: &[f32], out: &mut [f32]) {
+pub(super) fn dot_rows_f16_portable(w: &[f16], xs: &[f32], out: &mut [f32]) {
     WIDE_ROW.with_borrow_mut(|wide| {
         wide.resize(w.len(), 0.0);
         w.convert_to_f32_slice(wide);
@@ -220,81 +221,6 @@ fn dot_rows_f16_avx2(w: &[f16], xs: &[f32], out: &mut [f32]) {
         unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), sum) };
         let tail: f32 = w[whole..].iter().zip(&x[whole..]).map(|(w, x)| w.to_f32() * x).sum();
         *o = lanes.iter().sum::<f32>() + tail;
-    }
-}
-
-/// Columns from which a decode's f16 product takes [`LONG_ROWS_AT_ONCE`] weight rows per pass over
-/// the activations. Measured on the Zen 4 VM (`f16_decode_rows_bench`, 2 threads, 700 MB of rows,
-/// variants alternated 30 times): one row at a time streams 30–33 GB/s with rows of 2048, 25–26
-/// with 4096, 20 with 6144 and 19 with 12288 (the f32 activations, 24 kB and more, no longer stay
-/// in the 32 kB L1 beside the weights streaming through it); four rows at once 25–26 at every
-/// width (29 at 6144 in a second run), but 25 at 2048.
-#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
-const LONG_ROW: usize = 4096;
-
-/// Weight rows per pass over the activations from [`LONG_ROW`] columns on.
-const LONG_ROWS_AT_ONCE: usize = 4;
-
-/// `out[r] = w_r · x` for the `out.len()` rows `w_r` of `w` (each `x.len()` long) and one
-/// activation row `x`: a decode's f16 product.
-fn dot_f16_rows_one(w: &[f16], x: &[f32], out: &mut [f32]) {
-    fastest!(
-        avx2_fma => if x.len() > LONG_ROW {
-            dot_f16_rows_one_avx2::<LONG_ROWS_AT_ONCE>(w, x, out)
-        } else {
-            dot_f16_rows_one_avx2::<1>(w, x, out)
-        },
-        _ => {
-            for (row, o) in w.chunks_exact(x.len()).zip(out.iter_mut()) {
-                dot_rows_f16_portable(row, x, std::slice::from_mut(o));
-            }
-        },
-    )
-}
-
-/// [`dot_f16_rows_one`] with `R` rows per pass over `x` (its loads shared by them), two chains of
-/// eight per row; the rows past a multiple of `R` one at a time.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c")]
-#[allow(unsafe_code)]
-fn dot_f16_rows_one_avx2<const R: usize>(w: &[f16], x: &[f32], out: &mut [f32]) {
-    use std::arch::x86_64::*;
-    const STEP: usize = 16;
-    let cols = x.len();
-    let whole = cols / STEP * STEP;
-    let tail = |row: &[f16]| -> f32 { row[whole..].iter().zip(&x[whole..]).map(|(w, x)| w.to_f32() * x).sum() };
-    let done = out.len() / R * R;
-    let mut groups = out.chunks_exact_mut(R);
-    for (g, o) in (&mut groups).enumerate() {
-        let rows = &w[g * R * cols..(g + 1) * R * cols];
-        let mut acc = [[_mm256_setzero_ps(); 2]; R];
-        for i in (0..whole).step_by(STEP) {
-            // SAFETY: `i + 16 <= whole <= cols`, the length of `x` and of each of the `R` rows.
-            let xv = unsafe {
-                [
-                    _mm256_loadu_ps(x.as_ptr().add(i)),
-                    _mm256_loadu_ps(x.as_ptr().add(i + 8)),
-                ]
-            };
-            for (k, acc) in acc.iter_mut().enumerate() {
-                for (l, acc) in acc.iter_mut().enumerate() {
-                    // SAFETY: columns `i + 8l..i + 8l + 8` of row `k < R` of `rows`.
-                    let wv =
-                        unsafe { _mm256_cvtph_ps(_mm_loadu_si128(rows.as_ptr().add(k * cols + i + 8 * l).cast())) };
-                    *acc = _mm256_fmadd_ps(wv, xv[l], *acc);
-                }
-            }
-        }
-        for (k, (o, acc)) in o.iter_mut().zip(&acc).enumerate() {
-            let mut lanes = [0f32; 8];
-            // SAFETY: eight f32 into eight.
-            unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), _mm256_add_ps(acc[0], acc[1])) };
-            *o = lanes.iter().sum::<f32>() + tail(&rows[k * cols..(k + 1) * cols]);
-        }
-    }
-    for (k, o) in groups.into_remainder().iter_mut().enumerate() {
-        let row = &w[(done + k) * cols..(done + k + 1) * cols];
-        dot_rows_f16_avx2(row, x, std::slice::from_mut(o));
     }
 }
 
@@ -943,6 +869,14 @@ impl PackedMatrix {
             .iter()
             .find(|w| matches!(w.packing, Packing::KQuants(_) | Packing::KTiled(_)))
             .map(|w| KActivations::quantize(x, w.cols));
+        let f16_one = mats
+            .iter()
+            .find(|w| m == 1 && matches!(w.packing, Packing::F16 { .. }))
+            .map(|w| DecodeActivations::new(&x[..w.cols]));
+        let f16_rows = mats
+            .iter()
+            .find(|w| m > 1 && matches!(w.packing, Packing::F16 { .. }))
+            .map(|w| rounded_rows(x, w.cols));
         let mut dots: Vec<Box<RowDot<'_>>> = Vec::with_capacity(mats.len());
         for w in mats {
             let cols = w.cols;
@@ -952,20 +886,31 @@ impl PackedMatrix {
                     let xs = &x[first * cols..(first + out.len()) * cols];
                     dot_rows_fastest(&bits[row * cols..(row + 1) * cols], xs, out)
                 }),
-                Packing::F16 { values, .. } if m == 1 => Box::new(move |row, n, _, cold, out, _| {
-                    // The prefetch hints (where the CPU takes them) stay interleaved with the
-                    // reads, a few rows at a time, as when each row was its own call.
-                    for (k, o) in out[..n].chunks_mut(LONG_ROWS_AT_ONCE).enumerate() {
-                        let rows = (row + k * LONG_ROWS_AT_ONCE) * cols..(row + k * LONG_ROWS_AT_ONCE + o.len()) * cols;
-                        prefetch_ahead(values, rows.clone(), cold && k == 0);
-                        dot_f16_rows_one(&values[rows], &x[..cols], o)
-                    }
-                }),
-                Packing::F16 { values, .. } => row_by_row(move |row, first, cold, out| {
-                    prefetch_ahead(values, row * cols..(row + 1) * cols, cold);
-                    let xs = &x[first * cols..(first + out.len()) * cols];
-                    dot_rows_f16(&values[row * cols..(row + 1) * cols], xs, out)
-                }),
+                Packing::F16 { values, .. } if m == 1 => {
+                    let Some(acts) = f16_one.as_ref() else {
+                        candle_core::bail!("no f16 activations")
+                    };
+                    Box::new(move |row, n, _, cold, out, _| {
+                        // The prefetch hints (where the CPU takes them) stay interleaved with the
+                        // reads, a few rows at a time, as when each row was its own call.
+                        for (k, o) in out[..n].chunks_mut(LONG_ROWS_AT_ONCE).enumerate() {
+                            let rows =
+                                (row + k * LONG_ROWS_AT_ONCE) * cols..(row + k * LONG_ROWS_AT_ONCE + o.len()) * cols;
+                            prefetch_ahead(values, rows.clone(), cold && k == 0);
+                            acts.products(&values[rows], o)
+                        }
+                    })
+                }
+                Packing::F16 { values, .. } => {
+                    let Some(x) = f16_rows.as_deref() else {
+                        candle_core::bail!("no f16 activations")
+                    };
+                    row_by_row(move |row, first, cold, out| {
+                        prefetch_ahead(values, row * cols..(row + 1) * cols, cold);
+                        let xs = &x[first * cols..(first + out.len()) * cols];
+                        dot_rows_f16(&values[row * cols..(row + 1) * cols], xs, out)
+                    })
+                }
                 Packing::Blocks(b) => {
                     let a = block_activations(&acts, b.kind())?;
                     row_by_row(move |row, first, cold, out| dot_row(b, row, a, first, cold, out))
@@ -1118,97 +1063,6 @@ impl PackedMatrix {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// A decode's f16 products, one row per pass and several, short rows and long ones (past
-    /// [`LONG_ROW`]), widths off the step and row counts off the group: each row's product.
-    #[test]
-    fn f16_decode_products_are_each_row_s() {
-        for cols in [8, 40, 2048 + 5, LONG_ROW + 24] {
-            let rows = 2 * LONG_ROWS_AT_ONCE + 3;
-            let w: Vec<f16> = crate::arch::blocks::tests::values(rows * cols, 3)
-                .into_iter()
-                .map(|v| f16::from_f32(v * 10.0))
-                .collect();
-            let x = crate::arch::blocks::tests::values(cols, 5);
-            let want: Vec<f64> = w
-                .chunks_exact(cols)
-                .map(|r| r.iter().zip(&x).map(|(w, x)| w.to_f64() * *x as f64).sum())
-                .collect();
-            let mut got = vec![0f32; rows];
-            dot_f16_rows_one(&w, &x, &mut got);
-            #[allow(unused_mut)]
-            let mut all = vec![("dispatched", got)];
-            #[cfg(target_arch = "x86_64")]
-            if crate::backend::cpu::isa::isa().avx2_fma {
-                // SAFETY: this CPU has AVX2, FMA and F16C (`avx2_fma` checks all three).
-                #[allow(unsafe_code)]
-                let (one, four) = unsafe {
-                    let (mut one, mut four) = (vec![0f32; rows], vec![0f32; rows]);
-                    dot_f16_rows_one_avx2::<1>(&w, &x, &mut one);
-                    dot_f16_rows_one_avx2::<LONG_ROWS_AT_ONCE>(&w, &x, &mut four);
-                    (one, four)
-                };
-                all.extend([("one row", one), ("rows at once", four)]);
-            }
-            for (name, got) in all {
-                for (r, (g, w)) in got.iter().zip(&want).enumerate() {
-                    assert!(
-                        (*g as f64 - w).abs() <= 1e-4 * w.abs().max(1.0),
-                        "{name} {cols} row {r}: {g} vs {w}"
-                    );
-                }
-            }
-        }
-    }
-
-    /// `cargo test --release -p kvlens-engine --lib -- --ignored f16_decode_rows_bench --nocapture`
-    /// (with `RAYON_NUM_THREADS`): a decode's f16 products over 700 MB of rows of each width, one
-    /// and [`LONG_ROWS_AT_ONCE`] rows per pass alternated, GB/s read (see [`LONG_ROW`]).
-    #[test]
-    #[ignore]
-    fn f16_decode_rows_bench() {
-        for (rows, cols, count) in [(2048, 2048, 84), (1024, 4096, 84), (2048, 6144, 28), (2048, 12288, 14)] {
-            let mats: Vec<Vec<f16>> = (0..count)
-                .map(|i| {
-                    crate::arch::blocks::tests::values(rows * cols, i)
-                        .into_iter()
-                        .map(f16::from_f32)
-                        .collect()
-                })
-                .collect();
-            let x = crate::arch::blocks::tests::values(cols, 99);
-            let mut rates: [Vec<f64>; 2] = Default::default();
-            for _ in 0..30 {
-                for (v, rate) in rates.iter_mut().enumerate() {
-                    let start = std::time::Instant::now();
-                    for w in &mats {
-                        let mut out = vec![0f32; rows];
-                        crate::parallel::for_each_piece(&mut out, 64, |p, o| {
-                            let w = &w[p * 64 * cols..][..o.len() * cols];
-                            fastest!(
-                                avx2_fma => if v == 0 {
-                                    dot_f16_rows_one_avx2::<1>(w, &x, o)
-                                } else {
-                                    dot_f16_rows_one_avx2::<LONG_ROWS_AT_ONCE>(w, &x, o)
-                                },
-                                _ => dot_f16_rows_one(w, &x, o),
-                            )
-                        });
-                        std::hint::black_box(out);
-                    }
-                    rate.push((rows * cols * 2 * count) as f64 / start.elapsed().as_secs_f64() / 1e9);
-                }
-            }
-            for (v, mut r) in rates.into_iter().enumerate() {
-                r.sort_by(f64::total_cmp);
-                let at_once = [1, LONG_ROWS_AT_ONCE][v];
-                eprintln!(
-                    "{cols} columns, {at_once} row(s) at once: median {:.1} GB/s",
-                    r[r.len() / 2]
-                );
-            }
-        }
-    }
 
     /// A partner on this thread: it keeps its copies as a helper worker would, and computes them
     /// when started.
@@ -1525,7 +1379,8 @@ mod tests {
     }
 
     /// Half-precision weights keep 2 bytes a value, gather and dequantize to their exact values,
-    /// and multiply as the f32 product of those values (up to summation order).
+    /// and multiply as the f32 product of those values and of the activations rounded to f16, as
+    /// llama.cpp's CPU code rounds them (up to summation order).
     #[test]
     fn f16_weights_multiply_as_their_widened_values() {
         let (rows, cols) = (7, 200);
@@ -1538,9 +1393,10 @@ mod tests {
         for m in [1, 3] {
             let x = matrix(m, cols);
             let got = q.matmul(&x, m).unwrap();
+            let read = |v: f32| f16::from_f32(v).to_f32();
             for i in 0..m {
                 for j in 0..rows {
-                    let want: f32 = (0..cols).map(|c| x[i * cols + c] * wide[j * cols + c]).sum();
+                    let want: f32 = (0..cols).map(|c| read(x[i * cols + c]) * wide[j * cols + c]).sum();
                     assert!(
                         (got[i * rows + j] - want).abs() <= 1e-5,
                         "[{i},{j}] {} vs {want}",
