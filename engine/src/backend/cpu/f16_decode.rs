@@ -30,8 +30,10 @@ pub(super) fn rounded_rows(x: &[f32], cols: usize) -> Vec<f32> {
 
 /// The activation row of a decode's f16 products, as they read it.
 pub(super) enum DecodeActivations<'x> {
-    /// Rounded to f16, every value within f16's range.
-    Half(Vec<f16>),
+    /// Rounded to f16, every value within f16's range; `widened`, the same values as f32 once
+    /// for all the product's calls where the CPU has no F16C to widen them in registers (else
+    /// empty).
+    Half { values: Vec<f16>, widened: Vec<f32> },
     /// As computed, where some value lies beyond f16's range.
     Full(&'x [f32]),
 }
@@ -39,17 +41,23 @@ pub(super) enum DecodeActivations<'x> {
 impl<'x> DecodeActivations<'x> {
     /// `x` rounded to f16 where it fits, else `x` itself.
     pub(super) fn new(x: &'x [f32]) -> Self {
-        if fits_f16(x) {
-            Self::Half(x.iter().map(|&v| f16::from_f32(v)).collect())
-        } else {
-            Self::Full(x)
+        if !fits_f16(x) {
+            return Self::Full(x);
         }
+        let values: Vec<f16> = x.iter().map(|&v| f16::from_f32(v)).collect();
+        let widened = if super::isa::isa().avx2_fma {
+            Vec::new()
+        } else {
+            values.iter().map(|v| v.to_f32()).collect()
+        };
+        Self::Half { values, widened }
     }
 
     /// `out[r] = w_r · x` for the `out.len()` rows `w_r` of `w`, each as long as the activations.
     pub(super) fn products(&self, w: &[f16], out: &mut [f32]) {
         match self {
-            Self::Half(x) => dot_f16_rows_one(w, x.as_slice(), out),
+            Self::Half { widened, .. } if !widened.is_empty() => dot_f16_rows_one(w, widened.as_slice(), out),
+            Self::Half { values, .. } => dot_f16_rows_one(w, values.as_slice(), out),
             Self::Full(x) => dot_f16_rows_one(w, x, out),
         }
     }
@@ -119,6 +127,7 @@ fn dot_f16_rows_one<X: Activation>(w: &[f16], x: &[X], out: &mut [f32]) {
         } else {
             dot_f16_rows_one_avx2::<1, X>(w, x, out)
         },
+        // Without F16C `DecodeActivations` passes f32 (widened once per product).
         _ => {
             let x: Vec<f32> = x.iter().map(|v| v.widen()).collect();
             for (row, o) in w.chunks_exact(x.len()).zip(out.iter_mut()) {
@@ -212,7 +221,7 @@ mod tests {
                 .collect();
             let x = crate::arch::blocks::tests::values(cols, 5);
             let acts = DecodeActivations::new(&x);
-            let DecodeActivations::Half(half) = &acts else {
+            let DecodeActivations::Half { values: half, .. } = &acts else {
                 panic!("{cols}: activations within range kept f32")
             };
             let want: Vec<f64> = w
@@ -280,7 +289,7 @@ mod tests {
         }
         x[3] = f32::INFINITY;
         x[4] = f32::NAN;
-        assert!(matches!(DecodeActivations::new(&x), DecodeActivations::Half(_)));
+        assert!(matches!(DecodeActivations::new(&x), DecodeActivations::Half { .. }));
     }
 
     /// `cargo test --release -p kvlens-engine --lib -- --ignored f16_decode_rows_bench --nocapture`
