@@ -937,8 +937,10 @@ const LLAMA_CPP_PYTHON: &str = "0.3.36";
 
 /// ggml's instruction-set options for this CPU as `/proc/cpuinfo` lists it (`avx2_only`: no
 /// AVX-512 or VNNI, an AVX2 laptop's set). Named one by one rather than `GGML_NATIVE`:
-/// `-march=native` also turns on AMX where the CPU lists it, and a virtual machine that lists AMX
-/// without granting it kills llama.cpp with SIGILL on its first AMX tile load.
+/// `-march=native` also turns on ggml's AMX kernels where the CPU lists AMX, and on the 2-core
+/// Xeon VMs here they kill llama.cpp with SIGILL at a `tileloadd` in a worker thread, though Linux
+/// grants the tile state (`arch_prctl(ARCH_REQ_XCOMP_PERM)` returns 0): ggml loads each thread's
+/// tile configuration once and assumes it stays (kvlens loads it per product and runs there).
 fn ggml_cpu_options(avx2_only: bool) -> Result<Vec<String>> {
     let cpuinfo = std::fs::read_to_string("/proc/cpuinfo")?;
     let flags: Vec<&str> = cpuinfo
