@@ -8,6 +8,7 @@
 //! sums however its activation rows are sliced (between row partners). The prefill GEMMs keep f32.
 
 use half::f16;
+use std::borrow::Cow;
 
 use super::isa::fastest;
 use super::packed::dot_rows_f16_portable;
@@ -67,6 +68,11 @@ impl<'x> DecodeActivations<'x> {
 trait Activation: Copy + Sync {
     fn widen(self) -> f32;
 
+    /// `x` as f32: itself where it already is, else widened.
+    fn widened(x: &[Self]) -> Cow<'_, [f32]> {
+        Cow::Owned(x.iter().map(|v| v.widen()).collect())
+    }
+
     /// Eight values from `p` on, as f32.
     ///
     /// # Safety
@@ -79,6 +85,10 @@ trait Activation: Copy + Sync {
 impl Activation for f32 {
     fn widen(self) -> f32 {
         self
+    }
+
+    fn widened(x: &[f32]) -> Cow<'_, [f32]> {
+        Cow::Borrowed(x)
     }
 
     #[cfg(target_arch = "x86_64")]
@@ -127,9 +137,9 @@ fn dot_f16_rows_one<X: Activation>(w: &[f16], x: &[X], out: &mut [f32]) {
         } else {
             dot_f16_rows_one_avx2::<1, X>(w, x, out)
         },
-        // Without F16C `DecodeActivations` passes f32 (widened once per product).
+        // Without F16C `DecodeActivations` passes f32 (widened once per product), read as it is.
         _ => {
-            let x: Vec<f32> = x.iter().map(|v| v.widen()).collect();
+            let x = X::widened(x);
             for (row, o) in w.chunks_exact(x.len()).zip(out.iter_mut()) {
                 dot_rows_f16_portable(row, &x, std::slice::from_mut(o));
             }
