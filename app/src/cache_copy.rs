@@ -2,7 +2,7 @@
 //! holds one chunk at most: the reader waits for a slow cache write, and a refused one (over
 //! quota, a private window) ends the copy, not the load. A `Response.clone()` tees the body
 //! instead, and its copy's queue grows without bound while the cache lags: a 1.1 GB GGUF file
-//! stayed whole in the tab's memory after Cache Storage refused it (docs/PERFORMANCE.md).
+//! stayed whole in the tab's memory after Cache Storage refused it (docs/PERFORMANCE-HISTORY.md).
 
 use js_sys::{Function, Object, Promise, Reflect, Uint8Array};
 use std::cell::{Cell, RefCell};

@@ -1,6 +1,6 @@
 // A GGUF pair loaded by URL in the playground (headless Chromium, Playwright): how long the
 // verdict, the load and a first reply take, what the tab holds and the reply's token ids, for
-// docs/PERFORMANCE.md's "pair in a tab" table. Not a test: a large pair takes minutes.
+// docs/PERFORMANCE-HISTORY.md's "pair in a tab" table. Not a test: a large pair takes minutes.
 //
 //   NODE_PATH=~/.cache/kvlens/tools/node_modules node tools/gguf/playground_pair.cjs \
 //     http://127.0.0.1:8000 webgpu|cpu MODEL_URL [MMPROJ_URL]

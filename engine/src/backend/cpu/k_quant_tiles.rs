@@ -70,7 +70,7 @@ type Sums = [[f32; GROUP_ROWS]; TILE];
 /// Whether this CPU multiplies `q4_K` and `q6_K` by tiles: with AVX2, AVX-512 CPUs included. On
 /// the 2-core Xeon (AVX-512 VNNI) these AVX2 tiles prefilled a `Q4_K_M` file at 71 tokens/s
 /// against 45 by the bfloat16 GEMM over dequantized rows, and decoded within 4 % of the AVX-512
-/// VNNI row products (docs/PERFORMANCE.md).
+/// VNNI row products (docs/PERFORMANCE-HISTORY.md).
 pub fn available() -> bool {
     super::isa::isa().avx2_fma
 }

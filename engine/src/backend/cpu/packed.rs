@@ -226,7 +226,7 @@ fn dot_rows_f16_avx2(w: &[f16], xs: &[f32], out: &mut [f32]) {
 
 /// How far ahead of the weights a product reads it asks the CPU to fetch them (0: it asks for
 /// nothing), by the CPU's maker and family, as measured with Qwen3-VL-2B decodes on 2-core VMs
-/// (docs/PERFORMANCE.md): on the AMD EPYCs of Zen 3 and Zen 5, `q4_0` decodes 1.3× faster with
+/// (docs/PERFORMANCE-HISTORY.md): on the AMD EPYCs of Zen 3 and Zen 5, `q4_0` decodes 1.3× faster with
 /// 8 KiB than with 512 bytes (their hardware prefetchers alone leave a row-by-row GEMV well below
 /// the memory's read bandwidth); on the Intel Xeon, 1 KiB decodes 1.2–1.4× faster than 8 KiB
 /// (`q4_0`, `q4_K`, f16), as fast as 512 bytes; on the Zen 4 EPYC, no hints at all decode f16

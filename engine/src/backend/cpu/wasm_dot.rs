@@ -11,7 +11,7 @@
 //! The kernels before these multiplied bytes by `i16x8.extmul`: LLVM splits an extmul of
 //! unsigned weights by signed activations into four extends and two multiplies, and they scaled
 //! each block in scalar code. The K-quant ones took the tab's `Q4_K_M` decode from 0.81× wllama's
-//! to 1.59× at one thread (docs/PERFORMANCE.md, "The tab against wllama").
+//! to 1.59× at one thread (docs/PERFORMANCE-HISTORY.md, "The tab against wllama").
 #![allow(unsafe_code)]
 
 use std::arch::wasm32::*;
