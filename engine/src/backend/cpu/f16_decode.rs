@@ -305,7 +305,8 @@ mod tests {
     /// `cargo test --release -p kvlens-engine --lib -- --ignored f16_decode_rows_bench --nocapture`
     /// (with `RAYON_NUM_THREADS`): a decode's f16 products over 700 MB of rows of each width, the
     /// activations f32 or f16, one or [`LONG_ROWS_AT_ONCE`] rows per pass, the variants
-    /// alternated; GB/s read.
+    /// alternated; GB/s read. x86-64 only: the variants are the AVX2 kernel's.
+    #[cfg(target_arch = "x86_64")]
     #[test]
     #[ignore]
     fn f16_decode_rows_bench() {
