@@ -134,6 +134,10 @@ pub fn kernel_paths() -> String {
     };
     let tiles = pick(&[
         (
+            isa.avx512_vnni && !isa.avx512_split,
+            "q8_0/q4_0/q4_K/q6_K stored as integer tiles (AVX-512 VNNI), for every product",
+        ),
+        (
             isa.avx512_vnni,
             "q8_0/q4_0 stored as integer tiles (AVX-512 VNNI), q4_K/q6_K (AVX2 with 256-bit VNNI), for every product",
         ),
