@@ -115,9 +115,9 @@ const CPU_BF16: Run = Run {
 /// Quantized weights move the logits of these random checkpoints far more than of a trained
 /// model: their large random weights amplify any perturbation layer after layer (f16 weights
 /// already move a log-probability by 0.1), so tokens are not required to agree. Measured here
-/// (docs/PERFORMANCE.md): `q8_0` top-1 agreement 62–92 %, mean difference 0.07–0.20, largest 2.1;
-/// `q4_0` leaves the reference at the first token (0/5), its few shared top-5 tokens (0–3 per
-/// family) differing by 0.5–1.5. The bounds sit above those (`NO_MARGIN_CHECK`: tokens held to
+/// (docs/PERFORMANCE.md, CPU and wgpu): `q8_0` top-1 agreement 71–86 %, mean difference
+/// 0.06–0.18, largest 1.35; `q4_0` leaves the reference at the first token (0/5), its few shared
+/// top-5 tokens (0–3 per family) differing by 0.5–1.5. The bounds sit above those (`NO_MARGIN_CHECK`: tokens held to
 /// the agreement share only); `PackedMatrix`'s own test bounds the kernels against f32.
 ///
 /// The CPU backend with `q8_0` weight matrices (8.5 bits per weight).
