@@ -134,7 +134,7 @@ pub fn kernel_paths() -> String {
     };
     let tiles = pick(&[
         (
-            isa.avx512_vnni && !isa.avx512_split,
+            k_quant_tiles::wide(),
             "q8_0/q4_0/q4_K/q6_K stored as integer tiles (AVX-512 VNNI), for every product",
         ),
         (

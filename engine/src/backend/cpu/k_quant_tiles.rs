@@ -86,11 +86,17 @@ pub fn available() -> bool {
     super::isa::isa().avx2_fma
 }
 
-/// Rows per group for a matrix of `n` rows on this CPU: [`WIDE`] where the 512-bit kernels run
-/// (AVX-512 VNNI, not as two halves) and `n` is whole groups of them, else [`NARROW`].
-fn group_rows(n: usize) -> usize {
+/// Whether this CPU runs the 512-bit kernels, on groups of [`WIDE`] rows: AVX-512 VNNI, not as
+/// two halves (Zen 4 keeps the 256-bit ones, measured there).
+pub fn wide() -> bool {
     let isa = super::isa::isa();
-    if isa.avx512_vnni && !isa.avx512_split && n.is_multiple_of(WIDE) {
+    isa.avx512_vnni && !isa.avx512_split
+}
+
+/// Rows per group for a matrix of `n` rows on this CPU: [`WIDE`] where the 512-bit kernels run
+/// ([`wide`]) and `n` is whole groups of them, else [`NARROW`].
+fn group_rows(n: usize) -> usize {
+    if wide() && n.is_multiple_of(WIDE) {
         WIDE
     } else {
         NARROW
@@ -808,9 +814,7 @@ mod tests {
             let odd = KRows::new(kind, &data[..odd_bytes], g + 3, cols).unwrap();
             assert!(KTiles::grouped(&odd, g).is_none());
         }
-        let isa = crate::backend::cpu::isa::isa();
-        let wide = isa.avx512_vnni && !isa.avx512_split;
-        assert_eq!(group_rows(2 * WIDE), if wide { WIDE } else { NARROW });
+        assert_eq!(group_rows(2 * WIDE), if wide() { WIDE } else { NARROW });
         assert_eq!(group_rows(WIDE + NARROW), NARROW);
     }
 
