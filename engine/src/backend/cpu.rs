@@ -13,6 +13,8 @@ mod f16_gemm;
 mod isa;
 mod k_quant_dot;
 mod k_quant_tiles;
+#[cfg(all(test, target_arch = "x86_64"))]
+mod kernel_bench;
 mod packed;
 mod row_ops;
 pub mod row_partners;

@@ -245,32 +245,41 @@ fn tile_vnni<const Q4: bool, const T: usize>(
             )
         };
         prefetch_block(wq, qb * TILE_ROWS, scales[b * TILE_ROWS..].as_ptr());
-        let mut sums = [_mm512_setzero_si512(); T];
+        // Two sums per activation row, so that each chain of dependent `vpdpbusd`s is half the
+        // block (a decode's one row was bound by their latency): `q4_0`'s low nibbles and its
+        // high nibbles (kept in place, 16 times their value, the sum shifted back: one
+        // instruction less per run), `q8_0`'s even and odd runs.
+        let mut sums = [[_mm512_setzero_si512(); 2]; T];
         if Q4 {
             // The block's values in the activations' pair order: low halves, then high halves.
             let base = (b / 2) * 2 * BLOCK + (b % 2) * BLOCK / 2;
             for k in 0..4 {
                 // SAFETY: run `k` of block `b`.
                 let v = unsafe { _mm512_loadu_si512(wq.add(64 * k) as *const _) };
-                let lo = _mm512_and_si512(v, low_nibbles);
-                let hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low_nibbles);
-                for (t, sum) in sums.iter_mut().enumerate() {
-                    *sum = _mm512_dpbusd_epi32(*sum, lo, word(t, base + 4 * k));
-                    *sum = _mm512_dpbusd_epi32(*sum, hi, word(t, base + BLOCK + 4 * k));
+                let (lo, hi16) = (_mm512_and_si512(v, low_nibbles), _mm512_andnot_si512(low_nibbles, v));
+                for (t, [lo_sum, hi_sum]) in sums.iter_mut().enumerate() {
+                    *lo_sum = _mm512_dpbusd_epi32(*lo_sum, lo, word(t, base + 4 * k));
+                    *hi_sum = _mm512_dpbusd_epi32(*hi_sum, hi16, word(t, base + BLOCK + 4 * k));
                 }
+            }
+            for [lo_sum, hi_sum] in &mut sums {
+                *lo_sum = _mm512_add_epi32(*lo_sum, _mm512_srai_epi32::<4>(*hi_sum));
             }
         } else {
             for k in 0..8 {
                 // SAFETY: run `k` of block `b`.
                 let v = unsafe { _mm512_loadu_si512(wq.add(64 * k) as *const _) };
-                for (t, sum) in sums.iter_mut().enumerate() {
-                    *sum = _mm512_dpbusd_epi32(*sum, v, word(t, b * BLOCK + 4 * k));
+                for (t, sums) in sums.iter_mut().enumerate() {
+                    sums[k % 2] = _mm512_dpbusd_epi32(sums[k % 2], v, word(t, b * BLOCK + 4 * k));
                 }
+            }
+            for [even, odd] in &mut sums {
+                *even = _mm512_add_epi32(*even, *odd);
             }
         }
         for t in 0..T {
             let dx = _mm512_set1_ps(xs[t].scales[b]);
-            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[t]), _mm512_mul_ps(dw, dx), acc[t]);
+            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[t][0]), _mm512_mul_ps(dw, dx), acc[t]);
             corr[t] = _mm512_fmadd_ps(dw, _mm512_set1_ps(xs[t].corrections[b]), corr[t]);
         }
     }
@@ -453,6 +462,63 @@ mod tests {
                         assert_eq!(portable[0][row % TILE_ROWS], want, "portable {kind:?} {cols}");
                     }
                 }
+            }
+        }
+    }
+
+    /// `cargo test --release -p kvlens-engine --lib block_tiles_decode_bench -- --ignored
+    /// --nocapture`: a decode's products (one activation row) by each kernel this CPU runs, one
+    /// thread, over 256 rows of 2048 that stay in the caches: the GB/s of weights the kernel can
+    /// take, the median of 15, against which a decode's share of the memory's read rate
+    /// (`kvlens bench bandwidth` ÷ threads) says whether it is bound by the reads or the kernel.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    #[ignore]
+    #[allow(unsafe_code)]
+    fn block_tiles_decode_bench() {
+        type Kernel = unsafe fn(&[u16], &[u8], &Activations, usize) -> [[f32; TILE_ROWS]; 1];
+        let isa = crate::backend::cpu::isa::isa();
+        let (n, cols) = (256, 2048);
+        for kind in [BlockKind::Q4_0, BlockKind::Q8_0] {
+            let tiles = BlockTiles::from_rows(&BlockRows::quantize(kind, &values(n * cols, 3), cols)).unwrap();
+            let acts = Activations::quantize(kind, &values(cols, 11), cols);
+            let q4 = kind == BlockKind::Q4_0;
+            let kernels: [(&str, bool, Kernel); 2] = [
+                (
+                    "AVX2",
+                    isa.avx2_fma,
+                    if q4 {
+                        tile_avx2::<true, 1>
+                    } else {
+                        tile_avx2::<false, 1>
+                    },
+                ),
+                (
+                    "AVX-512 VNNI",
+                    isa.avx512_vnni,
+                    if q4 {
+                        tile_vnni::<true, 1>
+                    } else {
+                        tile_vnni::<false, 1>
+                    },
+                ),
+            ];
+            let kernels: Vec<_> = kernels.into_iter().filter(|k| k.1).collect();
+            let reps = (256 << 20) / tiles.bytes() + 1;
+            let amount = (tiles.bytes() * reps) as f64 / 1e9;
+            let rates = crate::backend::cpu::kernel_bench::alternated_medians(kernels.len(), 15, amount, |i| {
+                let mut sink = 0f32;
+                for _ in 0..reps {
+                    for group in 0..n / TILE_ROWS {
+                        let (scales, quants) = tiles.group(group);
+                        // SAFETY: only the kernels of this CPU's instructions are run.
+                        sink += unsafe { kernels[i].2(scales, quants, &acts, 0) }[0][0];
+                    }
+                }
+                std::hint::black_box(sink);
+            });
+            for ((name, _, _), rate) in kernels.iter().zip(rates) {
+                eprintln!("{kind:?}, {name}: {rate:.1} GB/s");
             }
         }
     }

@@ -293,6 +293,9 @@ trait Lanes {
     /// Whether a `q4_K` chunk's two sub-blocks are summed in one pass (twice the accumulators:
     /// with 32 registers), else one pass each (the chunk read again from the first level cache).
     const BOTH_NIBBLES: bool;
+    /// Runs of four `q6_K` values summed by [`Lanes::dot`] before [`Lanes::scaled`]: a whole
+    /// sub-block of 16 (4) in i32 lanes, two in i16 pairs (without VNNI).
+    const SCALED_RUNS: usize;
     type I: Copy;
     type F: Copy;
     unsafe fn zero() -> Self::I;
@@ -405,6 +408,7 @@ macro_rules! register_ops {
 impl<const VNNI: bool> Lanes for Ymm<VNNI> {
     const ROWS: usize = NARROW;
     const BOTH_NIBBLES: bool = false;
+    const SCALED_RUNS: usize = if VNNI { 4 } else { 2 };
     register_ops!(
         __m256i,
         __m256,
@@ -475,6 +479,7 @@ impl<const VNNI: bool> Lanes for Ymm<VNNI> {
 impl Lanes for Zmm {
     const ROWS: usize = WIDE;
     const BOTH_NIBBLES: bool = true;
+    const SCALED_RUNS: usize = 4;
     register_ops!(
         __m512i,
         __m512,
@@ -595,17 +600,23 @@ unsafe fn q4k_tiles<L: Lanes, const T: usize>(data: &[u8], xs: &[k_quant_dot::KR
         macro_rules! sub_blocks {
             ($chunk:expr, [$($high:literal),+]) => {{
                 let chunk = $chunk;
-                let mut sums = [[L::zero(); 2]; T];
-                // An opaque count keeps the runs a loop: unrolled, LLVM hoisted all the chunk's
-                // activation broadcasts above the products and spilled them to the stack (the
-                // 512-bit kernel ran at half the speed); looped, each folds into `vpdpbusd`.
-                for run in 0..std::hint::black_box(8) {
+                // Per activation row and sub-block, the runs' sums; for one row (a decode), in
+                // two chains (even and odd runs): one chain of eight dependent `vpdpbusd`s per
+                // sub-block bound a decode by their latency (split, the 256-bit kernel's decode
+                // ran 1.8× as fast in `k_quant_tiles_decode_bench`).
+                let mut sums = [[[L::zero(); 2]; 2]; T];
+                // An opaque count keeps a tile's runs a loop: unrolled, LLVM hoisted all the
+                // chunk's activation broadcasts above the products and spilled them to the stack
+                // (the 512-bit kernel ran at half the speed); looped, each folds into `vpdpbusd`.
+                // One row's are unrolled (1.2–1.3× a decode's kernel), with no spill.
+                for run in 0..if T == 1 { 8 } else { std::hint::black_box(8) } {
                     let v = L::load(block.add(g * (QUANTS + 32 * chunk + 4 * run)));
                     let at = b * QK_K + 64 * chunk + 4 * run;
                     $(
                         let w = if $high == 1 { L::and(L::shr16::<4>(v), low) } else { L::and(v, low) };
+                        let chain = if T == 1 { run % 2 } else { 0 };
                         for (sums, x) in sums.iter_mut().zip(xs) {
-                            sums[$high] = L::dot(sums[$high], w, x.quants.as_ptr().add(at + 32 * $high));
+                            sums[$high][chain] = L::dot(sums[$high][chain], w, x.quants.as_ptr().add(at + 32 * $high));
                         }
                     )+
                 }
@@ -619,7 +630,9 @@ unsafe fn q4k_tiles<L: Lanes, const T: usize>(data: &[u8], xs: &[k_quant_dot::KR
                     let rows = acc.iter_mut().zip(offsets.iter_mut()).zip(sums.iter().zip(xs));
                     for ((acc, offsets), (sums, x)) in rows {
                         let dx = L::splat_f(x.scales[8 * b + sub]);
-                        *acc = L::fmadd(L::float(L::widen(sums[$high])), L::mul(scale, dx), *acc);
+                        let [even, odd] = sums[$high];
+                        let sums = if T == 1 { L::add(L::widen(even), L::widen(odd)) } else { L::widen(even) };
+                        *acc = L::fmadd(L::float(sums), L::mul(scale, dx), *acc);
                         let xsum = x.sums[16 * b + 2 * sub] + x.sums[16 * b + 2 * sub + 1];
                         *offsets = L::fmadd(min, L::splat_f(xsum), *offsets);
                     }
@@ -717,9 +730,10 @@ unsafe fn q6k_tiles<L: Lanes, const T: usize>(data: &[u8], xs: &[k_quant_dot::KR
             let x = &xs[0];
             for h in 0..2 {
                 let mut sums = [L::zero(); 4];
-                for pair in 0..4 {
+                for span in 0..8 / L::SCALED_RUNS {
+                    let runs = span * L::SCALED_RUNS..(span + 1) * L::SCALED_RUNS;
                     let mut pairs = [L::zero(); 4];
-                    for run in 2 * pair..2 * pair + 2 {
+                    for run in runs.clone() {
                         let parts = run_parts(h, run);
                         let w = [
                             quants!(parts, 0),
@@ -732,7 +746,7 @@ unsafe fn q6k_tiles<L: Lanes, const T: usize>(data: &[u8], xs: &[k_quant_dot::KR
                         }
                     }
                     for (c, (sums, pairs)) in sums.iter_mut().zip(pairs).enumerate() {
-                        *sums = L::add(*sums, L::scaled(pairs, scales(8 * h + 2 * c + pair / 2)));
+                        *sums = L::add(*sums, L::scaled(pairs, scales(8 * h + 2 * c + runs.start / 4)));
                     }
                 }
                 for (c, sums) in sums.into_iter().enumerate() {
@@ -747,10 +761,11 @@ unsafe fn q6k_tiles<L: Lanes, const T: usize>(data: &[u8], xs: &[k_quant_dot::KR
                 ($h:expr, $c:literal) => {{
                     let (h, c) = ($h, $c);
                     let mut sums = [L::zero(); T];
-                    for pair in 0..4 {
-                        let sub = 8 * h + 2 * c + pair / 2;
+                    for span in 0..8 / L::SCALED_RUNS {
+                        let runs = span * L::SCALED_RUNS..(span + 1) * L::SCALED_RUNS;
+                        let sub = 8 * h + 2 * c + runs.start / 4;
                         let mut pairs = [L::zero(); T];
-                        for run in 2 * pair..2 * pair + 2 {
+                        for run in runs {
                             let w = quants!(run_parts(h, run), $c);
                             for (pairs, x) in pairs.iter_mut().zip(xs) {
                                 *pairs = L::dot(*pairs, w, x_at(x, 128 * h + 32 * c + 4 * run));
@@ -928,69 +943,110 @@ mod tests {
         }
     }
 
+    /// A kernel called directly on one group and `T` activation rows.
+    #[cfg(target_arch = "x86_64")]
+    type Kernel<const T: usize> = unsafe fn(&[u8], &[k_quant_dot::KRow<'_>; T]) -> [[f32; WIDE]; T];
+
+    /// Each kernel this CPU runs for `rows`' format, named, with `rows` in its groups.
+    #[cfg(target_arch = "x86_64")]
+    fn kernels_here<const T: usize>(rows: &KRows) -> Vec<(&'static str, KTiles, Kernel<T>)> {
+        let isa = crate::backend::cpu::isa::isa();
+        let all: [(&str, bool, usize, Kernel<T>, Kernel<T>); 3] = [
+            ("AVX2, 8 rows", isa.avx2_fma, NARROW, q4k_avx2::<T>, q6k_avx2::<T>),
+            (
+                "256-bit VNNI, 8 rows",
+                isa.avx512_vnni,
+                NARROW,
+                q4k_vnni::<T>,
+                q6k_vnni::<T>,
+            ),
+            (
+                "512-bit VNNI, 16 rows",
+                isa.avx512_vnni,
+                WIDE,
+                q4k_wide::<T>,
+                q6k_wide::<T>,
+            ),
+        ];
+        all.into_iter()
+            .filter(|k| k.1)
+            .map(|(name, _, g, q4k, q6k)| {
+                let kernel = if rows.kind() == KQuant::Q4K { q4k } else { q6k };
+                (name, KTiles::grouped(rows, g).unwrap(), kernel)
+            })
+            .collect()
+    }
+
     /// `cargo test --release -p kvlens-engine --lib k_quant_tiles_prefill_bench -- --ignored
     /// --nocapture`: a prefill's products (2048 × 2048 weights, 128 activation rows, one thread)
     /// by each kernel this CPU runs, called directly, alternated; GMAC/s, the median of 9.
     #[cfg(target_arch = "x86_64")]
     #[test]
     #[ignore]
+    #[allow(unsafe_code)]
     fn k_quant_tiles_prefill_bench() {
-        type Kernel = unsafe fn(&[u8], &[k_quant_dot::KRow<'_>; TILE]) -> Sums;
-        let isa = crate::backend::cpu::isa::isa();
         let (n, cols, m) = (2048, 2048, 128);
         let acts = KActivations::quantize(&values(m * cols, 17), cols);
         for kind in [KQuant::Q4K, KQuant::Q6K] {
             let data = random_rows(kind, n, cols, 9);
-            let rows = KRows::new(kind, &data, n, cols).unwrap();
-            let kernels: [(&str, bool, usize, Kernel, Kernel); 3] = [
-                ("AVX2, 8 rows", isa.avx2_fma, NARROW, q4k_avx2::<TILE>, q6k_avx2::<TILE>),
-                (
-                    "256-bit VNNI, 8 rows",
-                    isa.avx512_vnni,
-                    NARROW,
-                    q4k_vnni::<TILE>,
-                    q6k_vnni::<TILE>,
-                ),
-                (
-                    "512-bit VNNI, 16 rows",
-                    isa.avx512_vnni,
-                    WIDE,
-                    q4k_wide::<TILE>,
-                    q6k_wide::<TILE>,
-                ),
-            ];
-            let runs: Vec<_> = kernels
-                .iter()
-                .filter(|k| k.1)
-                .map(|&(name, _, g, q4k, q6k)| {
-                    (
-                        name,
-                        KTiles::grouped(&rows, g).unwrap(),
-                        if kind == KQuant::Q4K { q4k } else { q6k },
-                    )
-                })
-                .collect();
-            let mut rates = vec![vec![]; runs.len()];
-            for _ in 0..9 {
-                for ((_, tiles, kernel), rates) in runs.iter().zip(&mut rates) {
-                    let start = std::time::Instant::now();
+            let runs = kernels_here::<TILE>(&KRows::new(kind, &data, n, cols).unwrap());
+            let rates = crate::backend::cpu::kernel_bench::alternated_medians(
+                runs.len(),
+                9,
+                (n * cols * m) as f64 / 1e9,
+                |i| {
+                    let (_, tiles, kernel) = &runs[i];
                     let mut sink = 0f32;
                     for group in 0..n / tiles.group_rows {
                         for first in (0..m).step_by(TILE) {
                             let xs = std::array::from_fn(|t| acts.row(first + t));
                             // SAFETY: only the kernels of this CPU's instructions are run.
-                            #[allow(unsafe_code)]
-                            let sums = unsafe { kernel(tiles.group(group), &xs) };
-                            sink += sums[0][0];
+                            sink += unsafe { kernel(tiles.group(group), &xs) }[0][0];
                         }
                     }
                     std::hint::black_box(sink);
-                    rates.push((n * cols * m) as f64 / start.elapsed().as_secs_f64() / 1e9);
-                }
+                },
+            );
+            for ((name, _, _), rate) in runs.iter().zip(rates) {
+                eprintln!("{kind:?}, {name}: {rate:.1} GMAC/s");
             }
-            for ((name, _, _), rates) in runs.iter().zip(&mut rates) {
-                rates.sort_by(f64::total_cmp);
-                eprintln!("{kind:?}, {name}: {:.1} GMAC/s", rates[4]);
+        }
+    }
+
+    /// `cargo test --release -p kvlens-engine --lib k_quant_tiles_decode_bench -- --ignored
+    /// --nocapture`: a decode's products (one activation row) by each kernel this CPU runs, one
+    /// thread, over 256 rows of 2048 that stay in the caches, alternated: the GB/s of weights
+    /// each kernel can take (the median of 15), to set beside a thread's share of the memory's
+    /// read rate (`kvlens bench bandwidth`): below it, a decode is bound by the kernel.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    #[ignore]
+    #[allow(unsafe_code)]
+    fn k_quant_tiles_decode_bench() {
+        let (n, cols) = (256, 2048);
+        let acts = KActivations::quantize(&values(cols, 17), cols);
+        for kind in [KQuant::Q4K, KQuant::Q6K] {
+            let data = random_rows(kind, n, cols, 9);
+            let runs = kernels_here::<1>(&KRows::new(kind, &data, n, cols).unwrap());
+            let reps = (256 << 20) / data.len() + 1;
+            let rates = crate::backend::cpu::kernel_bench::alternated_medians(
+                runs.len(),
+                15,
+                (data.len() * reps) as f64 / 1e9,
+                |i| {
+                    let (_, tiles, kernel) = &runs[i];
+                    let mut sink = 0f32;
+                    for _ in 0..reps {
+                        for group in 0..n / tiles.group_rows {
+                            // SAFETY: only the kernels of this CPU's instructions are run.
+                            sink += unsafe { kernel(tiles.group(group), &[acts.row(0)]) }[0][0];
+                        }
+                    }
+                    std::hint::black_box(sink);
+                },
+            );
+            for ((name, _, _), rate) in runs.iter().zip(rates) {
+                eprintln!("{kind:?}, {name}: {rate:.1} GB/s");
             }
         }
     }
