@@ -4,11 +4,12 @@
 //!
 //! The activations are quantized per 32 values as for `q8_0` ([`KActivations`], natural order),
 //! with each 16 quants' sum (times the block's scale) kept beside them for the weights' offsets:
-//! `q4_K`'s minimums and `q6_K`'s 32. The integer sums of each 32 (`q4_K`) or 16 (`q6_K`) weights
-//! are scaled in f32: `Σ d_w · d_x · Σ q_w q_x − offsets`. llama.cpp takes one activation scale
-//! per 256 values (`q8_K`); one per 32 keeps the activations as close as the `q8_0`/`q4_0`
-//! products keep them. AVX-512 VNNI (64 weights per `vpdpbusd`), AVX2 (32 per `vpmaddubsw`
-//! pair), wasm `simd128` (`wasm_dot`: 8 per `i32x4.dot_i16x8`), and portable code the
+//! `q4_K`'s minimums and `q6_K`'s 32 (on x86-64 also `32 Σ q_x` in integers, for the `q6_K`
+//! tiles, which take the 32 off inside their integer sums). The integer sums of each 32 (`q4_K`)
+//! or 16 (`q6_K`) weights are scaled in f32: `Σ d_w · d_x · Σ q_w q_x − offsets`. llama.cpp takes
+//! one activation scale per 256 values (`q8_K`); one per 32 keeps the activations as close as the
+//! `q8_0`/`q4_0` products keep them. AVX-512 VNNI (64 weights per `vpdpbusd`), AVX2 (32 per
+//! `vpmaddubsw` pair), wasm `simd128` (`wasm_dot`: 8 per `i32x4.dot_i16x8`), and portable code the
 //! compiler vectorises.
 
 use super::block_dot::{quantize_q8_to_even, QUANTIZE_ROWS};
@@ -122,6 +123,9 @@ impl KRows {
 pub struct KActivations {
     scales: Vec<f32>,
     sums: Vec<f32>,
+    /// `32 Σ q_x` per 16 values, in integers: the `q6_K` tiles' offset of 32.
+    #[cfg(target_arch = "x86_64")]
+    x32: Vec<i32>,
     quants: Vec<i8>,
     /// The values in i16, each 16's even-indexed first, then the odd-indexed: what wasm's
     /// `i32x4.dot_i16x8` takes against weights unpacked into i16 lanes (`wasm_dot`).
@@ -137,6 +141,9 @@ pub(super) struct KRow<'a> {
     pub(super) scales: &'a [f32],
     /// `d_x · Σ q_x` per 16 values.
     pub(super) sums: &'a [f32],
+    /// `32 Σ q_x` per 16 values.
+    #[cfg(target_arch = "x86_64")]
+    pub(super) x32: &'a [i32],
     /// The i8 values.
     pub(super) quants: &'a [i8],
     /// The values in i16, each 16's even-indexed first, then the odd-indexed.
@@ -171,6 +178,8 @@ impl KActivations {
         KActivations {
             scales: pieces.iter().map(|p| &p.scales[..]).collect::<Vec<_>>().concat(),
             sums: pieces.iter().map(|p| &p.sums[..]).collect::<Vec<_>>().concat(),
+            #[cfg(target_arch = "x86_64")]
+            x32: pieces.iter().map(|p| &p.x32[..]).collect::<Vec<_>>().concat(),
             quants: pieces.iter().map(|p| &p.quants[..]).collect::<Vec<_>>().concat(),
             #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
             wide: pieces.iter().map(|p| &p.wide[..]).collect::<Vec<_>>().concat(),
@@ -195,6 +204,8 @@ impl KActivations {
         let mut acts = KActivations {
             scales: vec![0.0; blocks],
             sums: vec![0.0; 2 * blocks],
+            #[cfg(target_arch = "x86_64")]
+            x32: Vec::new(),
             quants: vec![0; blocks * BLOCK],
             #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
             wide: Vec::new(),
@@ -207,6 +218,14 @@ impl KActivations {
             for (h, half) in q.chunks_exact(BLOCK / 2).enumerate() {
                 acts.sums[2 * b + h] = d * half.iter().map(|&v| v as i32).sum::<i32>() as f32;
             }
+        }
+        #[cfg(target_arch = "x86_64")]
+        {
+            let sums = acts
+                .quants
+                .chunks_exact(16)
+                .map(|q| q.iter().map(|&v| v as i32).sum::<i32>());
+            acts.x32 = sums.map(|sum| 32 * sum).collect();
         }
         #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
         {
@@ -221,6 +240,8 @@ impl KActivations {
         KRow {
             scales: &self.scales[i * blocks..(i + 1) * blocks],
             sums: &self.sums[2 * i * blocks..2 * (i + 1) * blocks],
+            #[cfg(target_arch = "x86_64")]
+            x32: &self.x32[i * self.cols / 16..(i + 1) * self.cols / 16],
             quants: &self.quants[i * self.cols..(i + 1) * self.cols],
             #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
             wide: &self.wide[i * self.cols..(i + 1) * self.cols],
@@ -683,6 +704,8 @@ pub(super) mod tests {
                 (got.scales, got.sums, got.quants),
                 (want.scales, want.sums, want.quants)
             );
+            #[cfg(target_arch = "x86_64")]
+            assert_eq!(got.x32, want.x32);
         }
     }
 

@@ -293,8 +293,8 @@ trait Lanes {
     /// Whether a `q4_K` chunk's two sub-blocks are summed in one pass (twice the accumulators:
     /// with 32 registers), else one pass each (the chunk read again from the first level cache).
     const BOTH_NIBBLES: bool;
-    /// Runs of four `q6_K` values summed by [`Lanes::dot`] before [`Lanes::scaled`]: a whole
-    /// sub-block of 16 (4) in i32 lanes, two in i16 pairs (without VNNI).
+    /// Runs of four `q6_K` values summed by [`Lanes::dot`] before [`Lanes::scaled_less_32`]: a
+    /// whole sub-block of 16 (4) in i32 lanes, two in i16 pairs (without VNNI).
     const SCALED_RUNS: usize;
     type I: Copy;
     type F: Copy;
@@ -304,8 +304,6 @@ trait Lanes {
     unsafe fn load(p: *const u8) -> Self::I;
     /// `ROWS` bytes at `p`, zero-extended to i32 lanes.
     unsafe fn u8s(p: *const u8) -> Self::I;
-    /// `ROWS` bytes at `p`, sign-extended to f32 lanes.
-    unsafe fn i8s_f(p: *const u8) -> Self::F;
     /// `ROWS` f16 values at `p`.
     unsafe fn f16s(p: *const u8) -> Self::F;
     /// `sums` plus each lane's four unsigned weight bytes `w` times the four activation bytes at
@@ -313,8 +311,11 @@ trait Lanes {
     unsafe fn dot(sums: Self::I, w: Self::I, x: *const i8) -> Self::I;
     /// [`Self::dot`]'s sums as i32 lanes.
     unsafe fn widen(sums: Self::I) -> Self::I;
-    /// [`Self::dot`]'s sums times each lane's i8 scale at `scales`, as i32 lanes.
-    unsafe fn scaled(sums: Self::I, scales: *const u8) -> Self::I;
+    /// A span of [`Self::SCALED_RUNS`] runs' [`Self::dot`] sums times each lane's i8 scale at
+    /// `scales`, as i32 lanes, less `scale · x32` where the span is the `first` of its
+    /// sub-block of 16 (`x32`: `32 Σ q_x` over the sub-block's activations): summed over a
+    /// sub-block's spans, `scale · Σ (q_w − 32) q_x`.
+    unsafe fn scaled_less_32(sums: Self::I, x32: *const i32, first: bool, scales: *const u8) -> Self::I;
     unsafe fn splat(byte: i8) -> Self::I;
     unsafe fn and(a: Self::I, b: Self::I) -> Self::I;
     unsafe fn or(a: Self::I, b: Self::I) -> Self::I;
@@ -431,10 +432,6 @@ impl<const VNNI: bool> Lanes for Ymm<VNNI> {
         _mm256_cvtepu8_epi32(_mm_loadl_epi64(p.cast()))
     }
     #[inline(always)]
-    unsafe fn i8s_f(p: *const u8) -> Self::F {
-        _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(p.cast())))
-    }
-    #[inline(always)]
     unsafe fn f16s(p: *const u8) -> Self::F {
         _mm256_cvtph_ps(_mm_loadu_si128(p.cast()))
     }
@@ -456,12 +453,21 @@ impl<const VNNI: bool> Lanes for Ymm<VNNI> {
         }
     }
     #[inline(always)]
-    unsafe fn scaled(sums: Self::I, scales: *const u8) -> Self::I {
+    unsafe fn scaled_less_32(sums: Self::I, x32: *const i32, first: bool, scales: *const u8) -> Self::I {
         let s = _mm_loadl_epi64(scales.cast());
         if VNNI {
-            _mm256_mullo_epi32(sums, _mm256_cvtepi8_epi32(s))
+            // A span is the whole sub-block: its term comes off before the multiply.
+            debug_assert!(first);
+            _mm256_mullo_epi32(_mm256_sub_epi32(sums, _mm256_set1_epi32(*x32)), _mm256_cvtepi8_epi32(s))
         } else {
-            _mm256_madd_epi16(sums, _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(s, s)))
+            let pairs = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(s, s));
+            let scaled = _mm256_madd_epi16(sums, pairs);
+            if first {
+                // Both i16 halves of each lane hold `16 Σ q_x` (at most 16 · 16 · 127 = 32,512).
+                _mm256_sub_epi32(scaled, _mm256_madd_epi16(_mm256_set1_epi16((*x32 / 2) as i16), pairs))
+            } else {
+                scaled
+            }
         }
     }
     #[inline(always)]
@@ -502,10 +508,6 @@ impl Lanes for Zmm {
         _mm512_cvtepu8_epi32(_mm_loadu_si128(p.cast()))
     }
     #[inline(always)]
-    unsafe fn i8s_f(p: *const u8) -> Self::F {
-        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p.cast())))
-    }
-    #[inline(always)]
     unsafe fn f16s(p: *const u8) -> Self::F {
         _mm512_cvtph_ps(_mm256_loadu_si256(p.cast()))
     }
@@ -518,8 +520,10 @@ impl Lanes for Zmm {
         sums
     }
     #[inline(always)]
-    unsafe fn scaled(sums: Self::I, scales: *const u8) -> Self::I {
-        _mm512_mullo_epi32(sums, _mm512_cvtepi8_epi32(_mm_loadu_si128(scales.cast())))
+    unsafe fn scaled_less_32(sums: Self::I, x32: *const i32, first: bool, scales: *const u8) -> Self::I {
+        debug_assert!(first);
+        let less = _mm512_sub_epi32(sums, _mm512_set1_epi32(*x32));
+        _mm512_mullo_epi32(less, _mm512_cvtepi8_epi32(_mm_loadu_si128(scales.cast())))
     }
     #[inline(always)]
     unsafe fn shr16<const N: u32>(a: Self::I) -> Self::I {
@@ -573,9 +577,10 @@ kernels_for!(
 /// The products of one group's super-blocks (`data`) with the activation rows `xs`: per
 /// sub-block and run of four weight bytes, one [`Lanes::dot`] per activation row against its four
 /// matching bytes broadcast (without VNNI: i16 pairs, each at most 8 · 2 · 15 · 128 = 30,720 over
-/// the sub-block's eight runs, widened once); per sub-block each row's sums scaled by `d · scale ·
-/// d_x`. The minimums' terms `dmin Σ min · d_x Σ q_x` are summed per sub-block and subtracted per
-/// super-block. A chunk's 32 bytes per row hold two sub-blocks (low and high nibbles).
+/// the sub-block's eight runs, widened once; for one activation row, two chains of four runs,
+/// each widened); per sub-block each row's sums scaled by `d · scale · d_x`. The minimums' terms
+/// `dmin Σ min · d_x Σ q_x` are summed per sub-block and subtracted per super-block. A chunk's
+/// 32 bytes per row hold two sub-blocks (low and high nibbles).
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 #[allow(unsafe_code, unsafe_op_in_unsafe_fn)]
@@ -602,8 +607,8 @@ unsafe fn q4k_tiles<L: Lanes, const T: usize>(data: &[u8], xs: &[k_quant_dot::KR
                 let chunk = $chunk;
                 // Per activation row and sub-block, the runs' sums; for one row (a decode), in
                 // two chains (even and odd runs): one chain of eight dependent `vpdpbusd`s per
-                // sub-block bound a decode by their latency (split, the 256-bit kernel's decode
-                // ran 1.8× as fast in `k_quant_tiles_decode_bench`).
+                // sub-block bound a decode by their latency (split alone, the 256-bit kernel's
+                // decode ran 1.8× as fast in `k_quant_tiles_decode_bench`).
                 let mut sums = [[[L::zero(); 2]; 2]; T];
                 // An opaque count keeps a tile's runs a loop: unrolled, LLVM hoisted all the
                 // chunk's activation broadcasts above the products and spilled them to the stack
@@ -612,9 +617,9 @@ unsafe fn q4k_tiles<L: Lanes, const T: usize>(data: &[u8], xs: &[k_quant_dot::KR
                 for run in 0..if T == 1 { 8 } else { std::hint::black_box(8) } {
                     let v = L::load(block.add(g * (QUANTS + 32 * chunk + 4 * run)));
                     let at = b * QK_K + 64 * chunk + 4 * run;
+                    let chain = if T == 1 { run % 2 } else { 0 };
                     $(
                         let w = if $high == 1 { L::and(L::shr16::<4>(v), low) } else { L::and(v, low) };
-                        let chain = if T == 1 { run % 2 } else { 0 };
                         for (sums, x) in sums.iter_mut().zip(xs) {
                             sums[$high][chain] = L::dot(sums[$high][chain], w, x.quants.as_ptr().add(at + 32 * $high));
                         }
@@ -660,7 +665,7 @@ unsafe fn q4k_tiles<L: Lanes, const T: usize>(data: &[u8], xs: &[k_quant_dot::KR
 
 /// The super-blocks in a group's `data` of `group_block` bytes each; panics unless `data` is
 /// whole super-blocks and every activation row of `xs` holds as many super-blocks' values,
-/// scales and sums (the SIMD kernels read within those lengths).
+/// scales and sums of both kinds (the SIMD kernels read within those lengths).
 #[cfg(target_arch = "x86_64")]
 fn super_blocks(data: &[u8], group_block: usize, xs: &[k_quant_dot::KRow<'_>]) -> usize {
     use crate::arch::ggml::QK_K;
@@ -668,6 +673,7 @@ fn super_blocks(data: &[u8], group_block: usize, xs: &[k_quant_dot::KRow<'_>]) -
     assert_eq!(data.len(), nb * group_block);
     for x in xs {
         assert!(x.quants.len() >= nb * QK_K && x.scales.len() >= 8 * nb && x.sums.len() >= 16 * nb);
+        assert!(x.x32.len() >= 16 * nb);
     }
     nb
 }
@@ -675,11 +681,11 @@ fn super_blocks(data: &[u8], group_block: usize, xs: &[k_quant_dot::KRow<'_>]) -
 /// [`q4k_tiles`] for `q6_K`: per 32 values (piece `c` of half `h` of the super-block: values
 /// `128h + 32c..`, their low four bits in the low (`c` < 2) or high nibbles of the half's bytes
 /// `32(c % 2)..`, their top two at bit `2c` of its high bit pairs), one [`Lanes::dot`] per run of
-/// four weight bytes (the 6-bit quants, 0–63) and activation row, two runs summed (without VNNI
-/// in i16, at most 2 · 2 · 63 · 128 = 32,256) and multiplied by the runs' sub-block scales
-/// ([`Lanes::scaled`]), so the i32 lanes hold the piece's `Σ scale · q_w q_x`, scaled once by
-/// `d · d_x`. GGML's `q6_K` values are `q_w − 32`: the 32s' term `32 · d Σ scale · d_x Σ q_x` is
-/// summed apart per sub-block of 16 and subtracted at the end.
+/// four weight bytes (the 6-bit quants, 0–63) and activation row, [`Lanes::SCALED_RUNS`] runs
+/// summed (a whole sub-block of 16 in i32 with VNNI; two without, in i16, at most 2 · 2 · 63 ·
+/// 128 = 32,256). GGML's `q6_K` values are `q_w − 32`: each span's sums lose `32 Σ q_x` and are
+/// multiplied by their sub-block's scale in integers ([`Lanes::scaled_less_32`]), so the i32
+/// lanes hold the piece's `Σ scale · (q_w − 32) q_x`, scaled once by `d · d_x`.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 #[allow(unsafe_code, unsafe_op_in_unsafe_fn)]
@@ -687,11 +693,12 @@ unsafe fn q6k_tiles<L: Lanes, const T: usize>(data: &[u8], xs: &[k_quant_dot::KR
     use crate::arch::ggml::QK_K;
     let g = L::ROWS;
     let group_block = g * k_quant_dot::Q6K_BYTES;
+    // A span of runs scaled at once stays inside one sub-block of 16 (four runs).
+    const { assert!(4 % L::SCALED_RUNS == 0) };
     // The reads below stay inside the lengths this checks.
     let nb = super_blocks(data, group_block, xs);
     let (low, high) = (L::splat(0x0F), L::splat(0x30));
     let mut acc = [L::zero_f(); T];
-    let mut offsets = [L::zero_f(); T];
     for b in 0..nb {
         // SAFETY: every read below is inside super-block `b` of the group (asserted above) or
         // inside the activation rows' lengths (asserted above); a prefetch never faults.
@@ -699,12 +706,6 @@ unsafe fn q6k_tiles<L: Lanes, const T: usize>(data: &[u8], xs: &[k_quant_dot::KR
         super::packed::prefetch_past(block, group_block);
         let d = L::f16s(block.add(g * Q6_D));
         let scales = |sub: usize| block.add(g * (Q6_SCALES + sub));
-        for sub in 0..16 {
-            let scale = L::mul(d, L::i8s_f(scales(sub)));
-            for (offsets, x) in offsets.iter_mut().zip(xs) {
-                *offsets = L::fmadd(scale, L::splat_f(x.sums[16 * b + sub]), *offsets);
-            }
-        }
         // Run `run` of half `h`: its low nibbles' two registers and its high bit pairs'.
         let run_parts = |h: usize, run: usize| {
             let at = |part: usize| L::load(block.add(g * (Q6_QUANTS + 96 * h + 12 * run + 4 * part)));
@@ -724,6 +725,9 @@ unsafe fn q6k_tiles<L: Lanes, const T: usize>(data: &[u8], xs: &[k_quant_dot::KR
             }};
         }
         let x_at = |x: &k_quant_dot::KRow<'_>, at: usize| x.quants.as_ptr().add(b * QK_K + at);
+        // `32 Σ q_x` of the sub-block of 16 activation values that holds value `at` of the
+        // super-block.
+        let x32_at = |x: &k_quant_dot::KRow<'_>, at: usize| x.x32.as_ptr().add((b * QK_K + at) / 16);
         if T == 1 {
             // One activation row: each run's parts are read once, in memory order, and make
             // all four pieces' quants.
@@ -732,7 +736,7 @@ unsafe fn q6k_tiles<L: Lanes, const T: usize>(data: &[u8], xs: &[k_quant_dot::KR
                 let mut sums = [L::zero(); 4];
                 for span in 0..8 / L::SCALED_RUNS {
                     let runs = span * L::SCALED_RUNS..(span + 1) * L::SCALED_RUNS;
-                    let mut pairs = [L::zero(); 4];
+                    let mut spans = [L::zero(); 4];
                     for run in runs.clone() {
                         let parts = run_parts(h, run);
                         let w = [
@@ -741,12 +745,14 @@ unsafe fn q6k_tiles<L: Lanes, const T: usize>(data: &[u8], xs: &[k_quant_dot::KR
                             quants!(parts, 2),
                             quants!(parts, 3),
                         ];
-                        for (c, (pairs, w)) in pairs.iter_mut().zip(w).enumerate() {
-                            *pairs = L::dot(*pairs, w, x_at(x, 128 * h + 32 * c + 4 * run));
+                        for (c, (spans, w)) in spans.iter_mut().zip(w).enumerate() {
+                            *spans = L::dot(*spans, w, x_at(x, 128 * h + 32 * c + 4 * run));
                         }
                     }
-                    for (c, (sums, pairs)) in sums.iter_mut().zip(pairs).enumerate() {
-                        *sums = L::add(*sums, L::scaled(pairs, scales(8 * h + 2 * c + runs.start / 4)));
+                    for (c, (sums, spans)) in sums.iter_mut().zip(spans).enumerate() {
+                        let (sub, at) = (8 * h + 2 * c + runs.start / 4, 128 * h + 32 * c + 4 * runs.start);
+                        let less = L::scaled_less_32(spans, x32_at(x, at), runs.start % 4 == 0, scales(sub));
+                        *sums = L::add(*sums, less);
                     }
                 }
                 for (c, sums) in sums.into_iter().enumerate() {
@@ -763,16 +769,18 @@ unsafe fn q6k_tiles<L: Lanes, const T: usize>(data: &[u8], xs: &[k_quant_dot::KR
                     let mut sums = [L::zero(); T];
                     for span in 0..8 / L::SCALED_RUNS {
                         let runs = span * L::SCALED_RUNS..(span + 1) * L::SCALED_RUNS;
-                        let sub = 8 * h + 2 * c + runs.start / 4;
-                        let mut pairs = [L::zero(); T];
+                        let (sub, at) = (8 * h + 2 * c + runs.start / 4, 128 * h + 32 * c + 4 * runs.start);
+                        let first = runs.start % 4 == 0;
+                        let mut spans = [L::zero(); T];
                         for run in runs {
                             let w = quants!(run_parts(h, run), $c);
-                            for (pairs, x) in pairs.iter_mut().zip(xs) {
-                                *pairs = L::dot(*pairs, w, x_at(x, 128 * h + 32 * c + 4 * run));
+                            for (spans, x) in spans.iter_mut().zip(xs) {
+                                *spans = L::dot(*spans, w, x_at(x, 128 * h + 32 * c + 4 * run));
                             }
                         }
-                        for (sums, pairs) in sums.iter_mut().zip(pairs) {
-                            *sums = L::add(*sums, L::scaled(pairs, scales(sub)));
+                        for ((sums, spans), x) in sums.iter_mut().zip(spans).zip(xs) {
+                            let less = L::scaled_less_32(spans, x32_at(x, at), first, scales(sub));
+                            *sums = L::add(*sums, less);
                         }
                     }
                     for ((acc, sums), x) in acc.iter_mut().zip(sums).zip(xs) {
@@ -791,7 +799,7 @@ unsafe fn q6k_tiles<L: Lanes, const T: usize>(data: &[u8], xs: &[k_quant_dot::KR
     }
     std::array::from_fn(|t| {
         let mut out = [0f32; WIDE];
-        L::store(L::fnmadd(L::splat_f(32.0), offsets[t], acc[t]), &mut out);
+        L::store(acc[t], &mut out);
         out
     })
 }
