@@ -205,7 +205,7 @@ impl KActivations {
             scales: vec![0.0; blocks],
             sums: vec![0.0; 2 * blocks],
             #[cfg(target_arch = "x86_64")]
-            x32: Vec::new(),
+            x32: Vec::with_capacity(2 * blocks),
             quants: vec![0; blocks * BLOCK],
             #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
             wide: Vec::new(),
@@ -216,16 +216,11 @@ impl KActivations {
             let d = quantize_q8_to_even(values, q);
             acts.scales[b] = d;
             for (h, half) in q.chunks_exact(BLOCK / 2).enumerate() {
-                acts.sums[2 * b + h] = d * half.iter().map(|&v| v as i32).sum::<i32>() as f32;
+                let sum = half.iter().map(|&v| v as i32).sum::<i32>();
+                acts.sums[2 * b + h] = d * sum as f32;
+                #[cfg(target_arch = "x86_64")]
+                acts.x32.push(32 * sum);
             }
-        }
-        #[cfg(target_arch = "x86_64")]
-        {
-            let sums = acts
-                .quants
-                .chunks_exact(16)
-                .map(|q| q.iter().map(|&v| v as i32).sum::<i32>());
-            acts.x32 = sums.map(|sum| 32 * sum).collect();
         }
         #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
         {
