@@ -121,7 +121,8 @@ impl BlockTiles {
     }
 
     /// The products of weight rows `row..row + n` (inside one group) with activation rows `rows`
-    /// of `acts`, that of (activation row `i`, weight row `row + r`) into `out[i · stride + r]`.
+    /// of `acts`, that of (activation row `i`, weight row `row + r`) into
+    /// `out[(i − rows.start) · stride + r]`.
     pub fn products(
         &self,
         row: usize,
@@ -134,10 +135,10 @@ impl BlockTiles {
         debug_assert_eq!(acts.kind(), self.kind);
         let (group, lane) = (row / TILE_ROWS, row % TILE_ROWS);
         assert!(lane + n <= TILE_ROWS, "rows {row}..{} cross a group", row + n);
-        for (first, t) in tiles_of(rows, TILE) {
+        for (first, t) in tiles_of(rows.clone(), TILE) {
             let sums = self.tile(group, acts, first, t);
             for (k, sums) in sums.iter().enumerate().take(t) {
-                out[(first + k) * stride..][..n].copy_from_slice(&sums[lane..lane + n]);
+                out[(first - rows.start + k) * stride..][..n].copy_from_slice(&sums[lane..lane + n]);
             }
         }
     }
@@ -442,7 +443,7 @@ mod tests {
                         // In two calls, the first ending off the tile size.
                         let mut got = vec![0f32; n * m];
                         for rows in [0..m / 2, m / 2..m] {
-                            tiles.products(row, n, &acts, rows, &mut got, n);
+                            tiles.products(row, n, &acts, rows.clone(), &mut got[rows.start * n..], n);
                         }
                         for r in 0..n {
                             let (s, q) = (rows.row_scales(row + r), rows.row_quants(row + r));

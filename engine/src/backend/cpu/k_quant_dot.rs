@@ -230,6 +230,7 @@ impl KActivations {
     }
 
     /// Activation row `i`.
+    #[inline(always)]
     pub(super) fn row(&self, i: usize) -> KRow<'_> {
         let blocks = self.cols / BLOCK;
         KRow {

@@ -34,7 +34,8 @@ const NARROW: usize = 8;
 /// Weight rows in one group of the AVX-512 layout: one i32 lane per row of a 512-bit register.
 const WIDE: usize = 16;
 
-/// Activation rows one kernel call takes: they share each unpacked register of weights.
+/// Activation rows one kernel call takes: they share each unpacked register of weights (four:
+/// `kernels_for!` lists them).
 const TILE: usize = 4;
 
 /// Where each part of a `q4_K` group's super-block starts, in bytes per row of the group: `d`
@@ -213,7 +214,7 @@ impl KTiles {
     }
 
     /// The products of weight rows `row..row + n` with activation rows `rows` of `acts`, that of
-    /// (activation row `i`, weight row `row + r`) into `out[i · stride + r]`.
+    /// (activation row `i`, weight row `row + r`) into `out[(i − rows.start) · stride + r]`.
     pub fn products(
         &self,
         row: usize,
@@ -228,48 +229,54 @@ impl KTiles {
         while r < row + n {
             let (group, lane) = (r / g, r % g);
             let take = (g - lane).min(row + n - r);
-            for (first, t) in tiles_of(rows.clone(), TILE) {
-                let sums = self.tile(group, acts, first, t);
-                for (k, sums) in sums.iter().enumerate().take(t) {
-                    out[(first + k) * stride + r - row..][..take].copy_from_slice(&sums[lane..lane + take]);
-                }
-            }
+            self.group_products(
+                group,
+                lane..lane + take,
+                acts,
+                rows.clone(),
+                &mut out[r - row..],
+                stride,
+            );
             r += take;
         }
     }
 
-    /// Group `group`'s products with activation rows `first..first + t` (`t` is 1 or [`TILE`]).
-    fn tile(&self, group: usize, acts: &KActivations, first: usize, t: usize) -> Sums {
+    /// Lanes `lanes` of group `group`'s products with activation rows `rows`, that of (activation
+    /// row `i`, lane `l`) into `out[(i − rows.start) · stride + l − lanes.start]`. The loop over
+    /// the rows' tiles runs in one function per kernel set, each tile's activation rows built in
+    /// place: built by a call per tile and read back whole, they waited on every store before
+    /// them, the previous tiles' outputs included (11.5 % of a `Q4_K_M` prefill on the Xeon).
+    fn group_products(
+        &self,
+        group: usize,
+        lanes: Range<usize>,
+        acts: &KActivations,
+        rows: Range<usize>,
+        out: &mut [f32],
+        stride: usize,
+    ) {
         #[cfg(target_arch = "x86_64")]
         let data = self.group(group);
         #[cfg(target_arch = "x86_64")]
-        let rows = |k: usize| acts.row(first + k);
-        #[cfg(target_arch = "x86_64")]
-        let one =
-            |sums: [[f32; WIDE]; 1]| -> Sums { std::array::from_fn(|k| if k == 0 { sums[0] } else { [0.0; WIDE] }) };
-        // The kernels `$q4k` and `$q6k` on this group, for a tile or one row.
-        #[cfg(target_arch = "x86_64")]
-        macro_rules! kernels {
-            ($q4k:ident, $q6k:ident) => {
-                match (self.kind, t == TILE) {
-                    (KQuant::Q4K, true) => $q4k::<TILE>(data, &std::array::from_fn(rows)),
-                    (KQuant::Q4K, false) => one($q4k::<1>(data, &[rows(0)])),
-                    (KQuant::Q6K, true) => $q6k::<TILE>(data, &std::array::from_fn(rows)),
-                    (KQuant::Q6K, false) => one($q6k::<1>(data, &[rows(0)])),
-                }
-            };
-        }
+        let args = (self.kind, data, acts, lanes.clone(), rows.clone());
+        let portable = |out: &mut [f32]| {
+            for (first, t) in tiles_of(rows.clone(), TILE) {
+                let sums = self.tile_portable(group, acts, first, t);
+                store_sums(&sums[..t], first - rows.start, lanes.clone(), out, stride);
+            }
+        };
         if self.group_rows == WIDE {
-            return fastest!(avx512_vnni => kernels!(q4k_wide, q6k_wide), _ => self.tile_portable(group, acts, first, t));
+            return fastest!(avx512_vnni => group_wide(args, out, stride), _ => portable(out));
         }
         fastest!(
-            avx512_vnni => kernels!(q4k_vnni, q6k_vnni),
-            avx2_fma => kernels!(q4k_avx2, q6k_avx2),
-            _ => self.tile_portable(group, acts, first, t),
+            avx512_vnni => group_vnni(args, out, stride),
+            avx2_fma => group_avx2(args, out, stride),
+            _ => portable(out),
         )
     }
 
-    /// [`Self::tile`] row by row, un-interleaved, in portable code.
+    /// Group `group`'s products with activation rows `first..first + t`, row by row,
+    /// un-interleaved, in portable code.
     fn tile_portable(&self, group: usize, acts: &KActivations, first: usize, t: usize) -> Sums {
         let mut sums = [[0f32; WIDE]; TILE];
         for lane in 0..self.group_rows {
@@ -535,11 +542,28 @@ impl Lanes for Zmm {
     }
 }
 
-/// `$q4k` and `$q6k`: [`q4k_tiles`] and [`q6k_tiles`] over `$lanes`, compiled for `$features`.
+/// Lanes `lanes` of the sums `sums[k]` of the `at + k`-th activation row of a call into
+/// `out[(at + k) · stride..]`.
+#[inline(always)]
+fn store_sums(sums: &[[f32; WIDE]], at: usize, lanes: Range<usize>, out: &mut [f32], stride: usize) {
+    for (k, sums) in sums.iter().enumerate() {
+        out[(at + k) * stride..][..lanes.len()].copy_from_slice(&sums[lanes.clone()]);
+    }
+}
+
+/// What [`KTiles::group_products`] hands the kernels: the format, the group's super-blocks, the
+/// activations, the lanes kept and the activation rows.
+#[cfg(target_arch = "x86_64")]
+type GroupArgs<'a> = (KQuant, &'a [u8], &'a KActivations, Range<usize>, Range<usize>);
+
+/// `$q4k` and `$q6k`: [`q4k_tiles`] and [`q6k_tiles`] over `$lanes`, compiled for `$features`
+/// (functions of their own, as measured, not inlined into the loop); `$group`:
+/// [`KTiles::group_products`] by them, tile after tile.
 macro_rules! kernels_for {
-    ($q4k:ident, $q6k:ident, $lanes:ty, $features:literal) => {
+    ($q4k:ident, $q6k:ident, $group:ident, $lanes:ty, $features:literal) => {
         #[cfg(target_arch = "x86_64")]
         #[target_feature(enable = $features)]
+        #[inline(never)]
         fn $q4k<const T: usize>(data: &[u8], xs: &[k_quant_dot::KRow<'_>; T]) -> [[f32; WIDE]; T] {
             // SAFETY: compiled for the instructions `$lanes` uses, which the caller's CPU has.
             #[allow(unsafe_code)]
@@ -550,6 +574,7 @@ macro_rules! kernels_for {
 
         #[cfg(target_arch = "x86_64")]
         #[target_feature(enable = $features)]
+        #[inline(never)]
         fn $q6k<const T: usize>(data: &[u8], xs: &[k_quant_dot::KRow<'_>; T]) -> [[f32; WIDE]; T] {
             // SAFETY: as above.
             #[allow(unsafe_code)]
@@ -557,19 +582,51 @@ macro_rules! kernels_for {
                 q6k_tiles::<$lanes, T>(data, xs)
             }
         }
+
+        #[cfg(target_arch = "x86_64")]
+        #[target_feature(enable = $features)]
+        fn $group((kind, data, acts, lanes, rows): GroupArgs<'_>, out: &mut [f32], stride: usize) {
+            let start = rows.start;
+            for (first, t) in tiles_of(rows, TILE) {
+                if t == TILE {
+                    // Written out, not by a closure: one compiled apart left each row in memory
+                    // to be read back whole, waiting on the previous tile's output stores.
+                    let xs = [
+                        acts.row(first),
+                        acts.row(first + 1),
+                        acts.row(first + 2),
+                        acts.row(first + 3),
+                    ];
+                    let sums = match kind {
+                        KQuant::Q4K => $q4k::<TILE>(data, &xs),
+                        KQuant::Q6K => $q6k::<TILE>(data, &xs),
+                    };
+                    store_sums(&sums, first - start, lanes.clone(), out, stride);
+                } else {
+                    let xs = [acts.row(first)];
+                    let sums = match kind {
+                        KQuant::Q4K => $q4k::<1>(data, &xs),
+                        KQuant::Q6K => $q6k::<1>(data, &xs),
+                    };
+                    store_sums(&sums, first - start, lanes.clone(), out, stride);
+                }
+            }
+        }
     };
 }
 
-kernels_for!(q4k_avx2, q6k_avx2, Ymm<false>, "avx2,fma,f16c");
+kernels_for!(q4k_avx2, q6k_avx2, group_avx2, Ymm<false>, "avx2,fma,f16c");
 kernels_for!(
     q4k_vnni,
     q6k_vnni,
+    group_vnni,
     Ymm<true>,
     "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni"
 );
 kernels_for!(
     q4k_wide,
     q6k_wide,
+    group_wide,
     Zmm,
     "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni"
 );
@@ -929,7 +986,7 @@ mod tests {
                         // In two calls, the first ending off the tile size.
                         let mut got = vec![0f32; count * m];
                         for part in [0..m / 2, m / 2..m] {
-                            tiles.products(row, count, &acts, part, &mut got, count);
+                            tiles.products(row, count, &acts, part.clone(), &mut got[part.start * count..], count);
                         }
                         for r in 0..count {
                             for i in 0..m {
@@ -987,7 +1044,9 @@ mod tests {
 
     /// `cargo test --release -p kvlens-engine --lib k_quant_tiles_prefill_bench -- --ignored
     /// --nocapture`: a prefill's products (2048 × 2048 weights, 128 activation rows, one thread)
-    /// by each kernel this CPU runs, called directly, alternated; GMAC/s, the median of 9.
+    /// by each kernel this CPU runs, called directly, then the fastest through
+    /// [`KTiles::products`] (a group at a time, as a prefill calls it), alternated; GMAC/s, the
+    /// median of 9.
     #[cfg(target_arch = "x86_64")]
     #[test]
     #[ignore]
@@ -998,12 +1057,22 @@ mod tests {
         for kind in [KQuant::Q4K, KQuant::Q6K] {
             let data = random_rows(kind, n, cols, 9);
             let runs = kernels_here::<TILE>(&KRows::new(kind, &data, n, cols).unwrap());
+            let mut out = vec![0f32; n * m];
             let rates = crate::backend::cpu::kernel_bench::alternated_medians(
-                runs.len(),
+                runs.len() + 1,
                 9,
                 (n * cols * m) as f64 / 1e9,
                 |i| {
-                    let (_, tiles, kernel) = &runs[i];
+                    let Some((_, tiles, kernel)) = runs.get(i) else {
+                        // The fastest kernel's layout through the path a prefill takes, each group's
+                        // products after the previous group's.
+                        let tiles = &runs[runs.len() - 1].1;
+                        let g = tiles.group_rows;
+                        for group in 0..n / g {
+                            tiles.products(group * g, g, &acts, 0..m, &mut out[group * g * m..], g);
+                        }
+                        return;
+                    };
                     let mut sink = 0f32;
                     for group in 0..n / tiles.group_rows {
                         for first in (0..m).step_by(TILE) {
@@ -1015,7 +1084,8 @@ mod tests {
                     std::hint::black_box(sink);
                 },
             );
-            for ((name, _, _), rate) in runs.iter().zip(rates) {
+            let names = runs.iter().map(|r| r.0).chain(["the last through KTiles::products"]);
+            for (name, rate) in names.zip(rates) {
                 eprintln!("{kind:?}, {name}: {rate:.1} GMAC/s");
             }
         }

@@ -296,8 +296,8 @@ const ROWS_PER_TASK: usize = 64;
 
 /// One matrix's products: `dot(row, n, acts, cold, out, stride)` writes the products of weight
 /// rows `row..row + n` (never across a group of [`TILE_ROWS`]) with activation rows `acts` into
-/// `out`, that of (activation row `i`, weight row `row + r`) at `out[i · stride + r]`; `cold`
-/// marks the first call of a run (nothing prefetched yet).
+/// `out`, that of (activation row `i`, weight row `row + r`) at `out[(i − acts.start) · stride +
+/// r]`; `cold` marks the first call of a run (nothing prefetched yet).
 type RowDot<'a> = dyn Fn(usize, usize, Range<usize>, bool, &mut [f32], usize) + Sync + 'a;
 
 /// The activations of `acts` quantized for `kind`.
@@ -324,8 +324,8 @@ fn row_by_row<'a>(dot: impl Fn(usize, usize, bool, &mut [f32]) + Sync + 'a) -> B
             products.resize(acts.len(), 0.0);
             for r in 0..n {
                 dot(row + r, acts.start, cold && r == 0, products);
-                for (i, &v) in acts.clone().zip(products.iter()) {
-                    out[i * stride + r] = v;
+                for (k, &v) in products.iter().enumerate() {
+                    out[k * stride + r] = v;
                 }
             }
         })
@@ -404,6 +404,12 @@ const RUNS_PER_THREAD: usize = 8;
 /// samples with 32 runs instead of 8.
 const DECODE_RUNS_PER_THREAD: usize = 32;
 
+/// The rows of the piece [`by_weight_rows`] hands a [`RowDot`] at `row` (row `local` of its
+/// part): as far as the end of the group, the part (`part_end`) or the run (`run_end`).
+fn piece_rows(local: usize, part_end: usize, run_end: usize, row: usize) -> usize {
+    (TILE_ROWS - local % TILE_ROWS).min(part_end - row).min(run_end - row)
+}
+
 /// Activation rows per task of [`by_weight_rows`]' gathering of each matrix's products.
 const GATHER_ROWS: usize = 16;
 
@@ -412,10 +418,12 @@ const GATHER_ROWS: usize = 16;
 /// [`DECODE_RUNS_PER_THREAD`]) contiguous runs per thread of candle's pool (the one its other
 /// kernels use; [`run_ends`]), so each thread reads
 /// a few streams, in pieces of whole groups of [`TILE_ROWS`] rows, the first of each run and
-/// matrix started cold; once per [`activation_slice`] of the activation rows. Each run writes its
-/// own `[m, run's rows]` (a tile's sums for one activation row and group are one cache line), and
-/// each matrix's products are then gathered from the runs that hold its rows (one activation row's are
-/// the runs' outputs in sequence).
+/// matrix started cold; once per [`activation_slice`] of the activation rows. Each piece writes
+/// its `[slice, piece's rows]` products in sequence after the previous piece's (a tile's sums
+/// for one activation row and group are one cache line; written a row of `[m, run's rows]`
+/// apart, each missed the caches and held up the kernels: 18 % of the `q4_K` tiles' speed), and
+/// each matrix's products are then gathered from the pieces that hold its rows (one activation
+/// row's are the runs' outputs in sequence).
 fn by_weight_rows(parts: &[Part<'_>], m: usize, cols: usize) -> Vec<Vec<f32>> {
     let total: usize = parts.iter().map(|p| p.0).sum();
     if m == 0 || total == 0 {
@@ -446,12 +454,9 @@ fn by_weight_rows(parts: &[Part<'_>], m: usize, cols: usize) -> Vec<Vec<f32>> {
                     j += 1;
                     cold = true;
                 }
-                // As far as the end of the group, the part or the run.
-                let local = row - first;
-                let n = (TILE_ROWS - local % TILE_ROWS)
-                    .min(first + parts[j].0 - row)
-                    .min(end - row);
-                (parts[j].2)(local, n, acts.clone(), cold, &mut run[row - start..], end - start);
+                let n = piece_rows(row - first, first + parts[j].0, end, row);
+                let at = from * (end - start) + (row - start) * acts.len();
+                (parts[j].2)(row - first, n, acts.clone(), cold, &mut run[at..], n);
                 cold = false;
                 row += n;
             }
@@ -476,17 +481,28 @@ fn by_weight_rows(parts: &[Part<'_>], m: usize, cols: usize) -> Vec<Vec<f32>> {
             first += rows;
             let mut out = vec![0f32; m * rows];
             let task = |p: usize, piece: &mut [f32]| {
-                for (&start, &end) in starts.iter().zip(&ends) {
-                    let (lo, hi) = (start.max(mine.start), end.min(mine.end));
-                    if lo >= hi {
-                        continue;
+                // The pieces of this matrix's rows as the runs took them.
+                let (mut row, mut t) = (mine.start, 0);
+                while row < mine.end {
+                    while ends[t] <= row {
+                        t += 1;
                     }
-                    let width = end - start;
+                    let (start, end) = (starts[t], ends[t]);
+                    let n = piece_rows(row - mine.start, mine.end, end, row);
                     for (di, o) in piece.chunks_exact_mut(rows).enumerate() {
                         let i = p * GATHER_ROWS + di;
-                        let from = start * m + i * width + (lo - start);
-                        o[lo - mine.start..hi - mine.start].copy_from_slice(&runs[from..from + hi - lo]);
+                        let from = i / slice * slice;
+                        let at =
+                            start * m + from * (end - start) + (row - start) * slice.min(m - from) + (i - from) * n;
+                        let (o, from) = (&mut o[row - mine.start..][..n], &runs[at..at + n]);
+                        if n == TILE_ROWS {
+                            // A whole group: a copy of known length, done in place.
+                            o[..TILE_ROWS].copy_from_slice(&from[..TILE_ROWS]);
+                        } else {
+                            o.copy_from_slice(from);
+                        }
                     }
+                    row += n;
                 }
             };
             if m < GATHER_ROWS {
@@ -1266,26 +1282,32 @@ mod tests {
     }
 
     /// A prefill wider than one [`activation_slice`] (taken in several passes over the weights)
-    /// gives each activation row the products it gets alone, in every packing that slices.
+    /// gives each activation row the products it gets alone, in every packing that slices, with
+    /// the threads' runs crossing from a tiled matrix into one off the group size.
     #[test]
     fn activation_slices_give_each_row_s_products() {
-        let (rows, cols) = (TILE_ROWS, 8192);
+        let cols = 8192;
         let m = activation_slice(usize::MAX, cols) + 6;
         assert!(m > 8 && activation_slice(m, cols) < m);
-        let (w, x) = (matrix(rows, cols), matrix(m, cols));
-        let bits = w.iter().map(|&v| half::bf16::from_f32(v).to_bits()).collect();
-        for q in [
-            PackedMatrix::quantize(WeightFormat::Q4_0, &w, rows, cols).unwrap(),
-            PackedMatrix::bf16(bits, rows, cols).unwrap(),
-        ] {
-            let all = q.matmul(&x, m).unwrap();
+        let x = matrix(m, cols);
+        let bits = matrix(37, cols)
+            .iter()
+            .map(|&v| half::bf16::from_f32(v).to_bits())
+            .collect();
+        let mats = [
+            PackedMatrix::quantize(WeightFormat::Q4_0, &matrix(3 * TILE_ROWS, cols), 3 * TILE_ROWS, cols).unwrap(),
+            PackedMatrix::bf16(bits, 37, cols).unwrap(),
+        ];
+        let all = PackedMatrix::matmul_many(&mats.each_ref(), &x, m).unwrap();
+        for (q, all) in mats.iter().zip(&all) {
             for i in [0, 5, m - 7, m - 1] {
                 let alone = q.matmul(&x[i * cols..(i + 1) * cols], 1).unwrap();
                 for (r, want) in alone.iter().enumerate() {
-                    let got = all[i * rows + r];
+                    let got = all[i * q.rows + r];
                     assert!(
                         (got - want).abs() <= 1e-4 * want.abs().max(1.0),
-                        "row {i}, {r}: {got} vs {want}"
+                        "{} rows, row {i}, {r}: {got} vs {want}",
+                        q.rows
                     );
                 }
             }
