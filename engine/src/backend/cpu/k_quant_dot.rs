@@ -229,7 +229,8 @@ impl KActivations {
         acts
     }
 
-    /// Activation row `i`.
+    /// Activation row `i`, built in place where it is used (a tile's rows in
+    /// `KTiles::group_products`: built by a call, each was read back whole behind every store).
     #[inline(always)]
     pub(super) fn row(&self, i: usize) -> KRow<'_> {
         let blocks = self.cols / BLOCK;
