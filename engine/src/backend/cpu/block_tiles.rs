@@ -208,9 +208,9 @@ fn prefetch_block(quants: *const u8, bytes: usize, scales: *const u16) {
 /// The products of one group (`scales`, `quants`) with activation rows `first..first + T`: per
 /// block and run of four weight bytes, one `vpdpbusd` per activation row (two for `q4_0`: its
 /// low and high nibbles) against its four matching bytes broadcast; per block, each row's sums
-/// scaled by `d_w · d_x` and its correction subtracted. For `q4_0` a run of four bytes holds elements `4k..4k+4` (low nibbles) and
-/// `16+4k..16+4k+4` (high nibbles), which sit in the activations' pair order (see
-/// [`Activations`]).
+/// scaled by `d_w · d_x` and its correction subtracted. For `q4_0` a run of four bytes holds
+/// elements `4k..4k+4` (low nibbles) and `16+4k..16+4k+4` (high nibbles), which sit in the
+/// activations' pair order (see [`Activations`]).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
 #[allow(unsafe_code)]

@@ -494,13 +494,7 @@ fn by_weight_rows(parts: &[Part<'_>], m: usize, cols: usize) -> Vec<Vec<f32>> {
                         let from = i / slice * slice;
                         let at =
                             start * m + from * (end - start) + (row - start) * slice.min(m - from) + (i - from) * n;
-                        let (o, from) = (&mut o[row - mine.start..][..n], &runs[at..at + n]);
-                        if n == TILE_ROWS {
-                            // A whole group: a copy of known length, done in place.
-                            o[..TILE_ROWS].copy_from_slice(&from[..TILE_ROWS]);
-                        } else {
-                            o.copy_from_slice(from);
-                        }
+                        o[row - mine.start..][..n].copy_from_slice(&runs[at..at + n]);
                     }
                     row += n;
                 }
