@@ -256,6 +256,12 @@ fn test() -> Result<()> {
     // CUDA toolkit and its GPU-free tests run (the rest are ignored); the release kvlens with
     // `cuda` is built by `cargo xtask gpu-check`.
     let nvrtc = ensure_nvrtc()?;
+    // The CUDA kernels' CPU emulation (backend/cuda/emulate) is C++20.
+    ensure_apt(
+        &["g++"],
+        &|| have("c++", "--version", ""),
+        "the CUDA kernels' checks on the CPU need a C++ compiler",
+    )?;
     let (cuda_passed, cuda_failed) = cargo_test_in(
         cargo().env("LD_LIBRARY_PATH", nvrtc),
         &["-p", "kvlens-engine", "--features", "cuda", "--lib", "backend::cuda"],

@@ -9,6 +9,13 @@
 #define ATTN_TILE_ROWS 4 // query rows per warp, at most
 #define ATTN_TILE_KEYS 32 // keys per shared-memory tile: one per lane
 #define NEG_INF (__int_as_float(0xff800000))
+#define GEMV_WARPS 8 // weight rows per gemv_bf16 block: one a warp
+#define GEMV_MAX_ROWS 4 // rows of x a gemv_bf16 launch takes, at most
+#define GEMV_JOBS 4 // weight matrices a gemv_bf16 launch takes, at most
+// The block's dynamic shared memory (emulate/cuda_on_cpu.h defines it for the CPU tests).
+#ifndef DYNAMIC_SHARED
+#define DYNAMIC_SHARED(type, name) extern __shared__ type name[]
+#endif
 
 __device__ __forceinline__ float bf16_to_f32(unsigned short b) {
     return __uint_as_float(((unsigned int)b) << 16);
@@ -58,6 +65,73 @@ extern "C" __global__ void bf16_to_f32s(const unsigned short* x, float* y, unsig
 extern "C" __global__ void add_bias(float* y, const float* b, unsigned int rows, unsigned int cols) {
     unsigned int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < rows * cols) y[i] += b[i % cols];
+}
+
+// One weight matrix of a gemv_bf16 launch: y [n, m] = x · wᵀ (+ b), w [m, k] bf16 (raw bits), b
+// null or [m]; its rows are those of blocks first_block on (GEMV_WARPS a block). As launch.rs's
+// GemvJob.
+struct GemvJob {
+    const unsigned short* w;
+    const float* b;
+    float* y;
+    unsigned int m;
+    unsigned int first_block;
+};
+struct GemvJobs {
+    GemvJob job[GEMV_JOBS];
+    unsigned int count;
+};
+
+// Products of few rows of x [n, k] (n ≤ GEMV_MAX_ROWS: decode) with up to GEMV_JOBS bf16 weight
+// matrices in one launch (a layer's q/k/v or gate/up), without cuBLAS's per-call cost or a bf16
+// copy of x: one warp per weight row, its lanes striding k eight values (16 bytes of weights) at
+// a time where k is a multiple of 8 and the rows 16-byte aligned, one value at a time otherwise;
+// f32 x times bf16 w, summed in f32.
+extern "C" __global__ void gemv_bf16(const float* x, unsigned int n, unsigned int k, GemvJobs jobs) {
+    unsigned int lane = threadIdx.x % WARP, j = 0;
+    while (j + 1 < jobs.count && blockIdx.x >= jobs.job[j + 1].first_block) j++;
+    GemvJob job = jobs.job[j];
+    unsigned int row = (blockIdx.x - job.first_block) * GEMV_WARPS + threadIdx.x / WARP;
+    if (row >= job.m) return;
+    const unsigned short* w = job.w + (unsigned long long)row * k;
+    float acc[GEMV_MAX_ROWS];
+#pragma unroll
+    for (int i = 0; i < GEMV_MAX_ROWS; i++) acc[i] = 0.0f;
+    bool wide = k % 8 == 0 && (unsigned long long)job.w % 16 == 0 && (unsigned long long)x % 16 == 0;
+    if (wide) {
+        const uint4* w8 = (const uint4*)w;
+        for (unsigned int i = lane; i < k / 8; i += WARP) {
+            uint4 p = w8[i];
+            float wf[8] = {__uint_as_float(p.x << 16), __uint_as_float(p.x & 0xffff0000u),
+                           __uint_as_float(p.y << 16), __uint_as_float(p.y & 0xffff0000u),
+                           __uint_as_float(p.z << 16), __uint_as_float(p.z & 0xffff0000u),
+                           __uint_as_float(p.w << 16), __uint_as_float(p.w & 0xffff0000u)};
+#pragma unroll
+            for (int r = 0; r < GEMV_MAX_ROWS; r++) {
+                if (r >= (int)n) break;
+                const float4* xr = (const float4*)(x + (unsigned long long)r * k) + 2 * i;
+                float4 a = xr[0], b = xr[1];
+                acc[r] += wf[0] * a.x + wf[1] * a.y + wf[2] * a.z + wf[3] * a.w + wf[4] * b.x + wf[5] * b.y +
+                          wf[6] * b.z + wf[7] * b.w;
+            }
+        }
+    } else {
+        for (unsigned int c = lane; c < k; c += WARP) {
+            float wc = bf16_to_f32(w[c]);
+#pragma unroll
+            for (int r = 0; r < GEMV_MAX_ROWS; r++) {
+                if (r >= (int)n) break;
+                acc[r] += wc * x[(unsigned long long)r * k + c];
+            }
+        }
+    }
+    float bias = job.b ? job.b[row] : 0.0f;
+#pragma unroll
+    for (int r = 0; r < GEMV_MAX_ROWS; r++) {
+        if (r >= (int)n) break;
+        float s = warp_sum(acc[r]);
+        if (lane == 0) job.y[(unsigned long long)r * job.m + row] = s + bias;
+    }
 }
 
 extern "C" __global__ void embedding_f32(const float* table, const unsigned int* ids, float* out,
@@ -263,9 +337,12 @@ extern "C" __global__ void write_kv(float* kc, float* vc, const float* k, const 
 // One query row and head: ATTN_WARPS warps split the keys (key j goes to warp j % ATTN_WARPS), each
 // with its own online softmax over its keys; lanes split the head's d values. The warps' partial
 // results are merged through shared memory. `key_row(j)` is the row of key j in keys/values.
+// Where `stats` is not null it receives the largest score and the sum of exp(score − largest),
+// which `paged_attention_merge` needs; no keys give NEG_INF, 0 and an output of zeros.
 template <class KeyRow>
 __device__ void attend(const float* q, const float* keys, const float* values, unsigned int stride,
-                       unsigned int n_keys, KeyRow key_row, float scale, unsigned int d, float* out) {
+                       unsigned int n_keys, KeyRow key_row, float scale, unsigned int d, float* out,
+                       float* stats = nullptr) {
     __shared__ float s_max[ATTN_WARPS], s_sum[ATTN_WARPS];
     __shared__ float s_acc[ATTN_WARPS][WARP * MAX_LANE_DIMS];
     int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
@@ -305,13 +382,17 @@ __device__ void attend(const float* q, const float* keys, const float* values, u
     for (int w = 0; w < ATTN_WARPS; w++) gm = fmaxf(gm, s_max[w]);
     float total = 0.0f;
     for (int w = 0; w < ATTN_WARPS; w++) total += s_max[w] == NEG_INF ? 0.0f : s_sum[w] * expf(s_max[w] - gm);
+    if (stats && lane == 0) {
+        stats[0] = gm;
+        stats[1] = total;
+    }
     for (int e = 0; e < MAX_LANE_DIMS; e++) {
         unsigned int c = lane + e * WARP;
         if (c >= d) continue;
         float o = 0.0f;
         for (int w = 0; w < ATTN_WARPS; w++)
             if (s_max[w] != NEG_INF) o += s_acc[w][lane + e * WARP] * expf(s_max[w] - gm);
-        out[c] = o / total;
+        out[c] = total > 0.0f ? o / total : 0.0f;
     }
 }
 
@@ -344,7 +425,7 @@ template <class Span, class KeyRow>
 __device__ void attend_tiled(const float* q, const float* keys, const float* values, unsigned int q_cols,
                              unsigned int kv_cols, unsigned int r0, unsigned int n, Span span, KeyRow key_row,
                              float scale, unsigned int d, unsigned int rows_per_warp, float* out) {
-    extern __shared__ float tile[];
+    DYNAMIC_SHARED(float, tile);
     __shared__ unsigned int s_lo, s_hi;
     unsigned int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
     float* sq = tile;
@@ -462,6 +543,54 @@ extern "C" __global__ void paged_attention(const float* q, const float* kc, cons
     PagedRow key_row = {tables + meta[2 * r], block_size};
     attend(q + (unsigned long long)r * cols + h * d, kc + kvh * d, vc + kvh * d, kv_width, meta[2 * r + 1], key_row, scale, d,
            out + (unsigned long long)r * cols + h * d);
+}
+
+// Key j of a part of a row's keys: key first + j of the row.
+template <class KeyRow>
+struct KeysFrom {
+    KeyRow row;
+    unsigned int first;
+    __device__ unsigned int operator()(unsigned int j) const { return row(first + j); }
+};
+
+// `paged_attention` with each row's keys split into gridDim.z parts (split-K, as flash-decoding
+// does), for few rows over many keys, where one block per row and head would leave most of the
+// GPU idle and walk the keys one after another: grid (rows, heads, parts). Part z of row r and
+// head h attends to its share of the row's keys (a ceil(n / parts) run; the last ones may be
+// short or empty) and writes its output, normalised over its own keys, to
+// parts[(r · heads + h) · gridDim.z + z] (d values) and its largest score and sum to stats (two
+// values at the same index); `paged_attention_merge` combines them.
+extern "C" __global__ void paged_attention_split(const float* q, const float* kc, const float* vc,
+                                                 const unsigned int* meta, const unsigned int* tables, float* parts,
+                                                 float* stats, unsigned int heads, unsigned int kv_heads,
+                                                 unsigned int d, unsigned int block_size, float scale) {
+    unsigned int r = blockIdx.x, h = blockIdx.y, z = blockIdx.z, cols = heads * d;
+    unsigned int kvh = h / (heads / kv_heads), n = meta[2 * r + 1];
+    unsigned int chunk = (n + gridDim.z - 1) / gridDim.z, first = min(z * chunk, n);
+    KeysFrom<PagedRow> key_row = {{tables + meta[2 * r], block_size}, first};
+    unsigned long long part = ((unsigned long long)r * heads + h) * gridDim.z + z;
+    attend(q + (unsigned long long)r * cols + h * d, kc + kvh * d, vc + kvh * d, kv_heads * d, min(chunk, n - first),
+           key_row, scale, d, parts + part * d, stats + 2 * part);
+}
+
+// Combines `paged_attention_split`'s parts: grid (rows, heads), threads over the d values. Each
+// part's output weighs its sum rescaled to the largest score of all parts; empty parts weigh
+// nothing (every row has at least one key, so some part is not empty).
+extern "C" __global__ void paged_attention_merge(const float* parts, const float* stats, float* out,
+                                                 unsigned int heads, unsigned int d, unsigned int n_parts) {
+    unsigned int r = blockIdx.x, h = blockIdx.y;
+    unsigned long long first = ((unsigned long long)r * heads + h) * n_parts;
+    const float* st = stats + 2 * first;
+    float gm = NEG_INF, total = 0.0f;
+    for (unsigned int z = 0; z < n_parts; z++) gm = fmaxf(gm, st[2 * z]);
+    for (unsigned int z = 0; z < n_parts; z++)
+        if (st[2 * z] != NEG_INF) total += st[2 * z + 1] * expf(st[2 * z] - gm);
+    for (unsigned int c = threadIdx.x; c < d; c += blockDim.x) {
+        float o = 0.0f;
+        for (unsigned int z = 0; z < n_parts; z++)
+            if (st[2 * z] != NEG_INF) o += parts[(first + z) * d + c] * st[2 * z + 1] * expf(st[2 * z] - gm);
+        out[(unsigned long long)r * heads * d + h * d + c] = o / total;
+    }
 }
 
 // Row r sees the keys before its position: meta[2r+1] of them (as `paged_attention`).

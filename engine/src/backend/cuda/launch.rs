@@ -8,8 +8,9 @@ use crate::backend::{Activation, BResult, BackendError};
 pub const SOURCE: &str = include_str!("kernels.cu");
 
 /// Every `extern "C" __global__` function of [`SOURCE`], loaded once per process.
-pub const KERNELS: [&str; 24] = [
+pub const KERNELS: [&str; 27] = [
     "to_bf16",
+    "gemv_bf16",
     "bf16_to_f32s",
     "add_bias",
     "embedding_f32",
@@ -32,6 +33,8 @@ pub const KERNELS: [&str; 24] = [
     "segment_attention_tiled",
     "paged_attention",
     "paged_attention_tiled",
+    "paged_attention_split",
+    "paged_attention_merge",
     "greedy",
 ];
 
@@ -52,6 +55,20 @@ pub const TILE_KEYS: usize = 32;
 /// The dynamic shared memory a tiled attention block takes at most: the 48 KiB a block may hold
 /// without opting in to more (every GPU since 2012), less room for its static shared variables.
 pub const MAX_DYNAMIC_SHARED_BYTES: usize = (48 << 10) - 64;
+
+/// Weight rows per `gemv_bf16` block, one a warp (`GEMV_WARPS` in the source).
+pub const GEMV_WARPS: u32 = 8;
+/// Rows of x a `gemv_bf16` launch takes at most (`GEMV_MAX_ROWS`); more go to cuBLAS.
+pub const GEMV_MAX_ROWS: usize = 4;
+/// Weight matrices a `gemv_bf16` launch takes at most (`GEMV_JOBS`).
+pub const GEMV_JOBS: usize = 4;
+/// The fewest keys per part of a split attention: fewer would cost more in merging than they save.
+pub const SPLIT_KEYS: usize = 64;
+/// Parts of one row and head a split attention takes at most.
+pub const MAX_SPLITS: usize = 32;
+/// Blocks (rows × heads × parts) up to which a split attention adds parts: about 30 per
+/// multiprocessor of an H100, enough to keep every one busy without a large scratch.
+pub const SPLIT_BLOCKS: usize = 4096;
 
 /// A launch's grid and block sizes (what `cudarc::driver::LaunchConfig` takes).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -158,6 +175,37 @@ pub fn causal_tiles(seqs: &[(usize, usize)], rows_per_warp: u32) -> BResult<Vec<
     Ok(tiles)
 }
 
+/// How many parts `paged_attention_split` cuts each row's keys into, for `rows` query rows of
+/// `heads` heads over at most `max_keys` keys: 1 (the one-block kernel) unless the rows and heads
+/// leave blocks to spare and the keys are many: a part for every [`SPLIT_KEYS`] keys.
+pub fn attention_parts(rows: usize, heads: usize, max_keys: usize) -> usize {
+    let by_blocks = SPLIT_BLOCKS / (rows * heads).max(1);
+    max_keys.div_ceil(SPLIT_KEYS).min(by_blocks).clamp(1, MAX_SPLITS)
+}
+
+/// `paged_attention_split`'s launch: one block of [`ATTENTION_WARPS`] warps per row, head and part.
+pub fn split_attention(rows: usize, heads: usize, head_dim: usize, parts: usize) -> BResult<Geometry> {
+    let mut g = attention(rows, heads, head_dim)?;
+    g.grid.2 = count(parts, "parts")?;
+    Ok(g)
+}
+
+/// `paged_attention_merge`'s launch: one block of 128 threads per row and head.
+pub fn attention_merge(rows: usize, heads: usize, head_dim: usize) -> BResult<Geometry> {
+    let mut g = attention(rows, heads, head_dim)?;
+    g.block = (128, 1, 1);
+    Ok(g)
+}
+
+/// `gemv_bf16`'s launch over `blocks` blocks ([`GEMV_WARPS`] weight rows each).
+pub fn gemv(blocks: usize) -> BResult<Geometry> {
+    Ok(Geometry {
+        grid: (count(blocks, "weight row blocks")?.max(1), 1, 1),
+        block: (32 * GEMV_WARPS, 1, 1),
+        shared_bytes: 0,
+    })
+}
+
 /// `paged_attention_tiled`'s launch over `tiles` tiles ([`causal_tiles`] pairs).
 pub fn paged_tiles(tiles: usize, heads: usize, head_dim: usize, rows_per_warp: u32) -> BResult<Geometry> {
     tiled(tiles, heads, head_dim, rows_per_warp)
@@ -214,6 +262,44 @@ mod tests {
             !SOURCE.contains("#include"),
             "NVRTC here has no CUDA headers to include"
         );
+    }
+
+    #[test]
+    fn split_attention_takes_parts_only_where_blocks_are_few_and_keys_many() {
+        // One decode row of 16 heads over 850 keys: 14 parts (of 61 keys).
+        assert_eq!(attention_parts(1, 16, 850), 14);
+        // Few keys, or as many rows and heads as the GPU holds: the one-block kernel.
+        assert_eq!(attention_parts(1, 16, 64), 1);
+        assert_eq!(attention_parts(784, 16, 784), 1);
+        // Sixteen decode rows of 32 heads over 4000 keys: bounded by the blocks (4096 / 512).
+        assert_eq!(attention_parts(16, 32, 4000), 8);
+        // Very long rows: at most MAX_SPLITS parts.
+        assert_eq!(attention_parts(1, 2, 1 << 20), MAX_SPLITS);
+        assert_eq!(attention_parts(0, 16, 10), 1);
+        let g = split_attention(2, 16, 128, 14).unwrap();
+        assert_eq!((g.grid, g.block), ((2, 16, 14), (128, 1, 1)));
+        assert_eq!(gemv(0).unwrap().grid.0, 1);
+    }
+
+    #[test]
+    fn the_constants_are_the_kernels_own() {
+        for (name, value) in [
+            ("GEMV_WARPS", GEMV_WARPS as usize),
+            ("GEMV_MAX_ROWS", GEMV_MAX_ROWS),
+            ("GEMV_JOBS", GEMV_JOBS),
+            ("ATTN_WARPS", ATTENTION_WARPS as usize),
+            ("ATTN_TILE_WARPS", TILE_WARPS as usize),
+            ("ATTN_TILE_ROWS", TILE_ROWS_PER_WARP as usize),
+            ("ATTN_TILE_KEYS", TILE_KEYS),
+        ] {
+            let value = value.to_string();
+            assert!(
+                SOURCE
+                    .lines()
+                    .any(|l| l.split_whitespace().take(3).eq(["#define", name, &value])),
+                "{name} is not {value} in kernels.cu"
+            );
+        }
     }
 
     #[test]

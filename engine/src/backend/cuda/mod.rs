@@ -32,7 +32,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 /// How to open the CUDA backend.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct CudaOptions {
     /// The device's ordinal.
     pub ordinal: usize,
@@ -44,19 +44,69 @@ pub struct CudaOptions {
     /// Off by default until a GPU run has checked it (`KVLENS_CUDA_ATTENTION=tiled` turns it on:
     /// [`CudaOptions::from_env`]).
     pub tiled_attention: bool,
+    /// Products of a few rows (decode: up to `GEMV_MAX_ROWS`) with bf16 weights by `gemv_bf16`,
+    /// the matrices of one input (q/k/v, gate/up) in one launch, rather than by cuBLAS after a
+    /// bf16 copy of the rows. On by default; `KVLENS_CUDA_GEMV=cublas` turns it off.
+    pub gemv: bool,
+    /// Attention of few rows over many keys split into parts that run side by side
+    /// (`paged_attention_split`, then `paged_attention_merge`) rather than one block per row and
+    /// head walking every key. On by default; `KVLENS_CUDA_DECODE_ATTENTION=rows` turns it off.
+    pub split_attention: bool,
 }
 
-impl CudaOptions {
-    /// Device 0, with `bf16_weights`, and `KVLENS_CUDA_ATTENTION` (`tiled` or `rows`) choosing
-    /// the attention kernels.
-    pub fn from_env(bf16_weights: bool) -> Self {
+impl Default for CudaOptions {
+    /// Device 0, f32 weights, the row attention kernels for many rows, `gemv_bf16` and split
+    /// attention for few.
+    fn default() -> Self {
         CudaOptions {
             ordinal: 0,
-            bf16_weights,
-            tiled_attention: std::env::var("KVLENS_CUDA_ATTENTION").is_ok_and(|v| v == "tiled"),
+            bf16_weights: false,
+            tiled_attention: false,
+            gemv: true,
+            split_attention: true,
         }
     }
 }
+
+impl CudaOptions {
+    /// Device 0, with `bf16_weights`; `KVLENS_CUDA_ATTENTION` (`tiled` or `rows`),
+    /// `KVLENS_CUDA_GEMV` (`cublas` turns `gemv_bf16` off) and `KVLENS_CUDA_DECODE_ATTENTION`
+    /// (`rows` turns split attention off) choose the kernels.
+    pub fn from_env(bf16_weights: bool) -> Self {
+        let var = |name: &str, value: &str| std::env::var(name).is_ok_and(|v| v == value);
+        CudaOptions {
+            bf16_weights,
+            tiled_attention: var("KVLENS_CUDA_ATTENTION", "tiled"),
+            gemv: !var("KVLENS_CUDA_GEMV", "cublas"),
+            split_attention: !var("KVLENS_CUDA_DECODE_ATTENTION", "rows"),
+            ..CudaOptions::default()
+        }
+    }
+}
+
+/// One weight matrix of a `gemv_bf16` launch, as `GemvJob` in kernels.cu: device addresses of
+/// the weights, the bias (0: none) and the output, the matrix's rows and its first block.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+struct GemvJob {
+    w: u64,
+    b: u64,
+    y: u64,
+    m: u32,
+    first_block: u32,
+}
+
+/// `gemv_bf16`'s argument (`GemvJobs` in kernels.cu): the launch's matrices, `count` of them.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+struct GemvJobs {
+    job: [GemvJob; launch::GEMV_JOBS],
+    count: u32,
+}
+
+// SAFETY: plain data of the C layout kernels.cu declares (u64 for each pointer, no references),
+// passed to the kernel by value.
+unsafe impl cudarc::driver::DeviceRepr for GemvJobs {}
 
 /// A weight matrix's device storage.
 #[derive(Debug)]
@@ -153,6 +203,8 @@ pub struct CudaPaged {
     /// [`TILED_PREFILL_ROWS`] rows or more: `paged_attention_tiled`'s tiles, their number and
     /// rows per warp.
     tiles: Option<(CudaSlice<u32>, usize, u32)>,
+    /// The most keys any row sees (its position + 1): how far split attention may cut.
+    max_keys: usize,
     _held: Held,
 }
 
@@ -272,7 +324,7 @@ impl CudaBackend {
     pub fn describe(&self) -> String {
         let (major, minor) = self.compute_capability;
         format!(
-            "CUDA device {}: {} (compute capability {major}.{minor}), weights in {}{}",
+            "CUDA device {}: {} (compute capability {major}.{minor}), weights in {}{}{}",
             self.options.ordinal,
             self.device_name,
             if self.options.bf16_weights { "bf16" } else { "f32" },
@@ -280,6 +332,12 @@ impl CudaBackend {
                 ", attention in shared-memory tiles"
             } else {
                 ""
+            },
+            match (self.options.gemv, self.options.split_attention) {
+                (true, true) => ", decode by gemv_bf16 and split attention",
+                (true, false) => ", decode by gemv_bf16",
+                (false, true) => ", decode by split attention",
+                (false, false) => "",
             }
         )
     }
@@ -434,6 +492,52 @@ impl CudaBackend {
             )
         }
         .map_err(lib)
+    }
+}
+
+impl CudaBackend {
+    /// `x [n, k] · wᵀ (+ b)` for each `(w, b)` by `gemv_bf16`, [`launch::GEMV_JOBS`] matrices a
+    /// launch; None where it does not apply (turned off, more rows than
+    /// [`launch::GEMV_MAX_ROWS`], an f32 weight, a shape `linear` refuses).
+    fn gemv(&self, x: &CudaTensor, ws: &[(&CudaWeight, Option<&CudaTensor>)]) -> BResult<Option<Vec<CudaTensor>>> {
+        let (n, k) = x.dims2()?;
+        if !self.options.gemv || n == 0 || n > launch::GEMV_MAX_ROWS || k == 0 {
+            return Ok(None);
+        }
+        let mut matrices = Vec::with_capacity(ws.len());
+        for &(w, b) in ws {
+            match &*w.data {
+                Data::Bf16(bits) if w.cols == k && w.rows > 0 && b.is_none_or(|b| b.numel() == w.rows) => {
+                    matrices.push((bits, w.rows, b))
+                }
+                _ => return Ok(None),
+            }
+        }
+        let (n32, k32) = (n as u32, k as u32);
+        let mut out = Vec::with_capacity(ws.len());
+        for chunk in matrices.chunks(launch::GEMV_JOBS) {
+            let mut jobs = GemvJobs {
+                count: chunk.len() as u32,
+                ..GemvJobs::default()
+            };
+            let mut blocks = 0;
+            for (job, &(bits, m, b)) in jobs.job.iter_mut().zip(chunk) {
+                let mut y = self.alloc_f32(n * m)?;
+                // The addresses stay valid: the weights and bias are borrowed for this call and
+                // `y` moves into the returned tensor; one stream orders the launch after them.
+                *job = GemvJob {
+                    w: bits.device_ptr(&self.stream).0,
+                    b: b.map_or(0, |b| b.f32().device_ptr(&self.stream).0),
+                    y: y.device_ptr_mut(&self.stream).0,
+                    m: m as u32,
+                    first_block: blocks as u32,
+                };
+                blocks += m.div_ceil(launch::GEMV_WARPS as usize);
+                out.push(self.activation(y, vec![n, m]));
+            }
+            launch!(self, "gemv_bf16", launch::gemv(blocks)?; x.f32(), &n32, &k32, &jobs)?;
+        }
+        Ok(Some(out))
     }
 }
 
@@ -612,6 +716,7 @@ impl Backend for CudaBackend {
             rows: rows.rows,
             layout,
             tiles,
+            max_keys: rows.meta.iter().skip(1).step_by(2).max().map_or(0, |&n| n as usize),
             _held: self.ledger.hold(Category::Activations, bytes),
         })
     }
@@ -638,6 +743,11 @@ impl Backend for CudaBackend {
                 x.shape,
                 b.map(|b| &b.shape)
             )));
+        }
+        if let Some(mut y) = self.gemv(x, &[(w, b)])? {
+            return y
+                .pop()
+                .ok_or_else(|| BackendError::Shape("gemv_bf16 gave no product".into()));
         }
         let xs = x.f32();
         let mut y = self.alloc_f32(n * m)?;
@@ -669,6 +779,15 @@ impl Backend for CudaBackend {
             launch!(self, "add_bias", launch::elementwise(n * m)?; &mut y, bs, &rows, &cols)?;
         }
         Ok(self.activation(y, vec![n, m]))
+    }
+
+    /// By `gemv_bf16` where it applies (decode: one launch for all of `ws`), else one
+    /// [`Backend::linear`] each.
+    fn linears(&self, x: &CudaTensor, ws: &[(&CudaWeight, Option<&CudaTensor>)]) -> BResult<Vec<CudaTensor>> {
+        match self.gemv(x, ws)? {
+            Some(out) => Ok(out),
+            None => ws.iter().map(|&(w, b)| self.linear(x, w, b)).collect(),
+        }
     }
 
     fn embedding(&self, table: &CudaWeight, ids: &[u32]) -> BResult<CudaTensor> {
@@ -1044,9 +1163,22 @@ impl Backend for CudaBackend {
                 let g = launch::paged_tiles(*n, heads, d, *per_warp)?;
                 launch!(self, "paged_attention_tiled", g; qs, kc, vc, &batch.meta, &*batch.tables, tiles, &mut out, &h, &kvh, &d32, &bs, &scale, per_warp)?
             }
-            None => {
-                launch!(self, "paged_attention", g; qs, kc, vc, &batch.meta, &*batch.tables, &mut out, &h, &kvh, &d32, &bs, &scale)?
-            }
+            None => match launch::attention_parts(rows, heads, batch.max_keys) {
+                parts if parts > 1 && self.options.split_attention => {
+                    let blocks = rows * heads * parts;
+                    let mut partial = self.alloc_f32(blocks * d)?;
+                    let mut stats = self.alloc_f32(2 * blocks)?;
+                    let _held = self.ledger.hold(Category::Activations, 4 * (blocks * (d + 2)) as u64);
+                    let gs = launch::split_attention(rows, heads, d, parts)?;
+                    launch!(self, "paged_attention_split", gs; qs, kc, vc, &batch.meta, &*batch.tables, &mut partial, &mut stats, &h, &kvh, &d32, &bs, &scale)?;
+                    let n_parts = parts as u32;
+                    let gm = launch::attention_merge(rows, heads, d)?;
+                    launch!(self, "paged_attention_merge", gm; &partial, &stats, &mut out, &h, &d32, &n_parts)?
+                }
+                _ => {
+                    launch!(self, "paged_attention", g; qs, kc, vc, &batch.meta, &*batch.tables, &mut out, &h, &kvh, &d32, &bs, &scale)?
+                }
+            },
         }
         Ok(self.activation(out, vec![rows, cols]))
     }

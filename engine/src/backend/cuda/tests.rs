@@ -9,15 +9,15 @@ use crate::backend::suite::{block_tables, host, max_err, noise};
 use crate::backend::{block_on, Backend, KvLayout, MatrixUse, PagedBatch, PagedSeq, RawDType, RawTensor, TableShape};
 use crate::memory::ledger::{Category, MemoryLedger};
 
+fn open(options: CudaOptions) -> CudaBackend {
+    CudaBackend::new(MemoryLedger::new(), options).unwrap_or_else(|e| panic!("no CUDA device: {e}"))
+}
+
 fn backend_with(bf16_weights: bool) -> CudaBackend {
-    CudaBackend::new(
-        MemoryLedger::new(),
-        CudaOptions {
-            bf16_weights,
-            ..CudaOptions::default()
-        },
-    )
-    .unwrap_or_else(|e| panic!("no CUDA device: {e}"))
+    open(CudaOptions {
+        bf16_weights,
+        ..CudaOptions::default()
+    })
 }
 
 fn backend() -> CudaBackend {
@@ -52,6 +52,33 @@ fn every_kernel_compiles_under_nvrtc() {
     }
 }
 
+/// The kernels run on the CPU (`emulate/cuda_on_cpu.h`: a thread per CUDA thread, barriers for
+/// `__syncthreads` and the warp shuffles) against plain C++ references, so that what a kernel
+/// computes is checked on machines without a GPU: the C++ compiler builds
+/// `emulate/kernel_checks.cpp` with kernels.cu, and the test runs it.
+#[test]
+fn kernels_match_references_on_the_cpu() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src/backend/cuda/emulate");
+    let exe = std::env::temp_dir().join(format!("kvlens-kernel-checks-{}", std::process::id()));
+    let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".into());
+    let built = std::process::Command::new(&cxx)
+        .args(["-std=c++20", "-O1", "-pthread", "-Wno-unknown-pragmas"])
+        .arg(dir.join("kernel_checks.cpp"))
+        .arg("-o")
+        .arg(&exe)
+        .output()
+        .unwrap_or_else(|e| panic!("no C++ compiler ({cxx}: {e}): `cargo xtask test` installs g++"));
+    assert!(
+        built.status.success(),
+        "kernel_checks.cpp does not build:\n{}",
+        String::from_utf8_lossy(&built.stderr)
+    );
+    let ran = std::process::Command::new(&exe).output().expect("kernel_checks runs");
+    let _ = std::fs::remove_file(&exe);
+    let report = String::from_utf8_lossy(&ran.stdout);
+    assert!(ran.status.success() && report.contains("\n0 failed"), "{report}");
+}
+
 #[test]
 fn opening_without_a_usable_gpu_is_an_error_not_a_panic() {
     let opened = std::panic::catch_unwind(|| CudaBackend::new(MemoryLedger::new(), CudaOptions::default()).map(|_| ()));
@@ -70,9 +97,27 @@ fn bf16_bytes(data: &[f32]) -> Vec<u8> {
 #[test]
 #[ignore = "needs an NVIDIA GPU: cargo xtask gpu-check runs it there"]
 fn bf16_linear_matches_the_cpu_on_the_same_rounded_inputs() {
+    for gemv in [true, false] {
+        bf16_linear_on(CudaOptions {
+            bf16_weights: true,
+            gemv,
+            ..CudaOptions::default()
+        });
+    }
+}
+
+/// Decode's shapes (1 and 4 rows: `gemv_bf16` where it is on) and prefill's (cuBLAS), k a
+/// multiple of 8 and not.
+fn bf16_linear_on(options: CudaOptions) {
     let cpu = CpuBackend::default();
-    let gpu = backend_with(true);
-    for (n, k, m) in [(1, 64, 300), (7, 130, 33), (300, 256, 512)] {
+    let gpu = open(options);
+    for (n, k, m) in [
+        (1, 64, 300),
+        (4, 2048, 1000),
+        (7, 130, 33),
+        (1, 130, 9),
+        (300, 256, 512),
+    ] {
         let w = noise(m * k, 1);
         let bytes = bf16_bytes(&w);
         let raw = || RawTensor {
@@ -103,10 +148,61 @@ fn bf16_linear_matches_the_cpu_on_the_same_rounded_inputs() {
         let got = host(&gpu, &gpu.linear(&gpu.upload(x, &[n, k]).unwrap(), &wg, None).unwrap());
         assert!(
             max_err(&got, &want) < 1e-3 * k as f32,
-            "{n}×{k}·{m}: {}",
+            "{n}×{k}·{m} ({options:?}): {}",
             max_err(&got, &want)
         );
         drop(wg);
+    }
+}
+
+/// A layer's q/k/v (biased, as Qwen2's) of one decode row in one `linears` call, on both paths:
+/// each product equals its own `linear`, and the CPU's.
+#[test]
+#[ignore = "needs an NVIDIA GPU: cargo xtask gpu-check runs it there"]
+fn bf16_linears_of_one_row_match_their_single_products() {
+    let k = 256;
+    // Five matrices: two launches of gemv_bf16 (GEMV_JOBS a launch).
+    let weights: Vec<(Vec<u8>, Vec<f32>)> = [128, 64, 64, 40, 24]
+        .iter()
+        .enumerate()
+        .map(|(i, &m)| (bf16_bytes(&noise(m * k, 10 + i as u64)), noise(m, 20 + i as u64)))
+        .collect();
+    let x: Vec<f32> = noise(k, 3).iter().map(|&v| half::bf16::from_f32(v).to_f32()).collect();
+    fn all<B: Backend>(b: &B, x: &[f32], weights: &[(Vec<u8>, Vec<f32>)]) -> Vec<Vec<f32>> {
+        let k = x.len();
+        let ws: Vec<_> = weights
+            .iter()
+            .map(|(bits, bias)| {
+                let raw = RawTensor {
+                    dtype: RawDType::Bf16,
+                    shape: vec![bias.len(), k],
+                    data: bits.as_slice().into(),
+                };
+                (
+                    b.load_weight(raw, MatrixUse::Products).unwrap(),
+                    b.upload(bias.clone(), &[bias.len()]).unwrap(),
+                )
+            })
+            .collect();
+        let pairs: Vec<_> = ws.iter().map(|(w, bias)| (w, Some(bias))).collect();
+        let xt = b.upload(x.to_vec(), &[1, k]).unwrap();
+        b.linears(&xt, &pairs).unwrap().iter().map(|t| host(b, t)).collect()
+    }
+    let want = all(&CpuBackend::default(), &x, &weights);
+    for gemv in [true, false] {
+        let options = CudaOptions {
+            bf16_weights: true,
+            gemv,
+            ..CudaOptions::default()
+        };
+        let gpu = open(options);
+        for (i, (got, want)) in all(&gpu, &x, &weights).iter().zip(&want).enumerate() {
+            assert!(
+                max_err(got, want) < 1e-3 * k as f32,
+                "matrix {i} (gemv {gemv}): {}",
+                max_err(got, want)
+            );
+        }
     }
 }
 
@@ -153,19 +249,23 @@ fn segment_error(cpu: &CpuBackend, gpu: &CudaBackend, heads: usize, d: usize, se
 }
 
 fn tiled_backend() -> CudaBackend {
-    let options = CudaOptions {
+    open(CudaOptions {
         tiled_attention: true,
         ..CudaOptions::default()
-    };
-    CudaBackend::new(MemoryLedger::new(), options).unwrap_or_else(|e| panic!("no CUDA device: {e}"))
+    })
 }
 
-/// The vision tower's segments and a 300-token prefill, with the row kernels and with the tiled
-/// ones (`KVLENS_CUDA_ATTENTION=tiled`).
+/// The vision tower's segments, a 300-token prefill and a decode row after it: with split
+/// attention for the few rows (the default), without it (`KVLENS_CUDA_DECODE_ATTENTION=rows`),
+/// and with the tiled kernels for the many (`KVLENS_CUDA_ATTENTION=tiled`).
 #[test]
 #[ignore = "needs an NVIDIA GPU: cargo xtask gpu-check runs it there"]
 fn long_attention_matches_the_cpu() {
     long_attention_on(&backend());
+    long_attention_on(&open(CudaOptions {
+        split_attention: false,
+        ..CudaOptions::default()
+    }));
     long_attention_on(&tiled_backend());
 }
 
@@ -176,7 +276,7 @@ fn long_attention_on(gpu: &CudaBackend) {
     assert!(err < 1e-4, "segments ({}): {err}", gpu.describe());
 
     // The decoder: GQA (4 heads over 2 KV heads of 128), 300 tokens over shuffled blocks of 16,
-    // prefilled in one step, then one decode row.
+    // prefilled in one step, then one decode row over all 301 keys.
     let layout = KvLayout {
         layers: 1,
         num_blocks: 40,
@@ -212,7 +312,25 @@ fn long_attention_on(gpu: &CudaBackend) {
         let vt = b.upload(v[..rows * 256].to_vec(), &[rows, 256]).unwrap();
         b.write_kv(&mut cache, 0, &kt, &vt, &p).unwrap();
         let qt = b.upload(q.to_vec(), &[rows, 512]).unwrap();
-        block_on(b.read(&b.paged_attention(&cache, 0, &qt, 4, &p).unwrap())).unwrap()
+        let mut out = block_on(b.read(&b.paged_attention(&cache, 0, &qt, 4, &p).unwrap())).unwrap();
+        let decode = PagedBatch {
+            layout,
+            slots: vec![table[rows / 16] * 16 + rows % 16],
+            seqs: vec![PagedSeq {
+                query_start: 0,
+                query_len: 1,
+                context_len: rows + 1,
+                table_row: 0,
+                table_len: table.len(),
+            }],
+        };
+        let p = b.upload_paged(decode, &tables).unwrap();
+        let kt = b.upload(k[rows * 256..(rows + 1) * 256].to_vec(), &[1, 256]).unwrap();
+        let vt = b.upload(v[rows * 256..(rows + 1) * 256].to_vec(), &[1, 256]).unwrap();
+        b.write_kv(&mut cache, 0, &kt, &vt, &p).unwrap();
+        let qt = b.upload(q[..512].to_vec(), &[1, 512]).unwrap();
+        out.extend(block_on(b.read(&b.paged_attention(&cache, 0, &qt, 4, &p).unwrap())).unwrap());
+        out
     }
     let want = prefill_on(&cpu, &table, &batch, &kq, &kk, &kv);
     let got = prefill_on(gpu, &table, &batch, &kq, &kk, &kv);

@@ -1,0 +1,192 @@
+// kernels.cu run on the CPU (cuda_on_cpu.h) against plain C++ references, so kernels can be
+// checked on machines without a GPU: the Rust test `kernels_match_references_on_the_cpu` builds
+// and runs this. Prints one line per check; exits 1 if any failed.
+
+#include "cuda_on_cpu.h"
+
+#include "../kernels.cu"
+
+#include <cstdio>
+#include <functional>
+
+namespace {
+
+int failures = 0;
+
+struct Rng {
+    unsigned long long s;
+    float next() {  // uniform in [-1, 1)
+        s = s * 6364136223846793005ull + 1442695040888963407ull;
+        return (float)((s >> 40) & 0xffffff) / (float)(1 << 23) - 1.0f;
+    }
+    std::vector<float> many(size_t n) {
+        std::vector<float> v(n);
+        for (auto& x : v) x = next();
+        return v;
+    }
+};
+
+void check(const char* what, const std::vector<float>& got, const std::vector<float>& want, float tol) {
+    float worst = 0.0f;
+    bool finite = got.size() == want.size();
+    for (size_t i = 0; finite && i < got.size(); i++) {
+        finite = std::isfinite(got[i]);
+        worst = std::fmax(worst, std::fabs(got[i] - want[i]));
+    }
+    bool ok = finite && worst <= tol;
+    std::printf("%s %s: largest difference %.3g (bound %.3g)\n", ok ? "ok  " : "FAIL", what, worst, tol);
+    failures += !ok;
+}
+
+unsigned short bf16_bits(float f) {
+    unsigned int u = __float_as_uint(f);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (unsigned short)(u >> 16);
+}
+
+// A paged KV cache of `kv_heads` heads of d values and its block tables: row r's keys (n[r] of
+// them) sit in shuffled blocks of `block_size` slots.
+struct Paged {
+    unsigned int heads, kv_heads, d, block_size;
+    std::vector<unsigned int> n, meta, tables;
+    std::vector<float> q, kc, vc;
+
+    Paged(unsigned int heads_, unsigned int kv_heads_, unsigned int d_, unsigned int block_size_,
+          std::vector<unsigned int> n_, Rng& rng)
+        : heads(heads_), kv_heads(kv_heads_), d(d_), block_size(block_size_), n(n_) {
+        unsigned int blocks = 0;
+        for (unsigned int keys : n) blocks += (keys + block_size - 1) / block_size;
+        std::vector<unsigned int> order(blocks);
+        for (unsigned int b = 0; b < blocks; b++) order[b] = (b * 7 + 3) % blocks;  // 7 is prime to the counts used
+        unsigned int next = 0;
+        for (unsigned int keys : n) {
+            meta.push_back((unsigned int)tables.size());
+            meta.push_back(keys);
+            for (unsigned int b = 0; b < (keys + block_size - 1) / block_size; b++) tables.push_back(order[next++]);
+        }
+        q = rng.many(n.size() * heads * d);
+        kc = rng.many(blocks * block_size * kv_heads * d);
+        vc = rng.many(kc.size());
+    }
+
+    std::vector<float> reference(float scale) const {
+        std::vector<float> out(q.size());
+        for (unsigned int r = 0; r < n.size(); r++)
+            for (unsigned int h = 0; h < heads; h++) {
+                unsigned int kvh = h / (heads / kv_heads);
+                std::vector<double> s(n[r]);
+                double mx = -1e30, sum = 0.0;
+                auto slot = [&](unsigned int j) {
+                    return (size_t)tables[meta[2 * r] + j / block_size] * block_size + j % block_size;
+                };
+                for (unsigned int j = 0; j < n[r]; j++) {
+                    double dot = 0.0;
+                    for (unsigned int c = 0; c < d; c++)
+                        dot += (double)q[(r * heads + h) * d + c] * kc[(slot(j) * kv_heads + kvh) * d + c];
+                    s[j] = dot * scale;
+                    mx = std::max(mx, s[j]);
+                }
+                for (auto& v : s) sum += (v = std::exp(v - mx));
+                for (unsigned int c = 0; c < d; c++) {
+                    double o = 0.0;
+                    for (unsigned int j = 0; j < n[r]; j++) o += s[j] * vc[(slot(j) * kv_heads + kvh) * d + c];
+                    out[(r * heads + h) * d + c] = (float)(o / sum);
+                }
+            }
+        return out;
+    }
+};
+
+void attention_checks() {
+    Rng rng{1};
+    // Heads of 40 values (not a multiple of 32) and of 128, grouped 2 and 4 query heads to a
+    // key head; rows of 1 key, of fewer keys than parts, and of several blocks.
+    struct Case {
+        unsigned int heads, kv_heads, d, block_size;
+        std::vector<unsigned int> n;
+    };
+    for (const Case& c : {Case{4, 2, 40, 4, {1, 2, 37}}, Case{4, 1, 128, 16, {70, 5}}}) {
+        Paged p(c.heads, c.kv_heads, c.d, c.block_size, c.n, rng);
+        float scale = 1.0f / std::sqrt((float)c.d);
+        auto want = p.reference(scale);
+        unsigned int rows = (unsigned int)c.n.size();
+        std::vector<float> out(want.size(), NAN);
+        emu::launch({rows, c.heads, 1}, {32 * ATTN_WARPS, 1, 1}, [&] {
+            paged_attention(p.q.data(), p.kc.data(), p.vc.data(), p.meta.data(), p.tables.data(), out.data(), c.heads,
+                            c.kv_heads, c.d, c.block_size, scale);
+        });
+        char name[128];
+        std::snprintf(name, sizeof name, "paged_attention, heads of %u", c.d);
+        check(name, out, want, 1e-5f);
+        for (unsigned int parts : {1u, 3u, 8u}) {
+            std::vector<float> part_out(rows * c.heads * parts * c.d, NAN), stats(2 * rows * c.heads * parts, NAN);
+            emu::launch({rows, c.heads, parts}, {32 * ATTN_WARPS, 1, 1}, [&] {
+                paged_attention_split(p.q.data(), p.kc.data(), p.vc.data(), p.meta.data(), p.tables.data(),
+                                      part_out.data(), stats.data(), c.heads, c.kv_heads, c.d, c.block_size, scale);
+            });
+            std::vector<float> merged(want.size(), NAN);
+            emu::launch({rows, c.heads, 1}, {64, 1, 1}, [&] {
+                paged_attention_merge(part_out.data(), stats.data(), merged.data(), c.heads, c.d, parts);
+            });
+            std::snprintf(name, sizeof name, "paged_attention_split + merge, heads of %u, %u parts", c.d, parts);
+            check(name, merged, want, 1e-5f);
+        }
+    }
+}
+
+void gemv_checks() {
+    Rng rng{2};
+    // k a multiple of 8 (16-byte loads) and not (one value at a time); 1 and GEMV_MAX_ROWS rows
+    // of x; three matrices of rows not a multiple of GEMV_WARPS, one with a bias.
+    for (unsigned int k : {64u, 130u})
+        for (unsigned int n : {1u, (unsigned int)GEMV_MAX_ROWS})
+            for (bool offset_x : {false, true}) {
+                if (offset_x && k != 64) continue;
+                std::vector<unsigned int> ms = {33, 8, 17};
+                std::vector<float> xs = rng.many(n * k + 4);
+                // 16 bytes into a 16-byte aligned buffer, or 4 (x not aligned: the narrow path).
+                const float* x = xs.data() + (offset_x ? 1 : 4);
+                std::vector<std::vector<unsigned short>> ws;
+                std::vector<std::vector<float>> ys, wants;
+                std::vector<float> bias = rng.many(ms[1]);
+                GemvJobs jobs{};
+                unsigned int blocks = 0;
+                for (size_t j = 0; j < ms.size(); j++) {
+                    unsigned int m = ms[j];
+                    std::vector<unsigned short> w(m * k);
+                    for (auto& b : w) b = bf16_bits(rng.next());
+                    std::vector<float> want(n * m);
+                    for (unsigned int r = 0; r < n; r++)
+                        for (unsigned int o = 0; o < m; o++) {
+                            double s = j == 1 ? bias[o] : 0.0;
+                            for (unsigned int c = 0; c < k; c++)
+                                s += (double)x[r * k + c] * __uint_as_float((unsigned int)w[o * k + c] << 16);
+                            want[r * m + o] = (float)s;
+                        }
+                    ws.push_back(std::move(w));
+                    wants.push_back(std::move(want));
+                    ys.emplace_back(n * m, NAN);
+                }
+                for (size_t j = 0; j < ms.size(); j++) {
+                    jobs.job[j] = {ws[j].data(), j == 1 ? bias.data() : nullptr, ys[j].data(), ms[j], blocks};
+                    blocks += (ms[j] + GEMV_WARPS - 1) / GEMV_WARPS;
+                }
+                jobs.count = (unsigned int)ms.size();
+                emu::launch({blocks, 1, 1}, {32 * GEMV_WARPS, 1, 1}, [&] { gemv_bf16(x, n, k, jobs); });
+                for (size_t j = 0; j < ms.size(); j++) {
+                    char name[128];
+                    std::snprintf(name, sizeof name, "gemv_bf16, x [%u, %u]%s, matrix %zu of %u rows", n, k,
+                                  offset_x ? " not 16-byte aligned" : "", j, ms[j]);
+                    check(name, ys[j], wants[j], 1e-4f);
+                }
+            }
+}
+
+}  // namespace
+
+int main() {
+    attention_checks();
+    gemv_checks();
+    std::printf("%d failed\n", failures);
+    return failures ? 1 : 0;
+}
