@@ -62,7 +62,13 @@ fn the_gpu_check_script_runs_every_step_without_a_gpu() {
         &step["result"]
     };
     assert_eq!(result("device")["device"], "no device");
-    for cuda in ["suite", "golden/cuda", "golden/cuda-tiled", "anchor/qwen3_vl_tiny"] {
+    for cuda in [
+        "suite",
+        "golden/cuda",
+        "golden/cuda-plain-decode",
+        "golden/cuda-tiled",
+        "anchor/qwen3_vl_tiny",
+    ] {
         assert_eq!(result(cuda)["skipped"], "no device", "{cuda}");
     }
 

@@ -4,11 +4,14 @@ Debian's Vulkan loader). One call of run.sh does, in this order, each step bound
 of --deadline-s, while the random checkpoints are written in the background from the start:
 
   device   the GPU's name, memory and measured device copy bandwidth (the rooflines' divisor)
-  golden   the golden fixtures through `kvlens generate --backend cuda`, f32 and bf16; then f32
-           with the tiled attention kernels (KVLENS_CUDA_ATTENTION=tiled), which the
-           later CUDA steps use where it passed
+  golden   the golden fixtures through `kvlens generate --backend cuda`, f32 and bf16 (where they
+           fail, again with the decode kernels of before gemv_bf16 and split attention,
+           PLAIN_DECODE, which the later steps then use if those pass); then f32 with the
+           tiled attention kernels (KVLENS_CUDA_ATTENTION=tiled), which the later CUDA steps
+           use where it passed
   per model (Qwen3-VL-2B, then 8B; random bf16 checkpoints written there):
-    anchor   `kvlens generate --backend cuda` against transformers bf16 generate on the same GPU
+    anchor   `kvlens generate --backend cuda` against transformers bf16 generate on the same GPU,
+             and the same generate with the other decode kernels (PLAIN_DECODE or not)
     serve    `kvlens serve --backend cuda`: start-up lines, planned vs measured, and
              `kvlens bench serve` with synthetic-vision prompts at request rates 2 and 8
     wgpu     the anchor's prompt through `--backend wgpu` on the GPU's Vulkan driver, decode
@@ -61,6 +64,10 @@ PEAK_TFLOPS = {"H200": {"f32": 66.9, "f16": 133.8}, "H100": {"f32": 66.9, "f16":
 
 NO_DEVICE = "no device"
 
+# The CUDA decode kernels before 2026-12-06: cuBLAS for every product (after a bf16 copy of the
+# rows), one attention block per row and head. The default since: gemv_bf16 and split attention.
+PLAIN_DECODE = {"KVLENS_CUDA_GEMV": "cublas", "KVLENS_CUDA_DECODE_ATTENTION": "rows"}
+
 
 def log(msg):
     print(f"[gpu-check {time.strftime('%H:%M:%S')}] {msg}", flush=True)
@@ -84,7 +91,8 @@ class Run:
         self.writers = {}
         # The environment of the CUDA steps: the row kernels, then KVLENS_CUDA_ATTENTION=tiled
         # once the tiled kernels have passed the golden fixtures here.
-        self.cuda_env = {k: v for k, v in os.environ.items() if k != "KVLENS_CUDA_ATTENTION"}
+        self.cuda_env = {k: v for k, v in os.environ.items()
+                         if k != "KVLENS_CUDA_ATTENTION" and k not in PLAIN_DECODE}
         self.bandwidth_gb_s = None
         self.device_name = NO_DEVICE
 
@@ -273,13 +281,32 @@ def golden_step(r, backend, dtypes, cap_s, env=None, key=None, only=None):
 TILED_FIXTURES = ["qwen3_vl", "qwen2_5_vl", "qwen2_vl"]
 
 
+def plain_decode_step(r):
+    """Where the golden fixtures failed on CUDA with the default decode kernels: the same with
+    PLAIN_DECODE; where those pass, every later CUDA step runs with them."""
+    failed = (r.summary["steps"].get("golden/cuda") or {}).get("result") or {}
+    if not r.cuda or failed.get("all_ok", True):
+        return {"skipped": NO_DEVICE if not r.cuda else "the default decode kernels passed"}
+    env = dict(r.cuda_env, **PLAIN_DECODE)
+    result = golden_step(r, "cuda", list(GOLDEN_RUNS), r.a.golden_s, env=env, key="golden-cuda-plain-decode")
+    if result["all_ok"]:
+        r.cuda_env = env
+    result["later_cuda_steps"] = "plain decode" if result["all_ok"] else "default decode"
+    return result
+
+
+def decode_kernels(env):
+    return "plain (cuBLAS, one block per row)" if env.get("KVLENS_CUDA_GEMV") == "cublas" else \
+        "gemv_bf16 and split attention"
+
+
 def tiled_step(r):
     """TILED_FIXTURES in f32 through the tiled attention kernels (KVLENS_CUDA_ATTENTION=tiled);
     where every one ran and passed, every later CUDA step runs with them (the row kernels' start-up
     profile of the 2B took 204 s)."""
     if not r.cuda:
         return {"skipped": NO_DEVICE}
-    env = dict(os.environ, KVLENS_CUDA_ATTENTION="tiled")
+    env = dict(r.cuda_env, KVLENS_CUDA_ATTENTION="tiled")
     result = golden_step(r, "cuda", ["float32"], r.a.golden_s, env=env, key="golden-cuda-tiled",
                          only=TILED_FIXTURES)
     passed = result["all_ok"] and not result["not_run"] and len(result["runs"]) == len(TILED_FIXTURES)
@@ -393,6 +420,13 @@ def anchor_step(r, config):
     res = json.load(open(path))
     k = next(iter(res["kvlens"].values()))
     t = res["transformers_bf16"]
+    # The other decode kernels on the same prompt, for the ratio measured in the same call.
+    other_env = {key: v for key, v in r.cuda_env.items() if key not in PLAIN_DECODE} \
+        if r.cuda_env.get("KVLENS_CUDA_GEMV") == "cublas" else dict(r.cuda_env, **PLAIN_DECODE)
+    try:
+        other = generate_once(r, ckpt, "cuda", "bfloat16", env=other_env)
+    except (RuntimeError, ValueError, KeyError) as e:
+        other = {"error": str(e)[-1500:]}
     return {
         "checkpoint": ckpt,
         "kvlens_prefill_tokens_per_s": k["timing"]["prefill_tokens_per_s"],
@@ -409,6 +443,12 @@ def anchor_step(r, config):
         "prefill_ratio": k["timing"]["prefill_tokens_per_s"] / t["prefill_tokens_per_s"],
         "tokens_equal_transformers": k["token_ids"] == t["token_ids"],
         "cuda_attention": r.cuda_env.get("KVLENS_CUDA_ATTENTION", "rows"),
+        "decode_kernels": decode_kernels(r.cuda_env),
+        "other_decode_kernels": decode_kernels(other_env),
+        "other_decode_tokens_per_s": other.get("decode_tokens_per_s"),
+        "other_decode_record_share": other.get("decode_record_share"),
+        "other_tokens_equal": other.get("token_ids") == k["token_ids"] if "token_ids" in other else None,
+        "other_error": other.get("error"),
         "load_s": k.get("load_s"),
     }
 
@@ -607,6 +647,7 @@ def main():
     if "golden" in steps:
         r.step("golden/cuda", lambda: golden_step(r, "cuda", list(GOLDEN_RUNS), a.golden_s, env=r.cuda_env)
                if r.cuda else {"skipped": NO_DEVICE})
+        r.step("golden/cuda-plain-decode", lambda: plain_decode_step(r))
         r.step("golden/cuda-tiled", lambda: tiled_step(r))
     for i, config in enumerate(configs):
         if "anchor" in steps:

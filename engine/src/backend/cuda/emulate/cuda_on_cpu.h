@@ -71,6 +71,17 @@ T exchange(T v, unsigned int src) {
     std::memcpy(&r, &out, sizeof(T));
     return r;
 }
+
+// Whether `p` holds in any lane of the warp.
+inline bool any(bool p) {
+    auto& slots = state->exchange[warp];
+    slots[lane] = p;
+    state->warps[warp]->arrive_and_wait();
+    bool found = false;
+    for (unsigned int l = 0; l < WARP_LANES; l++) found |= slots[l] != 0;
+    state->warps[warp]->arrive_and_wait();
+    return found;
+}
 }  // namespace emu
 
 inline thread_local uint3 threadIdx, blockIdx;
@@ -85,11 +96,7 @@ template <class T>
 T __shfl_xor_sync(unsigned int, T v, int mask) {
     return emu::exchange(v, emu::lane ^ (unsigned int)mask);
 }
-inline bool __any_sync(unsigned int, bool p) {
-    bool any = false;
-    for (unsigned int l = 0; l < emu::WARP_LANES; l++) any |= emu::exchange(p, l);
-    return any;
-}
+inline bool __any_sync(unsigned int, bool p) { return emu::any(p); }
 
 inline float __uint_as_float(unsigned int u) {
     float f;

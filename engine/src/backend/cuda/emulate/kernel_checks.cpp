@@ -134,6 +134,96 @@ void attention_checks() {
     }
 }
 
+// launch.rs's tile_rows_per_warp: the most query rows per warp (up to ATTN_TILE_ROWS) whose
+// queries and one tile of keys and values fit in 48 KiB less 64 bytes.
+unsigned int rows_per_warp(unsigned int d) {
+    for (unsigned int r = ATTN_TILE_ROWS; r > 0; r--)
+        if (4 * (ATTN_TILE_WARPS * r * d + ATTN_TILE_KEYS * (2 * d + 1)) <= (48 << 10) - 64) return r;
+    return 0;
+}
+
+// A prefill of one sequence through paged_attention_tiled: row r sees keys 0..=r, every row the
+// same block table, in tiles of ATTN_TILE_WARPS · rows_per_warp rows (launch.rs: causal_tiles).
+void tiled_prefill_checks() {
+    Rng rng{3};
+    for (unsigned int d : {40u, 128u}) {
+        unsigned int len = 70, heads = 4, kv_heads = 2;
+        Paged p(heads, kv_heads, d, 16, {len}, rng);
+        p.n.clear();
+        p.meta.clear();
+        for (unsigned int r = 0; r < len; r++) {
+            p.n.push_back(r + 1);
+            p.meta.push_back(0);
+            p.meta.push_back(r + 1);
+        }
+        p.q = rng.many(len * heads * d);
+        float scale = 1.0f / std::sqrt((float)d);
+        auto want = p.reference(scale);
+        unsigned int per_warp = rows_per_warp(d), block_rows = ATTN_TILE_WARPS * per_warp;
+        std::vector<unsigned int> tiles;
+        for (unsigned int at = 0; at < len; at += block_rows) {
+            tiles.push_back(at);
+            tiles.push_back(std::min(block_rows, len - at));
+        }
+        std::vector<float> out(want.size(), NAN);
+        emu::launch({(unsigned int)tiles.size() / 2, heads, 1}, {32 * ATTN_TILE_WARPS, 1, 1}, [&] {
+            paged_attention_tiled(p.q.data(), p.kc.data(), p.vc.data(), p.meta.data(), p.tables.data(), tiles.data(),
+                                  out.data(), heads, kv_heads, d, p.block_size, scale, per_warp);
+        });
+        char name[128];
+        std::snprintf(name, sizeof name, "paged_attention_tiled, %u rows of heads of %u, %u rows a warp", len, d,
+                      per_warp);
+        check(name, out, want, 1e-5f);
+    }
+}
+
+// Bidirectional attention within segments (the vision tower's images and windows) through
+// segment_attention_tiled (the row kernel, which the H200 ran, would take many more blocks here).
+void segment_checks() {
+    Rng rng{4};
+    for (unsigned int d : {64u, 80u}) {
+        unsigned int heads = 3, cols = heads * d;
+        std::vector<std::pair<unsigned int, unsigned int>> segments = {{0, 50}, {50, 1}, {51, 30}};
+        unsigned int rows = 81;
+        std::vector<unsigned int> seg;
+        for (auto [start, len] : segments)
+            for (unsigned int i = 0; i < len; i++) {
+                seg.push_back(start);
+                seg.push_back(len);
+            }
+        auto q = rng.many(rows * cols), k = rng.many(rows * cols), v = rng.many(rows * cols);
+        float scale = 1.0f / std::sqrt((float)d);
+        std::vector<float> want(rows * cols);
+        for (unsigned int r = 0; r < rows; r++)
+            for (unsigned int h = 0; h < heads; h++) {
+                unsigned int first = seg[2 * r], n = seg[2 * r + 1];
+                std::vector<double> s(n);
+                double mx = -1e30, sum = 0.0;
+                for (unsigned int j = 0; j < n; j++) {
+                    double dot = 0.0;
+                    for (unsigned int c = 0; c < d; c++)
+                        dot += (double)q[r * cols + h * d + c] * k[(first + j) * cols + h * d + c];
+                    mx = std::max(mx, s[j] = dot * scale);
+                }
+                for (auto& x : s) sum += (x = std::exp(x - mx));
+                for (unsigned int c = 0; c < d; c++) {
+                    double o = 0.0;
+                    for (unsigned int j = 0; j < n; j++) o += s[j] * v[(first + j) * cols + h * d + c];
+                    want[r * cols + h * d + c] = (float)(o / sum);
+                }
+            }
+        char name[128];
+        unsigned int per_warp = rows_per_warp(d), block_rows = ATTN_TILE_WARPS * per_warp;
+        std::vector<float> tiled(want.size(), NAN);
+        emu::launch({(rows + block_rows - 1) / block_rows, heads, 1}, {32 * ATTN_TILE_WARPS, 1, 1}, [&] {
+            segment_attention_tiled(q.data(), k.data(), v.data(), seg.data(), tiled.data(), rows, heads, d, scale,
+                                    per_warp);
+        });
+        std::snprintf(name, sizeof name, "segment_attention_tiled, heads of %u, %u rows a warp", d, per_warp);
+        check(name, tiled, want, 1e-5f);
+    }
+}
+
 void gemv_checks() {
     Rng rng{2};
     // k a multiple of 8 (16-byte loads) and not (one value at a time); 1 and GEMV_MAX_ROWS rows
@@ -186,6 +276,8 @@ void gemv_checks() {
 
 int main() {
     attention_checks();
+    tiled_prefill_checks();
+    segment_checks();
     gemv_checks();
     std::printf("%d failed\n", failures);
     return failures ? 1 : 0;
