@@ -88,9 +88,12 @@ struct GemvJobs {
 // a time where k is a multiple of 8 and the rows 16-byte aligned, one value at a time otherwise;
 // f32 x times bf16 w, summed in f32.
 extern "C" __global__ void gemv_bf16(const float* x, unsigned int n, unsigned int k, GemvJobs jobs) {
-    unsigned int lane = threadIdx.x % WARP, j = 0;
-    while (j + 1 < jobs.count && blockIdx.x >= jobs.job[j + 1].first_block) j++;
-    GemvJob job = jobs.job[j];
+    unsigned int lane = threadIdx.x % WARP;
+    // Constant indices only, so that the jobs are read from the parameters, not copied to local memory.
+    GemvJob job = jobs.job[0];
+#pragma unroll
+    for (unsigned int j = 1; j < GEMV_JOBS; j++)
+        if (j < jobs.count && blockIdx.x >= jobs.job[j].first_block) job = jobs.job[j];
     unsigned int row = (blockIdx.x - job.first_block) * GEMV_WARPS + threadIdx.x / WARP;
     if (row >= job.m) return;
     const unsigned short* w = job.w + (unsigned long long)row * k;
@@ -100,6 +103,7 @@ extern "C" __global__ void gemv_bf16(const float* x, unsigned int n, unsigned in
     bool wide = k % 8 == 0 && (unsigned long long)job.w % 16 == 0 && (unsigned long long)x % 16 == 0;
     if (wide) {
         const uint4* w8 = (const uint4*)w;
+#pragma unroll 4
         for (unsigned int i = lane; i < k / 8; i += WARP) {
             uint4 p = w8[i];
             float wf[8] = {__uint_as_float(p.x << 16), __uint_as_float(p.x & 0xffff0000u),
