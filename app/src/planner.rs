@@ -27,6 +27,11 @@ const FIELDS: &[(&str, &str, &str)] = &[
     ("max_num_seqs", "--max-num-seqs", "vLLM's for the device"),
     ("block_size", "--block-size", "16, 128 on Ascend"),
     ("limit_mm_per_prompt", "--limit-mm-per-prompt", "image=999,video=999"),
+    (
+        "mm_processor_kwargs",
+        "--mm-processor-kwargs",
+        "the checkpoint's max_pixels",
+    ),
     ("mm_processor_cache_gb", "--mm-processor-cache-gb", "4"),
     ("total_memory_gib", "--total-memory-gib", "the device's"),
     ("weights_gib", "--weights-gib (measured)", "estimated"),

@@ -85,7 +85,9 @@ pub fn run(a: &LessonArgs) -> Result<()> {
         return Ok(());
     }
     let mut args = a.engine.clone();
-    args.mm_processor_kwargs.get_or_insert_with(|| LESSON_MAX_PIXELS.into());
+    args.vllm
+        .mm_processor_kwargs
+        .get_or_insert_with(|| LESSON_MAX_PIXELS.into());
     args.kv_cache_memory_bytes.get_or_insert(LESSON_KV_BYTES);
     let mut started = start(&args)?;
     let mut recording = Recording::new(l.title);

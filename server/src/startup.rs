@@ -66,9 +66,6 @@ pub struct EngineArgs {
     /// Turn prefix caching off.
     #[arg(long)]
     pub no_enable_prefix_caching: bool,
-    /// Image processor overrides as JSON, e.g. '{"max_pixels": 1003520}'.
-    #[arg(long)]
-    pub mm_processor_kwargs: Option<String>,
     /// Seed of requests that give none.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
@@ -171,7 +168,7 @@ pub fn start(a: &EngineArgs) -> Result<Started> {
         )));
     }
     // Parsed before the (possibly long) load; checked against the checkpoint's limits after it.
-    let pixels = match &a.mm_processor_kwargs {
+    let pixels = match &a.vllm.mm_processor_kwargs {
         Some(json) => ProcessorKwargs::parse(json).map_err(|e| usage(e.to_string()))?,
         None => ProcessorKwargs::default(),
     };

@@ -523,8 +523,12 @@ def wait_ready(r, url, proc, cap_s):
     return False
 
 
-# Images' largest size in the serve step with the row attention kernels: 1,024 tokens of 32×32.
-ROWS_MAX_PIXELS = 1 << 20
+# Images' largest size in the serve step on CUDA: 1,024 tokens of 32×32. The vision tower's
+# attention runs on CUDA cores, not tensor cores: the row kernels took 204 s to profile the 2B's
+# largest image (16,384 tokens, 65,536 patches) and minutes per phone photo, and the tiled ones
+# still do every patch pair's 2·64 multiply-adds per head and layer in f32 (~420 TFLOP for that
+# image), so at full size neither the profile nor the rates would fit the run.
+SERVE_MAX_PIXELS = 1 << 20
 
 
 def plan_device(name):
@@ -540,16 +544,13 @@ def serve_step(r, config, port):
     attention = r.cuda_env.get("KVLENS_CUDA_ATTENTION", "rows")
     result = {"backend": backend, "cuda_attention": attention}
     plan_args = ["--max-model-len", str(r.a.max_model_len), "--limit-mm-per-prompt", "image=1,video=0"]
-    serve_args = []
-    if backend == "cuda" and attention == "rows":
-        # The row kernels took 204 s to profile the 2B's largest image (16,384 tokens) and minutes
-        # per phone photo: images capped at about 1,024 tokens keep the rates measurable (the
-        # plan, which takes no processor arguments, still assumes the largest image).
-        serve_args = ["--mm-processor-kwargs", json.dumps({"max_pixels": ROWS_MAX_PIXELS})]
-        result["max_pixels"] = ROWS_MAX_PIXELS
+    if backend == "cuda":
+        # Served and planned with the same largest image (the profile's and the plan's).
+        plan_args += ["--mm-processor-kwargs", json.dumps({"max_pixels": SERVE_MAX_PIXELS})]
+        result["max_pixels"] = SERVE_MAX_PIXELS
     with open(logfile, "w") as logf:
         server = subprocess.Popen([r.kvlens, "serve", "--model", ckpt, "--backend", backend, "--dtype", "bfloat16",
-                                   "--port", str(port)] + plan_args + serve_args, stdout=logf,
+                                   "--port", str(port)] + plan_args, stdout=logf,
                                   stderr=subprocess.STDOUT,
                                   env=r.cuda_env)
         try:

@@ -6,7 +6,7 @@ use super::device::{device_preset, device_preset_names, gib_to_bytes};
 use super::log_budget::{header_settings, rebuild, what_if, DeviceTotal, HeaderSettings, LogBudget, WhatIf};
 use super::planner::{MmLimits, PlanError, PlanRequest, DEFAULT_MM_PROCESSOR_CACHE_GB};
 use super::vllm_log::ParsedLog;
-use crate::arch::config::{bundled_config, DType, ImageLimits, ModelConfig};
+use crate::arch::config::{bundled_config, DType, ImageLimits, ModelConfig, ProcessorKwargs};
 use crate::arch::weight_format::WeightFormat;
 
 /// The model planned when neither a flag nor a log names one.
@@ -36,6 +36,10 @@ pub struct VllmFlags {
     /// Items per prompt: `image=N,video=M` or JSON such as '{"image": 4, "video": 0}'.
     #[cfg_attr(feature = "cli", arg(long))]
     pub limit_mm_per_prompt: Option<String>,
+    /// Image processor overrides as JSON, e.g. '{"max_pixels": 1003520}' (min_pixels and
+    /// max_pixels are read): the largest image, which the profile and the encoder budget assume.
+    #[cfg_attr(feature = "cli", arg(long))]
+    pub mm_processor_kwargs: Option<String>,
     /// Host memory of the preprocessed-image cache in GiB (0 turns it off).
     #[cfg_attr(feature = "cli", arg(long, default_value_t = DEFAULT_MM_PROCESSOR_CACHE_GB, value_parser = non_negative))]
     pub mm_processor_cache_gb: f64,
@@ -62,6 +66,7 @@ impl Default for VllmFlags {
             max_num_seqs: None,
             block_size: None,
             limit_mm_per_prompt: None,
+            mm_processor_kwargs: None,
             mm_processor_cache_gb: DEFAULT_MM_PROCESSOR_CACHE_GB,
             dtype: "auto".into(),
             kv_cache_dtype: "auto".into(),
@@ -87,6 +92,11 @@ impl VllmFlags {
             .or(header.limit_mm_per_prompt.as_ref())
         {
             r.limit_mm_per_prompt = MmLimits::parse(l)?;
+        }
+        if let Some(json) = &self.mm_processor_kwargs {
+            r.image_limits = ProcessorKwargs::parse(json)
+                .and_then(|k| k.apply(r.image_limits))
+                .map_err(|e| PlanError::Invalid(e.to_string()))?;
         }
         r.mm_processor_cache_gb = self.mm_processor_cache_gb;
         let kv_dtype = match (self.kv_cache_dtype.as_str(), &header.kv_cache_dtype) {
@@ -160,6 +170,7 @@ pub const QUERY_KEYS: &[&str] = &[
     "max_num_seqs",
     "block_size",
     "limit_mm_per_prompt",
+    "mm_processor_kwargs",
     "mm_processor_cache_gb",
     "dtype",
     "kv_cache_dtype",
@@ -271,6 +282,12 @@ impl PlanInputs {
                 }
                 v.limit_mm_per_prompt = text();
             }
+            "mm_processor_kwargs" => {
+                if !value.is_empty() {
+                    ProcessorKwargs::parse(value).map_err(|e| bad(e.to_string()))?;
+                }
+                v.mm_processor_kwargs = text();
+            }
             "mm_processor_cache_gb" => v.mm_processor_cache_gb = gib()?.unwrap_or(DEFAULT_MM_PROCESSOR_CACHE_GB),
             "dtype" | "kv_cache_dtype" => {
                 let value = if value.is_empty() { "auto" } else { value };
@@ -316,6 +333,7 @@ impl PlanInputs {
             "max_num_seqs" => n(v.max_num_seqs),
             "block_size" => n(v.block_size),
             "limit_mm_per_prompt" => v.limit_mm_per_prompt.clone(),
+            "mm_processor_kwargs" => v.mm_processor_kwargs.clone(),
             "mm_processor_cache_gb" => f(Some(v.mm_processor_cache_gb)),
             "dtype" => Some(v.dtype.clone()),
             "kv_cache_dtype" => Some(v.kv_cache_dtype.clone()),
@@ -447,6 +465,17 @@ mod tests {
         assert_eq!(query(EXAMPLE).to_query(), EXAMPLE);
     }
 
+    /// vLLM's `--mm-processor-kwargs`: a smaller largest image, fewer tokens per image in the plan.
+    #[test]
+    fn processor_kwargs_cap_the_largest_image() {
+        let full = plan_of("model=Qwen3-VL-8B-Instruct");
+        let capped = plan_of("model=Qwen3-VL-8B-Instruct&mm_processor_kwargs=%7B%22max_pixels%22%3A1048576%7D");
+        assert_eq!(capped.max_tokens_per_image, 1024, "32×32 pixels a token");
+        assert!(full.max_tokens_per_image > 4 * capped.max_tokens_per_image);
+        let (_, errors) = PlanInputs::from_query("mm_processor_kwargs=%7B%22max_pixels%22%3A-1%7D");
+        assert!(!errors.is_empty(), "a bad value is refused");
+    }
+
     #[test]
     fn every_key_round_trips() {
         let mut all = PlanInputs::default();
@@ -462,6 +491,7 @@ mod tests {
             ("max_num_seqs", "64"),
             ("block_size", "32"),
             ("limit_mm_per_prompt", r#"{"image": 4, "video": 0}"#),
+            ("mm_processor_kwargs", r#"{"max_pixels": 1003520}"#),
             ("mm_processor_cache_gb", "0"),
             ("dtype", "float16"),
             ("kv_cache_dtype", "fp8"),
