@@ -105,7 +105,7 @@ extern "C" __global__ void gemv_bf16(const float* x, unsigned int n, unsigned in
         const uint4* w8 = (const uint4*)w;
 #pragma unroll 4
         for (unsigned int i = lane; i < k / 8; i += WARP) {
-            uint4 p = w8[i];
+            uint4 p = __ldg(w8 + i); // read-only: through the non-coherent cache
             float wf[8] = {__uint_as_float(p.x << 16), __uint_as_float(p.x & 0xffff0000u),
                            __uint_as_float(p.y << 16), __uint_as_float(p.y & 0xffff0000u),
                            __uint_as_float(p.z << 16), __uint_as_float(p.z & 0xffff0000u),

@@ -109,6 +109,10 @@ inline unsigned int __float_as_uint(float f) {
     std::memcpy(&u, &f, 4);
     return u;
 }
+template <class T>
+T __ldg(const T* p) {
+    return *p;
+}
 inline float rsqrtf(float v) { return 1.0f / std::sqrt(v); }
 inline unsigned int min(unsigned int a, unsigned int b) { return a < b ? a : b; }
 inline unsigned int max(unsigned int a, unsigned int b) { return a > b ? a : b; }

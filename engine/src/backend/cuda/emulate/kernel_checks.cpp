@@ -226,9 +226,10 @@ void segment_checks() {
 
 void gemv_checks() {
     Rng rng{2};
-    // k a multiple of 8 (16-byte loads) and not (one value at a time); 1 and GEMV_MAX_ROWS rows
-    // of x; three matrices of rows not a multiple of GEMV_WARPS, one with a bias.
-    for (unsigned int k : {64u, 130u})
+    // k a multiple of 8 (16-byte loads; 544: lanes take three loads, some two) and not (one value
+    // at a time); 1 and GEMV_MAX_ROWS rows of x; three matrices of rows not a multiple of
+    // GEMV_WARPS, one with a bias.
+    for (unsigned int k : {64u, 544u, 130u})
         for (unsigned int n : {1u, (unsigned int)GEMV_MAX_ROWS})
             for (bool offset_x : {false, true}) {
                 if (offset_x && k != 64) continue;
