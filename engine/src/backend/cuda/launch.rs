@@ -62,7 +62,8 @@ pub const GEMV_WARPS: u32 = 8;
 pub const GEMV_MAX_ROWS: usize = 4;
 /// Weight matrices a `gemv_bf16` launch takes at most (`GEMV_JOBS`).
 pub const GEMV_JOBS: usize = 4;
-/// The fewest keys per part of a split attention: fewer would cost more in merging than they save.
+/// Keys per part of a split attention, about (a part for every `SPLIT_KEYS` keys of the longest
+/// row): smaller parts would cost more in merging than they save.
 pub const SPLIT_KEYS: usize = 64;
 /// Parts of one row and head a split attention takes at most.
 pub const MAX_SPLITS: usize = 32;

@@ -493,9 +493,7 @@ impl CudaBackend {
         }
         .map_err(lib)
     }
-}
 
-impl CudaBackend {
     /// `x [n, k] · wᵀ (+ b)` for each `(w, b)` by `gemv_bf16`, [`launch::GEMV_JOBS`] matrices a
     /// launch; None where it does not apply (turned off, more rows than
     /// [`launch::GEMV_MAX_ROWS`], an f32 weight, a shape `linear` refuses).
