@@ -64,7 +64,7 @@ pub const GEMV_MAX_ROWS: usize = 4;
 pub const GEMV_JOBS: usize = 4;
 /// Keys per part of a split attention, about (a part for every `SPLIT_KEYS` keys of the longest
 /// row): smaller parts would cost more in merging than they save.
-pub const SPLIT_KEYS: usize = 64;
+pub const SPLIT_KEYS: usize = 32;
 /// Parts of one row and head a split attention takes at most.
 pub const MAX_SPLITS: usize = 32;
 /// Blocks (rows × heads × parts) up to which a split attention adds parts: about 30 per
@@ -267,10 +267,10 @@ mod tests {
 
     #[test]
     fn split_attention_takes_parts_only_where_blocks_are_few_and_keys_many() {
-        // One decode row of 16 heads over 850 keys: 14 parts (of 61 keys).
-        assert_eq!(attention_parts(1, 16, 850), 14);
+        // One decode row of 16 heads over 850 keys: 27 parts (of 32 keys, the last of 18).
+        assert_eq!(attention_parts(1, 16, 850), 27);
         // Few keys, or as many rows and heads as the GPU holds: the one-block kernel.
-        assert_eq!(attention_parts(1, 16, 64), 1);
+        assert_eq!(attention_parts(1, 16, 32), 1);
         assert_eq!(attention_parts(784, 16, 784), 1);
         // Sixteen decode rows of 32 heads over 4000 keys: bounded by the blocks (4096 / 512).
         assert_eq!(attention_parts(16, 32, 4000), 8);
