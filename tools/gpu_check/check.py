@@ -66,8 +66,9 @@ PEAK_TFLOPS = {"H200": {"f32": 66.9, "f16": 133.8}, "H100": {"f32": 66.9, "f16":
 NO_DEVICE = "no device"
 
 # The CUDA decode kernels before 2026-12-06: cuBLAS for every product (after a bf16 copy of the
-# rows), one attention block per row and head. The default since: gemv_bf16 and split attention.
-PLAIN_DECODE = {"KVLENS_CUDA_GEMV": "cublas", "KVLENS_CUDA_DECODE_ATTENTION": "rows"}
+# rows), one attention block per row and head, no fused kernels. The default since: gemv_bf16,
+# split attention and the fused kernels (add_rms_norm, norm_rope, gemv_bf16_glu).
+PLAIN_DECODE = {"KVLENS_CUDA_GEMV": "cublas", "KVLENS_CUDA_DECODE_ATTENTION": "rows", "KVLENS_CUDA_FUSED": "off"}
 
 
 def log(msg):
@@ -303,8 +304,9 @@ def plain_decode_step(r):
 
 
 def decode_kernels(env):
-    return "plain (cuBLAS, one block per row)" if env.get("KVLENS_CUDA_GEMV") == "cublas" else \
-        "gemv_bf16 and split attention"
+    if env.get("KVLENS_CUDA_GEMV") == "cublas":
+        return "plain (cuBLAS, one block per row)"
+    return "gemv_bf16 and split attention" + (" unfused" if env.get("KVLENS_CUDA_FUSED") == "off" else ", fused")
 
 
 def tiled_step(r):
@@ -434,6 +436,13 @@ def anchor_step(r, config):
         other = generate_once(r, ckpt, "cuda", "bfloat16", env=other_env)
     except (RuntimeError, ValueError, KeyError) as e:
         other = {"error": str(e)[-1500:]}
+    # With the default kernels, also without the fused ones: what the fusing alone gave.
+    unfused = {}
+    if r.cuda_env.get("KVLENS_CUDA_GEMV") != "cublas":
+        try:
+            unfused = generate_once(r, ckpt, "cuda", "bfloat16", env=dict(r.cuda_env, KVLENS_CUDA_FUSED="off"))
+        except (RuntimeError, ValueError, KeyError) as e:
+            unfused = {"error": str(e)[-1500:]}
     return {
         "checkpoint": ckpt,
         "kvlens_prefill_tokens_per_s": k["timing"]["prefill_tokens_per_s"],
@@ -458,6 +467,11 @@ def anchor_step(r, config):
         # to bf16, so near-ties on a random checkpoint may go either way.
         "other_tokens_equal": other.get("token_ids") == k["token_ids"] if "token_ids" in other else None,
         "other_error": other.get("error"),
+        "unfused_decode_tokens_per_s": unfused.get("decode_tokens_per_s"),
+        "unfused_decode_record_share": unfused.get("decode_record_share"),
+        # Fused and unfused take the same sums in the same order: their tokens should agree.
+        "unfused_tokens_equal": unfused.get("token_ids") == k["token_ids"] if "token_ids" in unfused else None,
+        "unfused_error": unfused.get("error"),
         "load_s": k.get("load_s"),
     }
 

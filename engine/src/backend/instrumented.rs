@@ -210,6 +210,29 @@ impl<B: Backend> Backend for Instrumented<B> {
     fn add(&self, a: &Self::Tensor, b: &Self::Tensor) -> BResult<Self::Tensor> {
         self.inner.add(a, b)
     }
+    fn add_rms_norm(
+        &self,
+        x: &Self::Tensor,
+        y: &Self::Tensor,
+        w: &Self::Tensor,
+        eps: f64,
+    ) -> BResult<(Self::Tensor, Self::Tensor)> {
+        self.inner.add_rms_norm(x, y, w, eps)
+    }
+    fn norm_rope(
+        &self,
+        x: &Self::Tensor,
+        w: Option<&Self::Tensor>,
+        eps: f64,
+        cos: &Self::Tensor,
+        sin: &Self::Tensor,
+        head_dim: usize,
+    ) -> BResult<Self::Tensor> {
+        self.inner.norm_rope(x, w, eps, cos, sin, head_dim)
+    }
+    fn swiglu(&self, x: &Self::Tensor, gate: &Self::Weight, up: &Self::Weight) -> BResult<Self::Tensor> {
+        self.inner.swiglu(x, gate, up)
+    }
     fn rope(&self, x: &Self::Tensor, cos: &Self::Tensor, sin: &Self::Tensor) -> BResult<Self::Tensor> {
         self.inner.rope(x, cos, sin)
     }

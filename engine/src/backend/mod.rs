@@ -5,6 +5,7 @@
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod fused;
 pub mod instrumented;
 pub mod paged;
 #[cfg(test)]
@@ -550,6 +551,33 @@ pub trait Backend: std::fmt::Debug + 'static {
     fn silu_mul(&self, gate: &Self::Tensor, up: &Self::Tensor) -> BResult<Self::Tensor>;
     /// `a + b` (same shape).
     fn add(&self, a: &Self::Tensor, b: &Self::Tensor) -> BResult<Self::Tensor>;
+    /// `(x + y, rms_norm(x + y, w))`, in one pass where the backend can ([`fused::add_rms_norm`]).
+    fn add_rms_norm(
+        &self,
+        x: &Self::Tensor,
+        y: &Self::Tensor,
+        w: &Self::Tensor,
+        eps: f64,
+    ) -> BResult<(Self::Tensor, Self::Tensor)> {
+        fused::add_rms_norm(self, x, y, w, eps)
+    }
+    /// Each head's RMSNorm (where `w` is given) and rotary embedding, in one pass where the
+    /// backend can ([`fused::norm_rope`]).
+    fn norm_rope(
+        &self,
+        x: &Self::Tensor,
+        w: Option<&Self::Tensor>,
+        eps: f64,
+        cos: &Self::Tensor,
+        sin: &Self::Tensor,
+        head_dim: usize,
+    ) -> BResult<Self::Tensor> {
+        fused::norm_rope(self, x, w, eps, cos, sin, head_dim)
+    }
+    /// `silu(x · gateᵀ) ⊙ (x · upᵀ)`, in one pass where the backend can ([`fused::swiglu`]).
+    fn swiglu(&self, x: &Self::Tensor, gate: &Self::Weight, up: &Self::Weight) -> BResult<Self::Tensor> {
+        fused::swiglu(self, x, gate, up)
+    }
     /// Rotary embedding, rotate-half convention: `x [n, heads·d]`, `cos`/`sin [n, d]`.
     fn rope(&self, x: &Self::Tensor, cos: &Self::Tensor, sin: &Self::Tensor) -> BResult<Self::Tensor>;
     /// Columns `[start, start+len)`.

@@ -25,6 +25,7 @@ macro_rules! backend_suite {
             paged_attention_matches_dense_causal_attention,
             chunked_segment_attention_matches_a_direct_softmax,
             rope_rotates_halves_and_segments_stay_apart,
+            fused_operations_match_host_references,
             rows_gather_scatter_and_concat,
             sampling_matches_the_host_definition);
     };
@@ -267,6 +268,76 @@ pub fn rope_rotates_halves_and_segments_stay_apart<B: Backend>(b: &B) {
     let segs = b.upload_segments(&[(0, 2), (2, 1)]).unwrap();
     let out = host(b, &b.segment_attention(&q, &q, &v, 1, &segs).unwrap());
     close(&out, &[1.5, 1.5, 10.0], 1e-6);
+}
+
+/// The fused operations against host references: a residual add and the RMSNorm after it; each
+/// head's RMSNorm (or none) and rotary embedding, of the whole head and of its first half.
+pub fn fused_operations_match_host_references<B: Backend>(b: &B) {
+    let (rows, cols, eps) = (3, 40, 1e-6);
+    let (x, y, w) = (noise(rows * cols, 1), noise(rows * cols, 2), noise(cols, 3));
+    let (sum, normed) = b
+        .add_rms_norm(&t(b, &x, rows, cols), &t(b, &y, rows, cols), &t(b, &w, 1, cols), eps)
+        .unwrap();
+    let want_sum: Vec<f32> = x.iter().zip(&y).map(|(a, b)| a + b).collect();
+    let want: Vec<f32> = want_sum
+        .chunks(cols)
+        .flat_map(|row| {
+            let inv = 1.0 / (row.iter().map(|v| v * v).sum::<f32>() / cols as f32 + eps as f32).sqrt();
+            row.iter().zip(&w).map(move |(v, w)| v * inv * w)
+        })
+        .collect();
+    close(&host(b, &sum), &want_sum, 1e-6);
+    close(&host(b, &normed), &want, 1e-5);
+
+    // Two rows of three heads of 8: cos/sin of 8 (whole heads) or 4 (the first half turns).
+    let (rows, heads, head) = (2, 3, 8);
+    let x = noise(rows * heads * head, 4);
+    let w = noise(head, 5);
+    for (d, norm) in [(8, true), (8, false), (4, true)] {
+        let (cos, sin) = (noise(rows * d, 6), noise(rows * d, 7));
+        let wt = t(b, &w, 1, head);
+        let got = b
+            .norm_rope(
+                &t(b, &x, rows, heads * head),
+                norm.then_some(&wt),
+                eps,
+                &t(b, &cos, rows, d),
+                &t(b, &sin, rows, d),
+                head,
+            )
+            .unwrap();
+        let mut want = Vec::new();
+        for (i, h) in x.chunks(head).enumerate() {
+            let r = i / heads;
+            let inv = 1.0 / (h.iter().map(|v| v * v).sum::<f32>() / head as f32 + eps as f32).sqrt();
+            let v: Vec<f32> = h
+                .iter()
+                .zip(&w)
+                .map(|(x, w)| if norm { x * inv * w } else { *x })
+                .collect();
+            want.extend((0..head).map(|j| match j {
+                j if j < d / 2 => v[j] * cos[r * d + j] - v[j + d / 2] * sin[r * d + j],
+                j if j < d => v[j] * cos[r * d + j] + v[j - d / 2] * sin[r * d + j],
+                j => v[j],
+            }));
+        }
+        close(&host(b, &got), &want, 1e-5);
+    }
+
+    // SwiGLU's products: x [2, 16], gate and up [6, 16].
+    let (rows, k, m) = (2, 16, 6);
+    let (x, gate, up) = (noise(rows * k, 8), noise(m * k, 9), noise(m * k, 10));
+    let got = b
+        .swiglu(&t(b, &x, rows, k), &weight(b, &gate, m, k), &weight(b, &up, m, k))
+        .unwrap();
+    let dot = |w: &[f32], r: usize, o: usize| -> f32 { (0..k).map(|c| x[r * k + c] * w[o * k + c]).sum() };
+    let want: Vec<f32> = (0..rows * m)
+        .map(|i| {
+            let (g, u) = (dot(&gate, i / m, i % m), dot(&up, i / m, i % m));
+            g / (1.0 + (-g).exp()) * u
+        })
+        .collect();
+    close(&host(b, &got), &want, 1e-5);
 }
 
 /// Partial rotary (the first 2 of each head of 4 turn) and the sigmoid gate against

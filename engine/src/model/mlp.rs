@@ -8,7 +8,6 @@
 //! model so runs the experts; the cost is one read per layer, which a browser's GPU cannot
 //! answer inside a step (wasm32 builds refuse these models).
 
-use super::text::products;
 use super::weights::{Loader, TensorSource};
 use super::ModelError;
 use crate::arch::config::MoeConfig;
@@ -33,8 +32,7 @@ impl<B: Backend> Swiglu<B> {
     }
 
     fn forward(&self, be: &B, x: &B::Tensor) -> Result<B::Tensor, ModelError> {
-        let [gate, up] = products(be.linears(x, &[(&self.gate, None), (&self.up, None)])?)?;
-        Ok(be.linear(&be.silu_mul(&gate, &up)?, &self.down, None)?)
+        Ok(be.linear(&be.swiglu(x, &self.gate, &self.up)?, &self.down, None)?)
     }
 }
 

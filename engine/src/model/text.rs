@@ -150,9 +150,11 @@ impl<B: Backend> TextModel<B> {
         inp: DecoderInput<'_, B>,
     ) -> Result<B::Tensor, ModelError> {
         let eps = self.cfg.rms_norm_eps;
+        // The norm before layer `i`: its input norm, or after the last layer the final norm.
+        let norm_before = |i: usize| self.layers.get(i).map_or(&self.norm, |l| &l.input_norm);
         let mut x = inp.embeds.clone();
+        let mut h = be.rms_norm(&x, norm_before(0), eps)?;
         for (i, layer) in self.layers.iter().enumerate() {
-            let h = be.rms_norm(&x, &layer.input_norm, eps)?;
             let mixed = match &layer.mixer {
                 Mixer::Attention(a) => a.forward(be, &self.cfg, cache, &h, &inp)?,
                 Mixer::DeltaNet(d) => {
@@ -162,16 +164,22 @@ impl<B: Backend> TextModel<B> {
                     d.forward(be, &self.cfg, states, &h, inp.state_seqs)?
                 }
             };
-            x = be.add(&x, &mixed)?;
-            let h = be.rms_norm(&x, &layer.post_norm, eps)?;
-            x = be.add(&x, &layer.mlp.forward(be, &h)?)?;
-            if let Some((features, rows_at)) = inp.deepstack {
-                if let Some(f) = features.get(i) {
-                    x = be.scatter_rows(&x, rows_at, f, true)?;
+            let (sum, normed) = be.add_rms_norm(&x, &mixed, &layer.post_norm, eps)?;
+            let out = layer.mlp.forward(be, &normed)?;
+            // The residual add and the next norm in one pass, unless deepstack features join between.
+            let deepstack = inp
+                .deepstack
+                .and_then(|(features, rows_at)| Some((features.get(i)?, rows_at)));
+            (x, h) = match deepstack {
+                Some((f, rows_at)) => {
+                    let x = be.scatter_rows(&be.add(&sum, &out)?, rows_at, f, true)?;
+                    let h = be.rms_norm(&x, norm_before(i + 1), eps)?;
+                    (x, h)
                 }
-            }
+                None => be.add_rms_norm(&sum, &out, norm_before(i + 1), eps)?,
+            };
         }
-        Ok(be.rms_norm(&x, &self.norm, eps)?)
+        Ok(h)
     }
 
     /// Logits `[rows, vocab]` of the given hidden rows.
@@ -215,9 +223,9 @@ impl<B: Backend> Attention<B> {
         h: &B::Tensor,
         inp: &DecoderInput<'_, B>,
     ) -> Result<B::Tensor, ModelError> {
-        let (hd, nq, nkv) = (t.head_dim, t.num_attention_heads, t.num_key_value_heads);
+        let (hd, nq) = (t.head_dim, t.num_attention_heads);
         let rows = be.shape(h).first().copied().unwrap_or(0);
-        let [mut q, mut k, v] = products(be.linears(
+        let [mut q, k, v] = products(be.linears(
             h,
             &[
                 (&self.q.0, self.q.1.as_ref()),
@@ -233,19 +241,10 @@ impl<B: Backend> Attention<B> {
         } else {
             None
         };
-        if let Some((qn, kn)) = &self.qk_norm {
-            let eps = t.rms_norm_eps;
-            q = be.reshape(&be.rms_norm(&be.reshape(&q, rows * nq, hd)?, qn, eps)?, rows, nq * hd)?;
-            k = be.reshape(&be.rms_norm(&be.reshape(&k, rows * nkv, hd)?, kn, eps)?, rows, nkv * hd)?;
-        }
-        let (q, k) = if t.rotary_dim < hd {
-            (
-                be.rope_partial(&q, &inp.cos, &inp.sin, hd)?,
-                be.rope_partial(&k, &inp.cos, &inp.sin, hd)?,
-            )
-        } else {
-            (be.rope(&q, &inp.cos, &inp.sin)?, be.rope(&k, &inp.cos, &inp.sin)?)
-        };
+        let (qn, kn) = self.qk_norm.as_ref().map_or((None, None), |(q, k)| (Some(q), Some(k)));
+        let eps = t.rms_norm_eps;
+        let q = be.norm_rope(&q, qn, eps, &inp.cos, &inp.sin, hd)?;
+        let k = be.norm_rope(&k, kn, eps, &inp.cos, &inp.sin, hd)?;
         be.write_kv(cache, self.kv_layer, &k, &v, inp.paged)?;
         let mut a = be.paged_attention(cache, self.kv_layer, &q, nq, inp.paged)?;
         if let Some(gate) = gate {

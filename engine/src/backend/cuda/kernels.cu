@@ -12,6 +12,7 @@
 #define GEMV_WARPS 8 // weight rows per gemv_bf16 block: one a warp
 #define GEMV_MAX_ROWS 4 // rows of x a gemv_bf16 launch takes, at most
 #define GEMV_JOBS 4 // weight matrices a gemv_bf16 launch takes, at most
+#define HEAD_WARPS 8 // heads per norm_rope block: one a warp
 // The block's dynamic shared memory (emulate/cuda_on_cpu.h defines it for the CPU tests).
 #ifndef DYNAMIC_SHARED
 #define DYNAMIC_SHARED(type, name) extern __shared__ type name[]
@@ -82,11 +83,56 @@ struct GemvJobs {
     unsigned int count;
 };
 
+// Adds row `w` of J bf16 weight matrices times each of the n rows of x [n, k] into this lane's
+// acc[j][r]: the warp's lanes stride k eight values (16 bytes of weights) at a time where `wide`
+// (k a multiple of 8, the rows 16-byte aligned), one value at a time otherwise; f32 x times bf16 w,
+// summed in f32. The J rows are read in the same loop, so that their loads are in flight together.
+template <int J>
+__device__ __forceinline__ void gemv_dots(const float* x, unsigned int n, unsigned int k,
+                                          const unsigned short* const (&w)[J], bool wide, unsigned int lane,
+                                          float (&acc)[J][GEMV_MAX_ROWS]) {
+    if (wide) {
+#pragma unroll 4
+        for (unsigned int i = lane; i < k / 8; i += WARP) {
+            uint4 p[J];
+#pragma unroll
+            for (int j = 0; j < J; j++) p[j] = __ldg((const uint4*)w[j] + i); // read-only: the non-coherent cache
+#pragma unroll
+            for (int r = 0; r < GEMV_MAX_ROWS; r++) {
+                if (r >= (int)n) break;
+                const float4* xr = (const float4*)(x + (unsigned long long)r * k) + 2 * i;
+                float4 a = xr[0], b = xr[1];
+#pragma unroll
+                for (int j = 0; j < J; j++)
+                    acc[j][r] += __uint_as_float(p[j].x << 16) * a.x + __uint_as_float(p[j].x & 0xffff0000u) * a.y +
+                                 __uint_as_float(p[j].y << 16) * a.z + __uint_as_float(p[j].y & 0xffff0000u) * a.w +
+                                 __uint_as_float(p[j].z << 16) * b.x + __uint_as_float(p[j].z & 0xffff0000u) * b.y +
+                                 __uint_as_float(p[j].w << 16) * b.z + __uint_as_float(p[j].w & 0xffff0000u) * b.w;
+            }
+        }
+    } else {
+        for (unsigned int c = lane; c < k; c += WARP) {
+#pragma unroll
+            for (int j = 0; j < J; j++) {
+                float wc = bf16_to_f32(w[j][c]);
+#pragma unroll
+                for (int r = 0; r < GEMV_MAX_ROWS; r++) {
+                    if (r >= (int)n) break;
+                    acc[j][r] += wc * x[(unsigned long long)r * k + c];
+                }
+            }
+        }
+    }
+}
+
+// Whether gemv_dots may take x and the weight rows 16 bytes at a time.
+__device__ __forceinline__ bool gemv_wide(const float* x, unsigned int k, const void* w) {
+    return k % 8 == 0 && (unsigned long long)w % 16 == 0 && (unsigned long long)x % 16 == 0;
+}
+
 // Products of few rows of x [n, k] (n ≤ GEMV_MAX_ROWS: decode) with up to GEMV_JOBS bf16 weight
 // matrices in one launch (a layer's q/k/v or gate/up), without cuBLAS's per-call cost or a bf16
-// copy of x: one warp per weight row, its lanes striding k eight values (16 bytes of weights) at
-// a time where k is a multiple of 8 and the rows 16-byte aligned, one value at a time otherwise;
-// f32 x times bf16 w, summed in f32.
+// copy of x: one warp per weight row (gemv_dots).
 extern "C" __global__ void gemv_bf16(const float* x, unsigned int n, unsigned int k, GemvJobs jobs) {
     unsigned int lane = threadIdx.x % WARP;
     // Constant indices only, so that the jobs are read from the parameters, not copied to local memory.
@@ -96,45 +142,33 @@ extern "C" __global__ void gemv_bf16(const float* x, unsigned int n, unsigned in
         if (j < jobs.count && blockIdx.x >= jobs.job[j].first_block) job = jobs.job[j];
     unsigned int row = (blockIdx.x - job.first_block) * GEMV_WARPS + threadIdx.x / WARP;
     if (row >= job.m) return;
-    const unsigned short* w = job.w + (unsigned long long)row * k;
-    float acc[GEMV_MAX_ROWS];
-#pragma unroll
-    for (int i = 0; i < GEMV_MAX_ROWS; i++) acc[i] = 0.0f;
-    bool wide = k % 8 == 0 && (unsigned long long)job.w % 16 == 0 && (unsigned long long)x % 16 == 0;
-    if (wide) {
-        const uint4* w8 = (const uint4*)w;
-#pragma unroll 4
-        for (unsigned int i = lane; i < k / 8; i += WARP) {
-            uint4 p = __ldg(w8 + i); // read-only: through the non-coherent cache
-            float wf[8] = {__uint_as_float(p.x << 16), __uint_as_float(p.x & 0xffff0000u),
-                           __uint_as_float(p.y << 16), __uint_as_float(p.y & 0xffff0000u),
-                           __uint_as_float(p.z << 16), __uint_as_float(p.z & 0xffff0000u),
-                           __uint_as_float(p.w << 16), __uint_as_float(p.w & 0xffff0000u)};
-#pragma unroll
-            for (int r = 0; r < GEMV_MAX_ROWS; r++) {
-                if (r >= (int)n) break;
-                const float4* xr = (const float4*)(x + (unsigned long long)r * k) + 2 * i;
-                float4 a = xr[0], b = xr[1];
-                acc[r] += wf[0] * a.x + wf[1] * a.y + wf[2] * a.z + wf[3] * a.w + wf[4] * b.x + wf[5] * b.y +
-                          wf[6] * b.z + wf[7] * b.w;
-            }
-        }
-    } else {
-        for (unsigned int c = lane; c < k; c += WARP) {
-            float wc = bf16_to_f32(w[c]);
-#pragma unroll
-            for (int r = 0; r < GEMV_MAX_ROWS; r++) {
-                if (r >= (int)n) break;
-                acc[r] += wc * x[(unsigned long long)r * k + c];
-            }
-        }
-    }
+    const unsigned short* const w[1] = {job.w + (unsigned long long)row * k};
+    float acc[1][GEMV_MAX_ROWS] = {};
+    gemv_dots<1>(x, n, k, w, gemv_wide(x, k, job.w), lane, acc);
     float bias = job.b ? job.b[row] : 0.0f;
 #pragma unroll
     for (int r = 0; r < GEMV_MAX_ROWS; r++) {
         if (r >= (int)n) break;
-        float s = warp_sum(acc[r]);
+        float s = warp_sum(acc[0][r]);
         if (lane == 0) job.y[(unsigned long long)r * job.m + row] = s + bias;
+    }
+}
+
+// SwiGLU's products of few rows of x [n, k]: y [n, m] = silu(x · gateᵀ) ⊙ (x · upᵀ), gate and up
+// [m, k] bf16; one warp per row of both (the sums and the product as gemv_bf16 and silu_mul give
+// them), so that neither product is written out.
+extern "C" __global__ void gemv_bf16_glu(const float* x, unsigned int n, unsigned int k, const unsigned short* gate,
+                                         const unsigned short* up, float* y, unsigned int m) {
+    unsigned int lane = threadIdx.x % WARP, row = blockIdx.x * GEMV_WARPS + threadIdx.x / WARP;
+    if (row >= m) return;
+    const unsigned short* const w[2] = {gate + (unsigned long long)row * k, up + (unsigned long long)row * k};
+    float acc[2][GEMV_MAX_ROWS] = {};
+    gemv_dots<2>(x, n, k, w, gemv_wide(x, k, gate) && (unsigned long long)up % 16 == 0, lane, acc);
+#pragma unroll
+    for (int r = 0; r < GEMV_MAX_ROWS; r++) {
+        if (r >= (int)n) break;
+        float g = warp_sum(acc[0][r]), u = warp_sum(acc[1][r]);
+        if (lane == 0) y[(unsigned long long)r * m + row] = g / (1.0f + expf(-g)) * u;
     }
 }
 
@@ -150,14 +184,32 @@ extern "C" __global__ void embedding_bf16(const unsigned short* table, const uns
     if (i < n * dim) out[i] = bf16_to_f32(table[(unsigned long long)ids[i / dim] * dim + i % dim]);
 }
 
+// out = row · w / √(mean(row²) + eps), given the row's sum of squares on this thread.
+__device__ __forceinline__ void rms_scale(const float* row, const float* w, float* out, unsigned int cols, float squares,
+                                          float eps) {
+    float inv = rsqrtf(block_sum(squares) / cols + eps);
+    for (unsigned int c = threadIdx.x; c < cols; c += blockDim.x) out[c] = row[c] * inv * w[c];
+}
+
 // One block per row.
 extern "C" __global__ void rms_norm(const float* x, const float* w, float* out, unsigned int cols, float eps) {
-    const float* row = x + (unsigned long long)blockIdx.x * cols;
+    unsigned long long at = (unsigned long long)blockIdx.x * cols;
     float s = 0.0f;
-    for (unsigned int c = threadIdx.x; c < cols; c += blockDim.x) s += row[c] * row[c];
-    float inv = rsqrtf(block_sum(s) / cols + eps);
-    for (unsigned int c = threadIdx.x; c < cols; c += blockDim.x)
-        out[(unsigned long long)blockIdx.x * cols + c] = row[c] * inv * w[c];
+    for (unsigned int c = threadIdx.x; c < cols; c += blockDim.x) s += x[at + c] * x[at + c];
+    rms_scale(x + at, w, out + at, cols, s, eps);
+}
+
+// sum = a + b, out = rms_norm(sum): a residual add and the next norm in one pass. One block per row.
+extern "C" __global__ void add_rms_norm(const float* a, const float* b, const float* w, float* sum, float* out,
+                                        unsigned int cols, float eps) {
+    unsigned long long at = (unsigned long long)blockIdx.x * cols;
+    float s = 0.0f;
+    for (unsigned int c = threadIdx.x; c < cols; c += blockDim.x) {
+        float v = a[at + c] + b[at + c];
+        sum[at + c] = v; // read back below by this same thread
+        s += v * v;
+    }
+    rms_scale(sum + at, w, out + at, cols, s, eps);
 }
 
 // One block per row; two passes (mean, then variance of the centred values) as the CPU does.
@@ -219,6 +271,34 @@ extern "C" __global__ void rope(const float* x, const float* cos_t, const float*
     }
     float rot = j < half ? -x[i + half] : x[i - half];
     out[i] = x[i] * cos_t[r * d + j] + rot * sin_t[r * d + j];
+}
+
+// Per head of `head` values in x [n, heads·head]: RMSNorm by w [head] where `norm` (Qwen3's q/k
+// norm), then the rotary embedding of its first d values as `rope` does it. One warp per head
+// (HEAD_WARPS a block), the head staged in shared memory for the rotation's other half; head ≤
+// WARP · MAX_LANE_DIMS.
+extern "C" __global__ void norm_rope(const float* x, const float* w, unsigned int norm, const float* cos_t,
+                                     const float* sin_t, float* out, unsigned int n, unsigned int heads,
+                                     unsigned int head, unsigned int d, float eps) {
+    __shared__ float staged[HEAD_WARPS][WARP * MAX_LANE_DIMS];
+    unsigned int lane = threadIdx.x % WARP, item = blockIdx.x * HEAD_WARPS + threadIdx.x / WARP;
+    if (item >= n * heads) return;
+    unsigned int r = item / heads, half = d / 2;
+    const float* xh = x + (unsigned long long)item * head;
+    float* v = staged[threadIdx.x / WARP];
+    float s = 0.0f;
+    for (unsigned int c = lane; c < head; c += WARP) s += xh[c] * xh[c];
+    float inv = norm ? rsqrtf(warp_sum(s) / head + eps) : 1.0f;
+    for (unsigned int c = lane; c < head; c += WARP) v[c] = norm ? xh[c] * inv * w[c] : xh[c];
+    __syncwarp();
+    for (unsigned int c = lane; c < head; c += WARP) {
+        float o = v[c];
+        if (c < d) {
+            float rot = c < half ? -v[c + half] : v[c - half];
+            o = o * cos_t[r * d + c] + rot * sin_t[r * d + c];
+        }
+        out[(unsigned long long)item * head + c] = o;
+    }
 }
 
 // Qwen3.5's Gated DeltaNet, recurrent form (as backend/cpu/delta_net.rs). `seqs` holds per

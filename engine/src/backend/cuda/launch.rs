@@ -8,14 +8,16 @@ use crate::backend::{Activation, BResult, BackendError};
 pub const SOURCE: &str = include_str!("kernels.cu");
 
 /// Every `extern "C" __global__` function of [`SOURCE`], loaded once per process.
-pub const KERNELS: [&str; 27] = [
+pub const KERNELS: [&str; 30] = [
     "to_bf16",
     "gemv_bf16",
+    "gemv_bf16_glu",
     "bf16_to_f32s",
     "add_bias",
     "embedding_f32",
     "embedding_bf16",
     "rms_norm",
+    "add_rms_norm",
     "layer_norm",
     "activate",
     "silu_mul",
@@ -24,6 +26,7 @@ pub const KERNELS: [&str; 27] = [
     "delta_rule",
     "add",
     "rope",
+    "norm_rope",
     "narrow_cols",
     "gather_rows",
     "scatter_rows",
@@ -62,6 +65,8 @@ pub const GEMV_WARPS: u32 = 8;
 pub const GEMV_MAX_ROWS: usize = 4;
 /// Weight matrices a `gemv_bf16` launch takes at most (`GEMV_JOBS`).
 pub const GEMV_JOBS: usize = 4;
+/// Heads per `norm_rope` block, one a warp (`HEAD_WARPS` in the source).
+pub const HEAD_WARPS: u32 = 8;
 /// Keys per part of a split attention, about (a part for every `SPLIT_KEYS` keys of the longest
 /// row): smaller parts would cost more in merging than they save.
 pub const SPLIT_KEYS: usize = 32;
@@ -207,6 +212,21 @@ pub fn gemv(blocks: usize) -> BResult<Geometry> {
     })
 }
 
+/// `norm_rope`'s launch over `heads` heads (all rows' together), [`HEAD_WARPS`] a block; heads of
+/// at most [`MAX_HEAD_DIM`] values.
+pub fn per_head(heads: usize, head_dim: usize) -> BResult<Geometry> {
+    if head_dim == 0 || head_dim > MAX_HEAD_DIM {
+        return Err(BackendError::Shape(format!(
+            "heads of {head_dim} values: norm_rope takes 1 to {MAX_HEAD_DIM}"
+        )));
+    }
+    Ok(Geometry {
+        grid: (count(heads, "heads")?.div_ceil(HEAD_WARPS).max(1), 1, 1),
+        block: (32 * HEAD_WARPS, 1, 1),
+        shared_bytes: 0,
+    })
+}
+
 /// `paged_attention_tiled`'s launch over `tiles` tiles ([`causal_tiles`] pairs).
 pub fn paged_tiles(tiles: usize, heads: usize, head_dim: usize, rows_per_warp: u32) -> BResult<Geometry> {
     tiled(tiles, heads, head_dim, rows_per_warp)
@@ -288,6 +308,7 @@ mod tests {
             ("GEMV_WARPS", GEMV_WARPS as usize),
             ("GEMV_MAX_ROWS", GEMV_MAX_ROWS),
             ("GEMV_JOBS", GEMV_JOBS),
+            ("HEAD_WARPS", HEAD_WARPS as usize),
             ("ATTN_WARPS", ATTENTION_WARPS as usize),
             ("ATTN_TILE_WARPS", TILE_WARPS as usize),
             ("ATTN_TILE_ROWS", TILE_ROWS_PER_WARP as usize),
@@ -314,6 +335,9 @@ mod tests {
         assert!(attention(1, 16, 512).is_err());
         assert!(attention(1, 16, 0).is_err());
         assert_eq!(per_row(3).unwrap().grid.0, 3);
+        let h = per_head(17, 128).unwrap();
+        assert_eq!((h.grid, h.block), ((3, 1, 1), (256, 1, 1)));
+        assert!(per_head(4, 512).is_err());
     }
 
     #[test]

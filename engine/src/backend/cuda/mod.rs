@@ -14,8 +14,8 @@ mod launch;
 mod tests;
 
 use super::{
-    Activation, BResult, Backend, BackendError, DeltaNetInput, DeviceMemory, KvLayout, PagedBatch, RawDType, RawTensor,
-    Readback, StateLayout, StateSeq, TableWrite,
+    fused, Activation, BResult, Backend, BackendError, DeltaNetInput, DeviceMemory, KvLayout, PagedBatch, RawDType,
+    RawTensor, Readback, StateLayout, StateSeq, TableWrite,
 };
 use crate::fault::ledger_summary;
 use crate::memory::ledger::{Category, Held, MemoryLedger};
@@ -52,11 +52,16 @@ pub struct CudaOptions {
     /// (`paged_attention_split`, then `paged_attention_merge`) rather than one block per row and
     /// head walking every key. On by default; `KVLENS_CUDA_DECODE_ATTENTION=rows` turns it off.
     pub split_attention: bool,
+    /// Decode's fused kernels: a residual add with the next RMSNorm (`add_rms_norm`), each head's
+    /// q/k norm with its rotary embedding (`norm_rope`), and with `gemv`, SwiGLU's gate and up
+    /// products with the SiLU product in one launch (`gemv_bf16_glu`). On by default;
+    /// `KVLENS_CUDA_FUSED=off` turns them off.
+    pub fused: bool,
 }
 
 impl Default for CudaOptions {
-    /// Device 0, f32 weights, the row attention kernels for many rows, `gemv_bf16` and split
-    /// attention for few.
+    /// Device 0, f32 weights, the row attention kernels for many rows, `gemv_bf16`, split
+    /// attention and the fused kernels for few.
     fn default() -> Self {
         CudaOptions {
             ordinal: 0,
@@ -64,14 +69,15 @@ impl Default for CudaOptions {
             tiled_attention: false,
             gemv: true,
             split_attention: true,
+            fused: true,
         }
     }
 }
 
 impl CudaOptions {
     /// Device 0, with `bf16_weights`; `KVLENS_CUDA_ATTENTION` (`tiled` or `rows`),
-    /// `KVLENS_CUDA_GEMV` (`cublas` turns `gemv_bf16` off) and `KVLENS_CUDA_DECODE_ATTENTION`
-    /// (`rows` turns split attention off) choose the kernels.
+    /// `KVLENS_CUDA_GEMV` (`cublas` turns `gemv_bf16` off), `KVLENS_CUDA_DECODE_ATTENTION`
+    /// (`rows` turns split attention off) and `KVLENS_CUDA_FUSED` (`off`) choose the kernels.
     pub fn from_env(bf16_weights: bool) -> Self {
         let var = |name: &str, value: &str| std::env::var(name).is_ok_and(|v| v == value);
         CudaOptions {
@@ -79,6 +85,7 @@ impl CudaOptions {
             tiled_attention: var("KVLENS_CUDA_ATTENTION", "tiled"),
             gemv: !var("KVLENS_CUDA_GEMV", "cublas"),
             split_attention: !var("KVLENS_CUDA_DECODE_ATTENTION", "rows"),
+            fused: !var("KVLENS_CUDA_FUSED", "off"),
             ..CudaOptions::default()
         }
     }
@@ -333,13 +340,26 @@ impl CudaBackend {
             } else {
                 ""
             },
-            match (self.options.gemv, self.options.split_attention) {
-                (true, true) => ", decode by gemv_bf16 and split attention",
-                (true, false) => ", decode by gemv_bf16",
-                (false, true) => ", decode by split attention",
-                (false, false) => "",
-            }
+            self.decode_kernels()
         )
+    }
+
+    /// ", decode by …" naming the decode kernels turned on, or nothing.
+    fn decode_kernels(&self) -> String {
+        let o = &self.options;
+        let on: Vec<&str> = [
+            (o.gemv, "gemv_bf16"),
+            (o.split_attention, "split attention"),
+            (o.fused, "fused kernels"),
+        ]
+        .into_iter()
+        .filter_map(|(on, name)| on.then_some(name))
+        .collect();
+        if on.is_empty() {
+            String::new()
+        } else {
+            format!(", decode by {}", on.join(", "))
+        }
     }
 
     /// The device's name as the driver reports it.
@@ -498,10 +518,9 @@ impl CudaBackend {
     /// launch; None where it does not apply (turned off, more rows than
     /// [`launch::GEMV_MAX_ROWS`], an f32 weight, a shape `linear` refuses).
     fn gemv(&self, x: &CudaTensor, ws: &[(&CudaWeight, Option<&CudaTensor>)]) -> BResult<Option<Vec<CudaTensor>>> {
-        let (n, k) = x.dims2()?;
-        if !self.options.gemv || n == 0 || n > launch::GEMV_MAX_ROWS || k == 0 {
+        let Some((n, k)) = self.gemv_shape(x)? else {
             return Ok(None);
-        }
+        };
         let mut matrices = Vec::with_capacity(ws.len());
         for &(w, b) in ws {
             match &*w.data {
@@ -536,6 +555,59 @@ impl CudaBackend {
             launch!(self, "gemv_bf16", launch::gemv(blocks)?; x.f32(), &n32, &k32, &jobs)?;
         }
         Ok(Some(out))
+    }
+
+    /// x's rows and columns where the gemv kernels take it: turned on, 1 to
+    /// [`launch::GEMV_MAX_ROWS`] rows, some columns.
+    fn gemv_shape(&self, x: &CudaTensor) -> BResult<Option<(usize, usize)>> {
+        let (n, k) = x.dims2()?;
+        Ok((self.options.gemv && (1..=launch::GEMV_MAX_ROWS).contains(&n) && k > 0).then_some((n, k)))
+    }
+
+    /// SwiGLU's `silu(x · gateᵀ) ⊙ (x · upᵀ)` by `gemv_bf16_glu`; None where it does not apply
+    /// (as for [`CudaBackend::gemv`], the fused kernels turned off, or gate and up of other shapes).
+    fn gemv_glu(&self, x: &CudaTensor, gate: &CudaWeight, up: &CudaWeight) -> BResult<Option<CudaTensor>> {
+        let Some((n, k)) = self.gemv_shape(x)? else {
+            return Ok(None);
+        };
+        let (Data::Bf16(g), Data::Bf16(u)) = (&*gate.data, &*up.data) else {
+            return Ok(None);
+        };
+        let m = gate.rows;
+        if !self.options.fused || m == 0 || gate.cols != k || (up.rows, up.cols) != (m, k) {
+            return Ok(None);
+        }
+        let (n32, k32, m32) = (n as u32, k as u32, m as u32);
+        let mut y = self.alloc_f32(n * m)?;
+        let geometry = launch::gemv(m.div_ceil(launch::GEMV_WARPS as usize))?;
+        launch!(self, "gemv_bf16_glu", geometry; x.f32(), &n32, &k32, g, u, &mut y, &m32)?;
+        Ok(Some(self.activation(y, vec![n, m])))
+    }
+
+    /// x's rows and columns for a norm with one weight a column.
+    fn norm_dims(x: &CudaTensor, w: &CudaTensor, op: &str) -> BResult<(usize, usize)> {
+        let (rows, cols) = x.dims2()?;
+        if w.numel() != cols {
+            return Err(BackendError::Shape(format!(
+                "{op}: {cols} columns, {} weights",
+                w.numel()
+            )));
+        }
+        Ok((rows, cols))
+    }
+
+    /// x's rows and columns and the values `d` of each head of `head` that turn (cos/sin `[n, d]`).
+    fn rope_dims(x: &CudaTensor, cos: &CudaTensor, sin: &CudaTensor, head: usize) -> BResult<(usize, usize, usize)> {
+        let (n, cols) = x.dims2()?;
+        let (cn, d) = cos.dims2()?;
+        if d == 0 || head < d || !d.is_multiple_of(2) || !cols.is_multiple_of(head) || cn != n || sin.shape != cos.shape
+        {
+            return Err(BackendError::Shape(format!(
+                "rope: x {:?}, cos {:?}, sin {:?}, heads of {head}",
+                x.shape, cos.shape, sin.shape
+            )));
+        }
+        Ok((n, cols, d))
     }
 }
 
@@ -806,13 +878,7 @@ impl Backend for CudaBackend {
     }
 
     fn rms_norm(&self, x: &CudaTensor, w: &CudaTensor, eps: f64) -> BResult<CudaTensor> {
-        let (rows, cols) = x.dims2()?;
-        if w.numel() != cols {
-            return Err(BackendError::Shape(format!(
-                "rms_norm: {cols} columns, {} weights",
-                w.numel()
-            )));
-        }
+        let (rows, cols) = Self::norm_dims(x, w, "rms_norm")?;
         let (xs, ws, c, e) = (x.f32(), w.f32(), cols as u32, eps as f32);
         let mut out = self.alloc_f32(rows * cols)?;
         if rows > 0 {
@@ -860,21 +926,76 @@ impl Backend for CudaBackend {
         Ok(self.activation(out, a.shape.clone()))
     }
 
+    /// By `add_rms_norm` (one launch) unless the fused kernels are off.
+    fn add_rms_norm(
+        &self,
+        x: &CudaTensor,
+        y: &CudaTensor,
+        w: &CudaTensor,
+        eps: f64,
+    ) -> BResult<(CudaTensor, CudaTensor)> {
+        if !self.options.fused {
+            return fused::add_rms_norm(self, x, y, w, eps);
+        }
+        Self::same_shape(x, y, "add_rms_norm")?;
+        let (rows, cols) = Self::norm_dims(x, w, "add_rms_norm")?;
+        let (c, e) = (cols as u32, eps as f32);
+        let (mut sum, mut out) = (self.alloc_f32(rows * cols)?, self.alloc_f32(rows * cols)?);
+        if rows > 0 {
+            launch!(self, "add_rms_norm", launch::per_row(rows)?; x.f32(), y.f32(), w.f32(), &mut sum, &mut out, &c, &e)?;
+        }
+        Ok((
+            self.activation(sum, x.shape.clone()),
+            self.activation(out, x.shape.clone()),
+        ))
+    }
+
+    /// By `norm_rope` (one launch) unless the fused kernels are off or the heads are wider than
+    /// it holds.
+    fn norm_rope(
+        &self,
+        x: &CudaTensor,
+        w: Option<&CudaTensor>,
+        eps: f64,
+        cos: &CudaTensor,
+        sin: &CudaTensor,
+        head_dim: usize,
+    ) -> BResult<CudaTensor> {
+        if !self.options.fused || head_dim > launch::MAX_HEAD_DIM {
+            return fused::norm_rope(self, x, w, eps, cos, sin, head_dim);
+        }
+        let (n, cols, d) = Self::rope_dims(x, cos, sin, head_dim)?;
+        if let Some(w) = w.filter(|w| w.numel() != head_dim) {
+            return Err(BackendError::Shape(format!(
+                "norm_rope: heads of {head_dim}, {} norm weights",
+                w.numel()
+            )));
+        }
+        let heads = cols / head_dim;
+        let (norm, ws) = w.map_or((0u32, x.f32()), |w| (1, w.f32()));
+        let (n32, heads32, h32, d32, e) = (n as u32, heads as u32, head_dim as u32, d as u32, eps as f32);
+        let mut out = self.alloc_f32(n * cols)?;
+        launch!(self, "norm_rope", launch::per_head(n * heads, head_dim)?;
+            x.f32(), ws, &norm, cos.f32(), sin.f32(), &mut out, &n32, &heads32, &h32, &d32, &e)?;
+        Ok(self.activation(out, x.shape.clone()))
+    }
+
+    /// By `gemv_bf16_glu` where it applies (decode with bf16 weights), else the two products and
+    /// `silu_mul`.
+    fn swiglu(&self, x: &CudaTensor, gate: &CudaWeight, up: &CudaWeight) -> BResult<CudaTensor> {
+        match self.gemv_glu(x, gate, up)? {
+            Some(y) => Ok(y),
+            None => fused::swiglu(self, x, gate, up),
+        }
+    }
+
     fn rope(&self, x: &CudaTensor, cos: &CudaTensor, sin: &CudaTensor) -> BResult<CudaTensor> {
         let d = cos.dims2()?.1;
         self.rope_partial(x, cos, sin, d)
     }
 
     fn rope_partial(&self, x: &CudaTensor, cos: &CudaTensor, sin: &CudaTensor, head: usize) -> BResult<CudaTensor> {
-        let (n, cols) = x.dims2()?;
-        let (cn, d) = cos.dims2()?;
-        if d == 0 || head < d || !d.is_multiple_of(2) || !cols.is_multiple_of(head) || cn != n || sin.shape != cos.shape
-        {
-            return Err(BackendError::Shape(format!(
-                "rope: x {:?}, cos {:?}, sin {:?}, heads of {head}",
-                x.shape, cos.shape, sin.shape
-            )));
-        }
+        let (n, cols, d) = Self::rope_dims(x, cos, sin, head)?;
         let (xs, cs, ss) = (x.f32(), cos.f32(), sin.f32());
         let (n32, c32, d32, h32) = (n as u32, cols as u32, d as u32, head as u32);
         let mut out = self.alloc_f32(n * cols)?;

@@ -206,6 +206,73 @@ fn bf16_linears_of_one_row_match_their_single_products() {
     }
 }
 
+/// Decode's fused kernels (`KVLENS_CUDA_FUSED`, on by default) against the same operations
+/// unfused and on the CPU, with bf16 weights so that SwiGLU takes `gemv_bf16_glu`: the fused
+/// SwiGLU is the unfused one to the bit (the same sums in the same order).
+#[test]
+#[ignore = "needs an NVIDIA GPU: cargo xtask gpu-check runs it there"]
+fn fused_kernels_equal_their_parts_and_the_cpu() {
+    // x of K columns, gate and up [M, K], HEADS heads of HEAD values.
+    const K: usize = 256;
+    const M: usize = 72;
+    const HEAD: usize = 128;
+    const HEADS: usize = 3;
+    let (gate, up) = (bf16_bytes(&noise(M * K, 30)), bf16_bytes(&noise(M * K, 31)));
+    fn all<B: Backend>(b: &B, rows: usize, gate: &[u8], up: &[u8]) -> Vec<Vec<f32>> {
+        let t = |data: Vec<f32>, shape: &[usize]| b.upload(data, shape).unwrap();
+        let w = |bits: &[u8]| {
+            let raw = RawTensor {
+                dtype: RawDType::Bf16,
+                shape: vec![M, K],
+                data: bits.into(),
+            };
+            b.load_weight(raw, MatrixUse::Products).unwrap()
+        };
+        let x = t(noise(rows * K, 32), &[rows, K]);
+        let glu = b.swiglu(&x, &w(gate), &w(up)).unwrap();
+        let (sum, normed) = b
+            .add_rms_norm(&x, &t(noise(rows * K, 33), &[rows, K]), &t(noise(K, 34), &[K]), 1e-6)
+            .unwrap();
+        let (cos, sin) = (
+            t(noise(rows * HEAD, 35), &[rows, HEAD]),
+            t(noise(rows * HEAD, 36), &[rows, HEAD]),
+        );
+        let qk = t(noise(rows * HEADS * HEAD, 37), &[rows, HEADS * HEAD]);
+        let norm = t(noise(HEAD, 38), &[HEAD]);
+        let roped = b.norm_rope(&qk, Some(&norm), 1e-6, &cos, &sin, HEAD).unwrap();
+        [glu, sum, normed, roped].iter().map(|t| host(b, t)).collect()
+    }
+    for rows in [1, 3] {
+        let cpu = all(&CpuBackend::default(), rows, &gate, &up);
+        let open_fused = |fused| {
+            open(CudaOptions {
+                bf16_weights: true,
+                fused,
+                ..CudaOptions::default()
+            })
+        };
+        let (fused, unfused) = (
+            all(&open_fused(true), rows, &gate, &up),
+            all(&open_fused(false), rows, &gate, &up),
+        );
+        assert_eq!(fused[0], unfused[0], "SwiGLU of {rows} rows, fused and not");
+        for (i, (what, tol)) in [
+            ("SwiGLU", 1e-3 * K as f32),
+            ("sum", 1e-6),
+            ("normed", 1e-5),
+            ("norm_rope", 1e-5),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            for (got, kernels) in [(&fused[i], "fused"), (&unfused[i], "unfused")] {
+                let err = max_err(got, &cpu[i]);
+                assert!(err <= tol, "{what} of {rows} rows, {kernels}: {err} from the CPU");
+            }
+        }
+    }
+}
+
 /// The tiled segment attention (`KVLENS_CUDA_ATTENTION=tiled`) against the CPU: the vision heads
 /// (64: Qwen3-VL, 80: Qwen2/2.5-VL), the widest heads that tile (128 at 3 rows a warp, 160 at 1),
 /// and segments that start and end inside key tiles and row blocks, a one-row segment among them

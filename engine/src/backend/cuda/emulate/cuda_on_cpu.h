@@ -88,6 +88,7 @@ inline thread_local uint3 threadIdx, blockIdx;
 inline thread_local dim3 blockDim, gridDim;
 
 inline void __syncthreads() { emu::state->block.arrive_and_wait(); }
+inline void __syncwarp(unsigned int = 0xffffffffu) { emu::state->warps[emu::warp]->arrive_and_wait(); }
 template <class T>
 T __shfl_sync(unsigned int, T v, int src) {
     return emu::exchange(v, (unsigned int)src);

@@ -273,6 +273,99 @@ void gemv_checks() {
             }
 }
 
+// The fused kernels of decode against references, and gemv_bf16_glu against its parts
+// (gemv_bf16 of gate and up, then silu_mul): the same value to the bit.
+void fused_checks() {
+    Rng rng{3};
+    {
+        unsigned int rows = 3, cols = 300;  // not a multiple of the block's 256 threads
+        auto a = rng.many(rows * cols), b = rng.many(rows * cols), w = rng.many(cols);
+        std::vector<float> sum(a.size(), NAN), out(a.size(), NAN), want_sum(a.size()), want(a.size());
+        for (unsigned int r = 0; r < rows; r++) {
+            double ss = 0.0;
+            for (unsigned int c = 0; c < cols; c++) {
+                want_sum[r * cols + c] = a[r * cols + c] + b[r * cols + c];
+                ss += (double)want_sum[r * cols + c] * want_sum[r * cols + c];
+            }
+            double inv = 1.0 / std::sqrt(ss / cols + 1e-6);
+            for (unsigned int c = 0; c < cols; c++) want[r * cols + c] = (float)(want_sum[r * cols + c] * inv * w[c]);
+        }
+        emu::launch({rows, 1, 1}, {256, 1, 1},
+                    [&] { add_rms_norm(a.data(), b.data(), w.data(), sum.data(), out.data(), cols, 1e-6f); });
+        check("add_rms_norm: the sum", sum, want_sum, 0.0f);
+        check("add_rms_norm: the normed sum", out, want, 1e-5f);
+    }
+    // Qwen3's heads of 128 (normed, all turning), Qwen3.5's of 256 (normed, the first 64
+    // turning), heads of 40 without a norm; 15 heads, so that the last block has idle warps.
+    struct Case {
+        unsigned int head, d;
+        bool norm;
+    };
+    for (const Case& c : {Case{128, 128, true}, Case{256, 64, true}, Case{40, 40, false}}) {
+        unsigned int n = 3, heads = 5;
+        auto x = rng.many(n * heads * c.head), w = rng.many(c.head), cs = rng.many(n * c.d), sn = rng.many(n * c.d);
+        std::vector<float> out(x.size(), NAN), want(x.size());
+        for (unsigned int r = 0; r < n; r++)
+            for (unsigned int h = 0; h < heads; h++) {
+                const float* xh = &x[(r * heads + h) * c.head];
+                double ss = 0.0;
+                for (unsigned int i = 0; i < c.head; i++) ss += (double)xh[i] * xh[i];
+                double inv = 1.0 / std::sqrt(ss / c.head + 1e-6);
+                std::vector<double> v(c.head);
+                for (unsigned int i = 0; i < c.head; i++) v[i] = c.norm ? xh[i] * inv * w[i] : xh[i];
+                for (unsigned int i = 0; i < c.head; i++) {
+                    double o = v[i];
+                    if (i < c.d) {
+                        double rot = i < c.d / 2 ? -v[i + c.d / 2] : v[i - c.d / 2];
+                        o = v[i] * cs[r * c.d + i] + rot * sn[r * c.d + i];
+                    }
+                    want[(r * heads + h) * c.head + i] = (float)o;
+                }
+            }
+        unsigned int items = n * heads, norm = c.norm;
+        emu::launch({(items + HEAD_WARPS - 1) / HEAD_WARPS, 1, 1}, {32 * HEAD_WARPS, 1, 1}, [&] {
+            norm_rope(x.data(), w.data(), norm, cs.data(), sn.data(), out.data(), n, heads, c.head, c.d, 1e-6f);
+        });
+        char name[128];
+        std::snprintf(name, sizeof name, "norm_rope, heads of %u, %u turning%s", c.head, c.d,
+                      c.norm ? ", normed" : "");
+        check(name, out, want, 1e-5f);
+    }
+    for (unsigned int k : {544u, 130u})
+        for (unsigned int n : {1u, (unsigned int)GEMV_MAX_ROWS}) {
+            unsigned int m = 17;
+            std::vector<float> x = rng.many(n * k);
+            std::vector<unsigned short> gate(m * k), up(m * k);
+            for (auto& b : gate) b = bf16_bits(rng.next());
+            for (auto& b : up) b = bf16_bits(rng.next());
+            std::vector<float> want(n * m), y(n * m, NAN), g(n * m, NAN), u(n * m, NAN), parts(n * m, NAN);
+            for (unsigned int r = 0; r < n; r++)
+                for (unsigned int o = 0; o < m; o++) {
+                    double sg = 0.0, su = 0.0;
+                    for (unsigned int c = 0; c < k; c++) {
+                        sg += (double)x[r * k + c] * __uint_as_float((unsigned int)gate[o * k + c] << 16);
+                        su += (double)x[r * k + c] * __uint_as_float((unsigned int)up[o * k + c] << 16);
+                    }
+                    want[r * m + o] = (float)(sg / (1.0 + std::exp(-sg)) * su);
+                }
+            unsigned int blocks = (m + GEMV_WARPS - 1) / GEMV_WARPS;
+            emu::launch({blocks, 1, 1}, {32 * GEMV_WARPS, 1, 1},
+                        [&] { gemv_bf16_glu(x.data(), n, k, gate.data(), up.data(), y.data(), m); });
+            GemvJobs jobs{};
+            jobs.job[0] = {gate.data(), nullptr, g.data(), m, 0};
+            jobs.job[1] = {up.data(), nullptr, u.data(), m, blocks};
+            jobs.count = 2;
+            emu::launch({2 * blocks, 1, 1}, {32 * GEMV_WARPS, 1, 1}, [&] { gemv_bf16(x.data(), n, k, jobs); });
+            unsigned int len = n * m;
+            emu::launch({1, 1, 1}, {256, 1, 1}, [&] { silu_mul(g.data(), u.data(), parts.data(), len); });
+            char name[128];
+            std::snprintf(name, sizeof name, "gemv_bf16_glu, x [%u, %u]", n, k);
+            check(name, y, want, 1e-4f);
+            std::snprintf(name, sizeof name, "gemv_bf16_glu, x [%u, %u], against gemv_bf16 and silu_mul", n, k);
+            check(name, y, parts, 0.0f);
+        }
+}
+
 }  // namespace
 
 int main() {
@@ -280,6 +373,7 @@ int main() {
     tiled_prefill_checks();
     segment_checks();
     gemv_checks();
+    fused_checks();
     std::printf("%d failed\n", failures);
     return failures ? 1 : 0;
 }
