@@ -317,7 +317,7 @@ impl<B: Backend> DeltaNet<B> {
 }
 
 /// The `N` products [`Backend::linears`] returned, as an array.
-pub(super) fn products<T, const N: usize>(ys: Vec<T>) -> Result<[T; N], ModelError> {
+fn products<T, const N: usize>(ys: Vec<T>) -> Result<[T; N], ModelError> {
     ys.try_into()
         .map_err(|ys: Vec<T>| BackendError::Shape(format!("{} products where {N} were asked for", ys.len())).into())
 }

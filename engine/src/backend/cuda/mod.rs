@@ -975,8 +975,10 @@ impl Backend for CudaBackend {
         let (norm, ws) = w.map_or((0u32, x.f32()), |w| (1, w.f32()));
         let (n32, heads32, h32, d32, e) = (n as u32, heads as u32, head_dim as u32, d as u32, eps as f32);
         let mut out = self.alloc_f32(n * cols)?;
-        launch!(self, "norm_rope", launch::per_head(n * heads, head_dim)?;
-            x.f32(), ws, &norm, cos.f32(), sin.f32(), &mut out, &n32, &heads32, &h32, &d32, &e)?;
+        if n > 0 {
+            launch!(self, "norm_rope", launch::per_head(n * heads, head_dim)?;
+                x.f32(), ws, &norm, cos.f32(), sin.f32(), &mut out, &n32, &heads32, &h32, &d32, &e)?;
+        }
         Ok(self.activation(out, x.shape.clone()))
     }
 

@@ -23,8 +23,8 @@ mod storage;
 pub use device::WgpuOptions;
 
 use super::{
-    Activation, BResult, Backend, BackendError, DeltaNetInput, KvLayout, PagedBatch, RawDType, RawTensor, Readback,
-    StateLayout, StateSeq, TableWrite,
+    fused, Activation, BResult, Backend, BackendError, DeltaNetInput, KvLayout, PagedBatch, RawDType, RawTensor,
+    Readback, StateLayout, StateSeq, TableWrite,
 };
 use crate::arch::blocks::BlockKind;
 use crate::arch::ggml::GgmlType;
@@ -178,6 +178,33 @@ fn dims2(t: &WgpuTensor) -> BResult<(usize, usize)> {
         _ => Err(shape_err(format!("expected a 2-D tensor, got {:?}", t.shape))),
     }
 }
+
+/// x's rows and columns for a norm with one weight (and bias) a column.
+fn norm_dims(x: &WgpuTensor, w: &WgpuTensor, b: Option<&WgpuTensor>) -> BResult<(usize, usize)> {
+    let (rows, cols) = dims2(x)?;
+    if w.numel() != cols || b.is_some_and(|b| b.numel() != cols) {
+        return Err(shape_err(format!(
+            "norm of {cols} columns with a weight of {:?}",
+            w.shape
+        )));
+    }
+    Ok((rows, cols))
+}
+
+/// x's rows and columns and the values `d` of each head of `head` that turn (cos/sin `[n, d]`).
+fn rope_dims(x: &WgpuTensor, cos: &WgpuTensor, sin: &WgpuTensor, head: usize) -> BResult<(usize, usize, usize)> {
+    let (n, cols) = dims2(x)?;
+    let (cn, d) = dims2(cos)?;
+    if d == 0 || head < d || cols % head != 0 || d % 2 != 0 || cn != n || sin.shape != cos.shape {
+        return Err(shape_err(format!(
+            "rope: {cols} columns are not whole heads of {head} with {d} rotated (cos {cn}×{d}, {n} rows)"
+        )));
+    }
+    Ok((n, cols, d))
+}
+
+/// The widest head `norm_rope` in rope.wgsl stages in workgroup memory.
+const NORM_ROPE_MAX_HEAD: usize = 256;
 
 fn u32s(v: impl IntoIterator<Item = usize>) -> Vec<u8> {
     let mut out: Vec<u8> = v.into_iter().flat_map(|x| (x as u32).to_le_bytes()).collect();
@@ -967,21 +994,82 @@ impl Backend for WgpuBackend {
         self.binary(a, b, 5)
     }
 
+    /// By `add_rms` in norm.wgsl: one dispatch.
+    fn add_rms_norm(
+        &self,
+        x: &WgpuTensor,
+        y: &WgpuTensor,
+        w: &WgpuTensor,
+        eps: f64,
+    ) -> BResult<(WgpuTensor, WgpuTensor)> {
+        if x.shape != y.shape {
+            return Err(shape_err(format!("add_rms_norm of {:?} and {:?}", x.shape, y.shape)));
+        }
+        let (rows, cols) = norm_dims(x, w, None)?;
+        let (sum, out) = (self.scratch(rows * cols)?, self.scratch(rows * cols)?);
+        let words = [rows as u32, cols as u32, (eps as f32).to_bits(), 0];
+        let binds = [
+            (1, x.buffer()?),
+            (2, w.buffer()?),
+            (4, &out.buffer),
+            (5, y.buffer()?),
+            (6, &sum.buffer),
+        ];
+        let (entry, groups) = self.per_row(rows, ("add_rms", "add_rms_per_row"));
+        self.dispatch(Kernel::Norm, None, entry, &words, &binds, groups)?;
+        Ok((self.tensor(sum, vec![rows, cols]), self.tensor(out, vec![rows, cols])))
+    }
+
+    /// By `norm_rope` in rope.wgsl (one dispatch) for heads of up to 256 values.
+    fn norm_rope(
+        &self,
+        x: &WgpuTensor,
+        w: Option<&WgpuTensor>,
+        eps: f64,
+        cos: &WgpuTensor,
+        sin: &WgpuTensor,
+        head_dim: usize,
+    ) -> BResult<WgpuTensor> {
+        if head_dim > NORM_ROPE_MAX_HEAD {
+            return fused::norm_rope(self, x, w, eps, cos, sin, head_dim);
+        }
+        let (n, cols, d) = rope_dims(x, cos, sin, head_dim)?;
+        if let Some(w) = w.filter(|w| w.numel() != head_dim) {
+            return Err(shape_err(format!(
+                "norm_rope: heads of {head_dim}, norm weights {:?}",
+                w.shape
+            )));
+        }
+        let out = self.scratch(n * cols)?;
+        let words = [
+            n as u32,
+            cols as u32,
+            d as u32,
+            head_dim as u32,
+            (eps as f32).to_bits(),
+            w.is_some() as u32,
+        ];
+        let binds = [
+            (1, x.buffer()?),
+            (2, cos.buffer()?),
+            (3, sin.buffer()?),
+            (4, &out.buffer),
+            (5, w.unwrap_or(x).buffer()?),
+        ];
+        let (entry, groups) = self.per_row(n * (cols / head_dim), ("norm_rope", "norm_rope_per_head"));
+        self.dispatch(Kernel::Rope, None, entry, &words, &binds, groups)?;
+        Ok(self.tensor(out, vec![n, cols]))
+    }
+
     fn rope(&self, x: &WgpuTensor, cos: &WgpuTensor, sin: &WgpuTensor) -> BResult<WgpuTensor> {
         let d = dims2(cos)?.1;
         self.rope_partial(x, cos, sin, d)
     }
 
     fn rope_partial(&self, x: &WgpuTensor, cos: &WgpuTensor, sin: &WgpuTensor, head: usize) -> BResult<WgpuTensor> {
-        let (n, cols) = dims2(x)?;
-        let (cn, d) = dims2(cos)?;
-        if d == 0 || head < d || cols % head != 0 || d % 2 != 0 || cn != n || sin.shape != cos.shape {
-            return Err(shape_err(format!(
-                "rope: {cols} columns are not whole heads of {head} with {d} rotated (cos {cn}×{d}, {n} rows)"
-            )));
-        }
+        let (n, cols, d) = rope_dims(x, cos, sin, head)?;
         let out = self.scratch(n * cols)?;
-        let words = [n as u32, cols as u32, d as u32, head as u32];
+        let words = [n as u32, cols as u32, d as u32, head as u32, 0, 0];
         let binds = [
             (1, x.buffer()?),
             (2, cos.buffer()?),
@@ -1274,13 +1362,7 @@ fn sample_settings(rows: &[DeviceSampling]) -> Vec<u8> {
 
 impl WgpuBackend {
     fn norm(&self, x: &WgpuTensor, w: &WgpuTensor, b: Option<&WgpuTensor>, eps: f64) -> BResult<WgpuTensor> {
-        let (rows, cols) = dims2(x)?;
-        if w.numel() != cols || b.is_some_and(|b| b.numel() != cols) {
-            return Err(shape_err(format!(
-                "norm of {cols} columns with a weight of {:?}",
-                w.shape
-            )));
-        }
+        let (rows, cols) = norm_dims(x, w, b)?;
         let out = self.scratch(rows * cols)?;
         let wb = w.buffer()?;
         let words = [rows as u32, cols as u32, (eps as f32).to_bits(), b.is_some() as u32];
@@ -1290,13 +1372,19 @@ impl WgpuBackend {
             (3, b.map(WgpuTensor::buffer).transpose()?.unwrap_or(wb)),
             (4, &out.buffer),
         ];
-        let (entry, groups) = if self.inner.cpu_adapter {
-            ("per_row", grid(rows.div_ceil(64) as u64))
-        } else {
-            ("main", grid(rows as u64))
-        };
+        let (entry, groups) = self.per_row(rows, ("main", "per_row"));
         self.dispatch(Kernel::Norm, None, entry, &words, &binds, groups)?;
         Ok(self.tensor(out, vec![rows, cols]))
+    }
+
+    /// The entry and workgroups of a kernel over `items` rows (or heads) that has two entries
+    /// `(one workgroup an item, one thread an item)`: the second, barrier-free, on CPU adapters.
+    fn per_row(&self, items: usize, (group, thread): (&'static str, &'static str)) -> (&'static str, (u32, u32, u32)) {
+        if self.inner.cpu_adapter {
+            (thread, grid(items.div_ceil(64) as u64))
+        } else {
+            (group, grid(items as u64))
+        }
     }
 
     fn binary(&self, a: &WgpuTensor, b: &WgpuTensor, op: u32) -> BResult<WgpuTensor> {

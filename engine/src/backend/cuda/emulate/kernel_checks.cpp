@@ -296,12 +296,13 @@ void fused_checks() {
         check("add_rms_norm: the normed sum", out, want, 1e-5f);
     }
     // Qwen3's heads of 128 (normed, all turning), Qwen3.5's of 256 (normed, the first 64
-    // turning), heads of 40 without a norm; 15 heads, so that the last block has idle warps.
+    // turning), heads of 80 (normed: lanes take two or three values) and of 40 without a norm;
+    // 15 heads, so that the last block has idle warps.
     struct Case {
         unsigned int head, d;
         bool norm;
     };
-    for (const Case& c : {Case{128, 128, true}, Case{256, 64, true}, Case{40, 40, false}}) {
+    for (const Case& c : {Case{128, 128, true}, Case{256, 64, true}, Case{80, 80, true}, Case{40, 40, false}}) {
         unsigned int n = 3, heads = 5;
         auto x = rng.many(n * heads * c.head), w = rng.many(c.head), cs = rng.many(n * c.d), sn = rng.many(n * c.d);
         std::vector<float> out(x.size(), NAN), want(x.size());

@@ -1,5 +1,5 @@
 // RMSNorm and LayerNorm over the last axis: one 256-thread workgroup per row, reductions in
-// workgroup memory, f32 throughout.
+// workgroup memory, f32 throughout; and a residual add with the RMSNorm after it (`add_rms`).
 struct Params {
     rows: u32,
     cols: u32,
@@ -13,6 +13,9 @@ struct Params {
 @group(0) @binding(2) var<storage, read> gain: array<f32>;
 @group(0) @binding(3) var<storage, read> bias: array<f32>;
 @group(0) @binding(4) var<storage, read_write> out: array<f32>;
+// add_rms only: the addend, and the sum written out beside its norm.
+@group(0) @binding(5) var<storage, read> addend: array<f32>;
+@group(0) @binding(6) var<storage, read_write> sum: array<f32>;
 
 var<workgroup> red: array<f32, 256>;
 
@@ -92,5 +95,46 @@ fn per_row(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroup
             v = v + bias[c];
         }
         out[base + c] = v;
+    }
+}
+
+// sum = x + addend, out = RMSNorm(sum): one workgroup per row, as `main`.
+@compute @workgroup_size(256)
+fn add_rms(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>) {
+    let row = group_index(wid, nwg);
+    if (row >= p.rows) {
+        return;
+    }
+    let tid = lid.x;
+    let base = row * p.cols;
+    var sq = 0.0;
+    for (var c = tid; c < p.cols; c = c + 256u) {
+        let v = x[base + c] + addend[base + c];
+        sum[base + c] = v;
+        sq = sq + v * v;
+    }
+    let inv = 1.0 / sqrt(row_sum(tid, sq) / f32(p.cols) + p.eps);
+    for (var c = tid; c < p.cols; c = c + 256u) {
+        out[base + c] = sum[base + c] * inv * gain[c];
+    }
+}
+
+// `add_rms` with one thread per row, no barriers: for CPU adapters.
+@compute @workgroup_size(64)
+fn add_rms_per_row(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>) {
+    let row = gid.x + gid.y * nwg.x * 64u;
+    if (row >= p.rows) {
+        return;
+    }
+    let base = row * p.cols;
+    var sq = 0.0;
+    for (var c = 0u; c < p.cols; c = c + 1u) {
+        let v = x[base + c] + addend[base + c];
+        sum[base + c] = v;
+        sq = sq + v * v;
+    }
+    let inv = 1.0 / sqrt(sq / f32(p.cols) + p.eps);
+    for (var c = 0u; c < p.cols; c = c + 1u) {
+        out[base + c] = sum[base + c] * inv * gain[c];
     }
 }
