@@ -232,6 +232,10 @@ pub fn run(a: &GenerateArgs) -> Result<()> {
             if a.backend == BackendKind::Cpu {
                 obj["timing"]["cpu_kernels"] = kvlens_engine::backend::cpu::kernel_paths().into();
             }
+            #[cfg(feature = "cuda")]
+            if a.backend == BackendKind::Cuda && kvlens_engine::backend::cuda::profile_requested() {
+                obj["timing"]["cuda_kernels"] = kvlens_engine::backend::cuda::kernel_profile();
+            }
             // Each decode step also reads its sequence's keys and values: on average the prompt
             // and half the generated tokens, at the bytes per position the cache was sized with.
             let kv = engine.kv();

@@ -443,8 +443,16 @@ def anchor_step(r, config):
             unfused = generate_once(r, ckpt, "cuda", "bfloat16", env=dict(r.cuda_env, KVLENS_CUDA_FUSED="off"))
         except (RuntimeError, ValueError, KeyError) as e:
             unfused = {"error": str(e)[-1500:]}
+    # The default kernels' decode broken down by kernel (slower: every launch timed).
+    try:
+        profiled = generate_once(r, ckpt, "cuda", "bfloat16", env=dict(r.cuda_env, KVLENS_CUDA_PROFILE="1"))
+        breakdown = kernel_breakdown(profiled["cuda_kernels"] or {})
+        breakdown["step_us_measured"] = round(1e6 / k["timing"]["decode_tokens_per_s"], 1)
+    except (RuntimeError, ValueError, KeyError, TypeError) as e:
+        breakdown = {"error": str(e)[-1500:]}
     return {
         "checkpoint": ckpt,
+        "decode_kernel_breakdown": breakdown,
         "kvlens_prefill_tokens_per_s": k["timing"]["prefill_tokens_per_s"],
         "kvlens_decode_tokens_per_s": k["timing"]["decode_tokens_per_s"],
         # Near 1: decode is bound by the host recording the steps, not by the GPU.
@@ -494,7 +502,20 @@ def generate_once(r, ckpt, backend, dtype, env=None, cap_s=180):
     return {"prompt_tokens": len(got["prompt_token_ids"]), "token_ids": got["token_ids"],
             "prefill_tokens_per_s": got["timing"]["prefill_tokens_per_s"],
             "decode_tokens_per_s": got["timing"]["decode_tokens_per_s"],
-            "decode_record_share": got["timing"].get("decode_record_share")}
+            "decode_record_share": got["timing"].get("decode_record_share"),
+            "cuda_kernels": got["timing"].get("cuda_kernels")}
+
+
+def kernel_breakdown(profile):
+    """A decode step's launches, GPU time and host launch time by kernel (KVLENS_CUDA_PROFILE=1),
+    and their sums: GPU time near the step's time means kernel-bound, far below it gaps or host."""
+    steps = max(profile.get("decode_steps") or 0, 1)
+    kernels = {name: {"launches": round(t["launches"] / steps, 2), "gpu_us": round(1e3 * t["gpu_ms"] / steps, 1),
+                      "host_us": round(1e6 * t["host_s"] / steps, 1)}
+               for name, t in profile.get("decode", {}).items()}
+    return {"decode_steps": steps, "kernels": kernels,
+            **{f"{key}_per_step": round(sum(k[key] for k in kernels.values()), 1)
+               for key in ("launches", "gpu_us", "host_us")}}
 
 
 def wgpu_decode_step(r, config):

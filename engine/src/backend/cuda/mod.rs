@@ -10,6 +10,7 @@
 #![allow(unsafe_code)]
 
 mod launch;
+mod profile;
 #[cfg(test)]
 mod tests;
 
@@ -27,6 +28,7 @@ use cudarc::driver::{
 };
 use launch::Geometry;
 pub use launch::{compile_options, KERNELS, SOURCE};
+pub use profile::{kernel_profile, requested as profile_requested};
 use std::cell::Cell;
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -239,6 +241,8 @@ pub struct CudaBackend {
     compute_capability: (i32, i32),
     /// The layout of the KV cache allocated last: step metadata is checked against it.
     kv_layout: Cell<Option<KvLayout>>,
+    /// `KVLENS_CUDA_PROFILE=1`: every launch timed (see [`kernel_profile`]).
+    profile: bool,
 }
 
 impl std::fmt::Debug for CudaBackend {
@@ -258,7 +262,7 @@ macro_rules! launch {
         let g = $g;
         let mut args = $be.stream.launch_builder($be.kernel($name)?);
         $( args.arg($arg); )*
-        $be.run(args, g)
+        $be.run($name, args, g)
     }};
 }
 
@@ -324,6 +328,7 @@ impl CudaBackend {
             device_name,
             compute_capability,
             kv_layout: Cell::new(None),
+            profile: profile::requested(),
         })
     }
 
@@ -445,16 +450,32 @@ impl CudaBackend {
             .ok_or_else(|| missing("a kernel missing from the compiled module"))
     }
 
-    /// Launches prepared arguments over `g`.
-    fn run(&self, mut args: LaunchArgs<'_>, g: Geometry) -> BResult<()> {
+    /// Launches kernel `name`'s prepared arguments over `g` (timed where `KVLENS_CUDA_PROFILE=1`).
+    fn run(&self, name: &'static str, mut args: LaunchArgs<'_>, g: Geometry) -> BResult<()> {
         let cfg = LaunchConfig {
             grid_dim: g.grid,
             block_dim: g.block,
             shared_mem_bytes: g.shared_bytes,
         };
+        let events = if self.profile {
+            let timing = Some(drv::CUevent_flags::CU_EVENT_DEFAULT);
+            let (start, end) = (self.ctx.new_event(timing), self.ctx.new_event(timing));
+            let (start, end) = (start.map_err(lib)?, end.map_err(lib)?);
+            start.record(&self.stream).map_err(lib)?;
+            Some((start, end))
+        } else {
+            None
+        };
+        let clock = std::time::Instant::now();
         // SAFETY: every `launch!` passes the arguments its kernel in kernels.cu declares, in order,
         // with buffers at least as long as the element counts it is given.
-        unsafe { args.launch(cfg) }.map(|_| ()).map_err(lib)
+        unsafe { args.launch(cfg) }.map_err(lib)?;
+        if let Some((start, end)) = events {
+            let host_s = clock.elapsed().as_secs_f64();
+            end.record(&self.stream).map_err(lib)?;
+            profile::launched(name, host_s, start, end);
+        }
+        Ok(())
     }
 
     fn same_shape(a: &CudaTensor, b: &CudaTensor, op: &str) -> BResult<()> {
@@ -760,6 +781,9 @@ impl Backend for CudaBackend {
         }
         let layout = batch.layout;
         let rows = batch.flatten()?;
+        if self.profile {
+            profile::step(rows.rows, launch::GEMV_MAX_ROWS);
+        }
         // Tiles pay where most rows prefill: a decode row in a tile keeps one warp of eight busy.
         let prefill_rows: usize = batch
             .seqs

@@ -273,6 +273,30 @@ fn fused_kernels_equal_their_parts_and_the_cpu() {
     }
 }
 
+/// `KVLENS_CUDA_PROFILE=1`: a decode step's launches are counted by kernel, with time on the GPU.
+#[test]
+#[ignore = "needs an NVIDIA GPU: cargo xtask gpu-check runs it there"]
+fn the_kernel_profile_counts_a_decode_steps_launches() {
+    std::env::set_var("KVLENS_CUDA_PROFILE", "1");
+    let gpu = backend_with(true);
+    let (k, m) = (512, 256);
+    let raw = RawTensor {
+        dtype: RawDType::Bf16,
+        shape: vec![m, k],
+        data: bf16_bytes(&noise(m * k, 40)).into(),
+    };
+    let w = gpu.load_weight(raw, MatrixUse::Products).unwrap();
+    super::profile::step(1, super::launch::GEMV_MAX_ROWS);
+    let x = gpu.upload(noise(k, 41), &[1, k]).unwrap();
+    host(&gpu, &gpu.linear(&x, &w, None).unwrap());
+    let p = super::kernel_profile();
+    let gemv = &p["decode"]["gemv_bf16"];
+    assert!(
+        gemv["launches"].as_u64() >= Some(1) && gemv["gpu_ms"].as_f64().is_some_and(|ms| ms > 0.0),
+        "{p}"
+    );
+}
+
 /// The tiled segment attention (`KVLENS_CUDA_ATTENTION=tiled`) against the CPU: the vision heads
 /// (64: Qwen3-VL, 80: Qwen2/2.5-VL), the widest heads that tile (128 at 3 rows a warp, 160 at 1),
 /// and segments that start and end inside key tiles and row blocks, a one-row segment among them
