@@ -446,9 +446,10 @@ def anchor_step(r, config):
     # The default kernels' decode broken down by kernel (slower: every launch timed).
     try:
         profiled = generate_once(r, ckpt, "cuda", "bfloat16", env=dict(r.cuda_env, KVLENS_CUDA_PROFILE="1"))
-        breakdown = kernel_breakdown(profiled["cuda_kernels"] or {})
-        breakdown["step_us_measured"] = round(1e6 / k["timing"]["decode_tokens_per_s"], 1)
-    except (RuntimeError, ValueError, KeyError, TypeError) as e:
+        breakdown = kernel_breakdown(profiled["cuda_kernels"])
+        if k["timing"]["decode_tokens_per_s"] > 0:
+            breakdown["step_us_measured"] = round(1e6 / k["timing"]["decode_tokens_per_s"], 1)
+    except (RuntimeError, ValueError, KeyError, TypeError, ZeroDivisionError) as e:
         breakdown = {"error": str(e)[-1500:]}
     return {
         "checkpoint": ckpt,
@@ -508,11 +509,14 @@ def generate_once(r, ckpt, backend, dtype, env=None, cap_s=180):
 
 def kernel_breakdown(profile):
     """A decode step's launches, GPU time and host launch time by kernel (KVLENS_CUDA_PROFILE=1),
-    and their sums: GPU time near the step's time means kernel-bound, far below it gaps or host."""
-    steps = max(profile.get("decode_steps") or 0, 1)
+    and their sums. The kernels run back to back behind a hold, so gpu_us is their own time: its sum
+    near the unprofiled step's time means kernel-bound; far below it, launches and gaps."""
+    steps = (profile or {}).get("decode_steps") or 0
+    if not steps or not profile.get("decode"):
+        return {"error": f"no decode steps profiled: {profile!r}"[:1500]}
     kernels = {name: {"launches": round(t["launches"] / steps, 2), "gpu_us": round(1e3 * t["gpu_ms"] / steps, 1),
-                      "host_us": round(1e6 * t["host_s"] / steps, 1)}
-               for name, t in profile.get("decode", {}).items()}
+                      "host_us": round(1e6 * t["host_s"] / steps, 1), "unmeasured": t.get("unmeasured", 0)}
+               for name, t in profile["decode"].items()}
     return {"decode_steps": steps, "kernels": kernels,
             **{f"{key}_per_step": round(sum(k[key] for k in kernels.values()), 1)
                for key in ("launches", "gpu_us", "host_us")}}

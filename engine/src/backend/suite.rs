@@ -270,10 +270,11 @@ pub fn rope_rotates_halves_and_segments_stay_apart<B: Backend>(b: &B) {
     close(&out, &[1.5, 1.5, 10.0], 1e-6);
 }
 
-/// The fused operations against host references: a residual add and the RMSNorm after it; each
-/// head's RMSNorm (or none) and rotary embedding, of the whole head and of its first half.
+/// The fused operations against host references: a residual add and the RMSNorm after it (rows
+/// wider than a GPU workgroup); each head's RMSNorm (or none) and rotary embedding, of the whole
+/// head and of its first half (heads wider than a workgroup too); SwiGLU's products.
 pub fn fused_operations_match_host_references<B: Backend>(b: &B) {
-    let (rows, cols, eps) = (3, 40, 1e-6);
+    let (rows, cols, eps) = (3, 300, 1e-6);
     let (x, y, w) = (noise(rows * cols, 1), noise(rows * cols, 2), noise(cols, 3));
     let (sum, normed) = b
         .add_rms_norm(&t(b, &x, rows, cols), &t(b, &y, rows, cols), &t(b, &w, 1, cols), eps)
@@ -289,11 +290,11 @@ pub fn fused_operations_match_host_references<B: Backend>(b: &B) {
     close(&host(b, &sum), &want_sum, 1e-6);
     close(&host(b, &normed), &want, 1e-5);
 
-    // Two rows of three heads of 8: cos/sin of 8 (whole heads) or 4 (the first half turns).
-    let (rows, heads, head) = (2, 3, 8);
+    // Two rows of three heads of 80: cos/sin of 80 (whole heads) or 40 (the first half turns).
+    let (rows, heads, head) = (2, 3, 80);
     let x = noise(rows * heads * head, 4);
     let w = noise(head, 5);
-    for (d, norm) in [(8, true), (8, false), (4, true)] {
+    for (d, norm) in [(80, true), (80, false), (40, true)] {
         let (cos, sin) = (noise(rows * d, 6), noise(rows * d, 7));
         let wt = t(b, &w, 1, head);
         let got = b

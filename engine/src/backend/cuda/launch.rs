@@ -8,7 +8,8 @@ use crate::backend::{Activation, BResult, BackendError};
 pub const SOURCE: &str = include_str!("kernels.cu");
 
 /// Every `extern "C" __global__` function of [`SOURCE`], loaded once per process.
-pub const KERNELS: [&str; 30] = [
+pub const KERNELS: [&str; 31] = [
+    "hold",
     "to_bf16",
     "gemv_bf16",
     "gemv_bf16_glu",

@@ -466,11 +466,11 @@ impl CudaBackend {
         } else {
             None
         };
-        let clock = std::time::Instant::now();
+        let clock = self.profile.then(std::time::Instant::now);
         // SAFETY: every `launch!` passes the arguments its kernel in kernels.cu declares, in order,
         // with buffers at least as long as the element counts it is given.
         unsafe { args.launch(cfg) }.map_err(lib)?;
-        if let Some((start, end)) = events {
+        if let (Some((start, end)), Some(clock)) = (events, clock) {
             let host_s = clock.elapsed().as_secs_f64();
             end.record(&self.stream).map_err(lib)?;
             profile::launched(name, host_s, start, end);
@@ -576,6 +576,24 @@ impl CudaBackend {
             launch!(self, "gemv_bf16", launch::gemv(blocks)?; x.f32(), &n32, &k32, &jobs)?;
         }
         Ok(Some(out))
+    }
+
+    /// Holds the stream for about `d` (`hold`, not itself timed): see [`profile`].
+    fn hold(&self, d: std::time::Duration) -> BResult<()> {
+        let clock_khz = self
+            .ctx
+            .attribute(drv::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_CLOCK_RATE)
+            .map_err(lib)?;
+        let cycles = (d.as_secs_f64() * f64::from(clock_khz) * 1e3) as i64;
+        let mut args = self.stream.launch_builder(self.kernel("hold")?);
+        args.arg(&cycles);
+        let one = LaunchConfig {
+            grid_dim: (1, 1, 1),
+            block_dim: (1, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: `hold` takes one 64-bit integer and touches no memory.
+        unsafe { args.launch(one) }.map(|_| ()).map_err(lib)
     }
 
     /// x's rows and columns where the gemv kernels take it: turned on, 1 to
@@ -782,7 +800,7 @@ impl Backend for CudaBackend {
         let layout = batch.layout;
         let rows = batch.flatten()?;
         if self.profile {
-            profile::step(rows.rows, launch::GEMV_MAX_ROWS);
+            self.hold(profile::step(rows.rows, launch::GEMV_MAX_ROWS))?;
         }
         // Tiles pay where most rows prefill: a decode row in a tile keeps one warp of eight busy.
         let prefill_rows: usize = batch

@@ -3,11 +3,17 @@
 //! (steps of at most [`GEMV_MAX_ROWS`](super::launch::GEMV_MAX_ROWS) rows) apart from the rest.
 //! What a GPU run needs to tell launch overhead from kernel time; `kvlens generate --json` reports
 //! it as `timing.cuda_kernels`. Off, it costs one branch a launch. cuBLAS's own launches are not
-//! counted. On, the events and the waits for them slow the host: timings taken with it are
-//! for the breakdown, not for the tokens a second.
+//! counted.
+//!
+//! An event recorded on an idle stream fires at once, so a launch's two events would also hold
+//! the host's time to make the launch. Each step therefore starts behind a `hold` kernel that
+//! spins for twice the previous step's time: the step's launches queue up behind it and run
+//! back to back. On, the events, the holds and the waits slow every step: timings taken with
+//! it are for the breakdown, not for the tokens a second.
 
 use std::collections::BTreeMap;
 use std::sync::Mutex;
+use std::time::{Duration, Instant};
 
 use cudarc::driver::CudaEvent;
 
@@ -20,6 +26,8 @@ struct KernelTimes {
     host_s: f64,
     /// Milliseconds between each launch's two events on the GPU: the kernel's run.
     gpu_ms: f64,
+    /// Launches whose events could not be read (not in `gpu_ms`).
+    unmeasured: u64,
 }
 
 /// A launch whose events the GPU may not have reached yet.
@@ -41,6 +49,8 @@ enum Phase {
 
 struct Profile {
     phase: Phase,
+    /// When the last step's metadata was uploaded.
+    last_step: Option<Instant>,
     decode_steps: u64,
     pending: Vec<Pending>,
     decode: BTreeMap<&'static str, KernelTimes>,
@@ -49,6 +59,7 @@ struct Profile {
 
 static PROFILE: Mutex<Profile> = Mutex::new(Profile {
     phase: Phase::Other,
+    last_step: None,
     decode_steps: 0,
     pending: Vec::new(),
     decode: BTreeMap::new(),
@@ -66,8 +77,9 @@ pub fn requested() -> bool {
 
 /// A step's metadata is uploaded: the launches from here to the next step's metadata (its
 /// embedding lookup and vision tower among them) count as decode where the step has at most
-/// `decode_rows` rows. Settles the launches before it.
-pub(super) fn step(rows: usize, decode_rows: usize) {
+/// `decode_rows` rows. Settles the launches before it; returns how long to hold the stream (twice
+/// the time since the last step, 1 to 200 ms).
+pub(super) fn step(rows: usize, decode_rows: usize) -> Duration {
     let mut p = profile();
     p.settle();
     p.phase = if rows <= decode_rows {
@@ -76,6 +88,9 @@ pub(super) fn step(rows: usize, decode_rows: usize) {
         Phase::Other
     };
     p.decode_steps += u64::from(p.phase == Phase::Decode);
+    let now = Instant::now();
+    let last = p.last_step.replace(now).map_or(Duration::ZERO, |t| now - t);
+    (2 * last).clamp(Duration::from_millis(1), Duration::from_millis(200))
 }
 
 /// A launch of `name` that took `host_s` seconds to make, between `start` and `end` on its stream.
@@ -95,17 +110,16 @@ impl Profile {
     /// Waits for the pending launches' events and adds their times to the totals.
     fn settle(&mut self) {
         for l in std::mem::take(&mut self.pending) {
-            let gpu_ms = l.start.elapsed_ms(&l.end).map_or(f64::NAN, f64::from);
             let totals = if l.decode { &mut self.decode } else { &mut self.other };
-            add(totals.entry(l.name).or_default(), l.host_s, gpu_ms);
+            let t = totals.entry(l.name).or_default();
+            t.launches += 1;
+            t.host_s += l.host_s;
+            match l.start.elapsed_ms(&l.end) {
+                Ok(ms) => t.gpu_ms += f64::from(ms),
+                Err(_) => t.unmeasured += 1,
+            }
         }
     }
-}
-
-fn add(t: &mut KernelTimes, host_s: f64, gpu_ms: f64) {
-    t.launches += 1;
-    t.host_s += host_s;
-    t.gpu_ms += gpu_ms;
 }
 
 /// The profile so far (after waiting for every launch made): `{"decode_steps": n, "decode":
@@ -116,7 +130,12 @@ pub fn kernel_profile() -> serde_json::Value {
     let table = |m: &BTreeMap<&'static str, KernelTimes>| -> serde_json::Value {
         m.iter()
             .map(|(name, t)| {
-                let entry = serde_json::json!({"launches": t.launches, "host_s": t.host_s, "gpu_ms": t.gpu_ms});
+                let entry = serde_json::json!({
+                    "launches": t.launches,
+                    "host_s": t.host_s,
+                    "gpu_ms": t.gpu_ms,
+                    "unmeasured": t.unmeasured,
+                });
                 (name.to_string(), entry)
             })
             .collect::<serde_json::Map<_, _>>()

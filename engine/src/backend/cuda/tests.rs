@@ -290,6 +290,7 @@ fn the_kernel_profile_counts_a_decode_steps_launches() {
     let x = gpu.upload(noise(k, 41), &[1, k]).unwrap();
     host(&gpu, &gpu.linear(&x, &w, None).unwrap());
     let p = super::kernel_profile();
+    std::env::remove_var("KVLENS_CUDA_PROFILE");
     let gemv = &p["decode"]["gemv_bf16"];
     assert!(
         gemv["launches"].as_u64() >= Some(1) && gemv["gpu_ms"].as_f64().is_some_and(|ms| ms > 0.0),

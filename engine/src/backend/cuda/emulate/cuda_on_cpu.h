@@ -9,6 +9,7 @@
 
 #include <array>
 #include <barrier>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <memory>
@@ -114,6 +115,7 @@ template <class T>
 T __ldg(const T* p) {
     return *p;
 }
+inline long long clock64() { return std::chrono::steady_clock::now().time_since_epoch().count(); }
 inline float rsqrtf(float v) { return 1.0f / std::sqrt(v); }
 inline unsigned int min(unsigned int a, unsigned int b) { return a < b ? a : b; }
 inline unsigned int max(unsigned int a, unsigned int b) { return a > b ? a : b; }
