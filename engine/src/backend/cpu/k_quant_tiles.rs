@@ -905,6 +905,7 @@ mod tests {
     #[test]
     fn vnni_tiles_equal_the_avx2_tiles() {
         if !crate::backend::cpu::isa::isa().avx512_vnni {
+            eprintln!("vnni_tiles_equal_the_avx2_tiles: skipped, this CPU has no AVX-512 VNNI");
             return;
         }
         for kind in [KQuant::Q4K, KQuant::Q6K] {
