@@ -432,25 +432,15 @@ def anchor_step(r, config):
     # The other decode kernels on the same prompt, for the ratio measured in the same call.
     other_env = {key: v for key, v in r.cuda_env.items() if key not in PLAIN_DECODE} \
         if r.cuda_env.get("KVLENS_CUDA_GEMV") == "cublas" else dict(r.cuda_env, **PLAIN_DECODE)
-    try:
-        other = generate_once(r, ckpt, "cuda", "bfloat16", env=other_env)
-    except (RuntimeError, ValueError, KeyError) as e:
-        other = {"error": str(e)[-1500:]}
+    other = cuda_generate_or_error(r, ckpt, other_env)
     # With the default kernels, also without the fused ones: what the fusing alone gave.
-    unfused = {}
-    if r.cuda_env.get("KVLENS_CUDA_GEMV") != "cublas":
-        try:
-            unfused = generate_once(r, ckpt, "cuda", "bfloat16", env=dict(r.cuda_env, KVLENS_CUDA_FUSED="off"))
-        except (RuntimeError, ValueError, KeyError) as e:
-            unfused = {"error": str(e)[-1500:]}
+    unfused = cuda_generate_or_error(r, ckpt, dict(r.cuda_env, KVLENS_CUDA_FUSED="off")) \
+        if r.cuda_env.get("KVLENS_CUDA_GEMV") != "cublas" else {}
     # The default kernels' decode broken down by kernel (slower: every launch timed).
-    try:
-        profiled = generate_once(r, ckpt, "cuda", "bfloat16", env=dict(r.cuda_env, KVLENS_CUDA_PROFILE="1"))
-        breakdown = kernel_breakdown(profiled["cuda_kernels"])
-        if k["timing"]["decode_tokens_per_s"] > 0:
-            breakdown["step_us_measured"] = round(1e6 / k["timing"]["decode_tokens_per_s"], 1)
-    except (RuntimeError, ValueError, KeyError, TypeError, ZeroDivisionError) as e:
-        breakdown = {"error": str(e)[-1500:]}
+    profiled = cuda_generate_or_error(r, ckpt, dict(r.cuda_env, KVLENS_CUDA_PROFILE="1"))
+    breakdown = {"error": profiled["error"]} if "error" in profiled else kernel_breakdown(profiled["cuda_kernels"])
+    if "error" not in breakdown and k["timing"]["decode_tokens_per_s"] > 0:
+        breakdown["step_us_measured"] = round(1e6 / k["timing"]["decode_tokens_per_s"], 1)
     return {
         "checkpoint": ckpt,
         "decode_kernel_breakdown": breakdown,
@@ -505,6 +495,14 @@ def generate_once(r, ckpt, backend, dtype, env=None, cap_s=180):
             "decode_tokens_per_s": got["timing"]["decode_tokens_per_s"],
             "decode_record_share": got["timing"].get("decode_record_share"),
             "cuda_kernels": got["timing"].get("cuda_kernels")}
+
+
+def cuda_generate_or_error(r, ckpt, env):
+    """generate_once on CUDA in bf16, or {"error": …} where it failed."""
+    try:
+        return generate_once(r, ckpt, "cuda", "bfloat16", env=env)
+    except (RuntimeError, ValueError, KeyError) as e:
+        return {"error": str(e)[-1500:]}
 
 
 def kernel_breakdown(profile):

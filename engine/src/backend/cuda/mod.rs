@@ -457,20 +457,19 @@ impl CudaBackend {
             block_dim: g.block,
             shared_mem_bytes: g.shared_bytes,
         };
-        let events = if self.profile {
+        let profiled = if self.profile {
             let timing = Some(drv::CUevent_flags::CU_EVENT_DEFAULT);
             let (start, end) = (self.ctx.new_event(timing), self.ctx.new_event(timing));
             let (start, end) = (start.map_err(lib)?, end.map_err(lib)?);
             start.record(&self.stream).map_err(lib)?;
-            Some((start, end))
+            Some((start, end, std::time::Instant::now()))
         } else {
             None
         };
-        let clock = self.profile.then(std::time::Instant::now);
         // SAFETY: every `launch!` passes the arguments its kernel in kernels.cu declares, in order,
         // with buffers at least as long as the element counts it is given.
         unsafe { args.launch(cfg) }.map_err(lib)?;
-        if let (Some((start, end)), Some(clock)) = (events, clock) {
+        if let Some((start, end, clock)) = profiled {
             let host_s = clock.elapsed().as_secs_f64();
             end.record(&self.stream).map_err(lib)?;
             profile::launched(name, host_s, start, end);
