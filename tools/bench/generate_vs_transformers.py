@@ -3,9 +3,9 @@ same prompt and image, measured in the same run, on the CPU (`cargo xtask bench`
 (`--device cuda`, from the folder `cargo xtask gpu-check` prepares). Prints prefill and decode
 tokens/s for each weight format, the ratios, and each format's decode roofline: the host's read
 bandwidth (`kvlens bench bandwidth`) over the bytes one decode step reads. The host's bandwidth is
-measured before the runs and again right after each kvlens run (its decode is the run's last
-phase): a shared machine's bandwidth moves by tens of percent within minutes, so each format is
-held to the reading taken next to it, and also shown against the highest reading of the run."""
+read right before and right after each kvlens run (its decode is the run's last phase): a shared
+machine's bandwidth moves by tens of percent within minutes, so each format is held to the mean
+of the two readings around it, and also shown against the highest reading of the run."""
 
 import argparse
 import json
@@ -183,11 +183,15 @@ def main():
         results["bandwidth"] = dict(host_bandwidth(a.kvlens), kind="host read, all cores")
     bw = results["bandwidth"]["read_gb_s"]
     results["kvlens"] = {}
-    for label, extra in runs:
+    # The device's copy bandwidth holds still; the host's is read around each run.
+    read_now = (lambda: bw) if a.device == "cuda" else (lambda: host_bandwidth(a.kvlens)["read_gb_s"])
+    for i, (label, extra) in enumerate(runs):
+        before = bw if i == 0 else read_now()
         k = run_kvlens(a.kvlens, ckpt, image, a.max_tokens, extra)
-        k["bandwidth_after_gb_s"] = bw if a.device == "cuda" else host_bandwidth(a.kvlens)["read_gb_s"]
+        k["bandwidth_before_gb_s"], k["bandwidth_after_gb_s"] = before, read_now()
+        k["bandwidth_gb_s"] = (before + k["bandwidth_after_gb_s"]) / 2
         results["kvlens"][label] = k
-    best_bw = max([bw] + [k["bandwidth_after_gb_s"] for k in results["kvlens"].values()])
+    best_bw = max([bw] + [k[f"bandwidth_{when}_gb_s"] for k in results["kvlens"].values() for when in ("before", "after")])
     for ref in anchors:
         dtype = torch.float32 if ref == "transformers_f32" else torch.bfloat16
         results[ref] = run_transformers(ckpt, image, a.max_tokens, dtype, a.device)
@@ -197,18 +201,18 @@ def main():
     print(f"bandwidth: {bw:.1f} GB/s before the runs, {best_bw:.1f} GB/s the highest reading "
           f"({results['bandwidth']['kind']})")
     print(f"{'engine':<22}{'prompt':>8}{'prefill tok/s':>15}{'decode tok/s':>14}{'weights GB':>12}"
-          f"{'read/token GB':>15}{'bw after GB/s':>15}{'roofline tok/s':>16}{'of roofline':>13}"
+          f"{'read/token GB':>15}{'bw before/after':>17}{'roofline tok/s':>16}{'of roofline':>13}"
           f"{'of best bw':>12}{'load s':>8}{'peak RSS GB':>13}")
     for label, k in results["kvlens"].items():
         t, w = k["timing"], k["weights"]
         # Bytes a decode step reads: the weights it multiplies and the KV cache it attends over.
         read = w["decode_read_bytes_per_token"] + w.get("decode_kv_read_bytes_per_token", 0)
-        roof = k["bandwidth_after_gb_s"] * 1e9 / read
+        roof = k["bandwidth_gb_s"] * 1e9 / read
         k["roofline_decode_tokens_per_s"] = roof
         k["roofline_at_best_bandwidth_tokens_per_s"] = best_bw * 1e9 / read
         print(f"{label:<22}{len(k['prompt_token_ids']):>8}{t['prefill_tokens_per_s']:>15.1f}"
               f"{t['decode_tokens_per_s']:>14.2f}{w['bytes'] / 1e9:>12.2f}{read / 1e9:>15.2f}"
-              f"{k['bandwidth_after_gb_s']:>15.1f}{roof:>16.2f}{t['decode_tokens_per_s'] / roof:>13.0%}"
+              f"{k['bandwidth_before_gb_s']:>9.1f}/{k['bandwidth_after_gb_s']:<7.1f}{roof:>16.2f}{t['decode_tokens_per_s'] / roof:>13.0%}"
               f"{t['decode_tokens_per_s'] * read / (best_bw * 1e9):>12.0%}{k['load_s'] or 0:>8.1f}"
               f"{k['peak_rss_bytes'] / 1e9:>13.2f}")
     kernels = next((k["timing"].get("cpu_kernels") for k in results["kvlens"].values()), None)
